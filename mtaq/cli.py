@@ -1,0 +1,122 @@
+"""The ``mtaq`` command line (argparse).
+
+``mtaq serve``, ``mtaq sink``, ``mtaq log dump``, ``mtaq log verify``. Errors are one line on stderr with a
+non-zero exit status: 2 for bad usage or configuration, 1 for a log that does not verify.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+import msgspec
+
+from mtaq.config import load_config, parse_hostport
+from mtaq.errors import ConfigError, MtaqError
+from mtaq.logs import configure_logging
+
+__all__ = ["main"]
+
+
+def _add_log_format(p: argparse.ArgumentParser, default: object = argparse.SUPPRESS) -> None:
+    p.add_argument("--log-format", choices=("console", "json"), default=default, help="log line format (stderr)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mtaq", description="A crash-only, log-structured mail queue (SMTP relay).")
+    _add_log_format(parser, None)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="run the relay daemon (the only start is a recovery)")
+    p.add_argument("--config", metavar="FILE", help="TOML configuration file")
+    p.add_argument("--spool", metavar="DIR", help="spool directory (default ./spool)")
+    p.add_argument("--listen", metavar="HOST:PORT", help="SMTP listening address (default 127.0.0.1:2525)")
+    p.add_argument("--relayhost", metavar="[HOST]:PORT", help="next hop, Postfix syntax (default [127.0.0.1]:2526)")
+    _add_log_format(p)
+
+    p = sub.add_parser("sink", help="a local SMTP sink that stores what it receives as a Maildir")
+    p.add_argument("--listen", metavar="HOST:PORT", required=True)
+    p.add_argument("--maildir", metavar="DIR", required=True)
+    p.add_argument("--defer-rcpt", metavar="REGEX", help="answer 451 4.2.0 to matching recipients")
+    p.add_argument("--reject-rcpt", metavar="REGEX", help="answer 550 5.1.1 to matching recipients")
+    _add_log_format(p)
+
+    p = sub.add_parser("log", help="inspect the queue log")
+    lsub = p.add_subparsers(dest="log_command", required=True)
+    d = lsub.add_parser("dump", help="one line per record")
+    d.add_argument("--spool", metavar="DIR", default="./spool")
+    d.add_argument("--json", action="store_true", help="one JSON object per line")
+    v = lsub.add_parser("verify", help="check every checksum and link; exit 0 when sound")
+    v.add_argument("--spool", metavar="DIR", default="./spool")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "serve":
+            return _serve(args)
+        if args.command == "sink":
+            return _sink(args)
+        if args.command == "log":
+            from mtaq.logtools import dump, verify  # noqa: PLC0415
+
+            log_dir = os.path.join(args.spool, "log")
+            if not os.path.isdir(log_dir):
+                raise ConfigError(f"no queue log at {log_dir}")
+            if args.log_command == "dump":
+                return dump(log_dir, as_json=args.json, out=sys.stdout)
+            return verify(log_dir, out=sys.stdout)
+    except ConfigError as exc:
+        print(f"mtaq: {exc}", file=sys.stderr)
+        return 2
+    except MtaqError as exc:
+        print(f"mtaq: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 2
+
+
+def _serve(args: argparse.Namespace) -> int:
+    overrides = {
+        "spool_dir": args.spool,
+        "listen": args.listen,
+        "relayhost": args.relayhost,
+        "log_format": args.log_format,
+    }
+    cfg = load_config(args.config, overrides)
+    configure_logging(cfg.log_format)
+    from mtaq.daemon import serve  # noqa: PLC0415
+
+    try:
+        serve(cfg)
+    except OSError as exc:
+        print(f"mtaq: cannot serve: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _sink(args: argparse.Namespace) -> int:
+    configure_logging(args.log_format or "console")
+    try:
+        host, port = parse_hostport(args.listen)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    from mtaq.sink import run_sink  # noqa: PLC0415
+
+    try:
+        asyncio.run(run_sink(host, port, args.maildir, defer_rcpt=args.defer_rcpt, reject_rcpt=args.reject_rcpt))
+    except OSError as exc:
+        print(f"mtaq: sink: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,288 @@
+"""Framing, segment headers and the tail rules of the queue log (pure: no I/O).
+
+Layout (docs/log_format.md has the grammar and a worked example)::
+
+    segment  := header frame* 
+    header   := "MTAQSEG\\0" version:u16 reserved:u16 segment:u64 salt:u32 created:u32 hcrc:u32   (32 bytes, LE)
+    frame    := magic:u16 type:u8 flags:u8 length:u32 crc:u32 payload[length]               (12 + length bytes)
+
+``crc`` is CRC-32 (zlib) of the first 8 header bytes and the payload, seeded with the segment's random
+``salt`` (SQLite WAL's idea): bytes left over from an older file, or a frame embedded in a message body,
+cannot pass as a record of this segment.
+
+What must always hold (the tail rules):
+
+* a frame that does not check out and after which no good frame follows in the segment is a *torn tail*:
+  the end of the log if the segment is the newest or unsealed; the reader truncates it;
+* a bad frame followed by a good one is *corruption*: reported with its segment and offset, never silently
+  passed over, and every good record after it is kept;
+* a SEAL record ends a segment; anything after a seal is corruption.
+
+Every decoder has three outcomes (h11 ``_readers.py``): a frame and where the next one starts, "need
+more" (the buffer ends inside the frame), or a corruption error.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass, field
+
+from mtaq.core.records import PayloadError, Pos, Record, RecordType, SealRecord, decode_payload, encode_payload
+
+__all__ = [
+    "SEGMENT_MAGIC",
+    "SEGMENT_VERSION",
+    "SEGMENT_HEADER_BYTES",
+    "FRAME_MAGIC",
+    "FRAME_HEADER_BYTES",
+    "RECORD_BYTES_MAX",
+    "SegmentHeader",
+    "encode_segment_header",
+    "decode_segment_header",
+    "encode_frame",
+    "encode_record",
+    "Frame",
+    "NeedMore",
+    "BadFrame",
+    "decode_frame",
+    "Problem",
+    "SegmentScan",
+    "scan_segment",
+    "HeaderError",
+]
+
+SEGMENT_MAGIC = b"MTAQSEG\x00"
+SEGMENT_VERSION = 1
+_SEG_HDR = struct.Struct("<8sHHQII")  # magic, version, reserved, segment, salt, created (UTC seconds)
+SEGMENT_HEADER_BYTES = _SEG_HDR.size + 4  # + header crc
+FRAME_MAGIC = 0x514D  # b"MQ" little-endian
+_FRAME_MAGIC_BYTES = struct.pack("<H", FRAME_MAGIC)
+_FRAME_HDR = struct.Struct("<HBBII")  # magic, type, flags, length, crc
+FRAME_HEADER_BYTES = _FRAME_HDR.size  # 12
+RECORD_BYTES_MAX = 256 * 1024 * 1024  # a payload larger than this is never written, so never a valid frame
+_VALID_TYPES = frozenset(int(t) for t in RecordType)
+
+
+class HeaderError(ValueError):
+    """A segment header that is short, has the wrong magic or version, or fails its checksum."""
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentHeader:
+    """A segment's header: its number, its checksum salt and its creation time (UTC seconds)."""
+
+    segment: int
+    salt: int
+    created: int
+    version: int = SEGMENT_VERSION
+
+
+def encode_segment_header(h: SegmentHeader) -> bytes:
+    """Return the 32-byte header of segment ``h.segment``."""
+    body = _SEG_HDR.pack(SEGMENT_MAGIC, h.version, 0, h.segment, h.salt, h.created)
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+def decode_segment_header(buf: bytes | memoryview) -> SegmentHeader:
+    """Decode the header at the start of ``buf``; raises :class:`HeaderError` naming what is wrong."""
+    if len(buf) < SEGMENT_HEADER_BYTES:
+        raise HeaderError(f"segment header short: {len(buf)} of {SEGMENT_HEADER_BYTES} bytes")
+    body = bytes(buf[: _SEG_HDR.size])
+    (crc,) = struct.unpack_from("<I", buf, _SEG_HDR.size)
+    magic, version, _reserved, segment, salt, created = _SEG_HDR.unpack(body)
+    if magic != SEGMENT_MAGIC:
+        raise HeaderError(f"bad segment magic {magic!r}")
+    if zlib.crc32(body) != crc:
+        raise HeaderError("segment header checksum mismatch")
+    if version != SEGMENT_VERSION:
+        raise HeaderError(f"unsupported segment format version {version}")
+    return SegmentHeader(segment=segment, salt=salt, created=created, version=version)
+
+
+def encode_frame(rtype: int, payload: bytes, salt: int) -> bytes:
+    """Frame ``payload`` as a record of type ``rtype`` for a segment with checksum seed ``salt``."""
+    if len(payload) > RECORD_BYTES_MAX:
+        raise ValueError(f"record payload {len(payload)} bytes exceeds {RECORD_BYTES_MAX}")
+    head = struct.pack("<HBBI", FRAME_MAGIC, rtype, 0, len(payload))
+    crc = zlib.crc32(payload, zlib.crc32(head, salt))
+    return head + struct.pack("<I", crc) + payload
+
+
+def encode_record(record: Record, salt: int) -> bytes:
+    """Encode and frame ``record`` (one msgpack encode, one CRC pass)."""
+    rtype, payload = encode_payload(record)
+    return encode_frame(int(rtype), payload, salt)
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """A good frame: its type, its payload (a view into the buffer) and the offset just past it."""
+
+    rtype: int
+    payload: memoryview
+    end: int
+
+
+@dataclass(frozen=True, slots=True)
+class NeedMore:
+    """The buffer ends inside this frame; ``needed`` is the total number of bytes the frame would take."""
+
+    needed: int
+
+
+@dataclass(frozen=True, slots=True)
+class BadFrame:
+    """The bytes at this offset are not a good frame; ``reason`` says why (magic, type, length, crc)."""
+
+    reason: str
+
+
+def decode_frame(buf: bytes | memoryview, offset: int, salt: int) -> Frame | NeedMore | BadFrame:
+    """Decode the frame starting at ``offset`` of ``buf`` (bytes belonging to a segment with ``salt``)."""
+    mv = memoryview(buf)
+    avail = len(mv) - offset
+    if avail < FRAME_HEADER_BYTES:
+        # A partial header is "need more" only if what is there could begin a frame.
+        if avail >= 2 and bytes(mv[offset : offset + 2]) != _FRAME_MAGIC_BYTES:
+            return BadFrame("bad frame magic")
+        if avail >= 3 and mv[offset + 2] not in _VALID_TYPES:
+            return BadFrame(f"unknown record type {mv[offset + 2]}")
+        return NeedMore(FRAME_HEADER_BYTES)
+    magic, rtype, flags, length, crc = _FRAME_HDR.unpack_from(mv, offset)
+    if magic != FRAME_MAGIC:
+        return BadFrame("bad frame magic")
+    if rtype not in _VALID_TYPES:
+        return BadFrame(f"unknown record type {rtype}")
+    if flags != 0:
+        return BadFrame(f"unknown frame flags {flags:#x}")
+    if length > RECORD_BYTES_MAX:
+        return BadFrame(f"frame length {length} exceeds maximum")
+    end = offset + FRAME_HEADER_BYTES + length
+    if end > len(mv):
+        return NeedMore(FRAME_HEADER_BYTES + length)
+    payload = mv[offset + FRAME_HEADER_BYTES : end]
+    if zlib.crc32(payload, zlib.crc32(mv[offset : offset + 8], salt)) != crc:
+        return BadFrame("checksum mismatch")
+    return Frame(rtype=rtype, payload=payload, end=end)
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """Something wrong found while reading a segment.
+
+    ``kind`` is ``"torn-tail"`` (a cut-off or garbled end; repaired by truncation), ``"corrupt"`` (damage
+    followed by good data; ``end`` is where good data resumes) or ``"after-seal"``. Offsets are bytes from
+    the start of the segment file.
+    """
+
+    kind: str
+    segment: int
+    offset: int
+    end: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"segment {self.segment} offset {self.offset}: {self.kind} ({self.reason}), {self.end - self.offset} bytes"
+
+
+@dataclass(slots=True)
+class SegmentScan:
+    """The result of reading one segment: good records in order, where good data ends, and problems."""
+
+    segment: int
+    header: SegmentHeader | None
+    records: list[tuple[Pos, Record]] = field(default_factory=list)
+    valid_end: int = 0  # offset just past the last good frame (where appends may continue)
+    frames: int = 0  # good frames before any seal, DATA included even when skipped
+    sealed: bool = False
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def torn_tail(self) -> Problem | None:
+        """The torn-tail problem, if the segment ends in one."""
+        for p in self.problems:
+            if p.kind == "torn-tail":
+                return p
+        return None
+
+    @property
+    def corruption(self) -> list[Problem]:
+        """Problems that are not a repairable torn tail."""
+        return [p for p in self.problems if p.kind != "torn-tail"]
+
+
+def _resync(raw: bytes, start: int, salt: int) -> int | None:
+    """Offset of the next good frame at or after ``start``, or None. Candidates are found by the magic."""
+    pos = start
+    while True:
+        pos = raw.find(_FRAME_MAGIC_BYTES, pos)
+        if pos < 0:
+            return None
+        if isinstance(decode_frame(raw, pos, salt), Frame):
+            return pos
+        pos += 1
+
+
+def scan_segment(segment: int, buf: bytes, *, decode: bool = True, skip_data: bool = False) -> SegmentScan:
+    """Read every record of the segment file contents ``buf`` (header included), applying the tail rules.
+
+    With ``decode=False`` only the framing is checked and ``records`` stays empty (cheap verification);
+    with ``skip_data=True`` DATA frames are checksummed but neither decoded nor listed (recovery).
+    A header that does not decode makes the whole segment one problem (``header`` is None): a short or
+    missing header is a torn tail (a crash right after the file was created), anything else is corrupt.
+    """
+    scan = SegmentScan(segment=segment, header=None)
+    try:
+        header = decode_segment_header(buf)
+    except HeaderError as exc:
+        # A short or zero-filled header: the file's first write never reached the disk (torn).
+        torn = len(buf) < SEGMENT_HEADER_BYTES or not any(buf[:SEGMENT_HEADER_BYTES])
+        kind = "torn-tail" if torn else "corrupt"
+        scan.problems.append(Problem(kind, segment, 0, len(buf), str(exc)))
+        return scan
+    if header.segment != segment:
+        scan.problems.append(Problem("corrupt", segment, 0, len(buf), f"header names segment {header.segment}"))
+        return scan
+    scan.header = header
+    salt = header.salt
+    mv = memoryview(buf)
+    off = SEGMENT_HEADER_BYTES
+    scan.valid_end = off
+    while off < len(buf):
+        if scan.sealed:
+            nxt = _resync(buf, off, salt)
+            if nxt is None:
+                scan.problems.append(Problem("torn-tail", segment, off, len(buf), "bytes after seal"))
+                break
+            scan.problems.append(Problem("after-seal", segment, off, nxt, "records after seal"))
+            scan.sealed = False
+            off = nxt
+            continue
+        res = decode_frame(mv, off, salt)
+        if isinstance(res, Frame):
+            if res.rtype != RecordType.SEAL:
+                scan.frames += 1
+            if (decode and not (skip_data and res.rtype == RecordType.DATA)) or res.rtype == RecordType.SEAL:
+                try:
+                    rec = decode_payload(res.rtype, res.payload)
+                except PayloadError as exc:
+                    scan.problems.append(Problem("corrupt", segment, off, res.end, str(exc)))
+                    off = res.end
+                    scan.valid_end = off
+                    continue
+                if decode:
+                    scan.records.append((Pos(segment, off), rec))
+                if isinstance(rec, SealRecord):
+                    scan.sealed = True
+            off = res.end
+            scan.valid_end = off
+            continue
+        reason = "cut off" if isinstance(res, NeedMore) else res.reason
+        nxt = _resync(buf, off + 1, salt)
+        if nxt is None:
+            scan.problems.append(Problem("torn-tail", segment, off, len(buf), reason))
+            break
+        scan.problems.append(Problem("corrupt", segment, off, nxt, reason))
+        off = nxt
+    return scan

@@ -1,0 +1,1 @@
+"""Outbound SMTP (aiosmtplib): per-recipient final replies from the next hop."""

@@ -1,0 +1,150 @@
+"""Delivery to the next hop over SMTP (aiosmtplib), one reused connection per worker.
+
+The transaction is driven command by command (MAIL, RCPT per recipient, DATA) so that every recipient gets
+its own final reply (RFC 5321 §3.3): a RCPT refusal is that recipient's reply; for the accepted ones the
+reply to the end of DATA is. 2xx -> delivered, 5xx -> failed, 4xx -> deferred; a lost connection or a
+timeout before the final reply -> deferred (RFC 1047: the remote may have taken it; we retry, at-least-once).
+
+Third-party exceptions are converted here and only here (httpcore's ``map_exceptions`` habit).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import aiosmtplib
+
+from mtaq.config import Relayhost
+
+__all__ = ["Reply", "RelayConnection", "classify", "split_enhanced"]
+
+_ENHANCED = re.compile(r"^([245])\.(\d{1,3})\.(\d{1,3})\s+")
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A final reply for one recipient: code, enhanced status code ("" if none given) and text."""
+
+    code: int
+    enhanced: str
+    text: str
+
+
+def split_enhanced(code: int, message: str) -> Reply:
+    """Split an RFC 3463 enhanced status code off the reply text; supply a generic one when absent."""
+    text = " ".join(message.split()) + " "
+    m = _ENHANCED.match(text)
+    if m:
+        return Reply(code, f"{m.group(1)}.{m.group(2)}.{m.group(3)}", text[m.end() :].strip())
+    text = text.strip()
+    klass = str(code)[0] if code else "4"
+    return Reply(code, f"{klass}.0.0", text)
+
+
+def classify(code: int) -> str:
+    """delivered / deferred / failed for an SMTP reply code."""
+    if 200 <= code < 300:
+        return "delivered"
+    if 500 <= code < 600:
+        return "failed"
+    return "deferred"
+
+
+class RelayConnection:
+    """One SMTP client connection to the next hop, opened on demand and reused between messages."""
+
+    def __init__(self, relayhost: Relayhost, *, helo_name: str, timeout_s: float) -> None:
+        self.relayhost = relayhost
+        self.helo_name = helo_name
+        self.timeout_s = timeout_s
+        self._client: aiosmtplib.SMTP | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.relayhost.host}[{self.relayhost.host}]:{self.relayhost.port}"
+
+    async def _connected(self) -> aiosmtplib.SMTP:
+        c = self._client
+        if c is not None and c.is_connected:
+            return c
+        c = aiosmtplib.SMTP(
+            hostname=self.relayhost.host,
+            port=self.relayhost.port,
+            local_hostname=self.helo_name,
+            timeout=self.timeout_s,
+            start_tls=False,  # opportunistic STARTTLS comes with the SMTP-edge issue
+        )
+        await c.connect()
+        await c.ehlo()
+        self._client = c
+        return c
+
+    def _drop(self) -> None:
+        c, self._client = self._client, None
+        if c is not None:
+            try:
+                c.close()
+            except Exception:  # pragma: no cover - closing a broken transport
+                pass
+
+    async def send(self, sender: str, recipients: Sequence[str], body: bytes) -> list[Reply]:
+        """Offer ``body`` from ``sender`` to ``recipients``; return one final reply per recipient, in order."""
+        replies: list[Reply | None] = [None] * len(recipients)
+
+        def fill(reply: Reply) -> list[Reply]:
+            return [r if r is not None else reply for r in replies]
+
+        try:
+            c = await self._connected()
+        except (aiosmtplib.SMTPException, OSError) as exc:
+            self._drop()
+            return fill(Reply(421, "4.4.1", f"connect to {self.name}: {_why(exc)}"))
+        try:
+            try:
+                await c.mail(sender)
+            except aiosmtplib.SMTPResponseException as exc:
+                await self._reset(c)
+                return fill(split_enhanced(exc.code, exc.message))
+            accepted: list[int] = []
+            for i, rcpt in enumerate(recipients):
+                try:
+                    await c.rcpt(rcpt)
+                    accepted.append(i)
+                except aiosmtplib.SMTPResponseException as exc:
+                    replies[i] = split_enhanced(exc.code, exc.message)
+            if not accepted:
+                await self._reset(c)
+                return fill(Reply(450, "4.0.0", "no recipient accepted"))
+            try:
+                resp = await c.data(body)
+                final = split_enhanced(resp.code, resp.message)
+            except aiosmtplib.SMTPResponseException as exc:
+                final = split_enhanced(exc.code, exc.message)
+                await self._reset(c)
+            for i in accepted:
+                replies[i] = final
+            return fill(final)
+        except (aiosmtplib.SMTPException, OSError) as exc:
+            # Lost connection or timeout before a final reply: the outcome is unknown to us; retry later.
+            self._drop()
+            return fill(Reply(421, "4.4.2", f"conversation with {self.name}: {_why(exc)}"))
+
+    async def _reset(self, c: aiosmtplib.SMTP) -> None:
+        try:
+            await c.rset()
+        except (aiosmtplib.SMTPException, OSError):
+            self._drop()
+
+    async def close(self) -> None:
+        c, self._client = self._client, None
+        if c is not None:
+            try:
+                await c.quit()
+            except (aiosmtplib.SMTPException, OSError):
+                c.close()
+
+
+def _why(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__

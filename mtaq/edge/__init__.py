@@ -1,0 +1,1 @@
+"""Inbound SMTP (aiosmtpd): validate, append, wait for the covering fsync, then reply."""

@@ -1,0 +1,90 @@
+"""The SMTP server side: aiosmtpd does the protocol; this handler queues the message durably.
+
+RFC 5321 §6.1: after ``250`` to DATA the message is ours and must not be lost. The reply is therefore sent
+only after the DATA and ENVELOPE records are covered by an fsync (group commit). A storage failure is
+answered ``451 4.3.0`` (``452 4.3.1`` when the spool is full) and the message is not acknowledged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from aiosmtpd.smtp import SMTP, Envelope, Session
+
+from mtaq.core.records import EnvelopeRecord
+from mtaq.errors import StorageError
+from mtaq.logs import get_logger
+from mtaq.queue import Queue
+
+__all__ = ["QueueHandler", "start_server"]
+
+
+class QueueHandler:
+    """aiosmtpd handler: ``handle_DATA`` queues the message and answers once it is durable."""
+
+    def __init__(self, queue: Queue, on_queued: Callable[[EnvelopeRecord], None]) -> None:
+        self.queue = queue
+        self.on_queued = on_queued
+        self.log = get_logger()
+
+    async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
+        body = envelope.original_content or b""
+        peer = session.peer
+        client = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer or "")
+        mail_params = [_param(o) for o in envelope.mail_options]
+        try:
+            env = await self.queue.receive(
+                envelope.mail_from or "",
+                list(envelope.rcpt_tos),
+                body,
+                mail_params=mail_params,
+                client=client,
+                helo=session.host_name or "",
+            )
+        except StorageError as exc:
+            self.log.error("queue_write_failed", error=str(exc), client=client, reply=exc.smtp_reply)
+            return exc.smtp_reply
+        self.log.info(
+            "queued",
+            queue_id=env.queue_id,
+            sender=env.sender,
+            size=env.size,
+            nrcpt=len(env.recipients),
+            client=client,
+        )
+        self.on_queued(env)
+        return f"250 2.0.0 Ok: queued as {env.queue_id}"
+
+
+def _param(option: str) -> tuple[str, str]:
+    key, _, value = option.partition("=")
+    return key.upper(), value
+
+
+async def start_server(
+    handler: QueueHandler,
+    host: str,
+    port: int,
+    *,
+    hostname: str,
+    data_size_limit: int,
+    timeout_s: float,
+) -> asyncio.AbstractServer:
+    """Listen on ``host:port`` with aiosmtpd's SMTP protocol; returns the asyncio server."""
+    loop = asyncio.get_running_loop()
+
+    def factory() -> Any:
+        return SMTP(
+            handler,
+            hostname=hostname,
+            ident="mtaq",
+            data_size_limit=data_size_limit,
+            enable_SMTPUTF8=True,
+            decode_data=False,
+            timeout=timeout_s,
+            loop=loop,
+        )
+
+    return await loop.create_server(factory, host=host, port=port, reuse_address=True)

@@ -1,0 +1,40 @@
+"""Structured logging (structlog): one event per line with the queue ID, readable or JSON (GUIDE §4).
+
+Events named in the issue: ``queued``, ``delivered``, ``deferred``, ``bounced`` (``queue_id``, and
+``recipient`` where it applies), ``recovery_complete`` (``seconds``, ``records``).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import structlog
+
+__all__ = ["configure_logging", "get_logger"]
+
+
+def configure_logging(fmt: str = "console", *, stream: Any = None) -> None:
+    """Send events to ``stream`` (stderr) as JSON lines (``fmt="json"``) or for a terminal."""
+    stream = stream or sys.stderr
+    renderer: Any
+    if fmt == "json":
+        renderer = structlog.processors.JSONRenderer()
+    else:
+        renderer = structlog.dev.ConsoleRenderer(colors=stream.isatty())
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+        logger_factory=structlog.PrintLoggerFactory(stream),
+        cache_logger_on_first_use=True,
+    )
+
+
+def get_logger(**bind: Any) -> Any:
+    """A logger with ``bind`` values in every event."""
+    return structlog.get_logger("mtaq").bind(**bind)

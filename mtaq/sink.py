@@ -1,0 +1,64 @@
+"""``mtaq sink``: a local SMTP server that stores every message it receives in a Maildir.
+
+It is the next hop of ``make run`` and of the tests. Each stored message starts with ``Return-Path`` and
+one ``Delivered-To`` line per envelope recipient (as Postfix's local delivery writes them), then the
+message byte for byte. ``--defer-rcpt`` / ``--reject-rcpt`` take regular expressions: matching recipients
+get ``451 4.2.0`` / ``550 5.1.1`` at RCPT, to exercise deferral and bounces.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import mailbox
+import re
+from typing import Any
+
+from aiosmtpd.smtp import SMTP, Envelope, Session
+
+from mtaq.logs import get_logger
+
+__all__ = ["SinkHandler", "run_sink"]
+
+
+class SinkHandler:
+    """aiosmtpd handler that writes each message into ``maildir`` (created if missing)."""
+
+    def __init__(self, maildir: str, *, defer_rcpt: str | None = None, reject_rcpt: str | None = None) -> None:
+        self.maildir = mailbox.Maildir(maildir, create=True)
+        self.defer = re.compile(defer_rcpt) if defer_rcpt else None
+        self.reject = re.compile(reject_rcpt) if reject_rcpt else None
+        self.received = 0
+        self.log = get_logger(component="sink")
+
+    async def handle_RCPT(
+        self, server: SMTP, session: Session, envelope: Envelope, address: str, rcpt_options: list[str]
+    ) -> str:
+        if self.reject is not None and self.reject.search(address):
+            return f"550 5.1.1 <{address}>: Recipient address rejected: User unknown"
+        if self.defer is not None and self.defer.search(address):
+            return f"451 4.2.0 <{address}>: Recipient address deferred: try again later"
+        envelope.rcpt_tos.append(address)
+        return "250 2.1.5 Ok"
+
+    async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
+        head = f"Return-Path: <{envelope.mail_from or ''}>\r\n".encode()
+        head += b"".join(f"Delivered-To: {r}\r\n".encode() for r in envelope.rcpt_tos)
+        key = self.maildir.add(head + (envelope.original_content or b""))
+        self.received += 1
+        self.log.info("sink_stored", key=key, sender=envelope.mail_from, recipients=envelope.rcpt_tos)
+        return f"250 2.0.0 Ok: stored as {key}"
+
+
+async def run_sink(host: str, port: int, maildir: str, **kw: Any) -> None:
+    """Serve until killed."""
+    handler = SinkHandler(maildir, **kw)
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(
+        lambda: SMTP(handler, hostname="sink", ident="mtaq-sink", enable_SMTPUTF8=True, data_size_limit=None, loop=loop),
+        host=host,
+        port=port,
+        reuse_address=True,
+    )
+    get_logger(component="sink").info("sink_listening", listen=f"{host}:{port}", maildir=maildir)
+    async with server:
+        await server.serve_forever()

@@ -1,0 +1,147 @@
+"""The file-system interface of the storage layer, and its real implementation on ``os``.
+
+This module holds the only ``os.fsync`` calls in mtaq (a test keeps it so). Everything the log does to the
+disk goes through :class:`FileSystem`, so that tests can substitute a file system that forgets what was
+never made durable (the crash file system of issue 4, after SQLite's crash VFS).
+
+What must always hold: :meth:`File.write` writes all of ``data`` or raises, and on failure leaves the file
+as long as it was before (no half record); a new directory entry is durable only after :meth:`fsync_dir`.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from typing import Protocol
+
+__all__ = ["File", "FileSystem", "OsFileSystem"]
+
+
+class File(Protocol):
+    """An open file: positional reads, appends at the end, truncation and fsync."""
+
+    path: str
+
+    def size(self) -> int:
+        """Current length in bytes (including writes not yet made durable)."""
+        ...
+
+    def append(self, data: bytes) -> int:
+        """Write ``data`` at the end; return the offset it starts at. Raises OSError; no partial data stays."""
+        ...
+
+    def pread(self, offset: int, length: int) -> bytes:
+        """Up to ``length`` bytes from ``offset`` (fewer at end of file)."""
+        ...
+
+    def truncate(self, size: int) -> None:
+        """Cut the file to ``size`` bytes."""
+        ...
+
+    def fsync(self) -> None:
+        """Make every write so far durable. Raises OSError (e.g. EIO); callers must treat that as fatal."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class FileSystem(Protocol):
+    """What the log needs from a file system. Paths are strings; directories are created by ``makedirs``."""
+
+    def open(self, path: str, *, create: bool = False) -> File:
+        """Open ``path`` read-write; with ``create`` it must not exist yet (O_EXCL)."""
+        ...
+
+    def read_file(self, path: str) -> bytes: ...
+
+    def listdir(self, path: str) -> list[str]: ...
+
+    def makedirs(self, path: str) -> None: ...
+
+    def fsync_dir(self, path: str) -> None:
+        """Make the directory's entries (creations, renames, unlinks) durable."""
+        ...
+
+    def rename(self, src: str, dst: str) -> None: ...
+
+    def unlink(self, path: str) -> None: ...
+
+    def exists(self, path: str) -> bool: ...
+
+
+class _OsFile:
+    __slots__ = ("path", "_fd", "_size")
+
+    def __init__(self, path: str, fd: int) -> None:
+        self.path = path
+        self._fd = fd
+        self._size = os.fstat(fd).st_size
+
+    def size(self) -> int:
+        return self._size
+
+    def append(self, data: bytes) -> int:
+        start = self._size
+        view = memoryview(data)
+        done = 0
+        try:
+            while done < len(view):
+                n = os.pwrite(self._fd, view[done:], start + done)
+                if n == 0:  # pragma: no cover - pwrite returns >0 or raises
+                    raise OSError(errno.EIO, "short write")
+                done += n
+        except OSError:
+            try:
+                os.ftruncate(self._fd, start)  # no half record left behind
+            except OSError:
+                pass
+            raise
+        self._size = start + len(view)
+        return start
+
+    def pread(self, offset: int, length: int) -> bytes:
+        return os.pread(self._fd, length, offset)
+
+    def truncate(self, size: int) -> None:
+        os.ftruncate(self._fd, size)
+        self._size = size
+
+    def fsync(self) -> None:
+        os.fsync(self._fd)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+class OsFileSystem:
+    """The real file system."""
+
+    def open(self, path: str, *, create: bool = False) -> File:
+        flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
+        return _OsFile(path, os.open(path, flags, 0o600))
+
+    def read_file(self, path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+
+    def listdir(self, path: str) -> list[str]:
+        return os.listdir(path)
+
+    def makedirs(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+
+    def fsync_dir(self, path: str) -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def rename(self, src: str, dst: str) -> None:
+        os.rename(src, dst)
+
+    def unlink(self, path: str) -> None:
+        os.unlink(path)
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)

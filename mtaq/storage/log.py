@@ -1,0 +1,403 @@
+"""The queue log on disk: numbered segments, appends, group commit, reads and start-up tail repair.
+
+The log is a directory of segment files ``000000000001.seg``, ``000000000002.seg``, ... (format in
+docs/log_format.md). Appends go to the newest segment; when a record would take it past
+``segment_bytes_max`` bytes the segment is sealed (a SEAL record) and a new one is created.
+
+Group commit (GUIDE §3): :meth:`Log.append` writes at once (into the page cache) and returns the record's
+position and a log sequence number (LSN); ``await log.commit(lsn)`` resolves when one fsync round that
+covers ``lsn`` has finished. One round fsyncs every segment written since the last round, in order, and the
+directory when a segment was created, so a record is acknowledged only when everything before it is durable.
+Records that are only book-keeping (START, FINISH, replacement envelopes) are appended without waiting and
+ride on the next round.
+
+What must always hold:
+
+* nothing is acknowledged from a segment whose directory entry is not durable;
+* after an fsync fails, nothing more is appended or acknowledged: every waiter and every later call gets
+  :class:`StorageFatal`, the process exits, and recovery re-reads what is really on disk (GUIDE I6);
+* a failed append leaves no partial record (the file is cut back) and raises :class:`StorageFull` (ENOSPC)
+  or :class:`StorageError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import errno
+import os
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from mtaq.core.frame import (
+    FRAME_HEADER_BYTES,
+    Frame,
+    HeaderError,
+    Problem,
+    SegmentHeader,
+    SegmentScan,
+    decode_frame,
+    decode_segment_header,
+    encode_frame,
+    encode_segment_header,
+    scan_segment,
+    SEGMENT_HEADER_BYTES,
+)
+from mtaq.core.records import PayloadError, Pos, Record, SealRecord, decode_payload, encode_payload
+from mtaq.errors import CorruptRecord, StorageError, StorageFatal, StorageFull
+from mtaq.storage.fs import File, FileSystem
+
+__all__ = ["Log", "LogStats", "OpenReport", "segment_path", "list_segments", "scan_log"]
+
+_SUFFIX = ".seg"
+
+
+def segment_path(directory: str, number: int) -> str:
+    """Path of segment ``number`` in the log directory."""
+    return os.path.join(directory, f"{number:012d}{_SUFFIX}")
+
+
+def list_segments(fs: FileSystem, directory: str) -> list[int]:
+    """Segment numbers present in ``directory``, ascending (other files are ignored)."""
+    out = []
+    for name in fs.listdir(directory):
+        stem, _, ext = name.rpartition(".")
+        if "." + ext == _SUFFIX and stem.isdigit():
+            out.append(int(stem))
+    return sorted(out)
+
+
+def scan_log(fs: FileSystem, directory: str, *, decode: bool = True) -> Iterator[SegmentScan]:
+    """Read every segment of the log in order, without changing anything (for dump and verify)."""
+    for n in list_segments(fs, directory):
+        yield scan_segment(n, fs.read_file(segment_path(directory, n)), decode=decode)
+
+
+@dataclass
+class LogStats:
+    """Counters since the process started."""
+
+    records_appended: int = 0
+    bytes_appended: int = 0
+    commit_rounds: int = 0  # group-commit rounds (each fsyncs all dirty files)
+    fsync_calls: int = 0  # file + directory fsync system calls
+    fsync_seconds: float = 0.0
+    segments_created: int = 0
+
+
+@dataclass
+class OpenReport:
+    """What :meth:`Log.open` found and repaired before accepting appends."""
+
+    segments: list[int] = field(default_factory=list)  # present after repair, excluding the new one
+    scans: dict[int, SegmentScan] = field(default_factory=dict)  # scans already done (reusable)
+    repaired: list[Problem] = field(default_factory=list)  # torn tails truncated, torn segments removed
+    new_segment: int = 0
+
+
+def _wrap_oserror(exc: OSError, what: str) -> StorageError:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return StorageFull(f"{what}: {exc.strerror}")
+    return StorageError(f"{what}: {exc.strerror or exc}")
+
+
+class Log:
+    """An open queue log: appends to the newest segment; reads anywhere. Create with :meth:`open`."""
+
+    def __init__(self, fs: FileSystem, directory: str, *, segment_bytes_max: int) -> None:
+        self.fs = fs
+        self.directory = directory
+        self.segment_bytes_max = segment_bytes_max
+        self.stats = LogStats()
+        self._cur: File | None = None
+        self._cur_no = 0
+        self._cur_salt = 0
+        self._cur_records = 0
+        self._cur_sealed = False
+        self._files: dict[int, File] = {}  # open segments (read handles and the current one)
+        self._salts: dict[int, int] = {}
+        self._appended_lsn = 0
+        self._durable_lsn = 0
+        self._dirty: dict[int, File] = {}
+        self._dir_dirty = False
+        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._commit_task: asyncio.Task[None] | None = None
+        self._failed: StorageFatal | None = None
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtaq-fsync")
+        self.on_fatal: list[Callable[[StorageFatal], None]] = []
+
+    # ----------------------------------------------------------------------------------------- opening
+    @classmethod
+    def open(cls, fs: FileSystem, directory: str, *, segment_bytes_max: int) -> tuple[Log, OpenReport]:
+        """Open (creating if needed) the log in ``directory``; repair the newest segment's tail; start a new segment.
+
+        The newest segment is scanned: a torn tail is truncated, a segment whose header never reached the
+        disk is removed, and the segment is sealed. Appends then go to a fresh segment, so the rest of
+        recovery can read the old ones while mail is accepted. Raises StorageError when the disk refuses.
+        """
+        log = cls(fs, directory, segment_bytes_max=segment_bytes_max)
+        report = OpenReport()
+        try:
+            parent = os.path.dirname(os.path.abspath(directory))
+            if not fs.exists(directory):
+                fs.makedirs(directory)
+                fs.fsync_dir(parent)
+            nums = list_segments(fs, directory)
+            highest = max(nums, default=0)
+            while nums:
+                n = nums[-1]
+                path = segment_path(directory, n)
+                scan = scan_segment(n, fs.read_file(path))
+                if scan.header is None:
+                    torn = scan.torn_tail
+                    if torn is not None:  # created, header never durable: nothing in it was acknowledged
+                        fs.unlink(path)
+                        fs.fsync_dir(directory)
+                        report.repaired.append(torn)
+                        nums.pop()
+                        continue
+                    report.scans[n] = scan  # corrupt header: left for recovery to report
+                    break
+                if scan.torn_tail is not None or not scan.sealed:
+                    f = fs.open(path)
+                    try:
+                        if scan.torn_tail is not None:
+                            f.truncate(scan.valid_end)
+                            report.repaired.append(scan.torn_tail)
+                        if not scan.sealed:
+                            rtype, payload = encode_payload(SealRecord(segment=n, records=scan.frames))
+                            f.append(encode_frame(int(rtype), payload, scan.header.salt))
+                            scan.sealed = True
+                        f.fsync()
+                    finally:
+                        f.close()
+                report.scans[n] = scan
+                break
+            report.segments = nums
+            log._new_segment(highest + 1)
+            report.new_segment = log._cur_no
+            assert log._cur is not None
+            log._cur.fsync()
+            fs.fsync_dir(directory)
+            log._dirty.clear()
+            log._dir_dirty = False
+        except OSError as exc:
+            raise _wrap_oserror(exc, f"opening log {directory}") from exc
+        return log, report
+
+    def _new_segment(self, number: int) -> None:
+        salt = secrets.randbits(32)
+        path = segment_path(self.directory, number)
+        f = self.fs.open(path, create=True)
+        try:
+            f.append(encode_segment_header(SegmentHeader(segment=number, salt=salt, created=int(time.time()))))
+        except OSError:
+            f.close()
+            try:
+                self.fs.unlink(path)
+            except OSError:
+                pass
+            raise
+        self._cur, self._cur_no, self._cur_salt = f, number, salt
+        self._cur_records = 0
+        self._cur_sealed = False
+        self._files[number] = f
+        self._salts[number] = salt
+        self._dirty[number] = f
+        self._dir_dirty = True
+        self.stats.segments_created += 1
+
+    def _roll(self) -> None:
+        """Seal the current segment (if not yet) and create the next one."""
+        if not self._cur_sealed:
+            assert self._cur is not None
+            rtype, payload = encode_payload(SealRecord(segment=self._cur_no, records=self._cur_records))
+            self._cur.append(encode_frame(int(rtype), payload, self._cur_salt))
+            self._cur_sealed = True
+            self._dirty[self._cur_no] = self._cur
+        self._new_segment(self._cur_no + 1)
+
+    # ----------------------------------------------------------------------------------------- appending
+    @property
+    def current_segment(self) -> int:
+        return self._cur_no
+
+    @property
+    def durable_lsn(self) -> int:
+        return self._durable_lsn
+
+    @property
+    def failed(self) -> StorageFatal | None:
+        return self._failed
+
+    def append(self, record: Record) -> tuple[Pos, int]:
+        """Append ``record``; return its position and LSN. Not durable until ``commit(lsn)`` returns.
+
+        Raises StorageFatal after a failed fsync, StorageFull on ENOSPC, StorageError on other write errors;
+        in every failure case nothing of the record is left in the log.
+        """
+        if self._failed is not None:
+            raise self._failed
+        rtype, payload = encode_payload(record)
+        size = FRAME_HEADER_BYTES + len(payload)
+        try:
+            assert self._cur is not None
+            if self._cur_sealed or (
+                self._cur_records > 0 and self._cur.size() + size > self.segment_bytes_max
+            ):
+                self._roll()
+            frame = encode_frame(int(rtype), payload, self._cur_salt)
+            offset = self._cur.append(frame)
+        except OSError as exc:
+            raise _wrap_oserror(exc, f"appending to segment {self._cur_no}") from exc
+        self._cur_records += 1
+        self._dirty[self._cur_no] = self._cur
+        self._appended_lsn += 1
+        self.stats.records_appended += 1
+        self.stats.bytes_appended += size
+        return Pos(self._cur_no, offset), self._appended_lsn
+
+    async def commit(self, lsn: int) -> None:
+        """Return once every record up to ``lsn`` is durable (one shared fsync round covers many callers).
+
+        Raises StorageFatal if the covering fsync failed (the caller must not acknowledge anything).
+        """
+        if self._failed is not None:
+            raise self._failed
+        if lsn <= self._durable_lsn:
+            return
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        self._waiters.append((lsn, fut))
+        if self._commit_task is None:
+            self._commit_task = loop.create_task(self._commit_loop())
+        await fut
+
+    async def sync(self) -> None:
+        """Make everything appended so far durable (book-keeping included)."""
+        await self.commit(self._appended_lsn)
+
+    def _sync_files(self, files: list[File], sync_dir: bool) -> int:
+        calls = 0
+        for f in files:
+            f.fsync()
+            calls += 1
+        if sync_dir:
+            self.fs.fsync_dir(self.directory)
+            calls += 1
+        return calls
+
+    async def _commit_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while self._waiters and self._failed is None:
+                target = self._appended_lsn
+                files = [self._dirty[k] for k in sorted(self._dirty)]
+                self._dirty.clear()
+                sync_dir, self._dir_dirty = self._dir_dirty, False
+                t0 = time.monotonic()
+                try:
+                    calls = await loop.run_in_executor(self._executor, self._sync_files, files, sync_dir)
+                except OSError as exc:
+                    self._fail(exc)
+                    return
+                self.stats.fsync_seconds += time.monotonic() - t0
+                self.stats.fsync_calls += calls
+                self.stats.commit_rounds += 1
+                self._durable_lsn = max(self._durable_lsn, target)
+                waiting = []
+                for lsn, fut in self._waiters:
+                    if lsn <= target:
+                        if not fut.done():
+                            fut.set_result(None)
+                    else:
+                        waiting.append((lsn, fut))
+                self._waiters = waiting
+        finally:
+            self._commit_task = None
+
+    def _fail(self, exc: OSError) -> None:
+        self._failed = StorageFatal(f"fsync failed: {exc.strerror or exc}; exiting, recovery will re-read the disk")
+        for _lsn, fut in self._waiters:
+            if not fut.done():
+                fut.set_exception(self._failed)
+        self._waiters = []
+        for cb in self.on_fatal:
+            cb(self._failed)
+
+    # ----------------------------------------------------------------------------------------- reading
+    def segments(self) -> list[int]:
+        """Segment numbers present on disk, ascending."""
+        return list_segments(self.fs, self.directory)
+
+    def read_segment(self, number: int) -> bytes:
+        """The whole file of segment ``number`` (for recovery scans)."""
+        return self.fs.read_file(segment_path(self.directory, number))
+
+    def _file(self, number: int) -> tuple[File, int]:
+        f = self._files.get(number)
+        if f is None:
+            f = self.fs.open(segment_path(self.directory, number))
+            try:
+                self._salts[number] = decode_segment_header(f.pread(0, SEGMENT_HEADER_BYTES)).salt
+            except HeaderError as exc:
+                f.close()
+                raise CorruptRecord(f"segment {number}: {exc}") from exc
+            self._files[number] = f
+        return f, self._salts[number]
+
+    def read(self, pos: Pos) -> Record:
+        """The record at ``pos``. Raises CorruptRecord when it does not check out, StorageError on I/O errors."""
+        try:
+            f, salt = self._file(pos.segment)
+            head = f.pread(pos.offset, FRAME_HEADER_BYTES)
+            if len(head) < FRAME_HEADER_BYTES:
+                raise CorruptRecord(f"segment {pos.segment} offset {pos.offset}: beyond end of segment")
+            length = int.from_bytes(head[4:8], "little")
+            buf = head + f.pread(pos.offset + FRAME_HEADER_BYTES, length)
+        except FileNotFoundError as exc:
+            raise CorruptRecord(f"segment {pos.segment} is missing") from exc
+        except OSError as exc:
+            raise _wrap_oserror(exc, f"reading segment {pos.segment}") from exc
+        res = decode_frame(buf, 0, salt)
+        if not isinstance(res, Frame):
+            why = "cut off" if not hasattr(res, "reason") else res.reason  # type: ignore[union-attr]
+            raise CorruptRecord(f"segment {pos.segment} offset {pos.offset}: {why}")
+        try:
+            return decode_payload(res.rtype, res.payload)
+        except PayloadError as exc:
+            raise CorruptRecord(f"segment {pos.segment} offset {pos.offset}: {exc}") from exc
+
+    def repair_segment(self, scan: SegmentScan) -> None:
+        """Truncate a torn tail of an older, unsealed segment and seal it (a crash at a roll-over)."""
+        if scan.header is None or scan.segment == self._cur_no:
+            return
+        path = segment_path(self.directory, scan.segment)
+        try:
+            f = self.fs.open(path)
+            try:
+                if scan.torn_tail is not None:
+                    f.truncate(scan.valid_end)
+                if not scan.sealed:
+                    rtype, payload = encode_payload(SealRecord(segment=scan.segment, records=scan.frames))
+                    f.append(encode_frame(int(rtype), payload, scan.header.salt))
+                f.fsync()
+            finally:
+                f.close()
+        except OSError as exc:
+            raise _wrap_oserror(exc, f"repairing segment {scan.segment}") from exc
+        old = self._files.pop(scan.segment, None)
+        if old is not None:
+            old.close()
+
+    def close(self) -> None:
+        """Release file handles (tests and one-shot tools; the daemon never closes, it crashes)."""
+        for f in self._files.values():
+            try:
+                f.close()
+            except OSError:
+                pass
+        self._files.clear()
+        self._executor.shutdown(wait=False)
