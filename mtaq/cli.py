@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--maildir", metavar="DIR", required=True)
     p.add_argument("--defer-rcpt", metavar="REGEX", help="answer 451 4.2.0 to matching recipients")
     p.add_argument("--reject-rcpt", metavar="REGEX", help="answer 550 5.1.1 to matching recipients")
+    p.add_argument("--defer-count", metavar="N", type=int, default=0,
+                   help="defer a --defer-rcpt recipient only on its first N attempts (0: always)")
     _add_log_format(p)
 
     p = sub.add_parser("log", help="inspect the queue log")
@@ -111,7 +113,8 @@ def _sink(args: argparse.Namespace) -> int:
     from mtaq.sink import run_sink  # noqa: PLC0415
 
     try:
-        asyncio.run(run_sink(host, port, args.maildir, defer_rcpt=args.defer_rcpt, reject_rcpt=args.reject_rcpt))
+        asyncio.run(run_sink(host, port, args.maildir, defer_rcpt=args.defer_rcpt, reject_rcpt=args.reject_rcpt,
+                              defer_count=args.defer_count))
     except OSError as exc:
         print(f"mtaq: sink: {exc.strerror or exc}", file=sys.stderr)
         return 1

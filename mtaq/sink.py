@@ -3,7 +3,8 @@
 It is the next hop of ``make run`` and of the tests. Each stored message starts with ``Return-Path`` and
 one ``Delivered-To`` line per envelope recipient (as Postfix's local delivery writes them), then the
 message byte for byte. ``--defer-rcpt`` / ``--reject-rcpt`` take regular expressions: matching recipients
-get ``451 4.2.0`` / ``550 5.1.1`` at RCPT, to exercise deferral and bounces.
+get ``451 4.2.0`` / ``550 5.1.1`` at RCPT, to exercise deferral and bounces; with ``--defer-count N`` a
+matching recipient is deferred only on its first N attempts, then accepted (4xx, then 2xx).
 """
 
 from __future__ import annotations
@@ -23,8 +24,17 @@ __all__ = ["SinkHandler", "run_sink"]
 class SinkHandler:
     """aiosmtpd handler that writes each message into ``maildir`` (created if missing)."""
 
-    def __init__(self, maildir: str, *, defer_rcpt: str | None = None, reject_rcpt: str | None = None) -> None:
+    def __init__(
+        self,
+        maildir: str,
+        *,
+        defer_rcpt: str | None = None,
+        reject_rcpt: str | None = None,
+        defer_count: int = 0,
+    ) -> None:
         self.maildir = mailbox.Maildir(maildir, create=True)
+        self.defer_count = defer_count  # 0: always defer matching recipients
+        self.deferred: dict[str, int] = {}
         self.defer = re.compile(defer_rcpt) if defer_rcpt else None
         self.reject = re.compile(reject_rcpt) if reject_rcpt else None
         self.received = 0
@@ -36,6 +46,11 @@ class SinkHandler:
         if self.reject is not None and self.reject.search(address):
             return f"550 5.1.1 <{address}>: Recipient address rejected: User unknown"
         if self.defer is not None and self.defer.search(address):
+            seen = self.deferred.get(address, 0)
+            if self.defer_count and seen >= self.defer_count:
+                envelope.rcpt_tos.append(address)
+                return "250 2.1.5 Ok"
+            self.deferred[address] = seen + 1
             return f"451 4.2.0 <{address}>: Recipient address deferred: try again later"
         envelope.rcpt_tos.append(address)
         return "250 2.1.5 Ok"

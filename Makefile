@@ -1,0 +1,41 @@
+# mtaq - two commands do all the set-up on a fresh machine:
+#   make run    creates .venv, installs, starts the local sink and the daemon on the embedded default
+#   make test   installs what the tests need (Python packages, Debian packages) and runs the whole suite
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+LISTEN ?= 127.0.0.1:2525
+SINK_HOST ?= 127.0.0.1
+SINK_PORT ?= 2526
+
+.PHONY: install debs run test bench clean-spool
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Debian packages used by tests that talk to real tools (swaks as an SMTP client).
+debs:
+	@command -v swaks >/dev/null 2>&1 || { \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq swaks >/dev/null; }
+
+run: install
+	mkdir -p spool
+	@echo "mtaq: SMTP on $(LISTEN), spool ./spool, next hop the sink on [$(SINK_HOST)]:$(SINK_PORT) (Maildir spool/sink/)"
+	$(BIN)/mtaq sink --listen $(SINK_HOST):$(SINK_PORT) --maildir spool/sink & sink=$$!; \
+	trap 'kill $$sink 2>/dev/null' EXIT INT TERM; \
+	$(BIN)/mtaq serve --spool spool --listen $(LISTEN) --relayhost '[$(SINK_HOST)]:$(SINK_PORT)' || true
+
+test: install debs
+	$(BIN)/python -m pytest -q
+
+bench: install
+	$(BIN)/python bench/throughput.py --messages 10000 --concurrency 20 --size 2048
+
+clean-spool:
+	rm -rf spool/log spool/sink

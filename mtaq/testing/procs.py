@@ -1,0 +1,135 @@
+"""Run the real daemon and sink as subprocesses, and read what arrived (for tests and bench/ scripts).
+
+Nothing here is a fake: the daemon and the sink are the ``mtaq`` command, spoken to over real sockets.
+"""
+
+from __future__ import annotations
+
+import email.parser
+import email.policy
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["free_port", "wait_port", "Proc", "start_sink", "start_daemon", "maildir_message_ids", "maildir_count"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_port(port: int, timeout_s: float = 15.0, proc: subprocess.Popen[bytes] | None = None) -> None:
+    """Wait until something accepts connections on 127.0.0.1:``port``; raise RuntimeError on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before listening on {port}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.02)
+    raise RuntimeError(f"nothing listening on 127.0.0.1:{port} after {timeout_s}s")
+
+
+@dataclass
+class Proc:
+    """A running ``mtaq`` subprocess; stderr goes to ``log_path``."""
+
+    popen: subprocess.Popen[bytes]
+    port: int
+    log_path: str
+    started: float = field(default_factory=time.monotonic)
+
+    def kill9(self) -> None:
+        """SIGKILL and reap (the only stop of a crash-only daemon)."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGKILL)
+        self.popen.wait()
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_text(self) -> str:
+        with open(self.log_path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+
+def _mtaq(args: Sequence[str], log_path: str, env: dict[str, str] | None) -> subprocess.Popen[bytes]:
+    out = open(log_path, "ab")  # noqa: SIM115 - owned by the child
+    return subprocess.Popen(
+        [sys.executable, "-m", "mtaq.cli", *args],
+        stdout=out,
+        stderr=out,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def start_sink(maildir: str, log_path: str, *, port: int | None = None, extra: Sequence[str] = ()) -> Proc:
+    """Start ``mtaq sink`` writing to ``maildir``; returns once it listens."""
+    port = port or free_port()
+    p = _mtaq(["--log-format", "json", "sink", "--listen", f"127.0.0.1:{port}", "--maildir", maildir, *extra], log_path, None)
+    wait_port(port, proc=p)
+    return Proc(p, port, log_path)
+
+
+def start_daemon(
+    spool: str,
+    relay_port: int,
+    log_path: str,
+    *,
+    port: int | None = None,
+    config: str | None = None,
+    env: dict[str, str] | None = None,
+    wrapper: Sequence[str] = (),
+) -> Proc:
+    """Start ``mtaq serve`` on ``spool`` relaying to 127.0.0.1:``relay_port``; returns once SMTP listens."""
+    port = port or free_port()
+    args = ["--log-format", "json", "serve", "--spool", spool, "--listen", f"127.0.0.1:{port}"]
+    args += ["--relayhost", f"[127.0.0.1]:{relay_port}"]
+    if config:
+        args += ["--config", config]
+    if wrapper:
+        out = open(log_path, "ab")  # noqa: SIM115
+        p = subprocess.Popen([*wrapper, sys.executable, "-m", "mtaq.cli", *args], stdout=out, stderr=out,
+                             stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})})
+    else:
+        p = _mtaq(args, log_path, env)
+    wait_port(port, proc=p)
+    return Proc(p, port, log_path)
+
+
+def maildir_message_ids(maildir: str) -> Counter[str]:
+    """Message-ID -> how many deliveries (one per Delivered-To line) the sink stored."""
+    ids: Counter[str] = Counter()
+    parser = email.parser.BytesHeaderParser(policy=email.policy.compat32)
+    for sub in ("new", "cur"):
+        d = os.path.join(maildir, sub)
+        if not os.path.isdir(d):
+            continue
+        for name in os.listdir(d):
+            with open(os.path.join(d, name), "rb") as f:
+                msg = parser.parse(f)
+            mid = (msg.get("Message-ID") or "").strip()
+            ids[mid] += max(1, len(msg.get_all("Delivered-To") or []))
+    return ids
+
+
+def maildir_count(maildir: str) -> int:
+    """Number of message files in the Maildir (cheap; no parsing)."""
+    n = 0
+    for sub in ("new", "cur"):
+        d = os.path.join(maildir, sub)
+        if os.path.isdir(d):
+            n += len(os.listdir(d))
+    return n

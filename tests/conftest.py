@@ -1,0 +1,72 @@
+"""Shared fixtures: a real sink and a real daemon as subprocesses, in a temporary directory."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from mtaq.testing.procs import Proc, start_daemon, start_sink
+
+
+class Relay:
+    """A sink and a daemon relaying to it; kills both at the end."""
+
+    def __init__(self, tmp, sink_args=(), config: str = "") -> None:
+        self.tmp = tmp
+        self.maildir = str(tmp / "maildir")
+        self.spool = str(tmp / "spool")
+        self.config = None
+        if config:
+            self.config = str(tmp / "mtaq.toml")
+            (tmp / "mtaq.toml").write_text(config)
+        self.sink = start_sink(self.maildir, str(tmp / "sink.log"), extra=list(sink_args))
+        self.daemon: Proc = self.start()
+
+    def start(self, port: int | None = None) -> Proc:
+        self.daemon = start_daemon(self.spool, self.sink.port, str(self.tmp / "daemon.log"), port=port, config=self.config)
+        return self.daemon
+
+    def restart(self) -> Proc:
+        self.daemon.kill9()
+        return self.start(port=self.daemon.port)
+
+    def events(self, name: str | None = None) -> list[dict]:
+        out = []
+        for line in self.daemon.log_text().splitlines():
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            if name is None or ev.get("event") == name:
+                out.append(ev)
+        return out
+
+    def wait_for(self, pred, timeout_s: float = 20.0, what: str = "condition"):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            v = pred()
+            if v:
+                return v
+            time.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {what}")
+
+    def close(self) -> None:
+        self.daemon.kill9()
+        self.sink.kill9()
+
+
+@pytest.fixture
+def relay_factory(tmp_path) -> Iterator:
+    made: list[Relay] = []
+
+    def make(sink_args=(), config: str = "") -> Relay:
+        r = Relay(tmp_path, sink_args, config)
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.close()

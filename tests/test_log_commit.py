@@ -1,0 +1,109 @@
+"""Group commit and failure rules of the log (GUIDE §3, I6), on a real disk."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+
+import pytest
+
+from mtaq.core.records import FinishRecord, Pos, StartRecord
+from mtaq.errors import StorageFatal, StorageFull
+from mtaq.storage.fs import OsFileSystem
+from mtaq.storage.log import Log, list_segments
+
+
+def test_many_concurrent_commits_share_few_fsync_rounds(tmp_path):
+    """200 writers each waiting for their record: every one is durable, with far fewer rounds than writers."""
+
+    async def main() -> Log:
+        log, _ = Log.open(OsFileSystem(), str(tmp_path), segment_bytes_max=1 << 20)
+
+        async def writer(i: int) -> None:
+            _, lsn = log.append(StartRecord(f"Q{i}", Pos(1, 32), 1.0))
+            await log.commit(lsn)
+            assert log.durable_lsn >= lsn
+
+        await asyncio.gather(*(writer(i) for i in range(200)))
+        return log
+
+    log = asyncio.run(main())
+    assert 200 == log.stats.records_appended
+    assert 1 <= log.stats.commit_rounds < 50
+    log.close()
+
+
+def test_segments_roll_at_the_size_limit_and_are_sealed(tmp_path):
+    """Appends past segment_bytes_max go to a new segment; every record stays readable at its position."""
+    log, _ = Log.open(OsFileSystem(), str(tmp_path), segment_bytes_max=65536)
+    recs = [FinishRecord(f"Q{i:05d}", Pos(1, 32), float(i)) for i in range(6000)]
+    positions = [log.append(r)[0] for r in recs]
+    asyncio.run(log.sync())
+    assert len(list_segments(OsFileSystem(), str(tmp_path))) >= 3
+    assert all(p.offset + 60 <= 65536 for p in positions)
+    assert recs == [log.read(p) for p in positions]
+    log.close()
+
+
+class FailingFs(OsFileSystem):
+    """The real file system, except that fsync / writes fail on demand (EIO, ENOSPC): what a disk can do."""
+
+    def __init__(self) -> None:
+        self.fail_fsync = False
+        self.fail_write: int | None = None
+
+    def open(self, path, *, create=False):
+        f = super().open(path, create=create)
+        outer = self
+
+        class F:
+            def __getattr__(self, name):
+                return getattr(f, name)
+
+            def fsync(self):
+                if outer.fail_fsync:
+                    raise OSError(errno.EIO, "Input/output error")
+                f.fsync()
+
+            def append(self, data):
+                if outer.fail_write is not None:
+                    raise OSError(outer.fail_write, "No space left on device")
+                return f.append(data)
+
+        return F()
+
+
+def test_failed_fsync_fails_every_waiter_and_every_later_call(tmp_path):
+    """An fsync error is fatal (I6): waiters get StorageFatal, later appends too; it is never retried."""
+    fs = FailingFs()
+    fatal: list[StorageFatal] = []
+
+    async def main() -> list[object]:
+        log, _ = Log.open(fs, str(tmp_path), segment_bytes_max=1 << 20)
+        log.on_fatal.append(fatal.append)
+        fs.fail_fsync = True
+        lsns = [log.append(StartRecord(f"Q{i}", Pos(1, 32), 1.0))[1] for i in range(5)]
+        res = await asyncio.gather(*(log.commit(n) for n in lsns), return_exceptions=True)
+        fs.fail_fsync = False
+        with pytest.raises(StorageFatal):
+            log.append(StartRecord("later", Pos(1, 32), 1.0))
+        with pytest.raises(StorageFatal):
+            await log.commit(lsns[0])
+        return res
+
+    res = asyncio.run(main())
+    assert [StorageFatal] * 5 == [type(r) for r in res]
+    assert 1 == len(fatal)
+
+
+def test_enospc_on_append_raises_storage_full_and_the_log_goes_on(tmp_path):
+    """A full disk refuses the record (452 4.3.1 upstream) without poisoning the log."""
+    fs = FailingFs()
+    log, _ = Log.open(fs, str(tmp_path), segment_bytes_max=1 << 20)
+    fs.fail_write = errno.ENOSPC
+    with pytest.raises(StorageFull):
+        log.append(StartRecord("Q", Pos(1, 32), 1.0))
+    fs.fail_write = None
+    pos, _ = log.append(StartRecord("Q2", Pos(1, 32), 1.0))
+    assert StartRecord("Q2", Pos(1, 32), 1.0) == log.read(pos)
+    log.close()
