@@ -220,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=None, help="default: random (printed)")
     ap.add_argument("--keep", metavar="DIR", help="work in DIR (must not hold a spool yet) and keep it")
     ap.add_argument("--drain-timeout", type=float, default=120.0, metavar="S")
+    ap.add_argument("--segment-bytes", type=int, default=None, metavar="N",
+                    help="segment_bytes_max for the daemon (small values make kills land across roll-overs)")
     args = ap.parse_args(argv)
     if args.messages < 1 or args.kills < 0 or args.concurrency < 1:
         ap.error("--messages and --concurrency must be >= 1, --kills >= 0")
@@ -258,7 +260,12 @@ def main(argv: list[str] | None = None) -> int:
     broken: list[str] = []
     try:
         sink = start_sink(maildir, sink_log)
-        daemon = start_daemon(spool, sink.port, daemon_log)
+        config = None
+        if args.segment_bytes:
+            config = os.path.join(work_dir, "mtaq.toml")
+            with open(config, "w") as f:
+                f.write(f"segment_bytes_max = {args.segment_bytes}\n")
+        daemon = start_daemon(spool, sink.port, daemon_log, config=config)
         port = daemon.port
 
         def killer() -> None:
@@ -274,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
                 kills_done += 1
                 restarts.append(time.time())
                 try:
-                    daemon = start_daemon(spool, sink.port, daemon_log, port=port)
+                    daemon = start_daemon(spool, sink.port, daemon_log, port=port, config=config)
                 except RuntimeError as exc:
                     with tally.cond:
                         tally.errors.append(f"restart {kills_done} failed: {exc}")

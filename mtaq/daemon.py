@@ -28,6 +28,7 @@ from mtaq.storage.log import Log
 __all__ = ["Daemon", "serve"]
 
 EXIT_FSYNC_FAILED = 75
+EXIT_SOFTWARE = 70  # an unexpected exception in a daemon task: crash, recovery will pick up
 _EVENT_OF = {"delivered": "delivered", "deferred": "deferred", "failed": "bounced"}
 _STATUS_OF = {"delivered": "sent", "deferred": "deferred", "failed": "bounced"}
 
@@ -177,8 +178,19 @@ class Daemon:
                 commit_rounds=st.commit_rounds,
                 fsync_calls=st.fsync_calls,
                 fsync_seconds=round(st.fsync_seconds, 4),
-                **self.queue.state.counts(),
+                **{f"queue_{k}": v for k, v in self.queue.state.counts().items()},
             )
+
+
+async def _run_or_crash(daemon: Daemon) -> None:
+    """Run the daemon; any unexpected exception ends the process at once (crash-only: no half-alive state)."""
+    try:
+        await daemon.run()
+    except (OSError, StorageError, KeyboardInterrupt, asyncio.CancelledError):
+        raise  # start-up failures (a one-line error from the CLI), Ctrl-C
+    except BaseException:
+        daemon.log.exception("daemon_crashed", exit_status=EXIT_SOFTWARE)
+        os._exit(EXIT_SOFTWARE)
 
 
 def serve(cfg: Config) -> None:
@@ -189,4 +201,4 @@ def serve(cfg: Config) -> None:
         runner: Any = uvloop.run
     except ImportError:  # pragma: no cover
         runner = asyncio.run
-    runner(Daemon(cfg).run())
+    runner(_run_or_crash(Daemon(cfg)))

@@ -91,9 +91,21 @@ def test_swaks_client_is_accepted_and_relayed(relay_factory):
     r = relay_factory()
     out = subprocess.run(
         ["swaks", "--server", f"127.0.0.1:{r.daemon.port}", "--from", "s@example.org", "--to", "t@example.net",
-         "--header", "Message-ID: <swaks-1@mtaq.test>", "--body", "hello from swaks"],
+         "--header", "Message-Id: <swaks-1@mtaq.test>", "--body", "hello from swaks"],
         capture_output=True, text=True, timeout=60,
     )
     assert 0 == out.returncode, out.stdout + out.stderr
     assert "250 2.0.0 Ok: queued as" in out.stdout
     r.wait_for(lambda: "<swaks-1@mtaq.test>" in maildir_message_ids(r.maildir), what="swaks message")
+
+
+def test_periodic_stats_event_reports_counters_and_the_daemon_keeps_running(relay_factory):
+    """The stats event carries the log and queue counters (fsyncs, commit rounds, queue by state)."""
+    r = relay_factory(config="stats_interval_s = 0.2\n")
+    send(r.daemon.port, message(7), ["a@example.net"])
+    ev = r.wait_for(lambda: [e for e in r.events("stats") if e["delivered"] >= 1], what="stats event")[0]
+    assert (1, 1) == (ev["received"], ev["delivered"])
+    assert ev["fsync_calls"] >= ev["commit_rounds"] >= 1
+    assert {"queue_incoming", "queue_deferred", "queue_active"} <= set(ev)
+    r.wait_for(lambda: len(r.events("stats")) >= 3, what="more stats events")
+    assert r.daemon.alive()
