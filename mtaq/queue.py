@@ -30,7 +30,7 @@ from mtaq.storage.log import Log
 
 __all__ = ["Queue", "new_queue_id"]
 
-_B32 = "0123456789BCDFGHJKLMNPQRSTVWXYZb"  # 32 symbols, no vowels (Postfix long queue IDs avoid words)
+_B32 = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"  # Crockford base32: no I, L, O, U
 _last_us = 0
 
 

@@ -11,6 +11,7 @@ from mtaq.core.records import FinishRecord, Pos, StartRecord
 from mtaq.errors import StorageFatal, StorageFull
 from mtaq.storage.fs import OsFileSystem
 from mtaq.storage.log import Log, list_segments
+from mtaq.testing.faults import FaultyFileSystem
 
 
 def test_many_concurrent_commits_share_few_fsync_rounds(tmp_path):
@@ -45,37 +46,9 @@ def test_segments_roll_at_the_size_limit_and_are_sealed(tmp_path):
     log.close()
 
 
-class FailingFs(OsFileSystem):
-    """The real file system, except that fsync / writes fail on demand (EIO, ENOSPC): what a disk can do."""
-
-    def __init__(self) -> None:
-        self.fail_fsync = False
-        self.fail_write: int | None = None
-
-    def open(self, path, *, create=False):
-        f = super().open(path, create=create)
-        outer = self
-
-        class F:
-            def __getattr__(self, name):
-                return getattr(f, name)
-
-            def fsync(self):
-                if outer.fail_fsync:
-                    raise OSError(errno.EIO, "Input/output error")
-                f.fsync()
-
-            def append(self, data):
-                if outer.fail_write is not None:
-                    raise OSError(outer.fail_write, "No space left on device")
-                return f.append(data)
-
-        return F()
-
-
 def test_failed_fsync_fails_every_waiter_and_every_later_call(tmp_path):
     """An fsync error is fatal (I6): waiters get StorageFatal, later appends too; it is never retried."""
-    fs = FailingFs()
+    fs = FaultyFileSystem()
     fatal: list[StorageFatal] = []
 
     async def main() -> list[object]:
@@ -98,12 +71,12 @@ def test_failed_fsync_fails_every_waiter_and_every_later_call(tmp_path):
 
 def test_enospc_on_append_raises_storage_full_and_the_log_goes_on(tmp_path):
     """A full disk refuses the record (452 4.3.1 upstream) without poisoning the log."""
-    fs = FailingFs()
+    fs = FaultyFileSystem()
     log, _ = Log.open(fs, str(tmp_path), segment_bytes_max=1 << 20)
-    fs.fail_write = errno.ENOSPC
+    fs.fail_append = errno.ENOSPC
     with pytest.raises(StorageFull):
         log.append(StartRecord("Q", Pos(1, 32), 1.0))
-    fs.fail_write = None
+    fs.fail_append = None
     pos, _ = log.append(StartRecord("Q2", Pos(1, 32), 1.0))
     assert StartRecord("Q2", Pos(1, 32), 1.0) == log.read(pos)
     log.close()

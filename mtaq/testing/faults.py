@@ -1,0 +1,44 @@
+"""A file system that fails on demand: the real one (``OsFileSystem``), except that fsync can raise EIO and
+appends can raise a chosen errno (ENOSPC). It stands in for a failing disk, which a test cannot get for real.
+The full crash file system (drop unsynced writes, forget directory entries) is issue 4.
+"""
+
+from __future__ import annotations
+
+import errno
+from typing import Any
+
+from mtaq.storage.fs import File, OsFileSystem
+
+__all__ = ["FaultyFileSystem"]
+
+
+class _FaultyFile:
+    def __init__(self, inner: File, fs: FaultyFileSystem) -> None:
+        self._inner = inner
+        self._fs = fs
+        self.path = inner.path
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def fsync(self) -> None:
+        if self._fs.fail_fsync:
+            raise OSError(errno.EIO, "Input/output error")
+        self._inner.fsync()
+
+    def append(self, data: bytes) -> int:
+        if self._fs.fail_append is not None:
+            raise OSError(self._fs.fail_append, "injected failure")
+        return self._inner.append(data)
+
+
+class FaultyFileSystem(OsFileSystem):
+    """Set ``fail_fsync = True`` or ``fail_append = errno.ENOSPC`` to make the next calls fail."""
+
+    def __init__(self) -> None:
+        self.fail_fsync = False
+        self.fail_append: int | None = None
+
+    def open(self, path: str, *, create: bool = False) -> File:
+        return _FaultyFile(super().open(path, create=create), self)

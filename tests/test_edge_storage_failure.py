@@ -1,0 +1,85 @@
+"""The SMTP edge on a failing disk: no 250 without a durable message (GUIDE I6, RFC 5321 §6.1).
+
+A real aiosmtpd server and real smtplib clients over loopback; the disk is the real file system with
+failures injected (FaultyFileSystem), since a failing disk cannot be had here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import smtplib
+
+from mtaq.core.state import RetryPolicy
+from mtaq.edge.server import QueueHandler, start_server
+from mtaq.queue import Queue
+from mtaq.storage.log import Log
+from mtaq.testing.faults import FaultyFileSystem
+
+BODY = b"Subject: t\r\nMessage-ID: <x@y>\r\n\r\nbody\r\n"
+
+
+def send(port: int) -> tuple[int, bytes]:
+    with smtplib.SMTP("127.0.0.1", port, timeout=30) as s:
+        s.ehlo()
+        s.mail("a@example.org")
+        s.rcpt("b@example.net")
+        return s.data(BODY)
+
+
+async def serve_and_send(tmp_path, arrange, clients: int):
+    fs = FaultyFileSystem()
+    log, _ = Log.open(fs, str(tmp_path / "log"), segment_bytes_max=1 << 20)
+    fatal = []
+    log.on_fatal.append(fatal.append)
+    queue = Queue(log, policy=RetryPolicy())
+    queued = []
+    server = await start_server(QueueHandler(queue, queued.append), "127.0.0.1", 0, hostname="mx.test",
+                                data_size_limit=1 << 20, timeout_s=30)
+    port = server.sockets[0].getsockname()[1]
+    arrange(fs)
+    replies = await asyncio.gather(*(asyncio.to_thread(send, port) for _ in range(clients)))
+    server.close()
+    return replies, queued, fatal, log
+
+
+def test_fsync_failure_answers_451_to_every_waiting_client_and_is_fatal(tmp_path):
+    """Every client whose message waited on the failed fsync gets 451 4.3.0; none gets 250."""
+
+    def arrange(fs):
+        fs.fail_fsync = True
+
+    replies, queued, fatal, log = asyncio.run(serve_and_send(tmp_path, arrange, clients=5))
+    assert [451] * 5 == [code for code, _ in replies]
+    assert all(text.startswith(b"4.3.0 ") for _, text in replies)
+    assert [] == queued
+    assert 1 == len(fatal) and log.failed is not None
+
+
+def test_full_disk_answers_452_and_acceptance_resumes_when_space_is_back(tmp_path):
+    """ENOSPC: 452 4.3.1 (RFC 3463 'mail system full'); after space returns the next message gets 250."""
+    state = {}
+
+    def arrange(fs):
+        fs.fail_append = errno.ENOSPC
+        state["fs"] = fs
+
+    replies, queued, fatal, log = asyncio.run(serve_and_send(tmp_path, arrange, clients=2))
+    assert [452, 452] == [code for code, _ in replies]
+    assert all(text.startswith(b"4.3.1 ") for _, text in replies)
+    assert [] == fatal
+
+    async def again():
+        state["fs"].fail_append = None
+        queue = Queue(log, policy=RetryPolicy())
+        got = []
+        server = await start_server(QueueHandler(queue, got.append), "127.0.0.1", 0, hostname="mx.test",
+                                    data_size_limit=1 << 20, timeout_s=30)
+        port = server.sockets[0].getsockname()[1]
+        reply = await asyncio.to_thread(send, port)
+        server.close()
+        return reply, got
+
+    (code, text), got = asyncio.run(again())
+    assert 250 == code and text.startswith(b"2.0.0 Ok: queued as ")
+    assert 1 == len(got)
