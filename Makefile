@@ -9,7 +9,7 @@ LISTEN ?= 127.0.0.1:2525
 SINK_HOST ?= 127.0.0.1
 SINK_PORT ?= 2526
 
-.PHONY: install debs run test bench clean-spool
+.PHONY: install debs run test lint bench clean-spool
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -31,7 +31,11 @@ run: install
 	trap 'kill $$sink 2>/dev/null' EXIT INT TERM; \
 	$(BIN)/mtaq serve --spool spool --listen $(LISTEN) --relayhost '[$(SINK_HOST)]:$(SINK_PORT)' || true
 
-test: install debs
+lint: install
+	$(BIN)/ruff check mtaq bench tests
+	$(BIN)/mypy mtaq
+
+test: install debs lint
 	$(BIN)/python -m pytest -q
 
 bench: install

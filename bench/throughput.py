@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--messages, --concurrency and --recipients must be >= 1")
 
     try:
-        import uvloop  # noqa: PLC0415
+        import uvloop
 
         loop_name = "uvloop"
     except ImportError:  # pragma: no cover

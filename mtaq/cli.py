@@ -8,13 +8,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
-import json
 import os
 import sys
 from collections.abc import Sequence
-
-import msgspec
 
 from mtaq.config import load_config, parse_hostport
 from mtaq.errors import ConfigError, MtaqError
@@ -66,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "sink":
             return _sink(args)
         if args.command == "log":
-            from mtaq.logtools import dump, verify  # noqa: PLC0415
+            from mtaq.logtools import dump, verify
 
             log_dir = os.path.join(args.spool, "log")
             if not os.path.isdir(log_dir):
@@ -94,7 +90,7 @@ def _serve(args: argparse.Namespace) -> int:
     }
     cfg = load_config(args.config, overrides)
     configure_logging(cfg.log_format)
-    from mtaq.daemon import serve  # noqa: PLC0415
+    from mtaq.daemon import serve
 
     try:
         serve(cfg)
@@ -110,7 +106,7 @@ def _sink(args: argparse.Namespace) -> int:
         host, port = parse_hostport(args.listen)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
-    from mtaq.sink import run_sink  # noqa: PLC0415
+    from mtaq.sink import run_sink
 
     try:
         asyncio.run(run_sink(host, port, args.maildir, defer_rcpt=args.defer_rcpt, reject_rcpt=args.reject_rcpt,

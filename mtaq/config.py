@@ -15,7 +15,7 @@ import msgspec
 
 from mtaq.errors import ConfigError
 
-__all__ = ["Config", "load_config", "parse_hostport", "parse_relayhost", "Relayhost"]
+__all__ = ["Config", "Relayhost", "load_config", "parse_hostport", "parse_relayhost"]
 
 MiB = 1024 * 1024
 

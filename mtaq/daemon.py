@@ -140,11 +140,11 @@ class Daemon:
             relay = conn.name
         outcomes = [
             Outcome(index=r.index, status=classify(rep.code), code=rep.code, enhanced=rep.enhanced, text=rep.text)  # type: ignore[arg-type]
-            for r, rep in zip(rcpts, replies)
+            for r, rep in zip(rcpts, replies, strict=True)
         ]
         await q.record_outcomes(msg, relay, outcomes)  # durable before the recipients count as done
         delay = round(time.time() - env.arrival_ts, 3)
-        for r, o in zip(rcpts, outcomes):
+        for r, o in zip(rcpts, outcomes, strict=True):
             self.counts[o.status] += 1
             getattr(self.log, "info" if o.status == "delivered" else "warning")(
                 _EVENT_OF[o.status],
@@ -196,7 +196,7 @@ async def _run_or_crash(daemon: Daemon) -> None:
 def serve(cfg: Config) -> None:
     """Run the daemon until the process is killed."""
     try:
-        import uvloop  # noqa: PLC0415 - optional speed-up
+        import uvloop
 
         runner: Any = uvloop.run
     except ImportError:  # pragma: no cover

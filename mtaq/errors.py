@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 __all__ = [
-    "MtaqError",
     "ConfigError",
-    "StorageError",
-    "StorageFull",
-    "StorageFatal",
     "CorruptRecord",
+    "MtaqError",
+    "StorageError",
+    "StorageFatal",
+    "StorageFull",
 ]
 
 

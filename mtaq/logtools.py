@@ -15,22 +15,21 @@ from typing import IO, Any
 
 import msgspec
 
-from mtaq.core.frame import Problem
 from mtaq.core.records import (
+    RECORD_TYPE_OF,
     DataRecord,
     DeliveryRecord,
     EnvelopeRecord,
     FinishRecord,
     Pos,
     Record,
-    RECORD_TYPE_OF,
     SealRecord,
     StartRecord,
 )
 from mtaq.storage.fs import OsFileSystem
 from mtaq.storage.log import list_segments, scan_log
 
-__all__ = ["dump", "verify", "record_fields"]
+__all__ = ["dump", "record_fields", "verify"]
 
 
 def _ts(t: float) -> str:
@@ -125,8 +124,8 @@ def verify(log_dir: str, *, out: IO[str]) -> int:
     for n in notes:
         out.write(f"note: {n}\n")
     if problems:
-        for p in problems:
-            out.write(f"problem: {p}\n")
+        for line in problems:
+            out.write(f"problem: {line}\n")
         out.write(f"log {log_dir}: {len(problems)} problem(s); first: {problems[0]}\n")
         return 1
     out.write(f"log {log_dir}: sound ({len(present)} segments, {records} records)\n")

@@ -92,7 +92,7 @@ class Queue:
             not_before_ts=now,
             sender=sender,
             recipients=tuple(
-                Recipient(index=i, address=a, params=tuple(p)) for i, (a, p) in enumerate(zip(recipients, rps))
+                Recipient(index=i, address=a, params=tuple(p)) for i, (a, p) in enumerate(zip(recipients, rps, strict=True))
             ),
             data=data_pos,
             size=len(body),

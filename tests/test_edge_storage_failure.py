@@ -64,7 +64,7 @@ def test_full_disk_answers_452_and_acceptance_resumes_when_space_is_back(tmp_pat
         fs.fail_append = errno.ENOSPC
         state["fs"] = fs
 
-    replies, queued, fatal, log = asyncio.run(serve_and_send(tmp_path, arrange, clients=2))
+    replies, _queued, fatal, log = asyncio.run(serve_and_send(tmp_path, arrange, clients=2))
     assert [452, 452] == [code for code, _ in replies]
     assert all(text.startswith(b"4.3.1 ") for _, text in replies)
     assert [] == fatal

@@ -82,7 +82,7 @@ def test_zero_filled_or_garbage_tail_is_truncated_and_good_records_kept(tmp_path
 def test_flipped_bit_in_a_middle_segment_is_reported_and_later_records_kept(tmp_path):
     """Corruption in a sealed segment is reported with segment and offset; every good record after it stays."""
     d = str(tmp_path)
-    written, _ = write_messages(d, 40, segment_bytes_max=65536)  # ~3 KiB of records per 10 messages
+    _written, _ = write_messages(d, 40, segment_bytes_max=65536)  # ~3 KiB of records per 10 messages
     log, _ = Log.open(OsFileSystem(), d, segment_bytes_max=65536)
     for i in range(2500):  # fill several segments so that one is in the middle
         log.append(FinishRecord(f"F{i}", Pos(1, 32), 1.0))

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from mtaq.core.records import DeliveryRecord, EnvelopeRecord, FinishRecord, Outcome, Pos, Recipient, StartRecord
+from mtaq.core.records import (
+    DeliveryRecord,
+    EnvelopeRecord,
+    FinishRecord,
+    Outcome,
+    Pos,
+    Recipient,
+    StartRecord,
+)
 from mtaq.core.state import UNKNOWN_REPLY, QueueState, RetryPolicy, conclude
 
 POLICY = RetryPolicy(intervals_s=(10.0, 20.0))

@@ -2,7 +2,7 @@
 
 Layout (docs/log_format.md has the grammar and a worked example)::
 
-    segment  := header frame* 
+    segment  := header frame*
     header   := "MTAQSEG\\0" version:u16 reserved:u16 segment:u64 salt:u32 created:u32 hcrc:u32   (32 bytes, LE)
     frame    := magic:u16 type:u8 flags:u8 length:u32 crc:u32 payload[length]               (12 + length bytes)
 
@@ -28,28 +28,36 @@ import struct
 import zlib
 from dataclasses import dataclass, field
 
-from mtaq.core.records import PayloadError, Pos, Record, RecordType, SealRecord, decode_payload, encode_payload
+from mtaq.core.records import (
+    PayloadError,
+    Pos,
+    Record,
+    RecordType,
+    SealRecord,
+    decode_payload,
+    encode_payload,
+)
 
 __all__ = [
+    "FRAME_HEADER_BYTES",
+    "FRAME_MAGIC",
+    "RECORD_BYTES_MAX",
+    "SEGMENT_HEADER_BYTES",
     "SEGMENT_MAGIC",
     "SEGMENT_VERSION",
-    "SEGMENT_HEADER_BYTES",
-    "FRAME_MAGIC",
-    "FRAME_HEADER_BYTES",
-    "RECORD_BYTES_MAX",
+    "BadFrame",
+    "Frame",
+    "HeaderError",
+    "NeedMore",
+    "Problem",
     "SegmentHeader",
-    "encode_segment_header",
+    "SegmentScan",
+    "decode_frame",
     "decode_segment_header",
     "encode_frame",
     "encode_record",
-    "Frame",
-    "NeedMore",
-    "BadFrame",
-    "decode_frame",
-    "Problem",
-    "SegmentScan",
+    "encode_segment_header",
     "scan_segment",
-    "HeaderError",
 ]
 
 SEGMENT_MAGIC = b"MTAQSEG\x00"

@@ -20,26 +20,26 @@ Payloads are msgpack arrays (msgspec ``array_like`` structs); framing, checksums
 from __future__ import annotations
 
 import enum
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
 __all__ = [
-    "RecordType",
+    "RECORD_TYPE_OF",
+    "DataRecord",
+    "DeliveryRecord",
+    "EnvelopeRecord",
+    "FinishRecord",
+    "Outcome",
+    "PayloadError",
     "Pos",
     "Recipient",
-    "Outcome",
-    "DataRecord",
-    "EnvelopeRecord",
-    "StartRecord",
-    "DeliveryRecord",
-    "FinishRecord",
-    "SealRecord",
     "Record",
-    "RECORD_TYPE_OF",
-    "encode_payload",
+    "RecordType",
+    "SealRecord",
+    "StartRecord",
     "decode_payload",
-    "PayloadError",
+    "encode_payload",
 ]
 
 
@@ -171,7 +171,7 @@ RECORD_TYPE_OF: dict[type, RecordType] = {
 _CLASS_OF: dict[int, type] = {int(v): k for k, v in RECORD_TYPE_OF.items()}
 _ENCODER = msgspec.msgpack.Encoder()
 # Frames carry the type byte, so each payload is decoded with its own (untagged) decoder.
-_DECODERS = {t: msgspec.msgpack.Decoder(cls) for t, cls in _CLASS_OF.items()}
+_DECODERS: dict[int, msgspec.msgpack.Decoder[Any]] = {t: msgspec.msgpack.Decoder(cls) for t, cls in _CLASS_OF.items()}
 
 
 class PayloadError(ValueError):

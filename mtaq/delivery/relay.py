@@ -18,7 +18,7 @@ import aiosmtplib
 
 from mtaq.config import Relayhost
 
-__all__ = ["Reply", "RelayConnection", "classify", "split_enhanced"]
+__all__ = ["RelayConnection", "Reply", "classify", "split_enhanced"]
 
 _ENHANCED = re.compile(r"^([245])\.(\d{1,3})\.(\d{1,3})\s+")
 

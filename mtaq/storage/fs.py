@@ -70,7 +70,7 @@ class FileSystem(Protocol):
 
 
 class _OsFile:
-    __slots__ = ("path", "_fd", "_size")
+    __slots__ = ("_fd", "_size", "path")
 
     def __init__(self, path: str, fd: int) -> None:
         self.path = path

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 
 from mtaq.core.frame import (
     FRAME_HEADER_BYTES,
+    SEGMENT_HEADER_BYTES,
+    BadFrame,
     Frame,
     HeaderError,
     Problem,
@@ -43,13 +45,12 @@ from mtaq.core.frame import (
     encode_frame,
     encode_segment_header,
     scan_segment,
-    SEGMENT_HEADER_BYTES,
 )
 from mtaq.core.records import PayloadError, Pos, Record, SealRecord, decode_payload, encode_payload
 from mtaq.errors import CorruptRecord, StorageError, StorageFatal, StorageFull
 from mtaq.storage.fs import File, FileSystem
 
-__all__ = ["Log", "LogStats", "OpenReport", "segment_path", "list_segments", "scan_log"]
+__all__ = ["Log", "LogStats", "OpenReport", "list_segments", "scan_log", "segment_path"]
 
 _SUFFIX = ".seg"
 
@@ -363,7 +364,7 @@ class Log:
             raise _wrap_oserror(exc, f"reading segment {pos.segment}") from exc
         res = decode_frame(buf, 0, salt)
         if not isinstance(res, Frame):
-            why = "cut off" if not hasattr(res, "reason") else res.reason  # type: ignore[union-attr]
+            why = res.reason if isinstance(res, BadFrame) else "cut off"
             raise CorruptRecord(f"segment {pos.segment} offset {pos.offset}: {why}")
         try:
             return decode_payload(res.rtype, res.payload)

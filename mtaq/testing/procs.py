@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["free_port", "wait_port", "Proc", "start_sink", "start_daemon", "maildir_message_ids", "maildir_count"]
+__all__ = ["Proc", "free_port", "maildir_count", "maildir_message_ids", "start_daemon", "start_sink", "wait_port"]
 
 
 def free_port() -> int:
@@ -65,7 +65,7 @@ class Proc:
 
 
 def _mtaq(args: Sequence[str], log_path: str, env: dict[str, str] | None) -> subprocess.Popen[bytes]:
-    out = open(log_path, "ab")  # noqa: SIM115 - owned by the child
+    out = open(log_path, "ab")
     return subprocess.Popen(
         [sys.executable, "-m", "mtaq.cli", *args],
         stdout=out,
@@ -100,7 +100,7 @@ def start_daemon(
     if config:
         args += ["--config", config]
     if wrapper:
-        out = open(log_path, "ab")  # noqa: SIM115
+        out = open(log_path, "ab")
         p = subprocess.Popen([*wrapper, sys.executable, "-m", "mtaq.cli", *args], stdout=out, stderr=out,
                              stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})})
     else:

@@ -1,0 +1,1 @@
+"""The only file-system code of mtaq: segment files, the log, group commit (and, later, checkpoints)."""
