@@ -170,10 +170,13 @@ class Log:
                         if not scan.sealed:
                             rtype, payload = encode_payload(SealRecord(segment=n, records=scan.frames))
                             f.append(encode_frame(int(rtype), payload, scan.header.salt))
-                            scan.sealed = True
                         f.fsync()
+                        scan.valid_end = f.size()
                     finally:
                         f.close()
+                    # The scan handed on describes the repaired segment: sealed, no torn tail.
+                    scan.sealed = True
+                    scan.problems = [p for p in scan.problems if p.kind != "torn-tail"]
                 report.scans[n] = scan
                 break
             report.segments = nums
