@@ -15,7 +15,7 @@ from typing import Any
 from mtaq.config import Config, parse_hostport, parse_relayhost
 from mtaq.core.records import EnvelopeRecord, Outcome
 from mtaq.core.state import Message, RetryPolicy, format_reply
-from mtaq.delivery.relay import RelayConnection, Reply, classify
+from mtaq.delivery.relay import RelayConnection, classify
 from mtaq.edge.server import QueueHandler, start_server
 from mtaq.errors import CorruptRecord, StorageError, StorageFatal
 from mtaq.logs import get_logger
@@ -44,7 +44,15 @@ class Daemon:
         self._live_scheduled: set[str] | None = set()  # queued while recovery runs
         self.ready = asyncio.Event()
 
-    def _on_queued(self, env: EnvelopeRecord) -> None:
+    def _on_durable(self, env: EnvelopeRecord) -> None:
+        self.log.info(
+            "queued",
+            queue_id=env.queue_id,
+            sender=env.sender,
+            size=env.size,
+            nrcpt=len(env.recipients),
+            client=env.client,
+        )
         self.scheduler.add(env.queue_id, env.not_before_ts, incoming=True)
         if self._live_scheduled is not None:
             self._live_scheduled.add(env.queue_id)
@@ -58,13 +66,13 @@ class Daemon:
         cfg = self.cfg
         t_start = time.monotonic()
         log_dir = os.path.join(cfg.spool_dir, "log")
-        os.makedirs(cfg.spool_dir, exist_ok=True)
         qlog, report = Log.open(OsFileSystem(), log_dir, segment_bytes_max=cfg.segment_bytes_max)
         qlog.on_fatal.append(self._on_fatal)
         self.queue = Queue(qlog, policy=RetryPolicy(intervals_s=tuple(cfg.retry_intervals_s)))
         self.scheduler = Scheduler()
+        self.queue.on_durable = self._on_durable
         host, port = parse_hostport(cfg.listen)
-        handler = QueueHandler(self.queue, self._on_queued)
+        handler = QueueHandler(self.queue)
         self.server = await start_server(
             handler,
             host,
@@ -117,27 +125,41 @@ class Daemon:
                 await self._attempt(msg, conn)
             except StorageFatal:
                 return  # the process is exiting
-            except StorageError as exc:
-                self.log.error("delivery_storage_error", queue_id=qid, error=str(exc))
-                if not msg.active:
-                    self.scheduler.add(qid, time.time() + 60, incoming=False)
-            except Exception:  # pragma: no cover - a bug must not stop the worker
-                self.log.exception("delivery_worker_error", queue_id=qid)
+            except Exception as exc:
+                # A full disk, a read error, or a bug: never leave the message active and forgotten.
+                self.log.exception("delivery_attempt_failed", queue_id=qid, error=str(exc))
+                self._abandon(msg)
+
+    def _abandon(self, msg: Message) -> None:
+        """End a failed attempt: conclude with what is known (the rest is 'unknown'), retry in a minute."""
+        retry_at = time.time() + 60.0
+        if msg.active:
+            try:
+                self.queue.conclude(msg)
+            except StorageFatal:
+                return
+            except StorageError:
+                # Not even book-keeping can be written: forget the attempt in memory only; the START in
+                # the log stays open, and the next recovery concludes it.
+                msg.start_pos = None
+                msg.outcomes = {}
+        if msg.queue_id in self.queue.state.messages:
+            self.scheduler.add(msg.queue_id, retry_at, incoming=False)
 
     async def _attempt(self, msg: Message, conn: RelayConnection) -> None:
         q = self.queue
-        q.start(msg.queue_id)
         env = msg.envelope
-        rcpts = env.recipients
         try:
             body = q.read_body(msg)
         except CorruptRecord as exc:
-            self.log.error("corrupt_message", queue_id=msg.queue_id, error=str(exc))
-            replies = [Reply(451, "4.3.0", f"queue file corrupt: {exc}")] * len(rcpts)
-            relay = "none"
-        else:
-            replies = await conn.send(env.sender, [r.address for r in rcpts], body)
-            relay = conn.name
+            # Postfix moves such a file to its corrupt queue; until mtaq has one (and admin commands),
+            # the message stays queued, is not retried, and is reported at every start.
+            self.log.error("corrupt_message", queue_id=msg.queue_id, error=str(exc), action="held, not retried")
+            return
+        q.start(msg.queue_id)
+        rcpts = env.recipients
+        replies = await conn.send(env.sender, [r.address for r in rcpts], body)
+        relay = conn.name
         outcomes = [
             Outcome(index=r.index, status=classify(rep.code), code=rep.code, enhanced=rep.enhanced, text=rep.text)  # type: ignore[arg-type]
             for r, rep in zip(rcpts, replies, strict=True)

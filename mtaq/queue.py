@@ -10,6 +10,7 @@ only after it was appended). What waits for an fsync and what does not (seed 001
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -65,6 +66,8 @@ class Queue:
         self.policy = policy
         self.clock = clock
         self.received = 0
+        # Called with each new envelope once it is durable (the daemon logs `queued` and schedules it).
+        self.on_durable: Callable[[EnvelopeRecord], None] = lambda env: None
 
     async def receive(
         self,
@@ -79,6 +82,9 @@ class Queue:
     ) -> EnvelopeRecord:
         """Append a new message and return its envelope once it is durable (the caller may then say 250).
 
+        The message enters the queue state, and ``on_durable`` is called, only after the covering fsync,
+        and even if the caller is cancelled meanwhile (an SMTP client that hangs up after its final dot):
+        a durable message is always scheduled, a message that is not durable never is.
         Raises StorageFull / StorageError / StorageFatal (nothing acknowledged).
         """
         now = self.clock()
@@ -92,7 +98,8 @@ class Queue:
             not_before_ts=now,
             sender=sender,
             recipients=tuple(
-                Recipient(index=i, address=a, params=tuple(p)) for i, (a, p) in enumerate(zip(recipients, rps, strict=True))
+                Recipient(index=i, address=a, params=tuple(p))
+                for i, (a, p) in enumerate(zip(recipients, rps, strict=True))
             ),
             data=data_pos,
             size=len(body),
@@ -101,10 +108,14 @@ class Queue:
             helo=helo,
         )
         env_pos, lsn = self.log.append(env)
-        self.state.apply(env_pos, env)
-        await self.log.commit(lsn)
-        self.received += 1
+        await asyncio.shield(self._settle(env_pos, env, lsn))
         return env
+
+    async def _settle(self, pos: Pos, env: EnvelopeRecord, lsn: int) -> None:
+        await self.log.commit(lsn)
+        self.state.apply(pos, env)
+        self.received += 1
+        self.on_durable(env)
 
     def start(self, queue_id: str) -> Message:
         """Begin an attempt: append START (not waited for). Raises KeyError/ValueError if not startable."""

@@ -34,7 +34,8 @@ async def serve_and_send(tmp_path, arrange, clients: int):
     log.on_fatal.append(fatal.append)
     queue = Queue(log, policy=RetryPolicy())
     queued = []
-    server = await start_server(QueueHandler(queue, queued.append), "127.0.0.1", 0, hostname="mx.test",
+    queue.on_durable = queued.append
+    server = await start_server(QueueHandler(queue), "127.0.0.1", 0, hostname="mx.test",
                                 data_size_limit=1 << 20, timeout_s=30)
     port = server.sockets[0].getsockname()[1]
     arrange(fs)
@@ -73,7 +74,8 @@ def test_full_disk_answers_452_and_acceptance_resumes_when_space_is_back(tmp_pat
         state["fs"].fail_append = None
         queue = Queue(log, policy=RetryPolicy())
         got = []
-        server = await start_server(QueueHandler(queue, got.append), "127.0.0.1", 0, hostname="mx.test",
+        queue.on_durable = got.append
+        server = await start_server(QueueHandler(queue), "127.0.0.1", 0, hostname="mx.test",
                                     data_size_limit=1 << 20, timeout_s=30)
         port = server.sockets[0].getsockname()[1]
         reply = await asyncio.to_thread(send, port)
@@ -83,3 +85,48 @@ def test_full_disk_answers_452_and_acceptance_resumes_when_space_is_back(tmp_pat
     (code, text), got = asyncio.run(again())
     assert 250 == code and text.startswith(b"2.0.0 Ok: queued as ")
     assert 1 == len(got)
+
+
+def test_client_hanging_up_during_the_commit_still_gets_its_durable_message_scheduled(tmp_path):
+    """The client sends its final dot and closes at once: aiosmtpd cancels the handler, but the message,
+    once durable, is in the queue and handed on (it is never lost in memory until a restart); and it is
+    not in the queue before its fsync completed."""
+    import socket
+
+    async def main():
+        fs = FaultyFileSystem()
+        log, _ = Log.open(fs, str(tmp_path / "log"), segment_bytes_max=1 << 20)
+        queue = Queue(log, policy=RetryPolicy())
+        durable = []
+        seen_before_fsync = []
+        queue.on_durable = durable.append
+        server = await start_server(QueueHandler(queue), "127.0.0.1", 0, hostname="mx.test",
+                                    data_size_limit=1 << 20, timeout_s=30)
+        port = server.sockets[0].getsockname()[1]
+        fs.fsync_delay_s = 0.5
+
+        def client():
+            s = socket.create_connection(("127.0.0.1", port))
+            f = s.makefile("rb")
+            f.readline()
+            s.sendall(b"HELO c\r\nMAIL FROM:<a@example.org>\r\nRCPT TO:<b@example.net>\r\nDATA\r\n")
+            for _ in range(4):
+                f.readline()
+            s.sendall(b"Subject: t\r\n\r\nbody\r\n.\r\n")
+            s.shutdown(socket.SHUT_WR)
+            s.close()
+
+        await asyncio.to_thread(client)
+        await asyncio.sleep(0.2)
+        seen_before_fsync.append(dict(queue.state.messages))
+        for _ in range(50):
+            if durable:
+                break
+            await asyncio.sleep(0.05)
+        server.close()
+        return durable, seen_before_fsync, queue
+
+    durable, before, queue = asyncio.run(main())
+    assert [{}] == before
+    assert 1 == len(durable)
+    assert [durable[0].queue_id] == list(queue.state.messages)

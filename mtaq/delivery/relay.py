@@ -43,6 +43,17 @@ def split_enhanced(code: int, message: str) -> Reply:
     return Reply(code, f"{klass}.0.0", text)
 
 
+def _refusal(exc: aiosmtplib.SMTPResponseException) -> Reply:
+    """The reply in an exception aiosmtplib raised because it was not the expected one.
+
+    Only 4xx and 5xx are refusals; anything else here (a 252 to RCPT, a 2xx to MAIL or to DATA where 354 was
+    due) is not a final acceptance, so it counts as a temporary failure and never as delivered.
+    """
+    if 400 <= exc.code < 600:
+        return split_enhanced(exc.code, exc.message)
+    return Reply(451, "4.5.0", f"unexpected reply {exc.code} {' '.join(exc.message.split())}".strip())
+
+
 def classify(code: int) -> str:
     """delivered / deferred / failed for an SMTP reply code."""
     if 200 <= code < 300:
@@ -90,7 +101,12 @@ class RelayConnection:
                 pass
 
     async def send(self, sender: str, recipients: Sequence[str], body: bytes) -> list[Reply]:
-        """Offer ``body`` from ``sender`` to ``recipients``; return one final reply per recipient, in order."""
+        """Offer ``body`` from ``sender`` to ``recipients``; return one final reply per recipient, in order.
+
+        Internationalised addresses go with SMTPUTF8 (RFC 6531) when the next hop offers it; otherwise
+        they get ``553 5.6.7`` (RFC 6531 §3.5), the others go as usual. Any failure in the middle of the
+        transaction drops the connection (never reuse one in an unknown state) and defers what is left.
+        """
         replies: list[Reply | None] = [None] * len(recipients)
 
         def fill(reply: Reply) -> list[Reply]:
@@ -101,19 +117,31 @@ class RelayConnection:
         except (aiosmtplib.SMTPException, OSError) as exc:
             self._drop()
             return fill(Reply(421, "4.4.1", f"connect to {self.name}: {_why(exc)}"))
+        utf8 = not sender.isascii() or not all(r.isascii() for r in recipients)
+        if utf8 and not c.supports_extension("smtputf8"):
+            no_utf8 = Reply(553, "5.6.7", f"{self.name} does not support SMTPUTF8")
+            if not sender.isascii():
+                return fill(no_utf8)
+            for i, rcpt in enumerate(recipients):
+                if not rcpt.isascii():
+                    replies[i] = no_utf8
+            utf8 = False
+        enc = "utf-8" if utf8 else "ascii"
         try:
             try:
-                await c.mail(sender)
+                await c.mail(sender, options=["SMTPUTF8"] if utf8 else None, encoding=enc)
             except aiosmtplib.SMTPResponseException as exc:
                 await self._reset(c)
-                return fill(split_enhanced(exc.code, exc.message))
+                return fill(_refusal(exc))
             accepted: list[int] = []
             for i, rcpt in enumerate(recipients):
+                if replies[i] is not None:
+                    continue
                 try:
-                    await c.rcpt(rcpt)
+                    await c.rcpt(rcpt, encoding=enc)
                     accepted.append(i)
                 except aiosmtplib.SMTPResponseException as exc:
-                    replies[i] = split_enhanced(exc.code, exc.message)
+                    replies[i] = _refusal(exc)
             if not accepted:
                 await self._reset(c)
                 return fill(Reply(450, "4.0.0", "no recipient accepted"))
@@ -121,13 +149,14 @@ class RelayConnection:
                 resp = await c.data(body)
                 final = split_enhanced(resp.code, resp.message)
             except aiosmtplib.SMTPResponseException as exc:
-                final = split_enhanced(exc.code, exc.message)
+                final = _refusal(exc)
                 await self._reset(c)
             for i in accepted:
                 replies[i] = final
             return fill(final)
-        except (aiosmtplib.SMTPException, OSError) as exc:
-            # Lost connection or timeout before a final reply: the outcome is unknown to us; retry later.
+        except Exception as exc:
+            # Lost connection, timeout, or anything unexpected before a final reply: the outcome is unknown
+            # to us (RFC 1047); the connection is in an unknown state. Defer and retry (at-least-once).
             self._drop()
             return fill(Reply(421, "4.4.2", f"conversation with {self.name}: {_why(exc)}"))
 

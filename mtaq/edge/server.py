@@ -1,19 +1,19 @@
 """The SMTP server side: aiosmtpd does the protocol; this handler queues the message durably.
 
 RFC 5321 §6.1: after ``250`` to DATA the message is ours and must not be lost. The reply is therefore sent
-only after the DATA and ENVELOPE records are covered by an fsync (group commit). A storage failure is
+only after the DATA and ENVELOPE records are covered by an fsync (group commit). The ``queued`` event and
+the scheduling happen in :meth:`Queue.receive` once the message is durable, whether or not the client is
+still there to hear the 250. A storage failure is
 answered ``451 4.3.0`` (``452 4.3.1`` when the spool is full) and the message is not acknowledged.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from typing import Any
 
 from aiosmtpd.smtp import SMTP, Envelope, Session
 
-from mtaq.core.records import EnvelopeRecord
 from mtaq.errors import StorageError
 from mtaq.logs import get_logger
 from mtaq.queue import Queue
@@ -24,9 +24,8 @@ __all__ = ["QueueHandler", "start_server"]
 class QueueHandler:
     """aiosmtpd handler: ``handle_DATA`` queues the message and answers once it is durable."""
 
-    def __init__(self, queue: Queue, on_queued: Callable[[EnvelopeRecord], None]) -> None:
+    def __init__(self, queue: Queue) -> None:
         self.queue = queue
-        self.on_queued = on_queued
         self.log = get_logger()
 
     async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
@@ -46,15 +45,6 @@ class QueueHandler:
         except StorageError as exc:
             self.log.error("queue_write_failed", error=str(exc), client=client, reply=exc.smtp_reply)
             return exc.smtp_reply
-        self.log.info(
-            "queued",
-            queue_id=env.queue_id,
-            sender=env.sender,
-            size=env.size,
-            nrcpt=len(env.recipients),
-            client=client,
-        )
-        self.on_queued(env)
         return f"250 2.0.0 Ok: queued as {env.queue_id}"
 
 

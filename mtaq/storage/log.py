@@ -98,6 +98,18 @@ class OpenReport:
     new_segment: int = 0
 
 
+def _make_durable_dirs(fs: FileSystem, directory: str) -> None:
+    """Create ``directory`` and any missing ancestors, fsyncing each new entry's parent (spool, then log)."""
+    missing = []
+    d = os.path.abspath(directory)
+    while not fs.exists(d):
+        missing.append(d)
+        d = os.path.dirname(d)
+    for d in reversed(missing):
+        fs.makedirs(d)
+        fs.fsync_dir(os.path.dirname(d))
+
+
 def _wrap_oserror(exc: OSError, what: str) -> StorageError:
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return StorageFull(f"{what}: {exc.strerror}")
@@ -141,10 +153,7 @@ class Log:
         log = cls(fs, directory, segment_bytes_max=segment_bytes_max)
         report = OpenReport()
         try:
-            parent = os.path.dirname(os.path.abspath(directory))
-            if not fs.exists(directory):
-                fs.makedirs(directory)
-                fs.fsync_dir(parent)
+            _make_durable_dirs(fs, directory)
             nums = list_segments(fs, directory)
             highest = max(nums, default=0)
             while nums:

@@ -6,6 +6,7 @@ The full crash file system (drop unsynced writes, forget directory entries) is i
 from __future__ import annotations
 
 import errno
+import time
 from typing import Any
 
 from mtaq.storage.fs import File, OsFileSystem
@@ -23,6 +24,8 @@ class _FaultyFile:
         return getattr(self._inner, name)
 
     def fsync(self) -> None:
+        if self._fs.fsync_delay_s:
+            time.sleep(self._fs.fsync_delay_s)  # runs in the log's fsync thread, like a slow disk
         if self._fs.fail_fsync:
             raise OSError(errno.EIO, "Input/output error")
         self._inner.fsync()
@@ -34,9 +37,11 @@ class _FaultyFile:
 
 
 class FaultyFileSystem(OsFileSystem):
-    """Set ``fail_fsync = True`` or ``fail_append = errno.ENOSPC`` to make the next calls fail."""
+    """Set ``fail_fsync = True`` or ``fail_append = errno.ENOSPC`` to make the next calls fail, and
+    ``fsync_delay_s`` to make every fsync that slow."""
 
     def __init__(self) -> None:
+        self.fsync_delay_s = 0.0
         self.fail_fsync = False
         self.fail_append: int | None = None
 

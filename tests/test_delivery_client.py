@@ -1,0 +1,95 @@
+"""The delivery client against real aiosmtpd servers that answer oddly: per-recipient final replies only."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiosmtpd.smtp import SMTP
+
+from mtaq.config import parse_relayhost
+from mtaq.delivery.relay import RelayConnection, classify, split_enhanced
+
+
+class Recorder:
+    """A next hop that records DATA transactions; RCPT answers come from ``rcpt_reply``."""
+
+    def __init__(self, rcpt_reply=None) -> None:
+        self.rcpt_reply = rcpt_reply
+        self.messages: list[tuple[str, list[str]]] = []
+
+    async def handle_RCPT(self, server, session, envelope, address, opts):
+        if self.rcpt_reply:
+            reply = self.rcpt_reply(address)
+            if reply:
+                return reply
+        envelope.rcpt_tos.append(address)
+        return "250 2.1.5 Ok"
+
+    async def handle_DATA(self, server, session, envelope):
+        self.messages.append((envelope.mail_from, list(envelope.rcpt_tos)))
+        return "250 2.0.0 Ok"
+
+
+async def with_server(handler, fn, **smtp_kw):
+    loop = asyncio.get_running_loop()
+    srv = await loop.create_server(lambda: SMTP(handler, hostname="hop", loop=loop, **smtp_kw), "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    conn = RelayConnection(parse_relayhost(f"[127.0.0.1]:{port}"), helo_name="mtaq.test", timeout_s=5)
+    try:
+        return await fn(conn)
+    finally:
+        srv.close()
+
+
+BODY = b"Subject: t\r\n\r\nhi\r\n"
+
+
+def test_a_2xx_that_is_not_the_final_reply_is_never_delivered():
+    """RCPT answered 252 is not an acceptance of the message: deferred (4.5.0), and no DATA was sent."""
+    h = Recorder(lambda a: "252 2.1.5 Cannot VRFY user, but will accept message")
+
+    replies = asyncio.run(with_server(h, lambda c: c.send("a@x.org", ["b@y.org"], BODY)))
+    assert ["deferred"] == [classify(r.code) for r in replies]
+    assert [] == h.messages
+
+
+def test_mixed_rcpt_replies_map_to_each_recipient():
+    """550 and 451 at RCPT are those recipients' final replies; the others get the end-of-DATA reply."""
+    h = Recorder(lambda a: {"bad@y.org": "550 5.1.1 no such user", "later@y.org": "451 4.2.0 busy"}.get(a))
+    replies = asyncio.run(with_server(h, lambda c: c.send("a@x.org", ["ok@y.org", "bad@y.org", "later@y.org"], BODY)))
+    assert [("delivered", "2.0.0"), ("failed", "5.1.1"), ("deferred", "4.2.0")] == [(classify(r.code), r.enhanced) for r in replies]
+    assert [("a@x.org", ["ok@y.org"])] == h.messages
+
+
+def test_internationalised_address_without_smtputf8_fails_5_6_7_and_the_connection_stays_usable():
+    """A next hop without SMTPUTF8: the UTF-8 recipient gets 553 5.6.7, the ASCII one is delivered, and the
+    reused connection is clean for the next message (no half transaction left behind)."""
+    h = Recorder()
+
+    async def two(c):
+        first = await c.send("a@x.org", ["jürgen@y.org", "bob@y.org"], BODY)
+        second = await c.send("a@x.org", ["carol@y.org"], BODY)
+        return first, second
+
+    first, second = asyncio.run(with_server(h, two))  # aiosmtpd without enable_SMTPUTF8
+    assert [(553, "5.6.7"), (250, "2.0.0")] == [(r.code, r.enhanced) for r in first]
+    assert [(250, "2.0.0")] == [(r.code, r.enhanced) for r in second]
+    assert [("a@x.org", ["bob@y.org"]), ("a@x.org", ["carol@y.org"])] == h.messages
+
+
+def test_internationalised_address_goes_with_smtputf8_when_offered():
+    h = Recorder()
+    replies = asyncio.run(with_server(h, lambda c: c.send("a@x.org", ["jürgen@y.org"], BODY), enable_SMTPUTF8=True))
+    assert [250] == [r.code for r in replies]
+    assert [("a@x.org", ["jürgen@y.org"])] == h.messages
+
+
+def test_unreachable_next_hop_defers_with_4_4_1():
+    conn = RelayConnection(parse_relayhost("[127.0.0.1]:1"), helo_name="mtaq.test", timeout_s=2)
+    replies = asyncio.run(conn.send("a@x.org", ["b@y.org"], BODY))
+    assert [(421, "4.4.1", "deferred")] == [(r.code, r.enhanced, classify(r.code)) for r in replies]
+
+
+def test_enhanced_status_code_is_split_off_the_reply_text():
+    assert ("5.1.1", "no such user") == (split_enhanced(550, "5.1.1 no such user").enhanced, split_enhanced(550, "5.1.1 no such user").text)
+    assert ("4.0.0", "try later") == (split_enhanced(421, "try later").enhanced, split_enhanced(421, "try later").text)
