@@ -54,7 +54,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from mtaq.testing.procs import Proc, maildir_count, maildir_message_ids, start_daemon, start_sink
+from mtaq.testing.procs import Proc, maildir_count, maildir_message_ids, read_events, start_daemon, start_sink
 
 MAX_TRIES = 50  # DATA attempts per message before the client gives up on it
 CONNECT_GIVE_UP_S = 60.0  # a daemon that does not accept connections this long is a failed run
@@ -175,25 +175,6 @@ def client(port: int, work: list[tuple[str, bytes]], next_index: itertools.count
             _close(s)
         with tally.cond:
             tally.cond.notify_all()
-
-
-def read_events(path: str) -> list[dict[str, object]]:
-    out: list[dict[str, object]] = []
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                line = line.strip()
-                if not line.startswith("{"):
-                    continue
-                try:
-                    ev = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(ev, dict):
-                    out.append(ev)
-    except FileNotFoundError:
-        pass
-    return out
 
 
 def _ts(ev: dict[str, object]) -> float | None:

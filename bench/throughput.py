@@ -51,7 +51,7 @@ from typing import Any
 
 import aiosmtplib
 
-from mtaq.testing.procs import Proc, maildir_count, maildir_message_ids, start_daemon, start_sink
+from mtaq.testing.procs import Proc, maildir_count, maildir_message_ids, read_events, start_daemon, start_sink
 
 SENDER = "bench@example.com"
 STATS_INTERVAL_S = 0.5
@@ -166,22 +166,6 @@ class Load:
 
 
 # --------------------------------------------------------------------------------------------- daemon log
-
-
-def read_events(path: str) -> list[dict[str, Any]]:
-    events = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            line = line.strip()
-            if not line.startswith("{"):
-                continue
-            try:
-                ev = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(ev, dict):
-                events.append(ev)
-    return events
 
 
 def stats_events(path: str) -> list[dict[str, Any]]:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 
 import pytest
 
-from mtaq.testing.procs import Proc, start_daemon, start_sink
+from mtaq.testing.procs import Proc, read_events, start_daemon, start_sink
 
 
 class Relay:
@@ -34,15 +33,7 @@ class Relay:
         return self.start(port=self.daemon.port)
 
     def events(self, name: str | None = None) -> list[dict]:
-        out = []
-        for line in self.daemon.log_text().splitlines():
-            try:
-                ev = json.loads(line)
-            except ValueError:
-                continue
-            if name is None or ev.get("event") == name:
-                out.append(ev)
-        return out
+        return [e for e in read_events(self.daemon.log_path) if name is None or e.get("event") == name]
 
     def wait_for(self, pred, timeout_s: float = 20.0, what: str = "condition"):
         deadline = time.monotonic() + timeout_s

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import email.parser
 import email.policy
+import json
 import os
 import signal
 import socket
@@ -16,6 +17,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["Proc", "free_port", "maildir_count", "maildir_message_ids", "start_daemon", "start_sink", "wait_port"]
 
@@ -107,6 +109,29 @@ def start_daemon(
         p = _mtaq(args, log_path, env)
     wait_port(port, proc=p)
     return Proc(p, port, log_path)
+
+
+def read_events(path: str) -> list[dict[str, Any]]:
+    """The JSON log events (one object per line, ``--log-format json``) in the file at ``path``.
+
+    Lines that are not JSON objects (a traceback, a line cut by a kill) are skipped; a missing file is [].
+    """
+    events: list[dict[str, Any]] = []
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                line = line.strip()
+                if not line.startswith("{"):
+                    continue
+                try:
+                    ev = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(ev, dict):
+                    events.append(ev)
+    except FileNotFoundError:
+        pass
+    return events
 
 
 def maildir_message_ids(maildir: str) -> Counter[str]:
