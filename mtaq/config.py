@@ -35,6 +35,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     retry_intervals_s: Annotated[list[Annotated[float, msgspec.Meta(gt=0)]], msgspec.Meta(min_length=1)] = msgspec.field(
         default_factory=lambda: [1800.0, 3600.0, 7200.0, 14400.0]
     )
+    maximal_queue_lifetime_s: Annotated[float, msgspec.Meta(gt=0)] = 5 * 86400.0  # then bounce (4.4.7)
+    bounce_queue_lifetime_s: Annotated[float, msgspec.Meta(gt=0)] = 5 * 86400.0  # for mail from <>
+    delay_warning_time_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # 0: no delay DSNs
+    checkpoint_interval_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 5.0
     smtp_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0  # per command, outbound
     smtp_server_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0  # idle client, inbound
     stats_interval_s: Annotated[float, msgspec.Meta(ge=0)] = 60.0  # 0 disables the periodic stats event

@@ -1,8 +1,14 @@
-"""``mtaq serve``: open the log, listen for SMTP at once, recover, then deliver.
+"""``mtaq serve``: open the log, listen for SMTP at once, recover, then run the queue runners and deliver.
 
 There is no shutdown code (crash-only): SIGTERM and SIGKILL both simply end the process, and the next start
-is a recovery. The one deliberate exit is after a failed fsync (GUIDE I6): everyone waiting on that commit
-has been answered 451, and the process exits with status 75 (EX_TEMPFAIL) so that recovery re-reads the disk.
+is a recovery. The deliberate exits are after a failed fsync (GUIDE I6), where everyone waiting on that
+commit has been answered 451 and the status is 75 (EX_TEMPFAIL), and after an unexpected exception in a
+daemon task (status 70). In both cases recovery re-reads the disk.
+
+Every ``checkpoint_interval_s`` the restart positions are taken, the log is fsync'd, the checkpoint is
+written (seed 001), and then every segment wholly before the point where true garbage ends is deleted
+(reclamation). That point is the earliest of the runner positions and of the envelopes of attempts still
+in the working set.
 """
 
 from __future__ import annotations
@@ -10,18 +16,21 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from mtaq.config import Config, parse_hostport, parse_relayhost
-from mtaq.core.records import EnvelopeRecord, Outcome
-from mtaq.core.state import Message, RetryPolicy, format_reply
-from mtaq.delivery.relay import RelayConnection, classify
+from mtaq.core.checkpoint import Checkpoint
+from mtaq.core.records import EnvelopeRecord, Outcome, Pos
+from mtaq.core.state import Attempt, RetryPolicy, format_reply
+from mtaq.delivery.relay import RelayConnection, Reply, classify
 from mtaq.edge.server import QueueHandler, start_server
 from mtaq.errors import CorruptRecord, StorageError, StorageFatal
 from mtaq.logs import get_logger
 from mtaq.queue import Queue
 from mtaq.recovery import recover
-from mtaq.runners import Scheduler
+from mtaq.runners import Dispatcher, Runner
+from mtaq.storage.checkpoint import write_checkpoint
 from mtaq.storage.fs import OsFileSystem
 from mtaq.storage.log import Log
 
@@ -34,28 +43,31 @@ _STATUS_OF = {"delivered": "sent", "deferred": "deferred", "failed": "bounced"}
 
 
 class Daemon:
-    """The running relay: one log, one SMTP listener, ``delivery_concurrency`` delivery workers."""
+    """The running relay: one log, one SMTP listener, the runners, ``delivery_concurrency`` workers."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, *, clock: Callable[[], float] = time.time) -> None:
         self.cfg = cfg
+        self.clock = clock
         self.log = get_logger()
         self.relayhost = parse_relayhost(cfg.relayhost)
         self.counts = {"delivered": 0, "deferred": 0, "failed": 0}
-        self._live_scheduled: set[str] | None = set()  # queued while recovery runs
-        self.ready = asyncio.Event()
-
-    def _on_durable(self, env: EnvelopeRecord) -> None:
-        self.log.info(
-            "queued",
-            queue_id=env.queue_id,
-            sender=env.sender,
-            size=env.size,
-            nrcpt=len(env.recipients),
-            client=env.client,
+        self.policy = RetryPolicy(
+            intervals_s=tuple(cfg.retry_intervals_s),
+            maximal_queue_lifetime_s=cfg.maximal_queue_lifetime_s,
+            bounce_queue_lifetime_s=cfg.bounce_queue_lifetime_s,
+            delay_warning_time_s=cfg.delay_warning_time_s,
         )
-        self.scheduler.add(env.queue_id, env.not_before_ts, incoming=True)
-        if self._live_scheduled is not None:
-            self._live_scheduled.add(env.queue_id)
+        self.runners: list[Runner] = []
+        self.checkpoints = 0
+        self.reclaimed = 0
+
+    def _on_durable(self, env: EnvelopeRecord, pos: Pos) -> None:
+        self.log.info(
+            "queued", queue_id=env.queue_id, sender=env.sender, size=env.size, nrcpt=len(env.recipients), client=env.client
+        )
+
+    def _on_dsn(self, env: EnvelopeRecord, original: str, kind: str) -> None:
+        self.log.info("dsn_queued", queue_id=env.queue_id, dsn_for=original, action=kind, recipient=env.recipients[0].address)
 
     def _on_fatal(self, exc: StorageFatal) -> None:
         self.log.critical("storage_fatal", error=str(exc), exit_status=EXIT_FSYNC_FAILED)
@@ -65,16 +77,15 @@ class Daemon:
     async def run(self) -> None:
         cfg = self.cfg
         t_start = time.monotonic()
-        log_dir = os.path.join(cfg.spool_dir, "log")
-        qlog, report = Log.open(OsFileSystem(), log_dir, segment_bytes_max=cfg.segment_bytes_max)
+        self.fs = OsFileSystem()
+        qlog, report = Log.open(self.fs, os.path.join(cfg.spool_dir, "log"), segment_bytes_max=cfg.segment_bytes_max)
         qlog.on_fatal.append(self._on_fatal)
-        self.queue = Queue(qlog, policy=RetryPolicy(intervals_s=tuple(cfg.retry_intervals_s)))
-        self.scheduler = Scheduler()
+        self.queue = Queue(qlog, policy=self.policy, reporting_mta=cfg.hostname(), clock=self.clock)
         self.queue.on_durable = self._on_durable
+        self.queue.on_dsn = self._on_dsn
         host, port = parse_hostport(cfg.listen)
-        handler = QueueHandler(self.queue)
         self.server = await start_server(
-            handler,
+            QueueHandler(self.queue),
             host,
             port,
             hostname=cfg.hostname(),
@@ -89,88 +100,100 @@ class Daemon:
             segment=report.new_segment,
             seconds=round(time.monotonic() - t_start, 4),
         )
-        res = await recover(self.queue, report, self.log)
-        live = self._live_scheduled or set()
-        self._live_scheduled = None
-        for msg in self.queue.state.messages.values():
-            if msg.queue_id not in live and not msg.active:
-                self.scheduler.add(msg.queue_id, msg.envelope.not_before_ts, incoming=msg.envelope.attempts == 0)
+        res = await recover(self.queue, report, cfg.spool_dir, self.log)
+        self.recovery = res
         self.log.info(
             "recovery_complete",
             seconds=round(res.seconds, 4),
             records=res.records,
             segments=res.segments,
             bytes=res.bytes,
+            scan_from=str(res.scan_from),
+            checkpoint=res.checkpoint or "used",
             concluded=res.concluded,
             outcome_unknown=len(res.unknown),
             corrupt=len(res.corrupt),
-            queued=len(self.queue.state.messages),
         )
-        workers = [
-            asyncio.create_task(self._worker(i)) for i in range(cfg.delivery_concurrency)
+        self.dispatcher = Dispatcher(self.policy.runners)
+        self.runners = [
+            Runner(
+                k,
+                qlog,
+                self.dispatcher,
+                res.runners[k],
+                res.garbage[k],
+                runners=self.policy.runners,
+                clock=self.clock,
+                on_corrupt=lambda msg: self.log.error("corrupt_record", where=msg, reader="runner"),
+            )
+            for k in range(self.policy.runners)
         ]
+        tasks = [asyncio.create_task(r.run()) for r in self.runners]
+        tasks += [asyncio.create_task(self._worker()) for _ in range(cfg.delivery_concurrency)]
+        tasks.append(asyncio.create_task(self._checkpointer()))
         if cfg.stats_interval_s > 0:
-            workers.append(asyncio.create_task(self._stats()))
-        self.ready.set()
-        await asyncio.gather(*workers)
+            tasks.append(asyncio.create_task(self._stats()))
+        await asyncio.gather(*tasks)
 
-    async def _worker(self, n: int) -> None:
+    # ------------------------------------------------------------------------------------------ delivery
+    async def _worker(self) -> None:
         conn = RelayConnection(self.relayhost, helo_name=self.cfg.hostname(), timeout_s=self.cfg.smtp_timeout_s)
+        q = self.queue
+        me = asyncio.current_task()
         while True:
-            qid = await self.scheduler.get()
-            msg = self.queue.state.messages.get(qid)
-            if msg is None or msg.active:
-                continue
+            if me is not None and me.cancelling():
+                # Python 3.11's wait_for (inside aiosmtplib) can swallow a cancellation; honour it here.
+                raise asyncio.CancelledError
+            offer = await self.dispatcher.take()
+            env = offer.envelope
+            body: bytes | None
             try:
-                await self._attempt(msg, conn)
+                body = q.read_body(env)
+                problem = ""
+            except (CorruptRecord, StorageError) as exc:
+                body, problem = None, str(exc)
+            attempt = q.start(offer.pos, env)  # same step as take(): the runner position stays truthful
+            try:
+                await self._attempt(attempt, body, problem, conn)
             except StorageFatal:
                 return  # the process is exiting
             except Exception as exc:
-                # A full disk, a read error, or a bug: never leave the message active and forgotten.
-                self.log.exception("delivery_attempt_failed", queue_id=qid, error=str(exc))
-                self._abandon(msg)
+                # A full disk, or a bug: never leave the attempt open and forgotten while we run.
+                self.log.exception("delivery_attempt_failed", queue_id=env.queue_id, error=str(exc))
+                try:
+                    q.conclude(attempt, body)
+                except Exception as exc2:
+                    # Stays in the working set (so reclamation keeps its envelope); the next recovery ends it.
+                    self.log.error("attempt_left_open", queue_id=env.queue_id, error=str(exc2))
 
-    def _abandon(self, msg: Message) -> None:
-        """End a failed attempt: conclude with what is known (the rest is 'unknown'), retry in a minute."""
-        retry_at = time.time() + 60.0
-        if msg.active:
-            try:
-                self.queue.conclude(msg)
-            except StorageFatal:
-                return
-            except StorageError:
-                # Not even book-keeping can be written: forget the attempt in memory only; the START in
-                # the log stays open, and the next recovery concludes it.
-                msg.start_pos = None
-                msg.outcomes = {}
-        if msg.queue_id in self.queue.state.messages:
-            self.scheduler.add(msg.queue_id, retry_at, incoming=False)
-
-    async def _attempt(self, msg: Message, conn: RelayConnection) -> None:
+    async def _attempt(self, attempt: Attempt, body: bytes | None, problem: str, conn: RelayConnection) -> None:
         q = self.queue
-        env = msg.envelope
-        try:
-            body = q.read_body(msg)
-        except CorruptRecord as exc:
-            # Postfix moves such a file to its corrupt queue; until mtaq has one (and admin commands),
-            # the message stays queued, is not retried, and is reported at every start.
-            self.log.error("corrupt_message", queue_id=msg.queue_id, error=str(exc), action="held, not retried")
-            return
-        q.start(msg.queue_id)
+        env = attempt.envelope
         rcpts = env.recipients
-        replies = await conn.send(env.sender, [r.address for r in rcpts], body)
-        relay = conn.name
+        if body is None:
+            self.log.error("corrupt_message", queue_id=env.queue_id, error=problem)
+            replies = [Reply(554, "5.3.0", f"message data unreadable in queue: {problem}")] * len(rcpts)
+            relay, remote_dsn = "none", False
+        else:
+            replies = await conn.send(
+                env.sender,
+                [r.address for r in rcpts],
+                body,
+                mail_params=env.mail_params,
+                rcpt_params=[r.params for r in rcpts],
+            )
+            relay, remote_dsn = conn.name, conn.remote_dsn
         outcomes = [
             Outcome(index=r.index, status=classify(rep.code), code=rep.code, enhanced=rep.enhanced, text=rep.text)  # type: ignore[arg-type]
             for r, rep in zip(rcpts, replies, strict=True)
         ]
-        await q.record_outcomes(msg, relay, outcomes)  # durable before the recipients count as done
-        delay = round(time.time() - env.arrival_ts, 3)
+        await q.record_outcomes(attempt, relay, outcomes, remote_dsn=remote_dsn)  # durable before they count
+        delay = round(self.clock() - env.arrival_ts, 3)
         for r, o in zip(rcpts, outcomes, strict=True):
             self.counts[o.status] += 1
             getattr(self.log, "info" if o.status == "delivered" else "warning")(
                 _EVENT_OF[o.status],
-                queue_id=msg.queue_id,
+                queue_id=env.queue_id,
                 recipient=r.address,
                 relay=relay,
                 delay=delay,
@@ -179,28 +202,63 @@ class Daemon:
                 reply=format_reply(o),
                 attempt=env.attempts + 1,
             )
-        rec = q.conclude(msg)
-        if isinstance(rec, EnvelopeRecord):
-            self.scheduler.add(msg.queue_id, rec.not_before_ts, incoming=False)
+        c, _pos = q.conclude(attempt, body)
+        for r in c.expired:
+            self.counts["failed"] += 1
+            self.log.warning("bounced", queue_id=env.queue_id, recipient=r.address, dsn="4.4.7",
+                             status="expired", reply="message delivery time expired")
+        if isinstance(c.record, EnvelopeRecord):
+            self.log.info("deferred_until", queue_id=env.queue_id, runner=c.record.runner,
+                          due=round(c.record.not_before_ts, 3), recipients_left=len(c.record.recipients))
         else:
-            self.log.info("removed", queue_id=msg.queue_id)
+            self.log.info("removed", queue_id=env.queue_id)
+
+    # ------------------------------------------------------------------------------- checkpoints, reclaim
+    async def _checkpointer(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.checkpoint_interval_s)
+            await self.checkpoint()
+
+    async def checkpoint(self) -> None:
+        """Take the restart positions, fsync the log, write the checkpoint, delete wholly-garbage segments."""
+        qlog, working = self.queue.log, self.queue.working
+        head = qlog.end
+        positions = tuple(r.position for r in self.runners)
+        garbage = tuple(tuple(sorted(r.garbage)) for r in self.runners)
+        suffix = working.earliest_start() or head
+        true_garbage_end = min((*positions, working.earliest_envelope() or head, head))
+        cp = Checkpoint(head=head, suffix=suffix, runners=positions, garbage=garbage, written_ts=self.clock())
+        await qlog.sync()  # every START behind the positions is durable before the checkpoint says so
+        await asyncio.to_thread(write_checkpoint, self.fs, self.cfg.spool_dir, cp)
+        self.checkpoints += 1
+        # Keep the segment before the garbage end too: an envelope's DATA may sit at the end of it.
+        gone = qlog.delete_segments_before(true_garbage_end.segment - 1)
+        if gone:
+            self.reclaimed += len(gone)
+            self.log.info("segments_reclaimed", segments=gone, garbage_end=str(true_garbage_end))
 
     async def _stats(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.stats_interval_s)
             st = self.queue.log.stats
+            segs = self.queue.log.segments()
             self.log.info(
                 "stats",
                 received=self.queue.received,
                 delivered=self.counts["delivered"],
                 deferred=self.counts["deferred"],
                 bounced=self.counts["failed"],
+                active=len(self.queue.working),
                 records=st.records_appended,
                 bytes=st.bytes_appended,
                 commit_rounds=st.commit_rounds,
                 fsync_calls=st.fsync_calls,
                 fsync_seconds=round(st.fsync_seconds, 4),
-                **{f"queue_{k}": v for k, v in self.queue.state.counts().items()},
+                segments=len(segs),
+                log_bytes=sum(self.queue.log.segment_size(n) for n in segs),
+                checkpoints=self.checkpoints,
+                segments_reclaimed=self.reclaimed,
+                runner_positions=[str(r.position) for r in self.runners],
             )
 
 
@@ -217,10 +275,11 @@ async def _run_or_crash(daemon: Daemon) -> None:
 
 def serve(cfg: Config) -> None:
     """Run the daemon until the process is killed."""
+    runner: Any
     try:
         import uvloop
 
-        runner: Any = uvloop.run
+        runner = uvloop.run
     except ImportError:  # pragma: no cover
         runner = asyncio.run
     runner(_run_or_crash(Daemon(cfg)))

@@ -1,31 +1,38 @@
-"""The queue: appends records to the log and applies them to the in-memory state, in that order.
+"""The queue: every change goes through here, appended to the log first, then to the in-memory working set.
 
-Every change to the queue goes through here, so the state is always what the log says (a record is applied
-only after it was appended). What waits for an fsync and what does not (seed 001, GUIDE §3):
+What waits for an fsync and what does not (seed 001, GUIDE §3):
 
 * receiving: DATA + ENVELOPE, then ``commit`` - the 250 comes after;
 * delivery outcomes: DELIVERY, then ``commit`` - a recipient counts as done only after;
-* START, FINISH and replacement envelopes: appended, not waited for (book-keeping, recovered if lost).
+* START, FINISH, replacement envelopes and DSNs: appended, not waited for (book-keeping). The log is
+  ordered and fsync covers a whole prefix, so a DSN appended before the conclusion that caused it is
+  durable whenever that conclusion is; if both are lost, recovery concludes the attempt again.
+
+A replacement envelope gets a fresh copy of the DATA record, so that mail deferred for days never pins an
+old segment (reclamation deletes a prefix of segments).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import time
 from collections.abc import Callable, Sequence
 
+import msgspec
+
+from mtaq.core.dsn import DsnRecipient, build_dsn
 from mtaq.core.records import (
     DataRecord,
     DeliveryRecord,
     EnvelopeRecord,
-    FinishRecord,
     Outcome,
     Pos,
     Recipient,
     StartRecord,
 )
-from mtaq.core.state import Message, QueueState, RetryPolicy, conclude
+from mtaq.core.state import Attempt, Conclusion, DsnItem, RetryPolicy, WorkingSet, conclude, format_reply
 from mtaq.errors import CorruptRecord
 from mtaq.storage.log import Log
 
@@ -50,8 +57,15 @@ def new_queue_id(now_ts: float | None = None) -> str:
     return "".join(reversed(out))
 
 
+def _param(params: Sequence[tuple[str, str]], key: str) -> str | None:
+    for k, v in params:
+        if k.upper() == key:
+            return v
+    return None
+
+
 class Queue:
-    """The log plus the state it implies. ``clock`` returns UTC seconds (injectable for tests)."""
+    """The log plus the working set it implies. ``clock`` returns UTC seconds (injectable for tests)."""
 
     def __init__(
         self,
@@ -59,15 +73,18 @@ class Queue:
         *,
         policy: RetryPolicy,
         clock: Callable[[], float] = time.time,
-        state: QueueState | None = None,
+        reporting_mta: str | None = None,
     ) -> None:
         self.log = log
-        self.state = state or QueueState()
         self.policy = policy
         self.clock = clock
+        self.reporting_mta = reporting_mta or socket.getfqdn()
+        self.working = WorkingSet()
         self.received = 0
-        # Called with each new envelope once it is durable (the daemon logs `queued` and schedules it).
-        self.on_durable: Callable[[EnvelopeRecord], None] = lambda env: None
+        # Called with each new envelope and its position once it is durable (the daemon logs `queued`).
+        self.on_durable: Callable[[EnvelopeRecord, Pos], None] = lambda env, pos: None
+        # Called for each DSN queued: (dsn envelope, original queue ID, kind).
+        self.on_dsn: Callable[[EnvelopeRecord, str, str], None] = lambda env, qid, kind: None
 
     async def receive(
         self,
@@ -82,11 +99,26 @@ class Queue:
     ) -> EnvelopeRecord:
         """Append a new message and return its envelope once it is durable (the caller may then say 250).
 
-        The message enters the queue state, and ``on_durable`` is called, only after the covering fsync,
-        and even if the caller is cancelled meanwhile (an SMTP client that hangs up after its final dot):
-        a durable message is always scheduled, a message that is not durable never is.
+        ``on_durable`` runs once the covering fsync is done, even if the caller was cancelled meanwhile
+        (an SMTP client that hangs up after its final dot). The queue runner for new mail sees the
+        envelope only from then on: a message that is not durable is never delivered.
         Raises StorageFull / StorageError / StorageFatal (nothing acknowledged).
         """
+        env, pos, lsn = self._append_message(sender, recipients, body, mail_params, rcpt_params, client, helo)
+        await asyncio.shield(self._settle(env, pos, lsn))
+        return env
+
+    def _append_message(
+        self,
+        sender: str,
+        recipients: Sequence[str],
+        body: bytes,
+        mail_params: Sequence[tuple[str, str]] = (),
+        rcpt_params: Sequence[Sequence[tuple[str, str]]] | None = None,
+        client: str = "",
+        helo: str = "",
+        bounce_of: str = "",
+    ) -> tuple[EnvelopeRecord, Pos, int]:
         now = self.clock()
         qid = new_queue_id(now)
         data_pos, _ = self.log.append(DataRecord(queue_id=qid, body=body))
@@ -106,51 +138,103 @@ class Queue:
             mail_params=tuple(mail_params),
             client=client,
             helo=helo,
+            bounce_of=bounce_of,
         )
-        env_pos, lsn = self.log.append(env)
-        await asyncio.shield(self._settle(env_pos, env, lsn))
-        return env
+        pos, lsn = self.log.append(env)
+        return env, pos, lsn
 
-    async def _settle(self, pos: Pos, env: EnvelopeRecord, lsn: int) -> None:
+    async def _settle(self, env: EnvelopeRecord, pos: Pos, lsn: int) -> None:
         await self.log.commit(lsn)
-        self.state.apply(pos, env)
         self.received += 1
-        self.on_durable(env)
+        self.on_durable(env, pos)
 
-    def start(self, queue_id: str) -> Message:
-        """Begin an attempt: append START (not waited for). Raises KeyError/ValueError if not startable."""
-        msg = self.state.messages[queue_id]
-        if msg.active:
-            raise ValueError(f"{queue_id} is already being delivered")
-        rec = StartRecord(queue_id=queue_id, envelope=msg.envelope_pos, ts=self.clock())
+    def start(self, envelope_pos: Pos, env: EnvelopeRecord) -> Attempt:
+        """Begin an attempt: append START (not waited for); from now the envelope is garbage."""
+        rec = StartRecord(queue_id=env.queue_id, envelope=envelope_pos, ts=self.clock(), runner=env.runner)
         pos, _ = self.log.append(rec)
-        self.state.apply(pos, rec)
-        return msg
+        return self.working.start(pos, envelope_pos, env)
 
-    def read_body(self, msg: Message) -> bytes:
+    def read_body(self, env: EnvelopeRecord) -> bytes:
         """The message content. Raises CorruptRecord when the DATA record does not check out."""
-        rec = self.log.read(msg.envelope.data)
-        if not isinstance(rec, DataRecord) or rec.queue_id != msg.queue_id:
-            raise CorruptRecord(f"{msg.queue_id}: data reference {msg.envelope.data} is not its DATA record")
+        rec = self.log.read(env.data)
+        if not isinstance(rec, DataRecord) or rec.queue_id != env.queue_id:
+            raise CorruptRecord(f"{env.queue_id}: data reference {env.data} is not its DATA record")
         return rec.body
 
-    async def record_outcomes(self, msg: Message, relay: str, outcomes: Sequence[Outcome]) -> None:
+    async def record_outcomes(
+        self, attempt: Attempt, relay: str, outcomes: Sequence[Outcome], *, remote_dsn: bool = False
+    ) -> None:
         """Append a DELIVERY record for ``outcomes`` and wait until it is durable (GUIDE I2)."""
-        assert msg.start_pos is not None
         rec = DeliveryRecord(
-            queue_id=msg.queue_id, start=msg.start_pos, ts=self.clock(), relay=relay, outcomes=tuple(outcomes)
+            queue_id=attempt.queue_id,
+            start=attempt.start_pos,
+            ts=self.clock(),
+            relay=relay,
+            outcomes=tuple(outcomes),
+            remote_dsn=remote_dsn,
         )
-        pos, lsn = self.log.append(rec)
-        self.state.apply(pos, rec)
+        _pos, lsn = self.log.append(rec)
+        self.working.delivery(rec)
         await self.log.commit(lsn)
 
-    def conclude(self, msg: Message) -> EnvelopeRecord | FinishRecord:
-        """End the active attempt: append FINISH or a replacement envelope (not waited for)."""
-        rec = conclude(msg, self.clock(), self.policy)
-        pos, _ = self.log.append(rec)
-        self.state.apply(pos, rec)
-        return rec
+    def conclude(self, attempt: Attempt, body: bytes | None = None) -> tuple[Conclusion, Pos]:
+        """End ``attempt``: queue the DSNs it calls for, then append FINISH or a replacement envelope.
 
-    def position_of(self, queue_id: str) -> Pos | None:
-        msg = self.state.messages.get(queue_id)
-        return None if msg is None else msg.envelope_pos
+        ``body`` is the message content if the caller has it (else it is read when needed). Returns the
+        conclusion (its record with the copied DATA reference) and the position of that record.
+        """
+        now = self.clock()
+        c = conclude(attempt, now, self.policy)
+        env = attempt.envelope
+        if c.dsn_groups:
+            if body is None:
+                body = self._body_or_empty(env)
+            for group in c.dsn_groups:
+                self._queue_dsn(env, group, body, now)
+        rec = c.record
+        if isinstance(rec, EnvelopeRecord):
+            if body is None:
+                body = self.read_body(env)
+            data_pos, _ = self.log.append(DataRecord(queue_id=env.queue_id, body=body))
+            rec = msgspec.structs.replace(rec, data=data_pos)
+            c = Conclusion(rec, c.failed, c.delayed, c.succeeded, c.expired)
+        pos, _ = self.log.append(rec)
+        self.working.concluded(attempt.start_pos)
+        self.log.sync_soon()  # runners read only durable records: DSNs and retries must not wait for a checkpoint
+        return c, pos
+
+    def _body_or_empty(self, env: EnvelopeRecord) -> bytes:
+        try:
+            return self.read_body(env)
+        except CorruptRecord:
+            return b""
+
+    def _queue_dsn(self, env: EnvelopeRecord, items: tuple[DsnItem, ...], original: bytes, now: float) -> None:
+        lifetime_end = env.arrival_ts + self.policy.lifetime_of(env)
+        recips = [
+            DsnRecipient(
+                final_recipient=i.recipient.address,
+                action=i.action,
+                status=i.status,
+                original_recipient=_param(i.recipient.params, "ORCPT"),
+                diagnostic=f"smtp; {format_reply(i.outcome)}" if i.outcome is not None else None,
+                last_attempt_ts=now,
+                will_retry_until_ts=lifetime_end if i.action == "delayed" else None,
+            )
+            for i in items
+        ]
+        qid = new_queue_id(now)
+        msg = build_dsn(
+            reporting_mta=self.reporting_mta,
+            sender=env.sender,
+            recipients=recips,
+            original=original,
+            ret=(_param(env.mail_params, "RET") or "FULL").upper(),
+            envid=_param(env.mail_params, "ENVID"),
+            arrival_ts=env.arrival_ts,
+            now_ts=now,
+            queue_id=env.queue_id,
+            message_id=f"{qid}@{self.reporting_mta}",
+        )
+        dsn_env, _pos, _lsn = self._append_message("", [env.sender], msg, bounce_of=env.queue_id)
+        self.on_dsn(dsn_env, env.queue_id, items[0].action)

@@ -1,65 +1,171 @@
-"""Queue runners (first version): which message to attempt next.
+"""Queue runners, one per retry interval plus one for new mail (seed 001), and the dispatcher.
 
-One queue for new mail (FIFO, due at once) and one for deferred mail (a heap by due time). Delivery workers
-take from them alternately when both have work, so deferred mail never starves new mail and the other way
-round (Postfix alternates the incoming and deferred queues; seed 001 postscript). The full design - one
-runner per retry interval scanning the log, with checkpoints - is the runners issue; this keeps its interface
-(``add``/``get``) so the workers need not change.
+Runner k reads the log forward from its position with a :class:`LogCursor`, looking only at envelopes
+whose ``runner`` is k. Their due times follow log order (an envelope of runner k is due a fixed interval
+after it was written), so the runner waits for the one in front of it and never keeps a list of deferred
+mail in memory. An envelope in the runner's ``garbage`` set was started out of band (recovery found its
+START ahead of the runner) and is skipped. The runner stops at the log's durable end: it never hands out
+mail whose envelope is not durable.
+
+The dispatcher is where runners meet the delivery workers. Each runner offers one envelope at a time and
+waits until a worker takes it. Workers take alternately from the new-mail runner and from the deferred
+runners (rotating among those), so waiting mail never blocks new mail, and the other way round (Postfix
+alternates its incoming and deferred queues; seed 001 postscript).
+
+What must always hold: a runner's position P means every envelope of that runner before P has a START
+record appended (the worker appends it in the same step in which it takes the envelope), so a checkpoint
+taken from runner positions, then fsync'd, never claims an unstarted envelope was started.
 """
 
 from __future__ import annotations
 
 import asyncio
-import heapq
-import itertools
 import time
-from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
-__all__ = ["Scheduler"]
+from mtaq.core.records import EnvelopeRecord, Pos, RecordType
+from mtaq.storage.cursor import LogCursor
+from mtaq.storage.log import Log
+
+__all__ = ["Dispatcher", "Offer", "Runner"]
+
+_SCAN_BUDGET = 512  # frames a runner reads before it lets other tasks run
 
 
-class Scheduler:
-    """Hands out queue IDs that are due. ``clock`` returns UTC seconds."""
+@dataclass(slots=True)
+class Offer:
+    runner: int
+    pos: Pos
+    envelope: EnvelopeRecord
+    taken: asyncio.Future[None]
 
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
-        self.clock = clock
-        self._new: deque[str] = deque()
-        self._deferred: list[tuple[float, int, str]] = []
-        self._seq = itertools.count()
+
+class Dispatcher:
+    """Hands envelopes from runners to delivery workers, alternating new and deferred mail."""
+
+    def __init__(self, runners: int) -> None:
+        self._slots: list[Offer | None] = [None] * runners
         self._wakeup = asyncio.Event()
         self._prefer_deferred = False
+        self._next_deferred = 1
 
-    def add(self, queue_id: str, due_ts: float, *, incoming: bool) -> None:
-        """Schedule ``queue_id``: new mail goes to the incoming FIFO, the rest by ``due_ts``."""
-        if incoming and due_ts <= self.clock():
-            self._new.append(queue_id)
-        else:
-            heapq.heappush(self._deferred, (due_ts, next(self._seq), queue_id))
+    async def offer(self, runner: int, pos: Pos, env: EnvelopeRecord) -> None:
+        """Offer one envelope; return when a worker has taken it."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._slots[runner] = Offer(runner, pos, env, fut)
         self._wakeup.set()
+        try:
+            await fut
+        finally:
+            self._slots[runner] = None
 
-    def __len__(self) -> int:
-        return len(self._new) + len(self._deferred)
+    def _ready(self, k: int) -> Offer | None:
+        s = self._slots[k]
+        return s if s is not None and not s.taken.done() else None
 
-    def _take(self) -> str | None:
-        due = bool(self._deferred) and self._deferred[0][0] <= self.clock()
-        if due and (self._prefer_deferred or not self._new):
+    def _pick(self) -> Offer | None:
+        n = len(self._slots)
+        deferred = None
+        for i in range(n - 1):  # rotate among the deferred runners 1..n-1
+            k = 1 + (self._next_deferred - 1 + i) % (n - 1)
+            if self._ready(k) is not None:
+                deferred = k
+                break
+        new = self._ready(0)
+        if deferred is not None and (self._prefer_deferred or new is None):
             self._prefer_deferred = False
-            return heapq.heappop(self._deferred)[2]
-        if self._new:
+            self._next_deferred = deferred % (n - 1) + 1
+            return self._slots[deferred]
+        if new is not None:
             self._prefer_deferred = True
-            return self._new.popleft()
-        return None
+        return new
 
-    async def get(self) -> str:
-        """Wait for the next due queue ID."""
+    async def take(self) -> Offer:
+        """Wait for the next envelope. The caller must append its START before awaiting anything."""
         while True:
-            qid = self._take()
-            if qid is not None:
-                return qid
-            timeout = max(0.0, self._deferred[0][0] - self.clock()) if self._deferred else None
+            o = self._pick()
+            if o is not None:
+                o.taken.set_result(None)
+                return o
             self._wakeup.clear()
-            try:
-                await asyncio.wait_for(self._wakeup.wait(), timeout)
-            except TimeoutError:
-                pass
+            await self._wakeup.wait()
+
+    def waiting(self) -> int:
+        return sum(1 for s in self._slots if s is not None and not s.taken.done())
+
+
+class Runner:
+    """Queue runner ``k``: finds due envelopes of runner k in the log and offers them to the dispatcher."""
+
+    def __init__(
+        self,
+        k: int,
+        log: Log,
+        dispatcher: Dispatcher,
+        position: Pos,
+        garbage: set[Pos],
+        *,
+        runners: int,
+        clock: Callable[[], float] = time.time,
+        on_corrupt: Callable[[str], None] | None = None,
+    ) -> None:
+        self.k = k
+        self.log = log
+        self.dispatcher = dispatcher
+        self.cursor = LogCursor(log, position, on_corrupt)
+        self.garbage = garbage
+        self.runners = runners
+        self.clock = clock
+        self.waiting_until: float | None = None
+        self._poke = asyncio.Event()
+        self._flush = False
+        self.offered = 0
+
+    @property
+    def position(self) -> Pos:
+        return self.cursor.pos
+
+    def poke(self) -> None:
+        """Re-read the clock now (a test that jumped its clock)."""
+        self._poke.set()
+
+    def flush(self) -> None:
+        """Stop waiting: offer every envelope of this runner as if due now (until the log's end)."""
+        self._flush = True
+        self._poke.set()
+
+    def _mine(self, rtype: int) -> bool:
+        return rtype == RecordType.ENVELOPE
+
+    async def run(self) -> None:
+        budget = _SCAN_BUDGET
+        while True:
+            end = self.log.durable_end
+            found = self.cursor.peek(end, self._mine)
+            if found is None:
+                self._flush = False
+                if self.log.durable_end <= end:
+                    await self.log.durable_advanced()
+                continue
+            pos, env = found
+            assert isinstance(env, EnvelopeRecord)
+            if min(env.runner, self.runners - 1) != self.k or pos in self.garbage:
+                self.garbage.discard(pos)
+                self.cursor.skip()
+                budget -= 1
+                if budget <= 0:
+                    budget = _SCAN_BUDGET
+                    await asyncio.sleep(0)
+                continue
+            while not self._flush and (wait := env.not_before_ts - self.clock()) > 0:
+                self.waiting_until = env.not_before_ts
+                self._poke.clear()
+                try:
+                    await asyncio.wait_for(self._poke.wait(), wait)
+                except TimeoutError:
+                    pass
+            self.waiting_until = None
+            await self.dispatcher.offer(self.k, pos, env)
+            self.offered += 1
+            self.cursor.skip()

@@ -61,13 +61,17 @@ def test_deferred_recipient_is_retried_after_the_configured_interval(relay_facto
 
 
 def test_permanently_refused_recipient_is_bounced_and_leaves_the_queue(relay_factory):
-    """5xx at RCPT is final: 'bounced' with the enhanced code, no retry, the message is removed."""
+    """5xx at RCPT is final: 'bounced' with the enhanced code, no retry, the message is removed, and a DSN
+    from <> to the sender goes out through the same queue (here: to the same sink)."""
     r = relay_factory(sink_args=["--reject-rcpt", "^nobody@"], config="retry_intervals_s = [1.0]\n")
     _, text = send(r.daemon.port, message(2), ["nobody@example.net", "someone@example.net"])
     qid = text.decode().rsplit(" ", 1)[1]
     r.wait_for(lambda: r.events("removed"), what="removed")
     assert [("nobody@example.net", "5.1.1", qid)] == [(e["recipient"], e["dsn"], e["queue_id"]) for e in r.events("bounced")]
-    assert {"<it-2@mtaq.test>": 1} == dict(maildir_message_ids(r.maildir))
+    [dsn] = r.wait_for(lambda: r.events("dsn_queued"), what="dsn_queued")
+    assert (qid, "sender@example.org", "failed") == (dsn["dsn_for"], dsn["recipient"], dsn["action"])
+    ids = r.wait_for(lambda: (m := maildir_message_ids(r.maildir)) and len(m) == 2 and m, what="original and DSN")
+    assert {"<it-2@mtaq.test>": 1} == {k: v for k, v in ids.items() if "mtaq.test" in k}
 
 
 def test_queued_mail_survives_kill9_while_the_next_hop_is_down_and_goes_after_restart(relay_factory):
@@ -100,12 +104,12 @@ def test_swaks_client_is_accepted_and_relayed(relay_factory):
 
 
 def test_periodic_stats_event_reports_counters_and_the_daemon_keeps_running(relay_factory):
-    """The stats event carries the log and queue counters (fsyncs, commit rounds, queue by state)."""
+    """The stats event carries the log and queue counters (fsyncs, commit rounds, active attempts, segments)."""
     r = relay_factory(config="stats_interval_s = 0.2\n")
     send(r.daemon.port, message(7), ["a@example.net"])
     ev = r.wait_for(lambda: [e for e in r.events("stats") if e["delivered"] >= 1], what="stats event")[0]
     assert (1, 1) == (ev["received"], ev["delivered"])
     assert ev["fsync_calls"] >= ev["commit_rounds"] >= 1
-    assert {"queue_incoming", "queue_deferred", "queue_active"} <= set(ev)
+    assert {"active", "segments", "log_bytes", "checkpoints", "runner_positions"} <= set(ev)
     r.wait_for(lambda: len(r.events("stats")) >= 3, what="more stats events")
     assert r.daemon.alive()

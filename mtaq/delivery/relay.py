@@ -43,6 +43,28 @@ def split_enhanced(code: int, message: str) -> Reply:
     return Reply(code, f"{klass}.0.0", text)
 
 
+def _xtext(value: str) -> str:
+    """RFC 3461 §4 xtext: '+', '=', controls and non-ASCII as +HH."""
+    return "".join(
+        ch if 33 <= ord(ch) <= 126 and ch not in "+=" else "".join(f"+{b:02X}" for b in ch.encode())
+        for ch in value
+    )
+
+
+def _dsn_options(params: Sequence[tuple[str, str]], keys: tuple[str, ...]) -> list[str]:
+    out = []
+    for k, v in params:
+        k = k.upper()
+        if k in keys:
+            if k in ("ENVID",):
+                v = _xtext(v)
+            elif k == "ORCPT":
+                kind, _, addr = v.partition(";")
+                v = f"{kind};{_xtext(addr)}"
+            out.append(f"{k}={v}")
+    return out
+
+
 def _refusal(exc: aiosmtplib.SMTPResponseException) -> Reply:
     """The reply in an exception aiosmtplib raised because it was not the expected one.
 
@@ -71,6 +93,7 @@ class RelayConnection:
         self.helo_name = helo_name
         self.timeout_s = timeout_s
         self._client: aiosmtplib.SMTP | None = None
+        self.remote_dsn = False  # whether the next hop offered DSN in the last transaction
 
     @property
     def name(self) -> str:
@@ -100,8 +123,19 @@ class RelayConnection:
             except Exception:  # pragma: no cover - closing a broken transport
                 pass
 
-    async def send(self, sender: str, recipients: Sequence[str], body: bytes) -> list[Reply]:
+    async def send(
+        self,
+        sender: str,
+        recipients: Sequence[str],
+        body: bytes,
+        *,
+        mail_params: Sequence[tuple[str, str]] = (),
+        rcpt_params: Sequence[Sequence[tuple[str, str]]] | None = None,
+    ) -> list[Reply]:
         """Offer ``body`` from ``sender`` to ``recipients``; return one final reply per recipient, in order.
+
+        When the next hop offers DSN (``remote_dsn`` is then True), RFC 3461 parameters are passed on: RET and
+        ENVID with MAIL, NOTIFY and ORCPT with each RCPT (xtext-encoded, §4).
 
         Internationalised addresses go with SMTPUTF8 (RFC 6531) when the next hop offers it; otherwise
         they get ``553 5.6.7`` (RFC 6531 §3.5), the others go as usual. Any failure in the middle of the
@@ -117,6 +151,12 @@ class RelayConnection:
         except (aiosmtplib.SMTPException, OSError) as exc:
             self._drop()
             return fill(Reply(421, "4.4.1", f"connect to {self.name}: {_why(exc)}"))
+        self.remote_dsn = c.supports_extension("dsn")
+        mopts = _dsn_options(mail_params, ("RET", "ENVID")) if self.remote_dsn else []
+        ropts = [
+            _dsn_options(p, ("NOTIFY", "ORCPT")) if self.remote_dsn else []
+            for p in (rcpt_params or [()] * len(recipients))
+        ]
         utf8 = not sender.isascii() or not all(r.isascii() for r in recipients)
         if utf8 and not c.supports_extension("smtputf8"):
             no_utf8 = Reply(553, "5.6.7", f"{self.name} does not support SMTPUTF8")
@@ -129,7 +169,7 @@ class RelayConnection:
         enc = "utf-8" if utf8 else "ascii"
         try:
             try:
-                await c.mail(sender, options=["SMTPUTF8"] if utf8 else None, encoding=enc)
+                await c.mail(sender, options=(["SMTPUTF8"] if utf8 else []) + mopts, encoding=enc)
             except aiosmtplib.SMTPResponseException as exc:
                 await self._reset(c)
                 return fill(_refusal(exc))
@@ -138,7 +178,7 @@ class RelayConnection:
                 if replies[i] is not None:
                     continue
                 try:
-                    await c.rcpt(rcpt, encoding=enc)
+                    await c.rcpt(rcpt, options=ropts[i], encoding=enc)
                     accepted.append(i)
                 except aiosmtplib.SMTPResponseException as exc:
                     replies[i] = _refusal(exc)

@@ -14,6 +14,7 @@ from typing import Any
 
 from aiosmtpd.smtp import SMTP, Envelope, Session
 
+from mtaq.edge.smtp import MtaqSMTP
 from mtaq.errors import StorageError
 from mtaq.logs import get_logger
 from mtaq.queue import Queue
@@ -33,12 +34,19 @@ class QueueHandler:
         peer = session.peer
         client = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer or "")
         mail_params = [_param(o) for o in envelope.mail_options]
+        ret, envid = getattr(envelope, "dsn_ret", None), getattr(envelope, "dsn_envid", None)
+        if ret:
+            mail_params.append(("RET", ret))
+        if envid:
+            mail_params.append(("ENVID", envid))
+        rcpt_dsn = getattr(envelope, "rcpt_dsn", None)
         try:
             env = await self.queue.receive(
                 envelope.mail_from or "",
                 list(envelope.rcpt_tos),
                 body,
                 mail_params=mail_params,
+                rcpt_params=rcpt_dsn if rcpt_dsn and len(rcpt_dsn) == len(envelope.rcpt_tos) else None,
                 client=client,
                 helo=session.host_name or "",
             )
@@ -66,7 +74,7 @@ async def start_server(
     loop = asyncio.get_running_loop()
 
     def factory() -> Any:
-        return SMTP(
+        return MtaqSMTP(
             handler,
             hostname=hostname,
             ident="mtaq",

@@ -133,6 +133,9 @@ class Log:
         self._salts: dict[int, int] = {}
         self._appended_lsn = 0
         self._durable_lsn = 0
+        self._end = Pos(0, 0)  # just past the last appended record
+        self._durable_end = Pos(0, 0)  # just past the last durable record
+        self._durable_waiters: list[asyncio.Future[None]] = []
         self._dirty: dict[int, File] = {}
         self._dir_dirty = False
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
@@ -196,6 +199,7 @@ class Log:
             fs.fsync_dir(directory)
             log._dirty.clear()
             log._dir_dirty = False
+            log._end = log._durable_end = Pos(log._cur_no, SEGMENT_HEADER_BYTES)
         except OSError as exc:
             raise _wrap_oserror(exc, f"opening log {directory}") from exc
         return log, report
@@ -245,6 +249,54 @@ class Log:
     def failed(self) -> StorageFatal | None:
         return self._failed
 
+    @property
+    def end(self) -> Pos:
+        """Just past the last appended record (durable or not)."""
+        return self._end
+
+    @property
+    def durable_end(self) -> Pos:
+        """Just past the last record known durable; readers that act on records stop here."""
+        return self._durable_end
+
+    async def durable_advanced(self) -> None:
+        """Wait until :attr:`durable_end` moves forward."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._durable_waiters.append(fut)
+        await fut
+
+    def segment_size(self, number: int) -> int:
+        """Current length in bytes of segment ``number``."""
+        return self._file(number)[0].size()
+
+    def frame_header(self, pos: Pos) -> tuple[int, int] | None:
+        """(type, payload length) of the frame at ``pos`` (unchecked), or None past the end of its segment."""
+        f, _salt = self._file(pos.segment)
+        head = f.pread(pos.offset, FRAME_HEADER_BYTES)
+        if len(head) < FRAME_HEADER_BYTES or head[:2] != b"MQ":
+            return None
+        return head[2], int.from_bytes(head[4:8], "little")
+
+    def delete_segments_before(self, number: int) -> list[int]:
+        """Reclaim: unlink every segment numbered below ``number`` (never the current one), oldest first, then
+        fsync the directory. A crash in between leaves a suffix of them, which are garbage and deleted again."""
+        gone = []
+        try:
+            for n in self.segments():
+                if n >= number or n >= self._cur_no:
+                    break
+                f = self._files.pop(n, None)
+                if f is not None:
+                    f.close()
+                self._salts.pop(n, None)
+                self.fs.unlink(segment_path(self.directory, n))
+                gone.append(n)
+            if gone:
+                self.fs.fsync_dir(self.directory)
+        except OSError as exc:
+            raise _wrap_oserror(exc, "deleting segments") from exc
+        return gone
+
     def append(self, record: Record) -> tuple[Pos, int]:
         """Append ``record``; return its position and LSN. Not durable until ``commit(lsn)`` returns.
 
@@ -267,6 +319,7 @@ class Log:
             raise _wrap_oserror(exc, f"appending to segment {self._cur_no}") from exc
         self._cur_records += 1
         self._dirty[self._cur_no] = self._cur
+        self._end = Pos(self._cur_no, offset + size)
         self._appended_lsn += 1
         self.stats.records_appended += 1
         self.stats.bytes_appended += size
@@ -292,6 +345,23 @@ class Log:
         """Make everything appended so far durable (book-keeping included)."""
         await self.commit(self._appended_lsn)
 
+    def sync_soon(self) -> None:
+        """Ask for a commit round covering everything appended so far, without waiting for it.
+
+        Book-keeping that a runner must see soon (a DSN, a retry due now) rides on the running round when
+        there is one (under load, always), and otherwise costs one fsync instead of waiting for the next
+        checkpoint. Failures surface through ``on_fatal`` like any other.
+        """
+        lsn = self._appended_lsn
+        if self._failed is not None or lsn <= self._durable_lsn:
+            return
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self._waiters.append((lsn, fut))
+        if self._commit_task is None:
+            self._commit_task = loop.create_task(self._commit_loop())
+
     def _sync_files(self, files: list[File], sync_dir: bool) -> int:
         calls = 0
         for f in files:
@@ -307,6 +377,7 @@ class Log:
         try:
             while self._waiters and self._failed is None:
                 target = self._appended_lsn
+                target_end = self._end
                 files = [self._dirty[k] for k in sorted(self._dirty)]
                 self._dirty.clear()
                 sync_dir, self._dir_dirty = self._dir_dirty, False
@@ -320,6 +391,12 @@ class Log:
                 self.stats.fsync_calls += calls
                 self.stats.commit_rounds += 1
                 self._durable_lsn = max(self._durable_lsn, target)
+                if target_end > self._durable_end:
+                    self._durable_end = target_end
+                    waiters, self._durable_waiters = self._durable_waiters, []
+                    for f in waiters:
+                        if not f.done():
+                            f.set_result(None)
                 waiting = []
                 for lsn, fut in self._waiters:
                     if lsn <= target:
