@@ -128,6 +128,9 @@ class Daemon:
             )
             for k in range(self.policy.runners)
         ]
+        # A checkpoint now bounds the next recovery to what comes after this start, even if the next crash
+        # comes before the first periodic one.
+        await self.checkpoint()
         tasks = [asyncio.create_task(r.run()) for r in self.runners]
         tasks += [asyncio.create_task(self._worker()) for _ in range(cfg.delivery_concurrency)]
         tasks.append(asyncio.create_task(self._checkpointer()))
