@@ -1,8 +1,10 @@
 """Reading the log forward from a position, across segments: what the queue runners use (seed 001).
 
 A cursor reads frame headers only, and reads and checks (CRC) the payload of the frames it is asked for,
-so a runner that scans for envelopes does not read message bodies. It never reads past ``end``, which
-the caller sets to the log's durable end: a runner never acts on a record that is not durable.
+so a runner that scans for envelopes does not decode message bodies. It reads the segment in chunks
+(``CHUNK_BYTES``) and parses headers from memory: appends never change bytes already written, so a chunk
+never goes stale. It never reads past ``end``, which the caller sets to the log's durable end: a runner
+never acts on a record that is not durable.
 
 A frame that does not check out in the middle of a segment is reported once through ``on_corrupt`` and
 passed over to the next good frame (found by :func:`scan_segment`); it is never silently skipped.
@@ -12,12 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from mtaq.core.frame import FRAME_HEADER_BYTES, SEGMENT_HEADER_BYTES, scan_segment
-from mtaq.core.records import Pos, Record, RecordType
+from mtaq.core.frame import FRAME_HEADER_BYTES, SEGMENT_HEADER_BYTES, Frame, decode_frame, scan_segment
+from mtaq.core.records import PayloadError, Pos, Record, RecordType, decode_payload
 from mtaq.errors import CorruptRecord
 from mtaq.storage.log import Log
 
-__all__ = ["LogCursor"]
+__all__ = ["CHUNK_BYTES", "LogCursor"]
+
+CHUNK_BYTES = 256 * 1024
 
 
 class LogCursor:
@@ -27,6 +31,37 @@ class LogCursor:
         self.log = log
         self.pos = pos
         self.on_corrupt = on_corrupt or (lambda msg: None)
+        self._seg = -1  # the chunk: bytes [_start, _start + len(_buf)) of segment _seg
+        self._start = 0
+        self._buf = b""
+
+    def _bytes(self, pos: Pos, n: int) -> bytes | None:
+        """``n`` bytes at ``pos`` from the chunk (refilled as needed); None if the segment has fewer."""
+        off = pos.offset - self._start
+        if pos.segment != self._seg or off < 0 or off + n > len(self._buf):
+            f, _salt = self.log._file(pos.segment)
+            self._buf = f.pread(pos.offset, max(n, CHUNK_BYTES))
+            self._seg, self._start, off = pos.segment, pos.offset, 0
+            if len(self._buf) < n:
+                return None
+        return self._buf[off : off + n]
+
+    def _header(self, pos: Pos) -> tuple[int, int] | None:
+        head = self._bytes(pos, FRAME_HEADER_BYTES)
+        if head is None or head[:2] != b"MQ":
+            return None
+        return head[2], int.from_bytes(head[4:8], "little")
+
+    def _record(self, pos: Pos, length: int) -> Record:
+        raw = self._bytes(pos, FRAME_HEADER_BYTES + length)
+        _f, salt = self.log._file(pos.segment)
+        res = decode_frame(raw or b"", 0, salt)
+        if not isinstance(res, Frame):
+            raise CorruptRecord(f"segment {pos.segment} offset {pos.offset}: {getattr(res, 'reason', 'cut off')}")
+        try:
+            return decode_payload(res.rtype, res.payload)
+        except PayloadError as exc:
+            raise CorruptRecord(f"segment {pos.segment} offset {pos.offset}: {exc}") from exc
 
     def _next_segment(self) -> bool:
         later = [n for n in self.log.segments() if n > self.pos.segment]
@@ -54,8 +89,8 @@ class LogCursor:
         while self.pos < end:
             seg = self.pos.segment
             try:
-                hdr = self.log.frame_header(self.pos)
-            except CorruptRecord:  # the segment file is gone (reclaimed) or has no valid header
+                hdr = self._header(self.pos)
+            except (CorruptRecord, FileNotFoundError):  # the segment file is gone (reclaimed) or has no valid header
                 if not self._next_segment():
                     return None
                 continue
@@ -74,7 +109,7 @@ class LogCursor:
                 continue
             if want(rtype):
                 try:
-                    return self.pos, self.log.read(self.pos)
+                    return self.pos, self._record(self.pos, length)
                 except CorruptRecord as exc:
                     self._resync(str(exc))
                     continue
@@ -83,7 +118,7 @@ class LogCursor:
 
     def skip(self) -> None:
         """Move past the frame at the cursor."""
-        hdr = self.log.frame_header(self.pos)
+        hdr = self._header(self.pos)
         if hdr is None:
             raise CorruptRecord(f"no frame at {self.pos}")
         self.pos = Pos(self.pos.segment, self.pos.offset + FRAME_HEADER_BYTES + hdr[1])
