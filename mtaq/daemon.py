@@ -155,7 +155,16 @@ class Daemon:
                 problem = ""
             except (CorruptRecord, StorageError) as exc:
                 body, problem = None, str(exc)
-            attempt = q.start(offer.pos, env)  # same step as take(): the runner position stays truthful
+            try:
+                attempt = q.start(offer.pos, env)  # same step as take(): the runner position stays truthful
+            except StorageFatal:
+                offer.decline()
+                return
+            except StorageError as exc:
+                self.log.error("start_failed", queue_id=env.queue_id, error=str(exc), action="offered again")
+                offer.decline()
+                continue
+            offer.accept()
             try:
                 await self._attempt(attempt, body, problem, conn)
             except StorageFatal:

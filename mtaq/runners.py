@@ -13,8 +13,10 @@ runners (rotating among those), so waiting mail never blocks new mail, and the o
 alternates its incoming and deferred queues; seed 001 postscript).
 
 What must always hold: a runner's position P means every envelope of that runner before P has a START
-record appended (the worker appends it in the same step in which it takes the envelope), so a checkpoint
-taken from runner positions, then fsync'd, never claims an unstarted envelope was started.
+record appended. A worker *claims* an offer, appends the START, and only then *accepts* it; the runner
+moves on only after the acceptance. If the START cannot be written (a full disk), the worker *declines*,
+and the runner offers the same envelope again a little later. So a checkpoint taken from runner
+positions, then fsync'd, never claims that an unstarted envelope was started.
 """
 
 from __future__ import annotations
@@ -31,14 +33,32 @@ from mtaq.storage.log import Log
 __all__ = ["Dispatcher", "Offer", "Runner"]
 
 _SCAN_BUDGET = 512  # frames a runner reads before it lets other tasks run
+_DECLINED_RETRY_S = 1.0
+
+
+class Declined(Exception):
+    """A worker could not start the offered envelope (its START could not be appended)."""
 
 
 @dataclass(slots=True)
 class Offer:
+    """One envelope offered by runner ``runner``; a worker claims it, then accepts or declines it."""
+
     runner: int
     pos: Pos
     envelope: EnvelopeRecord
     taken: asyncio.Future[None]
+    claimed: bool = False
+
+    def accept(self) -> None:
+        """The START is appended: the runner may move past this envelope."""
+        if not self.taken.done():
+            self.taken.set_result(None)
+
+    def decline(self) -> None:
+        """The START could not be appended: the runner keeps its position and offers it again."""
+        if not self.taken.done():
+            self.taken.set_exception(Declined())
 
 
 class Dispatcher:
@@ -51,7 +71,7 @@ class Dispatcher:
         self._next_deferred = 1
 
     async def offer(self, runner: int, pos: Pos, env: EnvelopeRecord) -> None:
-        """Offer one envelope; return when a worker has taken it."""
+        """Offer one envelope; return when a worker has started it (raises Declined if it could not)."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._slots[runner] = Offer(runner, pos, env, fut)
         self._wakeup.set()
@@ -62,7 +82,7 @@ class Dispatcher:
 
     def _ready(self, k: int) -> Offer | None:
         s = self._slots[k]
-        return s if s is not None and not s.taken.done() else None
+        return s if s is not None and not s.claimed else None
 
     def _pick(self) -> Offer | None:
         n = len(self._slots)
@@ -82,17 +102,18 @@ class Dispatcher:
         return new
 
     async def take(self) -> Offer:
-        """Wait for the next envelope. The caller must append its START before awaiting anything."""
+        """Wait for the next envelope and claim it. The caller appends its START, then calls
+        :meth:`Offer.accept` (or :meth:`Offer.decline`), before awaiting anything."""
         while True:
             o = self._pick()
             if o is not None:
-                o.taken.set_result(None)
+                o.claimed = True
                 return o
             self._wakeup.clear()
             await self._wakeup.wait()
 
     def waiting(self) -> int:
-        return sum(1 for s in self._slots if s is not None and not s.taken.done())
+        return sum(1 for s in self._slots if s is not None and not s.claimed)
 
 
 class Runner:
@@ -142,7 +163,10 @@ class Runner:
         budget = _SCAN_BUDGET
         while True:
             end = self.log.durable_end
-            found = self.cursor.peek(end, self._mine)
+            found = self.cursor.peek(end, self._mine, max_frames=_SCAN_BUDGET)
+            if found is False:
+                await asyncio.sleep(0)  # a long stretch of other records: let other tasks run
+                continue
             if found is None:
                 self._flush = False
                 if self.log.durable_end <= end:
@@ -166,6 +190,10 @@ class Runner:
                 except TimeoutError:
                     pass
             self.waiting_until = None
-            await self.dispatcher.offer(self.k, pos, env)
+            try:
+                await self.dispatcher.offer(self.k, pos, env)
+            except Declined:
+                await asyncio.sleep(_DECLINED_RETRY_S)
+                continue
             self.offered += 1
             self.cursor.skip()

@@ -13,6 +13,7 @@ passed over to the next good frame (found by :func:`scan_segment`); it is never 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal
 
 from mtaq.core.frame import FRAME_HEADER_BYTES, SEGMENT_HEADER_BYTES, Frame, decode_frame, scan_segment
 from mtaq.core.records import PayloadError, Pos, Record, RecordType, decode_payload
@@ -80,13 +81,21 @@ class LogCursor:
         elif not self._next_segment():
             self.pos = Pos(seg, self.pos.offset + 1)
 
-    def peek(self, end: Pos, want: Callable[[int], bool]) -> tuple[Pos, Record] | None:
+    def peek(
+        self, end: Pos, want: Callable[[int], bool], *, max_frames: int | None = None
+    ) -> tuple[Pos, Record] | Literal[False] | None:
         """The next record whose type ``want`` accepts, before ``end``; the cursor stops *at* it.
 
         Frames of other types are passed over (their payloads are not read). Returns None when ``end`` is
-        reached. Call :meth:`skip` to move past the returned record.
+        reached, and False after passing over ``max_frames`` frames (call again to go on). Call
+        :meth:`skip` to move past the returned record.
         """
+        budget = max_frames
         while self.pos < end:
+            if budget is not None:
+                if budget <= 0:
+                    return False
+                budget -= 1
             seg = self.pos.segment
             try:
                 hdr = self._header(self.pos)
