@@ -200,7 +200,10 @@ class Queue:
             c = Conclusion(rec, c.failed, c.delayed, c.succeeded, c.expired)
         pos, _ = self.log.append(rec)
         self.working.concluded(attempt.start_pos)
-        self.log.sync_soon()  # runners read only durable records: DSNs and retries must not wait for a checkpoint
+        if c.dsn_groups or isinstance(rec, EnvelopeRecord):
+            # Runners read only durable records: a DSN or a retry must not wait for the next checkpoint.
+            # A FINISH (the common case) rides on whatever fsync comes next.
+            self.log.sync_soon()
         return c, pos
 
     def _body_or_empty(self, env: EnvelopeRecord) -> bytes:
