@@ -39,7 +39,7 @@ def reopen_records(d: str) -> tuple[list, object]:
     log, report = Log.open(OsFileSystem(), d, segment_bytes_max=1 << 20)
     recs = []
     for n in report.segments:
-        scan = report.scans.get(n) or scan_segment(n, log.read_segment(n))
+        scan = scan_segment(n, log.read_segment(n))  # re-read whole (the open's own scan skips DATA)
         recs += [(p, r) for p, r in scan.records if not type(r).__name__ == "SealRecord"]
     log.close()
     return recs, report
