@@ -54,7 +54,15 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from mtaq.testing.procs import Proc, maildir_count, maildir_message_ids, read_events, start_daemon, start_sink
+from mtaq.testing.procs import (
+    Proc,
+    event_time,
+    maildir_count,
+    maildir_message_ids,
+    read_events,
+    start_daemon,
+    start_sink,
+)
 
 MAX_TRIES = 50  # DATA attempts per message before the client gives up on it
 CONNECT_GIVE_UP_S = 60.0  # a daemon that does not accept connections this long is a failed run
@@ -175,16 +183,6 @@ def client(port: int, work: list[tuple[str, bytes]], next_index: itertools.count
             _close(s)
         with tally.cond:
             tally.cond.notify_all()
-
-
-def _ts(ev: dict[str, object]) -> float | None:
-    t = ev.get("timestamp")
-    if not isinstance(t, str):
-        return None
-    try:
-        return dt.datetime.fromisoformat(t.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
 
 
 def queue_id_of(reply: str) -> str:
@@ -325,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         rec_s = [float(e["seconds"]) for e in after if isinstance(e.get("seconds"), (int, float))]
         wall: list[float] = []
         for r in restarts:
-            ts = [t for t in (_ts(e) for e in after) if t is not None and t >= r]
+            ts = [t for t in (event_time(e) for e in after) if t is not None and t >= r]
             if ts:
                 wall.append(min(ts) - r)
         # A kill that lands before recovery_complete is a crash during recovery (GUIDE I5): allowed, counted.

@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import itertools
 import json
 import os
@@ -76,7 +75,7 @@ from mtaq.core.records import DataRecord, EnvelopeRecord, Recipient
 from mtaq.queue import new_queue_id
 from mtaq.storage.fs import OsFileSystem
 from mtaq.storage.log import Log
-from mtaq.testing.procs import Proc, free_port, read_events, start_daemon, wait_port
+from mtaq.testing.procs import Proc, event_time, free_port, read_events, start_daemon, wait_port
 
 SENDER = "bench@example.com"
 BODY_BYTES = 2048
@@ -193,16 +192,6 @@ def stall_status(path: str) -> dict[str, int]:
 
 
 # --------------------------------------------------------------------------------------------- helpers
-
-
-def event_ts(ev: dict[str, Any]) -> float | None:
-    t = ev.get("timestamp")
-    if not isinstance(t, str):
-        return None
-    try:
-        return dt.datetime.fromisoformat(t.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
 
 
 def wait_event(proc: Proc, name: str, timeout_s: float) -> dict[str, Any]:
@@ -340,7 +329,7 @@ def run_one(d: int, w: int, work: str, stall_s: float, procs: list[Any]) -> dict
     ev1 = wait_event(d1, "recovery_complete", 900)
     res["first_start_recovery_seconds"] = ev1.get("seconds")
     res["first_start_records"] = ev1.get("records")
-    res["first_start_recovery_complete_s"] = _round((event_ts(ev1) or t_spawn1) - t_spawn1)
+    res["first_start_recovery_complete_s"] = _round((event_time(ev1) or t_spawn1) - t_spawn1)
 
     # W new messages, each answered 250, then wait until W attempts are in flight at the next hop.
     t_send = time.monotonic()
@@ -391,7 +380,7 @@ def run_one(d: int, w: int, work: str, stall_s: float, procs: list[Any]) -> dict
     if probe.t_250 is None:
         raise RuntimeError(f"the probe got no 250 after the restart: {probe.errors[:3]}")
     res["first_250_s"] = _round(probe.t_250 - t_spawn)
-    res["recovery_complete_s"] = _round((event_ts(ev) or float("nan")) - t_spawn)
+    res["recovery_complete_s"] = _round((event_time(ev) or float("nan")) - t_spawn)
     res["recovery_seconds"] = ev.get("seconds")
     res["records_scanned"] = ev.get("records")
     res["segments_read"] = ev.get("segments")
@@ -400,7 +389,7 @@ def run_one(d: int, w: int, work: str, stall_s: float, procs: list[Any]) -> dict
     res["checkpoint_used"] = ev.get("checkpoint")
     res["outcome_unknown"] = ev.get("outcome_unknown")
     res["concluded"] = ev.get("concluded")
-    res["listening_s"] = _round((event_ts(listening) or float("nan")) - t_spawn) if listening else None
+    res["listening_s"] = _round((event_time(listening) or float("nan")) - t_spawn) if listening else None
     res["probe_connected_s"] = _round(probe.t_connected - t_spawn) if probe.t_connected else None
     res["probe_errors"] = len(probe.errors)
     time.sleep(0.5)

@@ -60,7 +60,16 @@ from typing import Any
 
 import aiosmtplib
 
-from mtaq.testing.procs import Proc, free_port, maildir_count, read_events, start_daemon, start_sink, wait_port
+from mtaq.testing.procs import (
+    Proc,
+    free_port,
+    log_problems,
+    maildir_count,
+    read_events,
+    start_daemon,
+    start_sink,
+    wait_port,
+)
 
 SENDER = "bench@example.com"
 SIZE = 2048
@@ -327,12 +336,10 @@ def main(argv: list[str] | None = None) -> int:
             result["checkpoints"] = last.get("checkpoints")
             result["segments_reclaimed"] = last.get("segments_reclaimed")
             result["daemon_stats_log_bytes"] = last.get("log_bytes")
-        bad = [e for e in events if e.get("level") in ("warning", "error", "critical", "exception")]
+        bad, other = log_problems(daemon.log_path)
         result["daemon_log_warnings_errors"] = len(bad)
         for e in bad[:5]:
             print(f"steady_disk: daemon log: {json.dumps(e)}", file=sys.stderr)
-        with open(daemon.log_path, encoding="utf-8", errors="replace") as f:
-            other = [line.rstrip() for line in f if line.strip() and not line.lstrip().startswith("{")]
         result["daemon_log_non_json_lines"] = len(other)
         for line in other[:20]:
             print(f"steady_disk: daemon log: {line}", file=sys.stderr)

@@ -51,7 +51,15 @@ from typing import Any
 
 import aiosmtplib
 
-from mtaq.testing.procs import Proc, maildir_count, maildir_message_ids, read_events, start_daemon, start_sink
+from mtaq.testing.procs import (
+    Proc,
+    log_problems,
+    maildir_count,
+    maildir_message_ids,
+    read_events,
+    start_daemon,
+    start_sink,
+)
 
 SENDER = "bench@example.com"
 STATS_INTERVAL_S = 0.5
@@ -326,13 +334,10 @@ def main(argv: list[str] | None = None) -> int:
                 p.kill9()
     if daemon is not None:
         # Read after the SIGKILL: everything the daemon wrote is in the file.
-        events = read_events(daemon.log_path)
-        bad = [e for e in events if e.get("level") in ("warning", "error", "critical", "exception")]
+        bad, other = log_problems(daemon.log_path)
         result["daemon_log_warnings_errors"] = len(bad)
         for e in bad[:5]:
             print(f"throughput: daemon log: {json.dumps(e)}", file=sys.stderr)
-        with open(daemon.log_path, encoding="utf-8", errors="replace") as f:
-            other = [line.rstrip() for line in f if line.strip() and not line.lstrip().startswith("{")]
         result["daemon_log_non_json_lines"] = len(other)
         for line in other[:40]:
             print(f"throughput: daemon log: {line}", file=sys.stderr)

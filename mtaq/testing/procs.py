@@ -5,6 +5,7 @@ Nothing here is a fake: the daemon and the sink are the ``mtaq`` command, spoken
 
 from __future__ import annotations
 
+import datetime as dt
 import email.parser
 import email.policy
 import json
@@ -132,6 +133,28 @@ def read_events(path: str) -> list[dict[str, Any]]:
     except FileNotFoundError:
         pass
     return events
+
+
+def event_time(ev: dict[str, Any]) -> float | None:
+    """An event's ``timestamp`` (ISO 8601, UTC) as seconds since the epoch, or None."""
+    t = ev.get("timestamp")
+    if not isinstance(t, str):
+        return None
+    try:
+        return dt.datetime.fromisoformat(t.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def log_problems(path: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """The warning-or-worse events, and the lines that are not JSON (tracebacks), of a JSON log file."""
+    bad = [e for e in read_events(path) if e.get("level") in ("warning", "error", "critical", "exception")]
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            other = [line.rstrip() for line in f if line.strip() and not line.lstrip().startswith("{")]
+    except FileNotFoundError:
+        other = []
+    return bad, other
 
 
 def maildir_message_ids(maildir: str) -> Counter[str]:
