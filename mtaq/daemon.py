@@ -33,6 +33,7 @@ from mtaq.runners import Dispatcher, Runner
 from mtaq.storage.checkpoint import write_checkpoint
 from mtaq.storage.fs import OsFileSystem
 from mtaq.storage.log import Log
+from mtaq.testing import killpoints
 
 __all__ = ["Daemon", "serve"]
 
@@ -195,6 +196,7 @@ class Daemon:
                 rcpt_params=[r.params for r in rcpts],
             )
             relay, remote_dsn = conn.name, conn.remote_dsn
+            killpoints.hit("delivery.after_remote_reply")
         outcomes = [
             Outcome(index=r.index, status=classify(rep.code), code=rep.code, enhanced=rep.enhanced, text=rep.text)  # type: ignore[arg-type]
             for r, rep in zip(rcpts, replies, strict=True)

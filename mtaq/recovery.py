@@ -34,6 +34,7 @@ from mtaq.errors import CorruptRecord
 from mtaq.queue import Queue
 from mtaq.storage.checkpoint import read_checkpoint
 from mtaq.storage.log import OpenReport
+from mtaq.testing import killpoints
 
 __all__ = ["RecoveryResult", "recover"]
 
@@ -130,6 +131,7 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
             elif isinstance(rec, FinishRecord):
                 open_attempts.pop(rec.start, None)
         await asyncio.sleep(0)  # let SMTP clients in between segments
+    killpoints.hit("recovery.before_conclude")
     for start_pos, o in sorted(open_attempts.items()):
         try:
             env = log.read(o.start.envelope)

@@ -18,6 +18,7 @@ from mtaq.edge.smtp import MtaqSMTP
 from mtaq.errors import StorageError
 from mtaq.logs import get_logger
 from mtaq.queue import Queue
+from mtaq.testing import killpoints
 
 __all__ = ["QueueHandler", "start_server"]
 
@@ -53,6 +54,7 @@ class QueueHandler:
         except StorageError as exc:
             self.log.error("queue_write_failed", error=str(exc), client=client, reply=exc.smtp_reply)
             return exc.smtp_reply
+        killpoints.hit("edge.after_commit")
         return f"250 2.0.0 Ok: queued as {env.queue_id}"
 
 

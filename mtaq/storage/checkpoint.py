@@ -10,6 +10,7 @@ import os
 
 from mtaq.core.checkpoint import Checkpoint, CheckpointError, decode_checkpoint, encode_checkpoint
 from mtaq.storage.fs import FileSystem
+from mtaq.testing import killpoints
 
 __all__ = ["CHECKPOINT_NAME", "read_checkpoint", "write_checkpoint"]
 
@@ -32,6 +33,7 @@ def write_checkpoint(fs: FileSystem, spool: str, cp: Checkpoint) -> None:
         f.fsync()
     finally:
         f.close()
+    killpoints.hit("checkpoint.after_tmp")
     fs.rename(tmp, path)
     fs.fsync_dir(spool)
 

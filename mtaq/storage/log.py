@@ -49,6 +49,7 @@ from mtaq.core.frame import (
 from mtaq.core.records import PayloadError, Pos, Record, SealRecord, decode_payload, encode_payload
 from mtaq.errors import CorruptRecord, StorageError, StorageFatal, StorageFull
 from mtaq.storage.fs import File, FileSystem
+from mtaq.testing import killpoints
 
 __all__ = ["Log", "LogStats", "OpenReport", "list_segments", "scan_log", "segment_path"]
 
@@ -291,6 +292,7 @@ class Log:
                 self._salts.pop(n, None)
                 self.fs.unlink(segment_path(self.directory, n))
                 gone.append(n)
+                killpoints.hit("reclaim.after_first_unlink")
             if gone:
                 self.fs.fsync_dir(self.directory)
         except OSError as exc:

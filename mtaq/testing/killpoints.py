@@ -1,0 +1,40 @@
+"""Named kill points: the daemon SIGKILLs itself at a chosen point (for crash tests; off unless asked).
+
+``MTAQ_KILL_POINT=name`` (and optionally ``MTAQ_KILL_AFTER=N``, default 1) makes the N-th pass through
+:func:`hit` with that name kill the process with SIGKILL, as a power cut or ``kill -9`` would at exactly that
+moment (the issue's "crash at each named point"; FoundationDB-style buggify, but only a kill). Points:
+
+* ``edge.after_commit``: the message is durable, the 250 is not sent yet;
+* ``delivery.after_remote_reply``: the next hop answered, our DELIVERY record is not written yet;
+* ``checkpoint.after_tmp``: the new checkpoint is written and fsync'd as a temp file, not yet renamed;
+* ``reclaim.after_first_unlink``: one of several garbage segments is unlinked, the directory not fsync'd;
+* ``recovery.before_conclude``: recovery has read the working suffix, not yet concluded the attempts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+__all__ = ["POINTS", "hit"]
+
+POINTS = (
+    "edge.after_commit",
+    "delivery.after_remote_reply",
+    "checkpoint.after_tmp",
+    "reclaim.after_first_unlink",
+    "recovery.before_conclude",
+)
+_POINT = os.environ.get("MTAQ_KILL_POINT") or None
+_AFTER = int(os.environ.get("MTAQ_KILL_AFTER", "1") or "1")
+_count = 0
+
+
+def hit(name: str) -> None:
+    """Kill the process with SIGKILL if ``name`` is the configured point and its count is reached."""
+    global _count
+    if _POINT is None or name != _POINT:
+        return
+    _count += 1
+    if _count >= _AFTER:
+        os.kill(os.getpid(), signal.SIGKILL)
