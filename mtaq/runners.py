@@ -112,8 +112,6 @@ class Dispatcher:
             self._wakeup.clear()
             await self._wakeup.wait()
 
-    def waiting(self) -> int:
-        return sum(1 for s in self._slots if s is not None and not s.claimed)
 
 
 class Runner:

@@ -270,14 +270,6 @@ class Log:
         """Current length in bytes of segment ``number``."""
         return self._file(number)[0].size()
 
-    def frame_header(self, pos: Pos) -> tuple[int, int] | None:
-        """(type, payload length) of the frame at ``pos`` (unchecked), or None past the end of its segment."""
-        f, _salt = self._file(pos.segment)
-        head = f.pread(pos.offset, FRAME_HEADER_BYTES)
-        if len(head) < FRAME_HEADER_BYTES or head[:2] != b"MQ":
-            return None
-        return head[2], int.from_bytes(head[4:8], "little")
-
     def delete_segments_before(self, number: int) -> list[int]:
         """Reclaim: unlink every segment numbered below ``number`` (never the current one), oldest first, then
         fsync the directory. A crash in between leaves a suffix of them, which are garbage and deleted again."""
