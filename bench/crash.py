@@ -1,10 +1,23 @@
-"""kill -9 harness: acknowledged mail survives SIGKILL of the real daemon and is delivered.
+"""kill -9 harness: acknowledged mail survives SIGKILL and power cuts of the real daemon, and is delivered.
 
 What it does: starts ``mtaq sink`` and ``mtaq serve`` (real subprocesses, real sockets) in a fresh
 directory, sends ``--messages`` messages, each with a unique Message-ID, over ``--concurrency`` concurrent
-SMTP sessions (smtplib, one thread per session), and at ``--kills`` moments chosen by ``--seed`` (one
-random point in each of ``--kills`` equal slices of the sending, by messages finished) kills the daemon
-with SIGKILL and at once restarts it on the same spool and port.
+SMTP sessions (smtplib, one thread per session), and runs ``--cycles`` crash cycles chosen by ``--seed``.
+A cycle is a crash of the daemon and its restart on the same spool and port:
+
+* most cycles are a ``kill -9`` by the harness at a random moment (one random point in each of
+  ``--cycles`` equal slices of the sending, by messages finished);
+* a fraction ``--kill-points`` of them instead restart the daemon with ``MTAQ_KILL_POINT`` set to one of
+  the named points of :mod:`mtaq.testing.killpoints` (and ``MTAQ_KILL_AFTER`` to a small random count),
+  so that it kills itself at exactly that point (after the fsync before the 250, after the remote reply
+  before our record, mid-checkpoint, mid-reclaim, during recovery); if it has not reached the point by
+  the end of its slice, the harness kills it;
+* unless ``--no-power-cut``, every crash is also a power cut: the daemon runs with
+  ``MTAQ_TEST_FS=powercut`` and, once it is dead, :func:`mtaq.testing.powercut.cut` drops every write it
+  never fsync'd (``kill -9`` alone keeps them in the page cache and would hide a missing fsync).
+
+``--break-fsync`` is the negative control: the same run with fsync turned into a no-op
+(``MTAQ_TEST_FS=powercut-nofsync``); it must report lost mail, or the harness proves nothing.
 
 Client policy: only a 2xx reply to DATA counts as acknowledged. After an exception, a disconnection or a
 non-2xx reply the session reconnects (waiting while the daemon is down) and resends the SAME message with
@@ -19,6 +32,8 @@ After sending it waits (``--drain-timeout``) until every acknowledged Message-ID
 kills the daemon and runs ``mtaq log verify`` on the spool. Checks:
 
 * ``lost``: acknowledged IDs not delivered. Must be 0 (RFC 5321 section 6.1; the daemon's promise).
+* ``truncated``: delivered copies whose content does not end with the exact bytes the client sent (a
+  cut-off or altered body). Must be 0.
 * ``duplicated``: IDs delivered more than once. Allowed (in flight at a kill, or resent by the client).
 * ``unacked_delivered``: delivered IDs that were never acknowledged. Allowed.
 * ``verify_ok``: ``mtaq log verify`` exited 0.
@@ -26,14 +41,15 @@ kills the daemon and runs ``mtaq log verify`` on the spool. Checks:
   restarts; ``restart_to_recovered_s_max`` is the wall time from spawning the restarted process to that
   event (interpreter start and log open included).
 
-Prints one JSON line on stdout; exit status 1 if ``lost`` > 0 or the verify failed (or the run broke),
-else 0. With ``lost`` > 0 the evidence (Message-IDs, queue IDs, daemon log lines, ``mtaq log dump``
-lines) goes to stderr; use ``--keep DIR`` to keep spool, Maildir and logs.
+Prints one JSON line on stdout; exit status 1 if ``lost`` or ``truncated`` > 0 or the verify failed (or the
+run broke), else 0. With ``lost`` > 0 the evidence (Message-IDs, queue IDs, daemon log lines, ``mtaq log
+dump`` lines) goes to stderr; use ``--keep DIR`` to keep spool, Maildir and logs.
 
 Run::
 
-    .venv/bin/python bench/crash.py --messages 10000 --kills 3 --concurrency 20
-    .venv/bin/python bench/crash.py --messages 600 --kills 3 --concurrency 10 --seed 1 --keep /tmp/crash1
+    .venv/bin/python bench/crash.py --messages 25000 --cycles 500 --seed 7 --segment-bytes 262144
+    .venv/bin/python bench/crash.py --messages 600 --cycles 3 --concurrency 10 --seed 1 --keep /tmp/crash1
+    .venv/bin/python bench/crash.py --messages 600 --cycles 5 --seed 1 --break-fsync   # must exit 1, lost > 0
 """
 
 from __future__ import annotations
@@ -54,9 +70,11 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from mtaq.testing import killpoints, powercut
 from mtaq.testing.procs import (
     Proc,
     event_time,
+    free_port,
     maildir_count,
     maildir_message_ids,
     read_events,
@@ -194,7 +212,14 @@ def queue_id_of(reply: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--messages", type=int, default=10000)
-    ap.add_argument("--kills", type=int, default=3)
+    ap.add_argument("--cycles", "--kills", dest="cycles", type=int, default=3,
+                    help="crash cycles (kill, power cut unless --no-power-cut, restart) during the sending")
+    ap.add_argument("--kill-points", type=float, default=0.3, metavar="FRACTION",
+                    help="fraction of cycles in which the daemon kills itself at a named kill point")
+    ap.add_argument("--no-power-cut", action="store_true",
+                    help="plain kill -9 only: keep writes that were never fsync'd (they survive in the page cache)")
+    ap.add_argument("--break-fsync", action="store_true",
+                    help="negative control: fsync is a no-op (MTAQ_TEST_FS=powercut-nofsync); must report loss")
     ap.add_argument("--concurrency", type=int, default=20)
     ap.add_argument("--seed", type=int, default=None, help="default: random (printed)")
     ap.add_argument("--keep", metavar="DIR", help="work in DIR (must not hold a spool yet) and keep it")
@@ -202,8 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--segment-bytes", type=int, default=None, metavar="N",
                     help="segment_bytes_max for the daemon (small values make kills land across roll-overs)")
     args = ap.parse_args(argv)
-    if args.messages < 1 or args.kills < 0 or args.concurrency < 1:
-        ap.error("--messages and --concurrency must be >= 1, --kills >= 0")
+    if args.messages < 1 or args.cycles < 0 or args.concurrency < 1:
+        ap.error("--messages and --concurrency must be >= 1, --cycles >= 0")
+    if not 0.0 <= args.kill_points <= 1.0:
+        ap.error("--kill-points must be a fraction between 0 and 1")
+    if args.break_fsync and args.no_power_cut:
+        ap.error("--break-fsync needs the power cut (a kill alone keeps unsynced writes)")
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     rng = random.Random(seed)
     t0 = time.monotonic()
@@ -227,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         mid = f"<crash.{seed}.{i}@mtaq.test>"
         work.append((mid, build_message(i, mid, rng.randint(200, 4000))))
     # One kill point in each of K equal slices of the middle 90% of the messages finished.
-    k = args.kills
+    k = args.cycles
     kill_at = [int(n * (0.05 + 0.9 * (j + rng.random()) / k)) for j in range(k)] if k else []
 
     tally = Tally()
@@ -235,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     daemon: Proc | None = None
     restarts: list[float] = []  # time.time() just before each restart was spawned
     kills_done = 0
+    self_killed: Counter[str] = Counter()  # named kill point -> cycles in which the daemon died there
+    cut_totals: Counter[str] = Counter()
+    fs_mode = "" if args.no_power_cut else ("powercut-nofsync" if args.break_fsync else "powercut")
     result: dict[str, object] = {}
     broken: list[str] = []
     try:
@@ -244,28 +276,68 @@ def main(argv: list[str] | None = None) -> int:
             config = os.path.join(work_dir, "mtaq.toml")
             with open(config, "w") as f:
                 f.write(f"segment_bytes_max = {args.segment_bytes}\n")
-        daemon = start_daemon(spool, sink.port, daemon_log, config=config)
-        port = daemon.port
+
+        def spawn(kill_point: str | None) -> Proc:
+            cut_totals["starts"] += 1
+            env = {"MTAQ_TEST_FS": fs_mode} if fs_mode else {}
+            if kill_point:
+                env |= {"MTAQ_KILL_POINT": kill_point, "MTAQ_KILL_AFTER": str(rng.randint(1, 20))}
+            return start_daemon(spool, sink.port, daemon_log, port=port, config=config, env=env)
+
+        def crash(proc: Proc) -> None:
+            """The crash itself: SIGKILL (if it is not dead already), then the power cut."""
+            proc.kill9()
+            if fs_mode:
+                cut_totals.update(powercut.cut(spool))
+
+        port = free_port()
+        daemon = spawn(None)
 
         def killer() -> None:
             nonlocal daemon, kills_done
+            point: str | None = None
             for at in kill_at:
                 with tally.cond:
-                    while tally.finished < at and not tally.abort.is_set() and tally.finished < n:
-                        tally.cond.wait(0.5)
+                    while (tally.finished < at and not tally.abort.is_set() and tally.finished < n
+                           and (daemon is None or daemon.alive())):
+                        tally.cond.wait(0.05)
                     if tally.abort.is_set() or tally.finished >= n:
                         return
                 assert daemon is not None
-                daemon.kill9()
+                if not daemon.alive():
+                    if point is None:
+                        with tally.cond:
+                            tally.errors.append(f"daemon exited by itself with status {daemon.popen.returncode}")
+                    else:
+                        self_killed[point] += 1
+                crash(daemon)
                 kills_done += 1
                 restarts.append(time.time())
-                try:
-                    daemon = start_daemon(spool, sink.port, daemon_log, port=port, config=config)
-                except RuntimeError as exc:
-                    with tally.cond:
-                        tally.errors.append(f"restart {kills_done} failed: {exc}")
-                    tally.abort.set()
-                    return
+                point = rng.choice(killpoints.POINTS) if rng.random() < args.kill_points else None
+                for _ in range(20):  # a daemon told to die during recovery may be dead before it listens
+                    try:
+                        daemon = spawn(point)
+                        break
+                    except RuntimeError as exc:
+                        if point is None:
+                            with tally.cond:
+                                tally.errors.append(f"restart {kills_done} failed: {exc}")
+                            tally.abort.set()
+                            return
+                        # It died at its point before it was seen listening (a crash during recovery).
+                        self_killed[point] += 1
+                        if fs_mode:
+                            cut_totals.update(powercut.cut(spool))
+                        kills_done += 1
+                        restarts.append(time.time())
+                        point = None
+            # After the last cycle the daemon runs without a kill point, so that it can drain.
+            if point is not None and daemon is not None:
+                if not daemon.alive():
+                    self_killed[point] += 1
+                crash(daemon)
+                restarts.append(time.time())
+                daemon = spawn(None)
 
         next_index = itertools.count()
         threads = [threading.Thread(target=client, args=(port, work, next_index, tally), daemon=True)
@@ -281,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
             tally.cond.notify_all()
         kt.join()
         if kills_done < k:
-            broken.append(f"only {kills_done} of {k} kills happened during sending")
+            broken.append(f"only {kills_done} of {k} crash cycles happened during sending")
         broken.extend(tally.errors)
 
         # Drain: every acknowledged Message-ID in the Maildir, or the timeout.
@@ -327,11 +399,13 @@ def main(argv: list[str] | None = None) -> int:
             if ts:
                 wall.append(min(ts) - r)
         # A kill that lands before recovery_complete is a crash during recovery (GUIDE I5): allowed, counted.
-        killed_during_recovery = kills_done + 1 - len(recs)
+        starts = cut_totals.pop("starts", 0)
+        killed_during_recovery = starts - len(recs)
         if killed_during_recovery < 0:
-            broken.append(f"{len(recs)} recovery_complete events for {kills_done + 1} starts")
+            broken.append(f"{len(recs)} recovery_complete events for {starts} starts")
 
         lost_ids = sorted(acked - delivered.keys())
+        truncated = truncated_copies(maildir, dict(work))
         dup_ids = sorted(m for m, c in delivered.items() if c > 1)
         unknown_qids = {e.get("queue_id") for e in events if e.get("event") == "outcome_unknown"}
         dup_unexplained = [m for m in dup_ids if tally.submissions[m] == 1 and m in tally.acked
@@ -346,13 +420,18 @@ def main(argv: list[str] | None = None) -> int:
             "acknowledged": len(acked),
             "delivered_unique": len(delivered),
             "lost": len(lost_ids),
+            "truncated": len(truncated),
             "duplicated": len(dup_ids),
             "duplicated_resubmitted": sum(1 for m in dup_ids if tally.submissions[m] > 1),
             "duplicated_unexplained": len(dup_unexplained),
             "unacked_delivered": len(unacked_delivered),
             "gave_up": tally.gave_up,
             "failed_tries": tally.failed_tries,
-            "kills": kills_done,
+            "cycles": kills_done,
+            "self_killed_at": dict(sorted(self_killed.items())),
+            "power_cut": fs_mode or "off",
+            "power_cut_bytes_dropped": cut_totals["bytes_dropped"],
+            "power_cut_files_removed": cut_totals["files_removed"],
             "killed_during_recovery": max(0, killed_during_recovery),
             "seed": seed,
             "verify_ok": verify_ok,
@@ -368,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
             _report_lost(lost_ids, tally, daemon_log, spool, seed)
     except Exception as exc:
         broken.append(f"{type(exc).__name__}: {exc}")
-        result = {"messages": n, "kills": kills_done, "seed": seed, "errors": broken,
+        result = {"messages": n, "cycles": kills_done, "seed": seed, "errors": broken,
                   "elapsed_s": round(time.monotonic() - t0, 2)}
     finally:
         tally.abort.set()
@@ -378,8 +457,32 @@ def main(argv: list[str] | None = None) -> int:
         if not args.keep:
             shutil.rmtree(work_dir, ignore_errors=True)
     print(json.dumps(result), flush=True)
-    ok = result.get("lost") == 0 and result.get("verify_ok") is True and not broken
+    ok = result.get("lost") == 0 and result.get("truncated") == 0 and result.get("verify_ok") is True and not broken
     return 0 if ok else 1
+
+
+def truncated_copies(maildir: str, sent: dict[str, bytes]) -> list[str]:
+    """Message-IDs of delivered copies whose content does not end with the bytes the client sent.
+
+    The sink stores ``Delivered-To`` lines (and the relay may add trace headers) before the message, so a
+    faithful copy *ends with* what was sent; a cut-off or altered body does not.
+    """
+    bad = []
+    for sub in ("new", "cur"):
+        d = os.path.join(maildir, sub)
+        if not os.path.isdir(d):
+            continue
+        for name in os.listdir(d):
+            with open(os.path.join(d, name), "rb") as f:
+                content = f.read()
+            mid = ""
+            for line in content.split(b"\r\n\r\n", 1)[0].split(b"\r\n"):
+                if line.lower().startswith(b"message-id:"):
+                    mid = line.split(b":", 1)[1].strip().decode(errors="replace")
+                    break
+            if mid not in sent or not content.endswith(sent[mid]):
+                bad.append(mid or name)
+    return bad
 
 
 def _report_lost(lost_ids: list[str], tally: Tally, daemon_log: str, spool: str, seed: int) -> None:

@@ -33,7 +33,7 @@ from mtaq.runners import Dispatcher, Runner
 from mtaq.storage.checkpoint import write_checkpoint
 from mtaq.storage.fs import OsFileSystem
 from mtaq.storage.log import Log
-from mtaq.testing import killpoints
+from mtaq.testing import killpoints, powercut
 
 __all__ = ["Daemon", "serve"]
 
@@ -78,7 +78,8 @@ class Daemon:
     async def run(self) -> None:
         cfg = self.cfg
         t_start = time.monotonic()
-        self.fs = OsFileSystem()
+        # MTAQ_TEST_FS (tests only) selects a file system that can simulate a power cut; unset: the real one.
+        self.fs = powercut.from_env(cfg.spool_dir) or OsFileSystem()
         qlog, report = Log.open(self.fs, os.path.join(cfg.spool_dir, "log"), segment_bytes_max=cfg.segment_bytes_max)
         qlog.on_fatal.append(self._on_fatal)
         self.queue = Queue(qlog, policy=self.policy, reporting_mta=cfg.hostname(), clock=self.clock)

@@ -1,4 +1,5 @@
-"""kill -9 of the real daemon while mail arrives loses no acknowledged message (bench/crash.py)."""
+"""The kill -9 harness (bench/crash.py) against the real daemon: crash cycles lose no acknowledged mail,
+and the same harness with fsync broken does find loss (the negative control)."""
 
 from __future__ import annotations
 
@@ -6,34 +7,56 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 CRASH = Path(__file__).resolve().parents[1] / "bench" / "crash.py"
 
 
-@pytest.mark.timeout(180)
-def test_acknowledged_mail_survives_three_kill9_during_sending(tmp_path: Path) -> None:
-    """600 messages over 10 sessions, the daemon SIGKILLed and restarted 3 times while they arrive.
-
-    Every message that got 2xx after DATA is delivered to the sink (lost == 0), all 3 kills happened,
-    some mail was acknowledged, and ``mtaq log verify`` passes on the spool afterwards. Duplicates and
-    delivered-but-unacknowledged messages are allowed (in flight at a kill, or resent by the client).
-    """
-    keep = tmp_path / "run"
+def run_harness(tmp_path: Path, *args: str) -> tuple[dict[str, Any], int, str]:
     proc = subprocess.run(
-        [sys.executable, str(CRASH), "--messages", "600", "--kills", "3", "--concurrency", "10",
-         "--seed", "1", "--drain-timeout", "60", "--keep", str(keep)],
+        [sys.executable, str(CRASH), "--keep", str(tmp_path / "run"), *args],
         capture_output=True,
         text=True,
-        timeout=170,
+        timeout=280,
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     assert lines, f"no JSON line; exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    res = json.loads(lines[-1])
-    detail = f"{res}\nstderr:\n{proc.stderr[-4000:]}"
+    return json.loads(lines[-1]), proc.returncode, proc.stderr[-4000:]
+
+
+@pytest.mark.timeout(300)
+def test_acknowledged_mail_survives_twenty_crash_cycles_with_power_cuts_and_kill_points(tmp_path: Path) -> None:
+    """800 messages over 10 sessions; 20 crash cycles (kill -9 at random moments, or the daemon killing
+    itself at a named kill point), each followed by a power cut that drops every write never fsync'd.
+
+    Every message that got 2xx after DATA is delivered to the sink (lost == 0), byte for byte
+    (truncated == 0), all 20 cycles happened, and ``mtaq log verify`` passes afterwards. Duplicates and
+    delivered-but-unacknowledged messages are allowed (in flight at a crash, or resent by the client).
+    """
+    res, rc, err = run_harness(tmp_path, "--messages", "800", "--cycles", "20", "--concurrency", "10",
+                               "--seed", "3", "--kill-points", "0.3", "--segment-bytes", "65536",
+                               "--drain-timeout", "90")
+    detail = f"{res}\nstderr:\n{err}"
     assert 0 == res["lost"], detail
+    assert 0 == res["truncated"], detail
     assert res["verify_ok"] is True, detail
-    assert 3 == res["kills"], detail
+    assert 20 == res["cycles"], detail
+    assert "powercut" == res["power_cut"], detail
     assert res["acknowledged"] > 0, detail
-    assert 0 == proc.returncode, detail
+    assert "errors" not in res, detail
+    assert 0 == rc, detail
+
+
+@pytest.mark.timeout(300)
+def test_negative_control_harness_reports_loss_when_fsync_is_a_no_op(tmp_path: Path) -> None:
+    """The same harness with fsync turned into a no-op (MTAQ_TEST_FS=powercut-nofsync): the power cuts
+    must cost acknowledged mail, and the harness must say so (lost > 0, exit status 1). A harness that
+    cannot fail proves nothing."""
+    res, rc, err = run_harness(tmp_path, "--messages", "400", "--cycles", "4", "--concurrency", "10",
+                               "--seed", "3", "--kill-points", "0", "--break-fsync", "--drain-timeout", "8")
+    detail = f"{res}\nstderr:\n{err}"
+    assert "powercut-nofsync" == res["power_cut"], detail
+    assert res["lost"] > 0, detail
+    assert 1 == rc, detail
