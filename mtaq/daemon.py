@@ -21,6 +21,7 @@ from typing import Any
 
 from mtaq.config import Config, parse_hostport, parse_relayhost
 from mtaq.core.checkpoint import Checkpoint
+from mtaq.core.frame import Problem
 from mtaq.core.records import EnvelopeRecord, Outcome, Pos
 from mtaq.core.state import Attempt, RetryPolicy, format_reply
 from mtaq.delivery.relay import RelayConnection, Reply, classify
@@ -28,7 +29,7 @@ from mtaq.edge.server import QueueHandler, start_server
 from mtaq.errors import CorruptRecord, StorageError, StorageFatal
 from mtaq.logs import get_logger
 from mtaq.queue import Queue
-from mtaq.recovery import recover
+from mtaq.recovery import move_aside, recover
 from mtaq.runners import Dispatcher, Runner
 from mtaq.storage.checkpoint import write_checkpoint
 from mtaq.storage.fs import OsFileSystem
@@ -59,6 +60,7 @@ class Daemon:
             delay_warning_time_s=cfg.delay_warning_time_s,
         )
         self.runners: list[Runner] = []
+        self._background: set[asyncio.Task[None]] = set()
         self.checkpoints = 0
         self.reclaimed = 0
 
@@ -74,6 +76,12 @@ class Daemon:
         self.log.critical("storage_fatal", error=str(exc), exit_status=EXIT_FSYNC_FAILED)
         # Let the 451 replies reach the clients, then exit without touching the disk again.
         asyncio.get_running_loop().call_later(0.2, os._exit, EXIT_FSYNC_FAILED)
+
+    def _on_corrupt(self, p: Problem) -> None:
+        """A runner passed over damage: move it aside (in a thread; the runner goes on) and report it."""
+        task = asyncio.get_running_loop().create_task(move_aside(self.queue.log, self.cfg.spool_dir, p, self.log))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def run(self) -> None:
         cfg = self.cfg
@@ -126,7 +134,7 @@ class Daemon:
                 res.garbage[k],
                 runners=self.policy.runners,
                 clock=self.clock,
-                on_corrupt=lambda msg: self.log.error("corrupt_record", where=msg, reader="runner"),
+                on_corrupt=self._on_corrupt,
             )
             for k in range(self.policy.runners)
         ]

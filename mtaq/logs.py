@@ -18,17 +18,17 @@ __all__ = ["configure_logging", "get_logger"]
 def configure_logging(fmt: str = "console", *, stream: Any = None) -> None:
     """Send events to ``stream`` (stderr) as JSON lines (``fmt="json"``) or for a terminal."""
     stream = stream or sys.stderr
-    renderer: Any
+    processors: list[Any] = [
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
     if fmt == "json":
-        renderer = structlog.processors.JSONRenderer()
+        # exc_info becomes an "exception" field (the traceback as structured data) instead of being dropped.
+        processors += [structlog.processors.dict_tracebacks, structlog.processors.JSONRenderer()]
     else:
-        renderer = structlog.dev.ConsoleRenderer(colors=stream.isatty())
+        processors.append(structlog.dev.ConsoleRenderer(colors=stream.isatty()))
     structlog.configure(
-        processors=[
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            renderer,
-        ],
+        processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
         logger_factory=structlog.PrintLoggerFactory(stream),
         cache_logger_on_first_use=True,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 from typing import IO, Any
 
 import msgspec
@@ -28,6 +29,7 @@ from mtaq.core.records import (
 )
 from mtaq.storage.fs import OsFileSystem
 from mtaq.storage.log import list_segments, scan_log
+from mtaq.storage.quarantine import CORRUPT_DIR, list_quarantine
 
 __all__ = ["dump", "record_fields", "verify"]
 
@@ -90,20 +92,31 @@ def verify(log_dir: str, *, out: IO[str]) -> int:
     notes: list[str] = []
     kinds: dict[Pos, tuple[type, str]] = {}
     records = 0
+    spool = os.path.dirname(os.path.abspath(log_dir))
+    aside = list_quarantine(fs, spool)
 
     def check(pos: Pos, ref: Pos, want: type, qid: str, what: str) -> None:
         if ref.segment < first:
             return  # reclaimed
         got = kinds.get(ref)
+        if got is None and any(q.kind == "unsynced-hole" and q.segment == ref.segment and q.offset <= ref.offset < q.end
+                               for q in aside.values()):
+            notes.append(f"segment {pos.segment} offset {pos.offset}: {qid} {what} {ref} lies in a hole left by a crash "
+                         "(never acknowledged; recovery ends it)")
+            return
         if got is None or got[0] is not want or got[1] != qid:
             problems.append(f"segment {pos.segment} offset {pos.offset}: {qid} {what} {ref} is not a {want.__name__[:-6].upper()} of {qid}")
 
     for scan in scan_log(fs, log_dir):
         for p in scan.problems:
+            q = aside.get((p.segment, p.offset))
+            where = f" (moved aside to {os.path.join(spool, CORRUPT_DIR)}/{p.segment:012d}-{p.offset:010d}.bin)" if q else ""
             if p.kind == "torn-tail" and (scan.segment == newest or not scan.sealed) and p.reason != "bytes after seal":
                 notes.append(f"{p}: crash leftover, recovery truncates it")
+            elif q is not None and q.kind == "unsynced-hole":
+                notes.append(f"{p}: hole left by a crash in bytes never made durable, records after it kept{where}")
             else:
-                problems.append(str(p))
+                problems.append(f"{p}{where}")
         frames = 0
         for pos, rec in scan.records:
             records += 1

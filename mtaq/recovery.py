@@ -34,9 +34,10 @@ from mtaq.errors import CorruptRecord
 from mtaq.queue import Queue
 from mtaq.storage.checkpoint import read_checkpoint
 from mtaq.storage.log import OpenReport
+from mtaq.storage.quarantine import list_quarantine, quarantine
 from mtaq.testing import killpoints
 
-__all__ = ["RecoveryResult", "recover"]
+__all__ = ["RecoveryResult", "move_aside", "recover"]
 
 
 @dataclass
@@ -50,11 +51,32 @@ class RecoveryResult:
     records: int = 0
     bytes: int = 0
     repaired: list[Problem] = field(default_factory=list)
-    corrupt: list[Problem] = field(default_factory=list)
+    corrupt: list[Problem] = field(default_factory=list)  # damage to durable data (moved aside, reported)
+    holes: list[Problem] = field(default_factory=list)  # unsynced holes left by a crash (moved aside)
     concluded: int = 0
     unknown: list[tuple[str, str]] = field(default_factory=list)  # (queue_id, recipient)
     runners: list[Pos] = field(default_factory=list)
     garbage: list[set[Pos]] = field(default_factory=list)
+
+
+async def move_aside(log: Any, spool: str, p: Problem, logger: Any) -> None:
+    """Copy a damaged region into ``SPOOL/corrupt`` and report it: an error for corruption, a warning for
+    an unsynced hole. A region already moved aside by an earlier start is reported once more, quietly."""
+    hole = p.kind == "unsynced-hole"
+    event = "unsynced_hole" if hole else "corrupt_record"
+    fields = {"segment": p.segment, "offset": p.offset, "end": p.end, "kind": p.kind, "reason": p.reason}
+    try:
+        raw = await asyncio.to_thread(log.read_bytes, p.segment, p.offset, p.end - p.offset)
+        path, new = await asyncio.to_thread(quarantine, log.fs, spool, p, raw)
+    except OSError as exc:
+        logger.error(event, **fields, moved_to=None, copy_error=str(exc))
+        return
+    if not new:
+        logger.info(f"{event}_known", **fields, moved_to=path)
+    elif hole:
+        logger.warning(event, **fields, moved_to=path, records_after_it="kept")
+    else:
+        logger.error(event, **fields, moved_to=path)
 
 
 @dataclass(slots=True)
@@ -79,6 +101,8 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
 
     cp: Checkpoint | None
     cp, why = read_checkpoint(log.fs, spool)
+    # Everything before the checkpoint's head was durable when it was written: damage there is corruption.
+    durable_hint = cp.head if cp is not None else None
     res.checkpoint = why
     if cp is not None:
         scan_from = clamp(min(cp.suffix, cp.head))
@@ -93,6 +117,10 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
         garbage = [set() for _ in range(n)]
     res.scan_from = scan_from
     open_attempts: dict[Pos, _Open] = {}
+    aside = list_quarantine(log.fs, spool)  # regions moved aside by an earlier start keep their kind
+    holes: list[Problem] = []
+    unreadable: dict[Pos, EnvelopeRecord] = {}  # envelopes whose DATA lies in an unsynced hole
+    started: set[Pos] = set()
     for seg in report.segments:
         if seg < scan_from.segment:
             continue
@@ -102,13 +130,24 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
             res.bytes += len(buf)
             scan = await asyncio.to_thread(scan_segment, seg, buf, skip_data=True)
         res.segments += 1
+        unsealed = seg in report.unsealed or not scan.sealed
         for p in scan.problems:
             if p.kind == "torn-tail" and not scan.sealed:
                 res.repaired.append(p)
                 logger.warning("torn_tail_repaired", segment=p.segment, offset=p.offset, bytes=p.end - p.offset, reason=p.reason)
+                continue
+            known = aside.get((p.segment, p.offset))
+            if (known is not None and known.kind == "unsynced-hole") or (
+                unsealed and durable_hint is not None and Pos(p.segment, p.offset) >= durable_hint
+            ):
+                # Written at the crash after the last known durable point: bytes that never reached the disk,
+                # with later writes that did. Not damage; kept aside the same way, and reported as what it is.
+                p = Problem("unsynced-hole", p.segment, p.offset, p.end, p.reason)
+                res.holes.append(p)
+                holes.append(p)
             else:
                 res.corrupt.append(p)
-                logger.error("corrupt_record", segment=p.segment, offset=p.offset, end=p.end, kind=p.kind, reason=p.reason)
+            await move_aside(log, spool, p, logger)
         if scan.header is not None and (scan.torn_tail is not None or not scan.sealed):
             await asyncio.to_thread(log.repair_segment, scan)
         for pos, rec in scan.records:
@@ -117,6 +156,7 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
             res.records += 1
             if isinstance(rec, StartRecord):
                 open_attempts[pos] = _Open(rec)
+                started.add(rec.envelope)
                 k = min(rec.runner, n - 1)
                 if rec.envelope >= runners[k]:
                     garbage[k].add(rec.envelope)
@@ -128,6 +168,9 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
             elif isinstance(rec, EnvelopeRecord):
                 if rec.replaces is not None:
                     open_attempts.pop(rec.replaces, None)
+                d = rec.data
+                if any(h.segment == d.segment and h.offset <= d.offset < h.end for h in holes):
+                    unreadable[pos] = rec
             elif isinstance(rec, FinishRecord):
                 open_attempts.pop(rec.start, None)
         await asyncio.sleep(0)  # let SMTP clients in between segments
@@ -158,6 +201,19 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
             logger.info("attempt_concluded", queue_id=env.queue_id, recipients_left=len(c.record.recipients))
         else:
             logger.info("removed", queue_id=env.queue_id)
+    for pos, env in sorted(unreadable.items()):
+        if pos in started:
+            continue
+        # Its DATA was written after the last durable point and never reached the disk, so no fsync covered
+        # it and the client never had a 250 (it will send again): end it quietly instead of bouncing it.
+        attempt = queue.start(pos, env)
+        log.append(FinishRecord(queue_id=env.queue_id, start=attempt.start_pos, ts=queue.clock()))
+        queue.working.concluded(attempt.start_pos)
+        k = min(env.runner, n - 1)
+        if pos >= runners[k]:
+            garbage[k].add(pos)
+        logger.warning("unacknowledged_dropped", queue_id=env.queue_id, envelope=str(pos),
+                       reason="its data never reached the disk before the crash; no 250 was sent for it")
     await log.sync()
     res.runners, res.garbage = runners, garbage
     res.seconds = time.monotonic() - t0

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from mtaq.core.frame import Problem
 from mtaq.core.records import EnvelopeRecord, Pos, RecordType
 from mtaq.storage.cursor import LogCursor
 from mtaq.storage.log import Log
@@ -127,7 +128,7 @@ class Runner:
         *,
         runners: int,
         clock: Callable[[], float] = time.time,
-        on_corrupt: Callable[[str], None] | None = None,
+        on_corrupt: Callable[[Problem], None] | None = None,
     ) -> None:
         self.k = k
         self.log = log

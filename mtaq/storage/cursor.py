@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Literal
 
-from mtaq.core.frame import FRAME_HEADER_BYTES, SEGMENT_HEADER_BYTES, Frame, decode_frame, scan_segment
+from mtaq.core.frame import FRAME_HEADER_BYTES, SEGMENT_HEADER_BYTES, Frame, Problem, decode_frame, scan_segment
 from mtaq.core.records import PayloadError, Pos, Record, RecordType, decode_payload
 from mtaq.errors import CorruptRecord
 from mtaq.storage.log import Log
@@ -28,10 +28,10 @@ CHUNK_BYTES = 256 * 1024
 class LogCursor:
     """A position in the log that moves forward. ``pos`` is the next frame not yet passed over."""
 
-    def __init__(self, log: Log, pos: Pos, on_corrupt: Callable[[str], None] | None = None) -> None:
+    def __init__(self, log: Log, pos: Pos, on_corrupt: Callable[[Problem], None] | None = None) -> None:
         self.log = log
         self.pos = pos
-        self.on_corrupt = on_corrupt or (lambda msg: None)
+        self.on_corrupt = on_corrupt or (lambda problem: None)
         self._seg = -1  # the chunk: bytes [_start, _start + len(_buf)) of segment _seg
         self._start = 0
         self._buf = b""
@@ -73,9 +73,12 @@ class LogCursor:
 
     def _resync(self, why: str) -> None:
         seg = self.pos.segment
-        self.on_corrupt(f"segment {seg} offset {self.pos.offset}: {why}")
         scan = scan_segment(seg, self.log.read_segment(seg), skip_data=True)
         later = [p for p, _ in scan.records if p.offset > self.pos.offset]
+        # The scan's own problem says where the damage ends (DATA frames are not listed in its records).
+        at = self.pos.offset
+        found = next((p for p in scan.problems if p.offset <= at < p.end), None)
+        self.on_corrupt(found or Problem("corrupt", seg, at, later[0].offset if later else at + 1, why))
         if later:
             self.pos = later[0]
         elif not self._next_segment():

@@ -96,6 +96,7 @@ class OpenReport:
     segments: list[int] = field(default_factory=list)  # present after repair, excluding the new one
     scans: dict[int, SegmentScan] = field(default_factory=dict)  # scans already done (reusable)
     repaired: list[Problem] = field(default_factory=list)  # torn tails truncated, torn segments removed
+    unsealed: set[int] = field(default_factory=set)  # segments found unsealed (being written at the crash)
     new_segment: int = 0
 
 
@@ -174,6 +175,8 @@ class Log:
                         continue
                     report.scans[n] = scan  # corrupt header: left for recovery to report
                     break
+                if not scan.sealed:
+                    report.unsealed.add(n)
                 if scan.torn_tail is not None or not scan.sealed:
                     f = fs.open(path)
                     try:
@@ -431,6 +434,11 @@ class Log:
                 raise CorruptRecord(f"segment {number}: {exc}") from exc
             self._files[number] = f
         return f, self._salts[number]
+
+    def read_bytes(self, segment: int, offset: int, length: int) -> bytes:
+        """``length`` bytes of segment ``segment`` from ``offset`` (fewer at its end). Raises OSError."""
+        f, _salt = self._file(segment)
+        return f.pread(offset, length)
 
     def read(self, pos: Pos) -> Record:
         """The record at ``pos``. Raises CorruptRecord when it does not check out, StorageError on I/O errors."""

@@ -1,0 +1,158 @@
+"""Damaged records are moved aside into SPOOL/corrupt, reported with segment and offset, and every good
+record after them is kept (LevelDB's corruption tests by name; Postfix's ``corrupt`` queue)."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+
+import pytest
+import structlog
+
+from mtaq.core.checkpoint import Checkpoint
+from mtaq.core.frame import scan_segment
+from mtaq.core.records import DataRecord, EnvelopeRecord, FinishRecord, Pos, RecordType, StartRecord
+from mtaq.core.state import RetryPolicy
+from mtaq.logtools import verify
+from mtaq.queue import Queue
+from mtaq.recovery import recover
+from mtaq.storage.checkpoint import write_checkpoint
+from mtaq.storage.cursor import LogCursor
+from mtaq.storage.fs import OsFileSystem
+from mtaq.storage.log import Log, list_segments, scan_log, segment_path
+from mtaq.storage.quarantine import CORRUPT_DIR, list_quarantine
+
+LOG = structlog.get_logger("test")
+
+
+def start(spool: str, segment_bytes_max: int = 65536):
+    log, report = Log.open(OsFileSystem(), os.path.join(spool, "log"), segment_bytes_max=segment_bytes_max)
+    q = Queue(log, policy=RetryPolicy(intervals_s=(60.0,)), clock=lambda: 1000.0, reporting_mta="mx.test")
+    res = asyncio.run(recover(q, report, spool, LOG))
+    return log, q, res
+
+
+def receive(q: Queue, n: int, size: int = 1500) -> list[EnvelopeRecord]:
+    async def go():
+        return [await q.receive("s@x", [f"r{i}@y"], b"Subject: %d\r\n\r\n" % i + b"x" * size + b"\r\n") for i in range(n)]
+
+    return asyncio.run(go())
+
+
+def envelopes(spool: str) -> dict[str, Pos]:
+    return {r.queue_id: p for s in scan_log(OsFileSystem(), os.path.join(spool, "log"))
+            for p, r in s.records if isinstance(r, EnvelopeRecord)}
+
+
+def test_flipped_bit_in_a_middle_segment_is_moved_aside_and_every_later_record_is_kept(tmp_path):
+    """One envelope in a middle segment gets a flipped bit. Recovery reports it with segment and offset and
+    copies its exact bytes into SPOOL/corrupt; a runner's cursor passes over it to every later envelope;
+    ``mtaq log verify`` names it and where it was moved."""
+    spool = str(tmp_path)
+    log, q, _ = start(spool)
+    receive(q, 120)  # ~1.6 KiB a message: several 64 KiB segments
+    log.close()
+    log_dir = os.path.join(spool, "log")
+    segs = list_segments(OsFileSystem(), log_dir)
+    assert len(segs) >= 3
+    middle = segs[len(segs) // 2]
+    path = segment_path(log_dir, middle)
+    raw = bytearray(open(path, "rb").read())
+    scan = scan_segment(middle, bytes(raw))
+    victim, venv = next((p, r) for p, r in scan.records if isinstance(r, EnvelopeRecord))
+    end = next(p.offset for p, _ in scan.records if p > victim)
+    before = envelopes(spool)
+    raw[victim.offset + 30] ^= 0x04
+    open(path, "wb").write(bytes(raw))
+
+    log, q, res = start(spool)
+    assert [(middle, victim.offset, end)] == [(p.segment, p.offset, p.end) for p in res.corrupt]
+    assert [] == res.holes
+    stem = os.path.join(spool, CORRUPT_DIR, f"{middle:012d}-{victim.offset:010d}")
+    assert bytes(raw[victim.offset:end]) == open(stem + ".bin", "rb").read()
+    meta = json.load(open(stem + ".json"))
+    assert (middle, victim.offset, end, "corrupt") == (meta["segment"], meta["offset"], meta["end"], meta["kind"])
+
+    # A runner's cursor from the start of the log: every envelope but the damaged one, and the damage reported.
+    seen: list = []
+    cur = LogCursor(log, Pos(segs[0], 32), seen.append)
+    got = set()
+    while (found := cur.peek(log.durable_end, lambda t: t == RecordType.ENVELOPE)) is not None:
+        if found is not False:
+            got.add(found[1].queue_id)
+            cur.skip()
+    log.close()
+    assert set(before) - {venv.queue_id} <= got
+    assert venv.queue_id not in got
+    assert [(middle, victim.offset, end)] == [(p.segment, p.offset, p.end) for p in seen]
+
+    out = io.StringIO()
+    assert 1 == verify(log_dir, out=out)
+    assert f"segment {middle} offset {victim.offset}" in out.getvalue()
+    assert f"moved aside to {os.path.join(spool, CORRUPT_DIR)}" in out.getvalue()
+
+    # The next start reports it again but copies nothing new.
+    log, q, res = start(spool)
+    log.close()
+    assert [victim.offset] == [p.offset for p in res.corrupt]
+    assert 1 == len(list_quarantine(OsFileSystem(), spool))
+
+
+@pytest.mark.parametrize("checkpoint_after_hole", [False, True])
+def test_hole_left_by_a_crash_after_the_checkpoint_is_an_unsynced_hole_not_corruption(tmp_path, checkpoint_after_hole):
+    """Power loss can keep a later write and lose an earlier one (a hole of zeros in the segment being
+    written). After the last checkpoint's durable end that is a crash leftover: moved aside as an
+    ``unsynced-hole``, records after it kept, and the log verifies. Before it, the same bytes were durable,
+    so it is corruption and verify fails."""
+    spool = str(tmp_path)
+    log, q, _ = start(spool, segment_bytes_max=1 << 20)
+    receive(q, 3)
+
+    def checkpoint() -> None:
+        e = log.durable_end
+        write_checkpoint(OsFileSystem(), spool, Checkpoint(e, e, (e, e), ((), ()), 1.0))
+
+    if not checkpoint_after_hole:
+        checkpoint()
+    late = receive(q, 2)
+    if checkpoint_after_hole:
+        checkpoint()
+    seg = log.current_segment
+    log.close()
+    path = segment_path(os.path.join(spool, "log"), seg)
+    raw = bytearray(open(path, "rb").read())
+    scan = scan_segment(seg, bytes(raw))
+    data_pos = next(p for p, r in scan.records if isinstance(r, DataRecord) and r.queue_id == late[0].queue_id)
+    data_end = next(p.offset for p, _ in scan.records if p > data_pos)
+    raw[data_pos.offset:data_end] = bytes(data_end - data_pos.offset)  # that write never reached the disk
+    open(path, "wb").write(bytes(raw))
+
+    log, q, res = start(spool, segment_bytes_max=1 << 20)
+    log.close()
+    found = res.corrupt if checkpoint_after_hole else res.holes
+    other = res.holes if checkpoint_after_hole else res.corrupt
+    assert [(seg, data_pos.offset, data_end)] == [(p.segment, p.offset, p.end) for p in found]
+    assert [] == other
+    assert {late[1].queue_id, late[0].queue_id} <= set(envelopes(spool))  # records after it kept
+    kind = list_quarantine(OsFileSystem(), spool)[(seg, data_pos.offset)].kind
+    assert ("corrupt" if checkpoint_after_hole else "unsynced-hole") == kind
+    out = io.StringIO()
+    assert (1 if checkpoint_after_hole else 0) == verify(os.path.join(spool, "log"), out=out), out.getvalue()
+    if checkpoint_after_hole:
+        return
+    # The envelope whose DATA fell in the hole was never acknowledged: recovery ends it (START + FINISH)
+    # instead of bouncing it; the message after it stays queued. A second start changes nothing more.
+    env_pos = envelopes(spool)[late[0].queue_id]
+    recs = [r for s in scan_log(OsFileSystem(), os.path.join(spool, "log")) for _, r in s.records]
+    starts = [r for r in recs if isinstance(r, StartRecord) and r.envelope == env_pos]
+    assert 1 == len(starts)
+    assert 1 == sum(1 for r in recs if isinstance(r, FinishRecord) and r.queue_id == late[0].queue_id)
+    assert not any(isinstance(r, StartRecord) and r.queue_id == late[1].queue_id for r in recs)
+    log, q, res = start(spool, segment_bytes_max=1 << 20)
+    log.close()
+    assert [data_pos.offset] == [p.offset for p in res.holes]
+    assert [] == res.corrupt
+    recs = [r for s in scan_log(OsFileSystem(), os.path.join(spool, "log")) for _, r in s.records]
+    assert 1 == sum(1 for r in recs if isinstance(r, StartRecord) and r.envelope == env_pos)
