@@ -21,8 +21,8 @@ install: $(STAMP)
 
 # Debian packages used by tests that talk to real tools (swaks as an SMTP client).
 debs:
-	@command -v swaks >/dev/null 2>&1 || { \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq swaks >/dev/null; }
+	@command -v swaks >/dev/null 2>&1 && command -v fiu-run >/dev/null 2>&1 || { \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq swaks fiu-utils >/dev/null; }
 
 run: install
 	mkdir -p spool

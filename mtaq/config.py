@@ -30,6 +30,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     myhostname: str = ""  # "" means the host's name
     segment_bytes_max: Annotated[int, msgspec.Meta(ge=65536, le=4096 * MiB)] = 64 * MiB
     message_size_limit_bytes: Annotated[int, msgspec.Meta(ge=1024, le=200 * MiB)] = 10_240_000
+    # New mail gets 452 4.3.1 while the spool has less free space than this (Postfix queue_minfree); the
+    # floor is never below 1.5 x message_size_limit_bytes (Postfix smtpd's rule), so deliveries can go on.
+    queue_minfree_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
     delivery_concurrency: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 20
     # Seconds to wait after the 1st, 2nd, ... deferred attempt; the last repeats (RFC 5321 §4.5.4.1).
     retry_intervals_s: Annotated[list[Annotated[float, msgspec.Meta(gt=0)]], msgspec.Meta(min_length=1)] = msgspec.field(

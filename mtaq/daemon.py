@@ -92,6 +92,7 @@ class Daemon:
         qlog.on_fatal.append(self._on_fatal)
         self.queue = Queue(qlog, policy=self.policy, reporting_mta=cfg.hostname(), clock=self.clock)
         self.queue.on_durable = self._on_durable
+        self.queue.minfree_bytes = max(cfg.queue_minfree_bytes, cfg.message_size_limit_bytes * 3 // 2)
         self.queue.on_dsn = self._on_dsn
         host, port = parse_hostport(cfg.listen)
         self.server = await start_server(

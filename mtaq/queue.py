@@ -33,7 +33,7 @@ from mtaq.core.records import (
     StartRecord,
 )
 from mtaq.core.state import Attempt, Conclusion, DsnItem, RetryPolicy, WorkingSet, conclude, format_reply
-from mtaq.errors import CorruptRecord
+from mtaq.errors import CorruptRecord, StorageFull
 from mtaq.storage.log import Log
 
 __all__ = ["Queue", "new_queue_id"]
@@ -81,6 +81,9 @@ class Queue:
         self.reporting_mta = reporting_mta or socket.getfqdn()
         self.working = WorkingSet()
         self.received = 0
+        # New mail is refused (452 4.3.1) while the spool has less than this many bytes free, so that
+        # deliveries, which free space, can still write their records (Postfix's queue_minfree). 0: no floor.
+        self.minfree_bytes = 0
         # Called with each new envelope and its position once it is durable (the daemon logs `queued`).
         self.on_durable: Callable[[EnvelopeRecord, Pos], None] = lambda env, pos: None
         # Called for each DSN queued: (dsn envelope, original queue ID, kind).
@@ -102,8 +105,11 @@ class Queue:
         ``on_durable`` runs once the covering fsync is done, even if the caller was cancelled meanwhile
         (an SMTP client that hangs up after its final dot). The queue runner for new mail sees the
         envelope only from then on: a message that is not durable is never delivered.
-        Raises StorageFull / StorageError / StorageFatal (nothing acknowledged).
+        Raises StorageFull / StorageError / StorageFatal (nothing acknowledged); StorageFull also when the
+        spool has less than ``minfree_bytes`` + the message free.
         """
+        if self.minfree_bytes and self.log.free_bytes() < self.minfree_bytes + len(body):
+            raise StorageFull(f"spool free space below queue_minfree_bytes ({self.minfree_bytes} bytes)")
         env, pos, lsn = self._append_message(sender, recipients, body, mail_params, rcpt_params, client, helo)
         await asyncio.shield(self._settle(env, pos, lsn))
         return env

@@ -129,3 +129,49 @@ def test_client_hanging_up_during_the_commit_still_gets_its_durable_message_sche
     durable, before, _queue = asyncio.run(main())
     assert [[]] == before  # not handed on before its fsync completed
     assert 1 == len(durable)
+
+
+def test_full_disk_when_creating_the_next_segment_answers_452_and_leaves_no_half_record(tmp_path):
+    """The segment is full and the next one cannot be created (ENOSPC): 452 4.3.1, nothing half-written
+    (the log verifies), and once space is back the next message gets 250 in the new segment."""
+    import os
+
+    from mtaq.logtools import verify
+    from mtaq.storage.log import list_segments
+
+    async def main():
+        fs = FaultyFileSystem()
+        log_dir = str(tmp_path / "log")
+        log, _ = Log.open(fs, log_dir, segment_bytes_max=65536)
+        queue = Queue(log, policy=RetryPolicy())
+        server = await start_server(QueueHandler(queue), "127.0.0.1", 0, hostname="mx.test",
+                                    data_size_limit=1 << 20, timeout_s=30)
+        port = server.sockets[0].getsockname()[1]
+        big = BODY + (b"x" * 78 + b"\r\n") * 250
+
+        def send_big() -> tuple[int, bytes]:
+            with smtplib.SMTP("127.0.0.1", port, timeout=30) as s:
+                s.ehlo()
+                s.mail("a@example.org")
+                s.rcpt("b@example.net")
+                return s.data(big)
+
+        first = log.current_segment
+        codes = []
+        fs.fail_create = errno.ENOSPC
+        for _ in range(5):  # 3 messages fill a 64 KiB segment; the 4th needs a new one
+            codes.append(await asyncio.to_thread(send_big))
+        segs_full = list_segments(fs, log_dir)
+        fs.fail_create = None
+        after = await asyncio.to_thread(send_big)
+        server.close()
+        return first, codes, segs_full, after, log
+
+    first, codes, segs_full, after, log = asyncio.run(main())
+    assert [250, 250, 250, 452, 452] == [c for c, _ in codes]
+    assert all(t.startswith(b"4.3.1 ") for c, t in codes if c == 452)
+    assert first == segs_full[-1]  # no new segment, not even an empty one
+    assert 250 == after[0]
+    assert first + 1 == log.current_segment
+    log.close()
+    assert 0 == verify(str(tmp_path / "log"), out=open(os.devnull, "w"))

@@ -312,3 +312,36 @@ def test_new_mail_is_not_blocked_by_ten_thousand_deferred_messages(tmp_path):
         assert at < 10_000
 
     run(tmp_path, body, prepare=prepare, retry_intervals_s=[1000.0])
+
+
+def test_spool_below_its_free_space_floor_refuses_new_mail_with_452_but_keeps_delivering(tmp_path):
+    """Less free space than queue_minfree_bytes: new mail gets 452 4.3.1 (RFC 3463 "mail system full"),
+    while queued mail is still delivered (its records are small, and delivering frees space); once
+    space is back, mail is accepted again (Postfix's queue_minfree)."""
+
+    def try_send(port: int) -> tuple[int, bytes]:
+        with smtplib.SMTP("127.0.0.1", port, timeout=30) as s:
+            s.ehlo("client.test")
+            s.mail("alice@example.org")
+            s.rcpt("bob@example.net")
+            return s.data(b"Subject: late\r\n\r\nbody\r\n")
+
+    async def body(h: Harness) -> None:
+        assert h.daemon is not None
+        h.sink.defer = re.compile("^slow")
+        for i in range(3):
+            await h.send("alice@example.org", [f"slow{i}@example.net"], f"m{i}")
+        await h.until(lambda: len(set(h.sink.rcpt_attempts)) == 3, what="first attempts")
+        free = h.daemon.queue.log.free_bytes()
+        h.daemon.queue.minfree_bytes = free + (1 << 30)  # the spool is now "full" by the floor
+        code, text = await asyncio.to_thread(try_send, h.port)
+        assert (452, True) == (code, text.startswith(b"4.3.1 "))
+        h.sink.defer = None
+        h.clock.offset += 120
+        h.poke()
+        await h.until(lambda: len(h.sink.messages) == 3, what="deliveries while full")
+        h.daemon.queue.minfree_bytes = 0
+        code, _ = await asyncio.to_thread(try_send, h.port)
+        assert 250 == code
+
+    run(tmp_path, body, retry_intervals_s=[60.0])

@@ -68,6 +68,10 @@ class FileSystem(Protocol):
 
     def exists(self, path: str) -> bool: ...
 
+    def free_bytes(self, path: str) -> int:
+        """Bytes available to this process on the file system holding ``path``."""
+        ...
+
 
 class _OsFile:
     __slots__ = ("_fd", "_size", "path")
@@ -145,3 +149,7 @@ class OsFileSystem:
 
     def exists(self, path: str) -> bool:
         return os.path.exists(path)
+
+    def free_bytes(self, path: str) -> int:
+        st = os.statvfs(path)
+        return st.f_bavail * st.f_frsize

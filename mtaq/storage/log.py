@@ -435,6 +435,13 @@ class Log:
             self._files[number] = f
         return f, self._salts[number]
 
+    def free_bytes(self) -> int:
+        """Bytes free on the device holding the log (statvfs). Raises StorageError if it cannot be read."""
+        try:
+            return self.fs.free_bytes(self.directory)
+        except OSError as exc:
+            raise _wrap_oserror(exc, f"checking free space of {self.directory}") from exc
+
     def read_bytes(self, segment: int, offset: int, length: int) -> bytes:
         """``length`` bytes of segment ``segment`` from ``offset`` (fewer at its end). Raises OSError."""
         f, _salt = self._file(segment)

@@ -1,6 +1,6 @@
 """A file system that fails on demand: the real one (``OsFileSystem``), except that fsync can raise EIO and
 appends can raise a chosen errno (ENOSPC). It stands in for a failing disk, which a test cannot get for real.
-The full crash file system (drop unsynced writes, forget directory entries) is issue 4.
+The full crash file system (drop unsynced writes, forget directory entries) is :mod:`mtaq.testing.crashfs`.
 """
 
 from __future__ import annotations
@@ -37,13 +37,17 @@ class _FaultyFile:
 
 
 class FaultyFileSystem(OsFileSystem):
-    """Set ``fail_fsync = True`` or ``fail_append = errno.ENOSPC`` to make the next calls fail, and
+    """Set ``fail_fsync = True``, ``fail_append = errno.ENOSPC`` or ``fail_create = errno.ENOSPC`` (creating a
+    file, e.g. the next segment) to make the next calls fail, and
     ``fsync_delay_s`` to make every fsync that slow."""
 
     def __init__(self) -> None:
         self.fsync_delay_s = 0.0
         self.fail_fsync = False
         self.fail_append: int | None = None
+        self.fail_create: int | None = None
 
     def open(self, path: str, *, create: bool = False) -> File:
+        if create and self.fail_create is not None:
+            raise OSError(self.fail_create, "injected failure creating a file")
         return _FaultyFile(super().open(path, create=create), self)
