@@ -12,7 +12,12 @@ the log itself is read and checked:
   never acknowledged) unreadable; it is never a different or cut-off body;
 * I4: a recipient flagged "outcome unknown" never had a durable final outcome.
 
-Not modelled here (issue 4 continues): checkpoints and reclamation, runners, injected EIO/ENOSPC.
+* the restart positions are right: every live envelope is at or after its runner's recovered position and
+  not in that runner's garbage set (else a runner would never offer it again: mail stuck forever).
+
+Checkpoints and reclamation are rules too (the daemon's ``checkpoint`` step: restart positions, fsync,
+write the checkpoint, delete wholly-garbage segments), on 4 KiB segments so that segments roll and are
+reclaimed often. Injected EIO/ENOSPC have their own named tests (test_edge_storage_failure, test_fsync_eio).
 """
 
 from __future__ import annotations
@@ -24,11 +29,13 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from mtaq.core.checkpoint import Checkpoint
 from mtaq.core.records import EnvelopeRecord, Outcome, Pos, StartRecord
 from mtaq.core.state import RetryPolicy
 from mtaq.errors import CorruptRecord
 from mtaq.queue import Queue
 from mtaq.recovery import recover
+from mtaq.storage.checkpoint import write_checkpoint
 from mtaq.storage.log import Log, scan_log
 from mtaq.testing.crashfs import CrashFileSystem
 
@@ -51,12 +58,13 @@ class QueueMachine(RuleBasedStateMachine):
         self.done: dict[str, set[str]] = {}  # durable delivered or failed
         self.waiting: dict[str, tuple[Pos, EnvelopeRecord]] = {}
         self.attempts: dict[str, object] = {}
+        self.unacked: dict[str, tuple[Pos, EnvelopeRecord]] = {}
         self.n = 0
         self._open()
 
     # ------------------------------------------------------------------------------------------ helpers
     def _open(self) -> None:
-        self.log, report = Log.open(self.fs, LOG_DIR, segment_bytes_max=65536)
+        self.log, report = Log.open(self.fs, LOG_DIR, segment_bytes_max=4096)
         self.q = Queue(self.log, policy=RetryPolicy(intervals_s=(1.0,)), clock=lambda: 1000.0, reporting_mta="mx.test")
         self.q.on_durable = lambda env, pos: self.waiting.__setitem__(env.queue_id, (pos, env))
         self.recovery = asyncio.run(recover(self.q, report, SPOOL, _Quiet()))
@@ -94,8 +102,9 @@ class QueueMachine(RuleBasedStateMachine):
     def receive_unacknowledged(self) -> None:
         """A message whose client never got its 250 (appended, no commit awaited)."""
         body = self._body()
-        env, _pos, _lsn = self.q._append_message("s@example.org", ["u@example.net"], body, rcpt_params=[NEVER])
+        env, pos, _lsn = self.q._append_message("s@example.org", ["u@example.net"], body, rcpt_params=[NEVER])
         self.bodies[env.queue_id] = body
+        self.unacked[env.queue_id] = (pos, env)  # a runner may see it once some fsync makes it durable
 
     @precondition(lambda self: self.waiting)
     @rule(data=st.data())
@@ -139,12 +148,31 @@ class QueueMachine(RuleBasedStateMachine):
         if isinstance(c.record, EnvelopeRecord):
             self.waiting[qid] = (pos, c.record)
 
+    @rule()
+    def checkpoint(self) -> None:
+        """What the daemon does every checkpoint_interval_s, with the model as the queue runners."""
+        log, n = self.log, self.q.policy.runners
+        head = log.end
+        # A runner reads only up to the durable end: it cannot have passed a record not yet made durable.
+        durable = log.durable_end
+        queued = [*self.waiting.values(), *self.unacked.values()]
+        positions = tuple(min((p for p, e in queued if e.runner == k), default=durable) for k in range(n))
+        started = sorted({r.envelope for sc in scan_log(self.fs, LOG_DIR) for _, r in sc.records if isinstance(r, StartRecord)})
+        garbage = tuple(tuple(p for p in started if p >= positions[k]) for k in range(n))
+        suffix = self.q.working.earliest_start() or head
+        cp = Checkpoint(head=head, suffix=suffix, runners=positions, garbage=garbage, written_ts=1000.0)
+        asyncio.run(log.sync())
+        write_checkpoint(self.fs, SPOOL, cp)
+        garbage_end = min((*positions, self.q.working.earliest_envelope() or head, head))
+        log.delete_segments_before(garbage_end.segment - 1)
+
     @rule(seed=st.integers(0, 2**32 - 1), mode=st.sampled_from(["random", "drop", "keep"]))
     def crash_and_recover(self, seed: int, mode: str) -> None:
         """Power loss (or kill -9 for "keep"), then the only start there is: recovery. Then check I1-I4."""
         self.fs.crash(random.Random(seed), mode=mode)
         self.attempts.clear()
         self.waiting.clear()
+        self.unacked.clear()
         self._open()
         live = self._live()
         for qid, rcpts in self.acked.items():
@@ -153,8 +181,11 @@ class QueueMachine(RuleBasedStateMachine):
             if left:  # I1
                 assert 1 == len(envs), f"{qid}: {len(envs)} live envelopes for {sorted(left)}"
                 assert left <= {r.address for r in envs[0][1].recipients}, f"{qid}: lost {left}"
+        res = self.recovery
         for qid, envs in live.items():
             for pos, env in envs:
+                k = min(env.runner, len(res.runners) - 1)
+                assert pos >= res.runners[k] and pos not in res.garbage[k], f"{qid}: no runner will offer {pos}"
                 addrs = {r.address for r in env.recipients}
                 assert not addrs & self.done.get(qid, set()), f"{qid}: done recipients back in the queue"  # I2
                 for r in env.recipients:  # I4
