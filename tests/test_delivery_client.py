@@ -6,7 +6,6 @@ import asyncio
 
 from aiosmtpd.smtp import SMTP
 
-from mtaq.config import parse_relayhost
 from mtaq.delivery.relay import RelayConnection, classify, split_enhanced
 
 
@@ -34,7 +33,7 @@ async def with_server(handler, fn, **smtp_kw):
     loop = asyncio.get_running_loop()
     srv = await loop.create_server(lambda: SMTP(handler, hostname="hop", loop=loop, **smtp_kw), "127.0.0.1", 0)
     port = srv.sockets[0].getsockname()[1]
-    conn = RelayConnection(parse_relayhost(f"[127.0.0.1]:{port}"), helo_name="mtaq.test", timeout_s=5)
+    conn = RelayConnection("127.0.0.1", port, helo_name="mtaq.test", timeout_s=5)
     try:
         return await fn(conn)
     finally:
@@ -85,7 +84,7 @@ def test_internationalised_address_goes_with_smtputf8_when_offered():
 
 
 def test_unreachable_next_hop_defers_with_4_4_1():
-    conn = RelayConnection(parse_relayhost("[127.0.0.1]:1"), helo_name="mtaq.test", timeout_s=2)
+    conn = RelayConnection("127.0.0.1", 1, helo_name="mtaq.test", timeout_s=2)
     replies = asyncio.run(conn.send("a@x.org", ["b@y.org"], BODY))
     assert [(421, "4.4.1", "deferred")] == [(r.code, r.enhanced, classify(r.code)) for r in replies]
 
