@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import ssl
 import sys
 from collections.abc import Sequence
 
@@ -42,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reject-rcpt", metavar="REGEX", help="answer 550 5.1.1 to matching recipients")
     p.add_argument("--defer-count", metavar="N", type=int, default=0,
                    help="defer a --defer-rcpt recipient only on its first N attempts (0: always)")
+    p.add_argument("--tls-cert", metavar="FILE", help="PEM certificate (chain): offer STARTTLS")
+    p.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert (default: in the same file)")
+    p.add_argument("--no-smtputf8", action="store_true", help="do not offer SMTPUTF8 (RFC 6531)")
     _add_log_format(p)
 
     p = sub.add_parser("log", help="inspect the queue log")
@@ -110,8 +114,9 @@ def _sink(args: argparse.Namespace) -> int:
 
     try:
         asyncio.run(run_sink(host, port, args.maildir, defer_rcpt=args.defer_rcpt, reject_rcpt=args.reject_rcpt,
-                              defer_count=args.defer_count))
-    except OSError as exc:
+                              defer_count=args.defer_count, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                              smtputf8=not args.no_smtputf8))
+    except (OSError, ssl.SSLError) as exc:
         print(f"mtaq: sink: {exc.strerror or exc}", file=sys.stderr)
         return 1
     return 0

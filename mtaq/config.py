@@ -6,6 +6,7 @@ Validation is msgspec's (types and bounds); an error names the bad key, e.g.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import socket
 import tomllib
@@ -15,7 +16,7 @@ import msgspec
 
 from mtaq.errors import ConfigError
 
-__all__ = ["Config", "Relayhost", "load_config", "parse_hostport", "parse_relayhost"]
+__all__ = ["Config", "Relayhost", "load_config", "parse_hostport", "parse_nameserver", "parse_relayhost"]
 
 MiB = 1024 * 1024
 
@@ -25,8 +26,24 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     spool_dir: str = "./spool"
     listen: str = "127.0.0.1:2525"
-    # Postfix syntax: "[host]:port" (no MX lookup). The embedded default is the local sink of `make run`.
+    # Postfix syntax: "[host]:port" (no MX lookup), "host:port" (MX lookup of host), "" (route by the
+    # recipient domain's MX records). The embedded default is the local sink of `make run`.
     relayhost: str = "[127.0.0.1]:2526"
+    # Per-domain next hops (Postfix transport(5)): "example.org" = "[10.0.0.5]:25" | "smtp:host" | "discard"
+    # | "error:5.1.1 text". Lookup order: exact domain, ".parent" domains, then "*". Wins over relayhost.
+    transport_map: dict[str, str] = msgspec.field(default_factory=dict)
+    # Outbound STARTTLS (Postfix smtp_tls_security_level): "may" (opportunistic, certificate not verified),
+    # "encrypt" (defer 4.7.4/4.7.5 without TLS), "none". Per destination in tls_policy_map.
+    smtp_tls_security_level: Literal["none", "may", "encrypt"] = "may"
+    tls_policy_map: dict[str, Literal["none", "may", "encrypt"]] = msgspec.field(default_factory=dict)
+    # DNS for MX routing: [] means /etc/resolv.conf; entries "IP" or "IP:PORT" / "[IPv6]:PORT".
+    dns_nameservers: list[str] = msgspec.field(default_factory=list)
+    dns_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 53
+    dns_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=300)] = 10.0
+    smtp_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 25  # port of MX hosts (MX records carry none)
+    smtp_mx_addresses_max: Annotated[int, msgspec.Meta(ge=1, le=100)] = 5  # addresses tried per destination
+    smtp_connection_idle_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0  # cached connections closed after
+    smtp_connection_cache_max: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 8  # per delivery worker
     myhostname: str = ""  # "" means the host's name
     segment_bytes_max: Annotated[int, msgspec.Meta(ge=65536, le=4096 * MiB)] = 64 * MiB
     message_size_limit_bytes: Annotated[int, msgspec.Meta(ge=1024, le=200 * MiB)] = 10_240_000
@@ -74,6 +91,12 @@ def load_config(path: str | None, overrides: dict[str, object]) -> Config:
     try:
         parse_hostport(cfg.listen)
         parse_relayhost(cfg.relayhost)
+        for ns in cfg.dns_nameservers:
+            parse_nameserver(ns, cfg.dns_port)
+        from mtaq.delivery.routing import parse_transport
+
+        for domain, value in cfg.transport_map.items():
+            parse_transport(value, key=f"transport_map.{domain}")
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     return cfg
@@ -115,12 +138,34 @@ class Relayhost(msgspec.Struct, frozen=True):
         return f"[{self.host}]:{self.port}" if not self.mx else f"{self.host}:{self.port}"
 
 
-def parse_relayhost(value: str) -> Relayhost:
+def parse_relayhost(value: str, *, key: str = "relayhost", default_port: int = 25) -> Relayhost | None:
     """Postfix ``relayhost`` syntax: ``[host]:port``, ``[host]``, ``host:port`` or ``host`` (port 25).
 
-    Without brackets Postfix looks up MX records; mtaq has no MX routing yet (issue 5) and connects to the
-    host's address records either way.
+    Without brackets the MX records of ``host`` are looked up (``mx`` True; RFC 5321 §5.1); with them, the
+    host's own address records. ``""`` returns None: route by the recipient domain. Raises ValueError
+    naming ``key``.
     """
     v = value.strip()
-    host, port = parse_hostport(v, default_port=25, key="relayhost")
-    return Relayhost(host=host, port=port, mx=not v.startswith("["))
+    if not v:
+        return None
+    host, port = parse_hostport(v, default_port=default_port, key=key)
+    if not host.strip() or any(c.isspace() for c in host):
+        raise ValueError(f"{key}: cannot parse {value!r} as a host")
+    return Relayhost(host=host.rstrip(".").lower(), port=port, mx=not v.startswith("["))
+
+
+def parse_nameserver(value: str, default_port: int = 53) -> tuple[str, int]:
+    """A ``dns_nameservers`` entry, ``IP``, ``IP:PORT`` or ``[IPv6]:PORT`` -> (ip, port).
+
+    Raises ValueError naming the key when it is not an IP address (a resolver needs no resolver).
+    """
+    v = value.strip()
+    if v.count(":") > 1 and not v.startswith("["):
+        host, port = v, default_port  # a bare IPv6 address
+    else:
+        host, port = parse_hostport(v, default_port=default_port, key="dns_nameservers")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(f"dns_nameservers: {value!r} is not an IP address") from None
+    return host, port

@@ -19,12 +19,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mtaq.config import Config, parse_hostport, parse_relayhost
+from mtaq.config import Config, parse_hostport
 from mtaq.core.checkpoint import Checkpoint
 from mtaq.core.frame import Problem
 from mtaq.core.records import EnvelopeRecord, Outcome, Pos
 from mtaq.core.state import Attempt, RetryPolicy, format_reply
-from mtaq.delivery.relay import RelayConnection, Reply, classify
+from mtaq.delivery.relay import Reply, classify
+from mtaq.delivery.routing import Router
+from mtaq.delivery.transport import Batch, ConnectionPool, HopFailure, deliver
 from mtaq.edge.server import QueueHandler, start_server
 from mtaq.errors import CorruptRecord, StorageError, StorageFatal
 from mtaq.logs import get_logger
@@ -51,7 +53,8 @@ class Daemon:
         self.cfg = cfg
         self.clock = clock
         self.log = get_logger()
-        self.relayhost = parse_relayhost(cfg.relayhost)
+        self.router = Router(cfg)
+        self.pools: list[ConnectionPool] = []
         self.counts = {"delivered": 0, "deferred": 0, "failed": 0}
         self.policy = RetryPolicy(
             intervals_s=tuple(cfg.retry_intervals_s),
@@ -107,7 +110,7 @@ class Daemon:
             "listening",
             listen=cfg.listen,
             spool=cfg.spool_dir,
-            relayhost=str(self.relayhost),
+            relayhost=self.router.describe(),
             segment=report.new_segment,
             seconds=round(time.monotonic() - t_start, 4),
         )
@@ -145,13 +148,23 @@ class Daemon:
         tasks = [asyncio.create_task(r.run()) for r in self.runners]
         tasks += [asyncio.create_task(self._worker()) for _ in range(cfg.delivery_concurrency)]
         tasks.append(asyncio.create_task(self._checkpointer()))
+        tasks.append(asyncio.create_task(self._close_idle_connections()))
         if cfg.stats_interval_s > 0:
             tasks.append(asyncio.create_task(self._stats()))
         await asyncio.gather(*tasks)
 
     # ------------------------------------------------------------------------------------------ delivery
+    async def _close_idle_connections(self) -> None:
+        while True:
+            await asyncio.sleep(max(0.05, self.cfg.smtp_connection_idle_s / 2))
+            for pool in self.pools:
+                await pool.close_idle()
+
     async def _worker(self) -> None:
-        conn = RelayConnection(self.relayhost, helo_name=self.cfg.hostname(), timeout_s=self.cfg.smtp_timeout_s)
+        cfg = self.cfg
+        pool = ConnectionPool(helo_name=cfg.hostname(), timeout_s=cfg.smtp_timeout_s,
+                              idle_s=cfg.smtp_connection_idle_s, max_conns=cfg.smtp_connection_cache_max)
+        self.pools.append(pool)
         q = self.queue
         me = asyncio.current_task()
         while True:
@@ -177,7 +190,7 @@ class Daemon:
                 continue
             offer.accept()
             try:
-                await self._attempt(attempt, body, problem, conn)
+                await self._attempt(attempt, body, problem, pool)
             except StorageFatal:
                 return  # the process is exiting
             except Exception as exc:
@@ -189,42 +202,58 @@ class Daemon:
                     # Stays in the working set (so reclamation keeps its envelope); the next recovery ends it.
                     self.log.error("attempt_left_open", queue_id=env.queue_id, error=str(exc2))
 
-    async def _attempt(self, attempt: Attempt, body: bytes | None, problem: str, conn: RelayConnection) -> None:
+    async def _attempt(self, attempt: Attempt, body: bytes | None, problem: str, pool: ConnectionPool) -> None:
+        """Deliver one started attempt; every recipient's final reply is durable before it counts (I2)."""
         q = self.queue
         env = attempt.envelope
         rcpts = env.recipients
+        delay = round(self.clock() - env.arrival_ts, 3)
+
+        async def record(b: Batch) -> None:
+            if b.relay != "none":
+                killpoints.hit("delivery.after_remote_reply")
+            outcomes = [
+                Outcome(index=rcpts[i].index, status=classify(rep.code), code=rep.code, enhanced=rep.enhanced,  # type: ignore[arg-type]
+                        text=rep.text)
+                for i, rep in b.items
+            ]
+            await q.record_outcomes(attempt, b.relay, outcomes, remote_dsn=b.remote_dsn)  # durable before they count
+            for (i, _), o in zip(b.items, outcomes, strict=True):
+                self.counts[o.status] += 1
+                event = "discarded" if b.discarded else _EVENT_OF[o.status]
+                getattr(self.log, "info" if o.status == "delivered" else "warning")(
+                    event,
+                    queue_id=env.queue_id,
+                    recipient=rcpts[i].address,
+                    relay=b.relay,
+                    delay=delay,
+                    dsn=o.enhanced,
+                    status="discarded" if b.discarded else _STATUS_OF[o.status],
+                    reply=format_reply(o),
+                    attempt=env.attempts + 1,
+                    tls=b.tls or "none",
+                )
+
+        def hop_failed(f: HopFailure) -> None:
+            self.log.info("hop_failed", queue_id=env.queue_id, relay=f.relay, dsn=f.reply.enhanced,
+                          reply=f"{f.reply.code} {f.reply.enhanced} {f.reply.text}",
+                          recipients=[rcpts[i].address for i in f.positions], action="next host")
+
         if body is None:
             self.log.error("corrupt_message", queue_id=env.queue_id, error=problem)
-            replies = [Reply(554, "5.3.0", f"message data unreadable in queue: {problem}")] * len(rcpts)
-            relay, remote_dsn = "none", False
+            reply = Reply(554, "5.3.0", f"message data unreadable in queue: {problem}")
+            await record(Batch("none", [(i, reply) for i in range(len(rcpts))]))
         else:
-            replies = await conn.send(
+            await deliver(
+                self.router,
+                pool,
                 env.sender,
                 [r.address for r in rcpts],
                 body,
                 mail_params=env.mail_params,
                 rcpt_params=[r.params for r in rcpts],
-            )
-            relay, remote_dsn = conn.name, conn.remote_dsn
-            killpoints.hit("delivery.after_remote_reply")
-        outcomes = [
-            Outcome(index=r.index, status=classify(rep.code), code=rep.code, enhanced=rep.enhanced, text=rep.text)  # type: ignore[arg-type]
-            for r, rep in zip(rcpts, replies, strict=True)
-        ]
-        await q.record_outcomes(attempt, relay, outcomes, remote_dsn=remote_dsn)  # durable before they count
-        delay = round(self.clock() - env.arrival_ts, 3)
-        for r, o in zip(rcpts, outcomes, strict=True):
-            self.counts[o.status] += 1
-            getattr(self.log, "info" if o.status == "delivered" else "warning")(
-                _EVENT_OF[o.status],
-                queue_id=env.queue_id,
-                recipient=r.address,
-                relay=relay,
-                delay=delay,
-                dsn=o.enhanced,
-                status=_STATUS_OF[o.status],
-                reply=format_reply(o),
-                attempt=env.attempts + 1,
+                record=record,
+                on_hop_failure=hop_failed,
             )
         c, _pos = q.conclude(attempt, body)
         for r in c.expired:

@@ -5,6 +5,10 @@ one ``Delivered-To`` line per envelope recipient (as Postfix's local delivery wr
 message byte for byte. ``--defer-rcpt`` / ``--reject-rcpt`` take regular expressions: matching recipients
 get ``451 4.2.0`` / ``550 5.1.1`` at RCPT, to exercise deferral and bounces; with ``--defer-count N`` a
 matching recipient is deferred only on its first N attempts, then accepted (4xx, then 2xx).
+
+With ``--tls-cert``/``--tls-key`` the sink offers STARTTLS (RFC 3207) and a message that came over TLS gets
+an ``X-Sink-TLS: <protocol version>`` line after ``Delivered-To``; ``--no-smtputf8`` makes it a next hop
+without the SMTPUTF8 extension (RFC 6531).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import mailbox
 import re
+import ssl
 from typing import Any
 
 from aiosmtpd.smtp import SMTP, Envelope, Session
@@ -58,18 +63,35 @@ class SinkHandler:
     async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
         head = f"Return-Path: <{envelope.mail_from or ''}>\r\n".encode()
         head += b"".join(f"Delivered-To: {r}\r\n".encode() for r in envelope.rcpt_tos)
+        tls = session.ssl.get("ssl_object") if isinstance(session.ssl, dict) else None
+        if tls is not None:
+            head += f"X-Sink-TLS: {tls.version()}\r\n".encode()
         key = self.maildir.add(head + (envelope.original_content or b""))
         self.received += 1
         self.log.info("sink_stored", key=key, sender=envelope.mail_from, recipients=envelope.rcpt_tos)
         return f"250 2.0.0 Ok: stored as {key}"
 
 
-async def run_sink(host: str, port: int, maildir: str, **kw: Any) -> None:
-    """Serve until killed."""
+async def run_sink(
+    host: str,
+    port: int,
+    maildir: str,
+    *,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+    smtputf8: bool = True,
+    **kw: Any,
+) -> None:
+    """Serve until killed. ``tls_cert``/``tls_key`` (PEM files) turn STARTTLS on."""
     handler = SinkHandler(maildir, **kw)
     loop = asyncio.get_running_loop()
+    ctx = None
+    if tls_cert:
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(tls_cert, tls_key)
     server = await loop.create_server(
-        lambda: SMTP(handler, hostname="sink", ident="mtaq-sink", enable_SMTPUTF8=True, data_size_limit=None, loop=loop),
+        lambda: SMTP(handler, hostname="sink", ident="mtaq-sink", enable_SMTPUTF8=smtputf8, data_size_limit=None,
+                     tls_context=ctx, loop=loop),
         host=host,
         port=port,
         reuse_address=True,

@@ -63,3 +63,22 @@ def test_log_dump_json_has_one_object_per_record(tmp_path, relay_factory):
     out = mtaq("log", "dump", "--spool", r.spool, "--json")
     types = [json.loads(line)["type"] for line in out.stdout.splitlines()]
     assert ["DATA", "ENVELOPE", "START", "DELIVERY", "FINISH"] == types
+
+
+def test_bad_transport_map_value_names_the_domain_key_and_exits_2(tmp_path):
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text('[transport_map]\n"example.org" = "lmtp:unix:/run/lmtp"\n')
+    out = mtaq("serve", "--config", str(cfg), "--spool", str(tmp_path / "s"))
+    assert 2 == out.returncode
+    assert 1 == len(out.stderr.splitlines())
+    assert out.stderr.startswith("mtaq: transport_map.example.org: unknown transport 'lmtp'")
+
+
+def test_bad_tls_policy_and_nameserver_are_refused_naming_the_key(tmp_path):
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text('[tls_policy_map]\n"example.org" = "maybe"\n')
+    out = mtaq("serve", "--config", str(cfg), "--spool", str(tmp_path / "s"))
+    assert (2, "tls_policy_map") == (out.returncode, out.stderr.split(": ")[2])
+    cfg.write_text('dns_nameservers = ["ns.example.org"]\n')
+    out = mtaq("serve", "--config", str(cfg), "--spool", str(tmp_path / "s"))
+    assert (2, ["mtaq: dns_nameservers: 'ns.example.org' is not an IP address"]) == (out.returncode, out.stderr.splitlines())

@@ -6,7 +6,6 @@ import asyncio
 
 from aiosmtpd.smtp import SMTP
 
-from mtaq.config import parse_relayhost
 from mtaq.delivery.relay import RelayConnection, classify, split_enhanced
 
 
@@ -34,7 +33,7 @@ async def with_server(handler, fn, **smtp_kw):
     loop = asyncio.get_running_loop()
     srv = await loop.create_server(lambda: SMTP(handler, hostname="hop", loop=loop, **smtp_kw), "127.0.0.1", 0)
     port = srv.sockets[0].getsockname()[1]
-    conn = RelayConnection(parse_relayhost(f"[127.0.0.1]:{port}"), helo_name="mtaq.test", timeout_s=5)
+    conn = RelayConnection("127.0.0.1", port, helo_name="mtaq.test", timeout_s=5)
     try:
         return await fn(conn)
     finally:
@@ -85,7 +84,7 @@ def test_internationalised_address_goes_with_smtputf8_when_offered():
 
 
 def test_unreachable_next_hop_defers_with_4_4_1():
-    conn = RelayConnection(parse_relayhost("[127.0.0.1]:1"), helo_name="mtaq.test", timeout_s=2)
+    conn = RelayConnection("127.0.0.1", 1, helo_name="mtaq.test", timeout_s=2)
     replies = asyncio.run(conn.send("a@x.org", ["b@y.org"], BODY))
     assert [(421, "4.4.1", "deferred")] == [(r.code, r.enhanced, classify(r.code)) for r in replies]
 
@@ -93,3 +92,75 @@ def test_unreachable_next_hop_defers_with_4_4_1():
 def test_enhanced_status_code_is_split_off_the_reply_text():
     assert ("5.1.1", "no such user") == (split_enhanced(550, "5.1.1 no such user").enhanced, split_enhanced(550, "5.1.1 no such user").text)
     assert ("4.0.0", "try later") == (split_enhanced(421, "try later").enhanced, split_enhanced(421, "try later").text)
+
+
+def test_utf8_header_with_smtputf8_requested_is_not_sent_to_a_hop_without_it():
+    """The client asked for SMTPUTF8 and a header is UTF-8: every recipient gets 553 5.6.7 (RFC 6531 §3.2)
+    rather than a message the next hop cannot read; nothing is sent."""
+    h = Recorder()
+    body = "Subject: Grüße\r\n\r\nhi\r\n".encode()
+    replies = asyncio.run(with_server(h, lambda c: c.send("a@x.org", ["b@y.org", "c@y.org"], body,
+                                                          mail_params=[("SMTPUTF8", "")])))
+    assert [(553, "5.6.7"), (553, "5.6.7")] == [(r.code, r.enhanced) for r in replies]
+    assert [] == h.messages
+
+
+def test_ascii_message_with_smtputf8_requested_goes_to_a_hop_without_it():
+    """SMTPUTF8 asked for but nothing needs it (ASCII envelope and headers): delivered as plain SMTP."""
+    h = Recorder()
+    replies = asyncio.run(with_server(h, lambda c: c.send("a@x.org", ["b@y.org"], BODY, mail_params=[("SMTPUTF8", "")])))
+    assert [250] == [r.code for r in replies]
+
+
+class Dropper(Recorder):
+    """Closes the connection after each delivered message (as a server's idle timeout would later)."""
+
+    async def handle_DATA(self, server, session, envelope):
+        reply = await super().handle_DATA(server, session, envelope)
+        asyncio.get_running_loop().call_later(0.05, server.transport.close)
+        return reply
+
+
+def test_a_cached_connection_closed_by_the_server_is_reopened_not_deferred():
+    """The next hop hung up on the idle connection: the next message goes on a new connection."""
+    h = Dropper()
+
+    async def two(c):
+        first = await c.send("a@x.org", ["b@y.org"], BODY)
+        await asyncio.sleep(0.3)
+        second = await c.send("a@x.org", ["c@y.org"], BODY)
+        return first + second
+
+    replies = asyncio.run(with_server(h, two))
+    assert [250, 250] == [r.code for r in replies]
+    assert [("a@x.org", ["b@y.org"]), ("a@x.org", ["c@y.org"])] == h.messages
+
+
+def test_connection_pool_reuses_by_hop_and_closes_idle_and_least_recently_used():
+    """One connection per (address, port, host name, TLS policy); idle ones close after idle_s; over
+    max_conns the least recently used idle one is closed."""
+    from mtaq.delivery.routing import Candidate
+    from mtaq.delivery.transport import ConnectionPool
+
+    now = [0.0]
+    pool = ConnectionPool(helo_name="h", timeout_s=1, idle_s=10, max_conns=2, clock=lambda: now[0])
+
+    async def go():
+        a = pool.get(Candidate("mx.a", "127.0.0.2", 25), "may")
+        await pool.release(a)
+        assert a is pool.get(Candidate("mx.a", "127.0.0.2", 25), "may")
+        await pool.release(a)
+        b = pool.get(Candidate("mx.a", "127.0.0.2", 25), "encrypt")
+        assert b is not a
+        await pool.release(b)
+        now[0] = 5.0
+        c = pool.get(Candidate("mx.c", "127.0.0.3", 25), "may")
+        await pool.release(c)
+        after_lru = len(pool)
+        assert a is not pool.get(Candidate("mx.a", "127.0.0.2", 25), "may")  # a was the oldest: closed
+        now[0] = 100.0
+        closed = await pool.close_idle()
+        return after_lru, closed, len(pool)
+
+    # after c: 2 left (a dropped); the re-got a stays busy, so only b and c are idle and closed.
+    assert (2, 2, 1) == asyncio.run(go())

@@ -11,14 +11,14 @@ Third-party exceptions are converted here and only here (httpcore's ``map_except
 from __future__ import annotations
 
 import re
+import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import aiosmtplib
 
-from mtaq.config import Relayhost
-
-__all__ = ["RelayConnection", "Reply", "classify", "split_enhanced"]
+__all__ = ["HopUnusable", "RelayConnection", "Reply", "TlsLevel", "classify", "split_enhanced"]
 
 _ENHANCED = re.compile(r"^([245])\.(\d{1,3})\.(\d{1,3})\s+")
 
@@ -85,38 +85,134 @@ def classify(code: int) -> str:
     return "deferred"
 
 
-class RelayConnection:
-    """One SMTP client connection to the next hop, opened on demand and reused between messages."""
+TlsLevel = Literal["none", "may", "encrypt"]
 
-    def __init__(self, relayhost: Relayhost, *, helo_name: str, timeout_s: float) -> None:
-        self.relayhost = relayhost
+
+class HopUnusable(Exception):
+    """The next hop cannot be used for a transaction; ``reply`` is the (temporary) reason."""
+
+    def __init__(self, reply: Reply) -> None:
+        super().__init__(reply.text)
+        self.reply = reply
+
+
+class _TlsFailed(Exception):
+    """STARTTLS was refused or its handshake failed (the connection is unusable)."""
+
+
+async def _hello(c: aiosmtplib.SMTP) -> None:
+    try:
+        await c.ehlo()
+    except aiosmtplib.SMTPHeloError as exc:
+        if not 500 <= exc.code < 600:
+            raise
+        await c.helo()  # RFC 5321 §3.2: a server that does not know EHLO
+
+
+def _opportunistic_context() -> ssl.SSLContext:
+    """TLS without certificate checks, as Postfix's ``smtp_tls_security_level = may`` and ``encrypt``
+    (RFC 3207 §4.1 leaves the decision to the client; RFC 7435 opportunistic security)."""
+    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
+class RelayConnection:
+    """One SMTP client connection to one address of a next hop, opened on demand and reused between messages.
+
+    ``address`` is what is connected to (an IP address or a name for the system resolver), ``hostname`` the
+    name it was found under (an MX host name; used for SNI and in ``name``, Postfix's ``relay=`` form
+    ``host[address]:port``). ``tls`` is the STARTTLS policy (RFC 3207; Postfix's security levels):
+
+    * ``may``: STARTTLS when the server offers it, certificate not verified; a refused STARTTLS or a failed
+      handshake falls back to a new plaintext connection (as Postfix does);
+    * ``encrypt``: the same, but no plaintext: not offered -> ``450 4.7.4 TLS is required, but was not
+      offered by host …``; refused or failed -> ``450 4.7.5 Cannot start TLS: …`` (Postfix's wording and
+      codes, RFC 3463 X.7.4 "security features not supported", X.7.5 "cryptographic failure");
+    * ``none``: never STARTTLS.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        port: int,
+        *,
+        helo_name: str,
+        timeout_s: float,
+        hostname: str | None = None,
+        tls: TlsLevel = "may",
+    ) -> None:
+        self.address = address
+        self.port = port
+        self.hostname = hostname or address
         self.helo_name = helo_name
         self.timeout_s = timeout_s
+        self.tls: TlsLevel = tls
         self._client: aiosmtplib.SMTP | None = None
         self.remote_dsn = False  # whether the next hop offered DSN in the last transaction
+        self.tls_version = ""  # e.g. "TLSv1.3" while the connection is encrypted, "" in plaintext
 
     @property
     def name(self) -> str:
-        return f"{self.relayhost.host}[{self.relayhost.host}]:{self.relayhost.port}"
+        """``host[address]:port``, like Postfix's ``relay=``."""
+        return f"{self.hostname}[{self.address}]:{self.port}"
+
+    async def _open(self, tls: TlsLevel) -> aiosmtplib.SMTP:
+        """Connect, read the greeting, EHLO (HELO if EHLO is refused) and, by ``tls``, STARTTLS + EHLO again.
+
+        Raises HopUnusable (TLS required but not offered), _TlsFailed (STARTTLS refused or the handshake
+        failed), or aiosmtplib/OS errors when the host cannot be reached or greets with an error.
+        """
+        c = aiosmtplib.SMTP(
+            hostname=self.address,
+            port=self.port,
+            local_hostname=self.helo_name,
+            timeout=self.timeout_s,
+            start_tls=False,  # STARTTLS is driven here, by policy
+        )
+        try:
+            await c.connect()
+            await _hello(c)
+            if tls != "none" and c.supports_extension("starttls"):
+                try:
+                    await c.starttls(server_hostname=self.hostname, tls_context=_opportunistic_context())
+                    await _hello(c)  # RFC 3207 §4.2: forget what the server said before TLS
+                except (aiosmtplib.SMTPException, OSError, ssl.SSLError) as exc:
+                    raise _TlsFailed(exc) from exc
+                ssl_obj = c.get_transport_info("ssl_object")
+                self.tls_version = (ssl_obj.version() if ssl_obj is not None else None) or "TLS"
+            elif tls == "encrypt":
+                raise HopUnusable(Reply(450, "4.7.4", f"TLS is required, but was not offered by host {self.name}"))
+        except BaseException:
+            c.close()
+            raise
+        return c
 
     async def _connected(self) -> aiosmtplib.SMTP:
+        """The open connection, or a new one (greeting, EHLO and, by policy, STARTTLS done).
+
+        Raises HopUnusable for a TLS policy failure; aiosmtplib or OS errors when the host cannot be reached
+        or greets with an error.
+        """
         c = self._client
         if c is not None and c.is_connected:
             return c
-        c = aiosmtplib.SMTP(
-            hostname=self.relayhost.host,
-            port=self.relayhost.port,
-            local_hostname=self.helo_name,
-            timeout=self.timeout_s,
-            start_tls=False,  # opportunistic STARTTLS comes with the SMTP-edge issue
-        )
-        await c.connect()
-        await c.ehlo()
+        self._client = None
+        self.tls_version = ""
+        try:
+            c = await self._open(self.tls)
+        except _TlsFailed as exc:
+            self.tls_version = ""
+            if self.tls == "encrypt":
+                raise HopUnusable(Reply(450, "4.7.5", f"Cannot start TLS: {_why(exc.__cause__ or exc)}")) from exc
+            c = await self._open("none")  # opportunistic: a plaintext session rather than no mail
         self._client = c
         return c
 
     def _drop(self) -> None:
         c, self._client = self._client, None
+        self.tls_version = ""
         if c is not None:
             try:
                 c.close()
@@ -137,42 +233,62 @@ class RelayConnection:
         When the next hop offers DSN (``remote_dsn`` is then True), RFC 3461 parameters are passed on: RET and
         ENVID with MAIL, NOTIFY and ORCPT with each RCPT (xtext-encoded, §4).
 
-        Internationalised addresses go with SMTPUTF8 (RFC 6531) when the next hop offers it; otherwise
-        they get ``553 5.6.7`` (RFC 6531 §3.5), the others go as usual. Any failure in the middle of the
-        transaction drops the connection (never reuse one in an unknown state) and defers what is left.
+        SMTPUTF8 (RFC 6531) is needed when the sender, a recipient or, if the client asked for SMTPUTF8 at
+        MAIL, a header line is not ASCII. It is used when the next hop offers it; otherwise the message is
+        not sent where it would need it (RFC 6531 §3.2; Postfix): a non-ASCII recipient gets ``553 5.6.7``
+        (the others go as usual); a non-ASCII sender or header line gets ``553 5.6.7`` for every recipient.
+        Any failure in the middle of the transaction drops the connection (never reuse one in an unknown
+        state) and defers what is left. A reused connection that turns out to be closed at MAIL is reopened
+        once.
         """
         replies: list[Reply | None] = [None] * len(recipients)
 
         def fill(reply: Reply) -> list[Reply]:
             return [r if r is not None else reply for r in replies]
 
-        try:
-            c = await self._connected()
-        except (aiosmtplib.SMTPException, OSError) as exc:
-            self._drop()
-            return fill(Reply(421, "4.4.1", f"connect to {self.name}: {_why(exc)}"))
-        self.remote_dsn = c.supports_extension("dsn")
-        mopts = _dsn_options(mail_params, ("RET", "ENVID")) if self.remote_dsn else []
+        asked = any(k.upper() == "SMTPUTF8" for k, _ in mail_params)
+        utf8_headers = asked and not _header_section(body).isascii()
+        for fresh in (False, True):
+            reused = not fresh and self._client is not None and self._client.is_connected
+            try:
+                c = await self._connected()
+            except HopUnusable as exc:
+                self._drop()
+                return fill(exc.reply)
+            except (aiosmtplib.SMTPException, OSError, ssl.SSLError) as exc:
+                self._drop()
+                return fill(Reply(421, "4.4.1", f"connect to {self.name}: {_why(exc)}"))
+            self.remote_dsn = c.supports_extension("dsn")
+            mopts = _dsn_options(mail_params, ("RET", "ENVID")) if self.remote_dsn else []
+            utf8 = asked or not sender.isascii() or not all(r.isascii() for r in recipients)
+            if utf8 and not c.supports_extension("smtputf8"):
+                no_utf8 = Reply(553, "5.6.7", f"SMTPUTF8 is required, but was not offered by host {self.name}")
+                if not sender.isascii() or utf8_headers:
+                    return fill(no_utf8)
+                for i, rcpt in enumerate(recipients):
+                    if not rcpt.isascii():
+                        replies[i] = no_utf8
+                utf8 = False
+            enc = "utf-8" if utf8 else "ascii"
+            try:
+                await c.mail(sender, options=(["SMTPUTF8"] if utf8 else []) + mopts, encoding=enc)
+                break
+            except aiosmtplib.SMTPResponseException as exc:
+                if reused and exc.code == 421:
+                    self._drop()  # the server timed the cached connection out (RFC 5321 §4.5.3.2.7)
+                    continue
+                await self._reset(c)
+                return fill(_refusal(exc))
+            except Exception as exc:
+                self._drop()
+                if reused:
+                    continue  # a cached connection that was closed under us: once more on a new one
+                return fill(Reply(421, "4.4.2", f"conversation with {self.name}: {_why(exc)}"))
         ropts = [
             _dsn_options(p, ("NOTIFY", "ORCPT")) if self.remote_dsn else []
             for p in (rcpt_params or [()] * len(recipients))
         ]
-        utf8 = not sender.isascii() or not all(r.isascii() for r in recipients)
-        if utf8 and not c.supports_extension("smtputf8"):
-            no_utf8 = Reply(553, "5.6.7", f"{self.name} does not support SMTPUTF8")
-            if not sender.isascii():
-                return fill(no_utf8)
-            for i, rcpt in enumerate(recipients):
-                if not rcpt.isascii():
-                    replies[i] = no_utf8
-            utf8 = False
-        enc = "utf-8" if utf8 else "ascii"
         try:
-            try:
-                await c.mail(sender, options=(["SMTPUTF8"] if utf8 else []) + mopts, encoding=enc)
-            except aiosmtplib.SMTPResponseException as exc:
-                await self._reset(c)
-                return fill(_refusal(exc))
             accepted: list[int] = []
             for i, rcpt in enumerate(recipients):
                 if replies[i] is not None:
@@ -213,6 +329,14 @@ class RelayConnection:
                 await c.quit()
             except (aiosmtplib.SMTPException, OSError):
                 c.close()
+
+
+def _header_section(body: bytes) -> bytes:
+    """The header lines of a message (up to the first empty line; RFC 5322 §2.1)."""
+    end = body.find(b"\r\n\r\n")
+    if end < 0:
+        end = body.find(b"\n\n")
+    return body if end < 0 else body[:end]
 
 
 def _why(exc: BaseException) -> str:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Proc", "free_port", "maildir_count", "maildir_message_ids", "start_daemon", "start_sink", "wait_port"]
+__all__ = ["Proc", "free_port", "free_port_on", "maildir_count", "maildir_message_ids", "start_daemon", "start_sink", "wait_port"]
 
 
 def free_port() -> int:
@@ -30,18 +30,34 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_port(port: int, timeout_s: float = 15.0, proc: subprocess.Popen[bytes] | None = None) -> None:
-    """Wait until something accepts connections on 127.0.0.1:``port``; raise RuntimeError on timeout."""
+def free_port_on(hosts: Sequence[str]) -> int:
+    """A TCP port that was free a moment ago on every one of ``hosts`` (e.g. 127.0.0.2, 127.0.0.3, ...)."""
+    for _ in range(100):
+        port = free_port()
+        try:
+            for h in hosts:
+                with socket.socket() as s:
+                    s.bind((h, port))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError(f"no port free on all of {list(hosts)}")
+
+
+def wait_port(
+    port: int, timeout_s: float = 15.0, proc: subprocess.Popen[bytes] | None = None, host: str = "127.0.0.1"
+) -> None:
+    """Wait until something accepts connections on ``host``:``port``; raise RuntimeError on timeout."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"process exited with {proc.returncode} before listening on {port}")
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            with socket.create_connection((host, port), timeout=0.5):
                 return
         except OSError:
             time.sleep(0.02)
-    raise RuntimeError(f"nothing listening on 127.0.0.1:{port} after {timeout_s}s")
+    raise RuntimeError(f"nothing listening on {host}:{port} after {timeout_s}s")
 
 
 @dataclass
@@ -78,17 +94,19 @@ def _mtaq(args: Sequence[str], log_path: str, env: dict[str, str] | None) -> sub
     )
 
 
-def start_sink(maildir: str, log_path: str, *, port: int | None = None, extra: Sequence[str] = ()) -> Proc:
-    """Start ``mtaq sink`` writing to ``maildir``; returns once it listens."""
+def start_sink(
+    maildir: str, log_path: str, *, port: int | None = None, extra: Sequence[str] = (), host: str = "127.0.0.1"
+) -> Proc:
+    """Start ``mtaq sink`` on ``host`` writing to ``maildir``; returns once it listens."""
     port = port or free_port()
-    p = _mtaq(["--log-format", "json", "sink", "--listen", f"127.0.0.1:{port}", "--maildir", maildir, *extra], log_path, None)
-    wait_port(port, proc=p)
+    p = _mtaq(["--log-format", "json", "sink", "--listen", f"{host}:{port}", "--maildir", maildir, *extra], log_path, None)
+    wait_port(port, proc=p, host=host)
     return Proc(p, port, log_path)
 
 
 def start_daemon(
     spool: str,
-    relay_port: int,
+    relay_port: int | None,
     log_path: str,
     *,
     port: int | None = None,
@@ -96,10 +114,14 @@ def start_daemon(
     env: dict[str, str] | None = None,
     wrapper: Sequence[str] = (),
 ) -> Proc:
-    """Start ``mtaq serve`` on ``spool`` relaying to 127.0.0.1:``relay_port``; returns once SMTP listens."""
+    """Start ``mtaq serve`` on ``spool`` relaying to 127.0.0.1:``relay_port``; returns once SMTP listens.
+
+    With ``relay_port`` None there is no ``--relayhost`` flag: the config file (or the default) decides.
+    """
     port = port or free_port()
     args = ["--log-format", "json", "serve", "--spool", spool, "--listen", f"127.0.0.1:{port}"]
-    args += ["--relayhost", f"[127.0.0.1]:{relay_port}"]
+    if relay_port is not None:
+        args += ["--relayhost", f"[127.0.0.1]:{relay_port}"]
     if config:
         args += ["--config", config]
     if wrapper:

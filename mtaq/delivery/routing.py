@@ -1,0 +1,336 @@
+"""Next-hop selection: transport map, relayhost, or the recipient domain's MX records (RFC 5321 §5.1).
+
+For one recipient, :meth:`Router.route` decides *where* without any I/O, in Postfix's order:
+
+1. ``transport_map`` (Postfix transport(5)): the exact domain, then each parent domain written with a
+   leading dot (``.example.org`` matches ``a.b.example.org``, not ``example.org``), then ``*``. Values:
+   ``[host]:port`` / ``smtp:[host]:port`` (that host, no MX lookup), ``host:port`` / ``smtp:host`` (the MX
+   records of ``host``), ``smtp:`` (the recipient domain by MX), ``discard[:text]`` (counted as delivered,
+   nothing sent), ``error:5.1.1 text`` (that reply; 5.x.x bounces, 4.x.x defers);
+2. ``relayhost`` when set;
+3. the recipient domain: its MX records (an address literal ``[192.0.2.1]`` is used as it is).
+
+:meth:`Router.candidates` then yields the addresses to try, in order: MX records by preference, random among
+equal preference; the domain's own A/AAAA records when it has no MX (the implicit MX, §5.1). DNS answers
+that end routing for the whole destination become a :class:`RouteFailure` carrying the reply:
+
+* null MX (RFC 7505 §3, a single ``MX 0 .``): ``556 5.1.10`` (bounce, RFC 7505 §4.3 and RFC 3463);
+* NXDOMAIN, or no MX and no address for the domain: ``550 5.1.2`` (bounce: bad destination system);
+* timeout, SERVFAIL, no usable name server: ``451 4.4.3`` (defer: directory server failure, RFC 3463).
+
+A single MX host without addresses (or whose lookup fails) is skipped with a temporary reason (4.4.4 or
+4.4.3), so that the next host is tried; when none is left, the caller defers with the last reason.
+
+The STARTTLS policy of a destination is looked up in ``tls_policy_map`` by the next-hop destination as
+written (``[10.0.0.5]:25``, ``example.org``), then by the recipient domain (exact, ``.parent``, ``*``),
+else ``smtp_tls_security_level``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import random
+import re
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Literal, TypeVar
+
+import dns.asyncresolver
+import dns.exception
+import dns.name
+import dns.nameserver
+import dns.rdatatype
+import dns.resolver
+
+from mtaq.config import Config, Relayhost, parse_nameserver, parse_relayhost
+from mtaq.delivery.relay import Reply, TlsLevel
+
+__all__ = ["Candidate", "Dns", "Route", "RouteFailure", "Router", "domain_of", "lookup", "parse_transport"]
+
+V = TypeVar("V")
+_STATUS = re.compile(r"^([245])\.(\d{1,3})\.(\d{1,3})(?:\s+|$)")
+
+
+@dataclass(frozen=True, slots=True)
+class Transport:
+    """A parsed transport map value: ``smtp`` (``nexthop`` None: the recipient domain by MX), ``discard`` or
+    ``error``; ``reply`` is the reply given to recipients of ``discard`` and ``error``."""
+
+    kind: Literal["smtp", "discard", "error"]
+    nexthop: Relayhost | None = None
+    reply: Reply | None = None
+
+
+def parse_transport(value: str, *, key: str = "transport_map", default_port: int = 25) -> Transport:
+    """A ``transport_map`` value -> Transport. Raises ValueError naming ``key`` for a value it cannot use.
+
+    ``discard`` and ``discard:text``; ``error:5.1.1 text``, ``error:text`` (5.0.0); ``smtp:NEXTHOP``,
+    ``relay:NEXTHOP``, ``smtp:`` or a bare ``NEXTHOP`` in relayhost syntax (``[host]:port``, ``host:port``).
+    """
+    v = value.strip()
+    kind, colon, rest = v.partition(":")
+    kind = kind.lower()
+    if kind == "discard":
+        text = rest.strip() or "discarded by transport map"
+        return Transport("discard", reply=Reply(250, "2.0.0", text))
+    if kind == "error":
+        m = _STATUS.match(rest.strip())
+        if m and m.group(1) == "2":
+            raise ValueError(f"{key}: error status {m.group(0).strip()} is not a failure (4.x.x or 5.x.x)")
+        status = f"{m.group(1)}.{m.group(2)}.{m.group(3)}" if m else "5.0.0"
+        text = (rest.strip()[m.end() :] if m else rest).strip() or "mail for this destination is refused"
+        return Transport("error", reply=Reply(550 if status[0] == "5" else 450, status, text))
+    if kind in ("smtp", "relay") and colon:
+        nexthop = rest
+    elif re.fullmatch(r"[a-z][a-z0-9-]*", kind) and colon and not rest[:1].isdigit() and not v.startswith("["):
+        raise ValueError(f"{key}: unknown transport {kind!r} in {value!r} (smtp, relay, discard or error)")
+    else:
+        nexthop = v
+    if not nexthop.strip():
+        return Transport("smtp", None)
+    return Transport("smtp", parse_relayhost(nexthop, key=key, default_port=default_port))
+
+
+def lookup(table: Mapping[str, V], domain: str) -> V | None:
+    """Postfix transport(5) lookup of ``domain`` (lower case) in ``table`` (lower-case keys): the domain,
+    then ``.parent`` for each parent domain, nearest first, then ``*``; None when nothing matches."""
+    if domain and domain in table:
+        return table[domain]
+    labels = domain.split(".")
+    for i in range(1, len(labels)):
+        parent = "." + ".".join(labels[i:])
+        if parent in table:
+            return table[parent]
+    return table.get("*")
+
+
+def domain_of(address: str) -> str:
+    """The domain of ``address``: after the last ``@``, lower case, without a trailing dot; "" if none."""
+    _, at, domain = address.rpartition("@")
+    return domain.strip().rstrip(".").lower() if at else ""
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Where a recipient goes; equal routes share one transaction (Postfix's per-destination delivery).
+
+    ``kind`` smtp: ``host`` and ``port``; ``mx`` True means look up the MX records of ``host``. ``reply`` is
+    the fixed reply of discard/error routes. ``tls`` is the STARTTLS policy.
+    """
+
+    kind: Literal["smtp", "discard", "error"]
+    host: str = ""
+    port: int = 0
+    mx: bool = False
+    tls: TlsLevel = "may"
+    reply: Reply | None = None
+
+    def __str__(self) -> str:
+        if self.kind != "smtp":
+            return self.kind
+        return f"{self.host}:{self.port}" if self.mx else f"[{self.host}]:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One address to try: ``hostname`` (the MX host name, or the address itself), ``address``, ``port``."""
+
+    hostname: str
+    address: str
+    port: int
+
+
+class RouteFailure(Exception):
+    """Routing failed for the whole destination; ``reply`` is the final (5xx) or temporary (4xx) reply."""
+
+    def __init__(self, reply: Reply) -> None:
+        super().__init__(reply.text)
+        self.reply = reply
+
+
+class Dns:
+    """MX and address lookups with dnspython's asyncio resolver.
+
+    ``nameservers`` ((ip, port) pairs) replace /etc/resolv.conf when given. ``timeout_s`` bounds each
+    lookup as a whole (seconds). Errors come back as :class:`RouteFailure` replies (see the module text).
+    """
+
+    def __init__(self, nameservers: list[tuple[str, int]], *, timeout_s: float) -> None:
+        self.nameservers = nameservers
+        self.timeout_s = timeout_s
+        self._resolver: dns.asyncresolver.Resolver | None = None
+
+    def _get(self, what: str) -> dns.asyncresolver.Resolver:
+        if self._resolver is None:
+            try:
+                r = dns.asyncresolver.Resolver(configure=not self.nameservers)
+            except dns.exception.DNSException as exc:  # no /etc/resolv.conf, or nothing in it
+                raise RouteFailure(Reply(451, "4.4.3", f"{what}: no DNS resolver: {exc}")) from exc
+            if self.nameservers:
+                r.nameservers = [dns.nameserver.Do53Nameserver(ip, port) for ip, port in self.nameservers]
+            r.lifetime = self.timeout_s
+            r.timeout = min(r.timeout, self.timeout_s)
+            self._resolver = r
+        return self._resolver
+
+    async def _query(self, name: str, rdtype: str) -> dns.resolver.Answer | None:
+        """The answer, None when the name exists without records of that type; raises RouteFailure."""
+        what = f"Name service error for name={name} type={rdtype}"
+        try:
+            qname = dns.name.from_unicode(name) if not name.isascii() else dns.name.from_text(name)
+        except dns.exception.DNSException as exc:
+            raise RouteFailure(Reply(550, "5.1.2", f"{what}: bad domain name: {exc}")) from exc
+        try:
+            return await self._get(what).resolve(qname, rdtype, search=False)
+        except dns.resolver.NoAnswer:
+            return None
+        except dns.resolver.NXDOMAIN as exc:
+            raise RouteFailure(Reply(550, "5.1.2", f"Host or domain name not found. {what}: Host not found")) from exc
+        except dns.exception.Timeout as exc:
+            raise RouteFailure(Reply(451, "4.4.3", f"Host or domain name not found. {what}: timed out")) from exc
+        except dns.exception.DNSException as exc:  # SERVFAIL from every server, refused, malformed, ...
+            reason = " ".join(str(exc).split())
+            raise RouteFailure(Reply(451, "4.4.3", f"Host or domain name not found. {what}: try again ({reason})")) from exc
+
+    async def mx(self, domain: str) -> list[tuple[int, str]] | None:
+        """MX records of ``domain`` as (preference, host) sorted by preference; None when there is none.
+
+        Raises RouteFailure: null MX (556 5.1.10), NXDOMAIN (550 5.1.2), DNS trouble (451 4.4.3).
+        """
+        ans = await self._query(domain, "MX")
+        if ans is None:
+            return None
+        recs = [(int(r.preference), r.exchange.to_text(omit_final_dot=True)) for r in ans]
+        real = [(p, h) for p, h in recs if h not in ("", ".")]
+        if not real:
+            # RFC 7505 §3: the domain accepts no mail; §4.3: 556 5.1.10 when a sender tries anyway.
+            raise RouteFailure(Reply(556, "5.1.10", f"Domain {domain} does not accept mail (nullMX)"))
+        return sorted(real)
+
+    async def addresses(self, host: str) -> list[str]:
+        """IPv4 then IPv6 addresses of ``host``; [] when it has none. Raises RouteFailure (as ``mx``)."""
+        out: list[str] = []
+        failure: RouteFailure | None = None
+        for rdtype in ("A", "AAAA"):
+            try:
+                ans = await self._query(host, rdtype)
+            except RouteFailure as exc:
+                if exc.reply.enhanced == "5.1.2":  # NXDOMAIN: the name does not exist at all
+                    raise
+                failure = exc
+                continue
+            out += [r.address for r in ans or ()]
+        if not out and failure is not None:
+            raise failure
+        return out
+
+
+class Router:
+    """Routes recipients (pure) and turns a route into the addresses to try (DNS). See the module text."""
+
+    def __init__(self, cfg: Config, *, rng: random.Random | None = None, dns_client: Dns | None = None) -> None:
+        self.smtp_port = cfg.smtp_port
+        self.relayhost = parse_relayhost(cfg.relayhost, default_port=cfg.smtp_port)
+        self.transports = {
+            k.strip().lower(): parse_transport(v, key=f"transport_map.{k}", default_port=cfg.smtp_port)
+            for k, v in cfg.transport_map.items()
+        }
+        self.tls_default: TlsLevel = cfg.smtp_tls_security_level
+        self.tls_policy: dict[str, TlsLevel] = {k.strip().lower(): v for k, v in cfg.tls_policy_map.items()}
+        self.addresses_max = cfg.smtp_mx_addresses_max
+        self.rng = rng or random.Random()
+        self.dns = dns_client or Dns(
+            [parse_nameserver(ns, cfg.dns_port) for ns in cfg.dns_nameservers], timeout_s=cfg.dns_timeout_s
+        )
+
+    def describe(self) -> str:
+        """The default route for logs: the relayhost, or ``mx`` (by recipient domain)."""
+        return str(self.relayhost) if self.relayhost is not None else "mx"
+
+    def _tls(self, nexthop: Relayhost, domain: str) -> TlsLevel:
+        """The policy of the next-hop destination as written (``[host]:port``, ``[host]``, ``host:port``,
+        ``host``), else of the recipient domain (exact, ``.parent``, ``*``), else the default."""
+        names = (str(nexthop), f"[{nexthop.host}]") if not nexthop.mx else (str(nexthop), nexthop.host)
+        for key in names:
+            if key in self.tls_policy:
+                return self.tls_policy[key]
+        found = lookup(self.tls_policy, domain)
+        return found if found is not None else self.tls_default
+
+    def route(self, address: str) -> Route:
+        """The route of recipient ``address`` (no I/O)."""
+        domain = domain_of(address)
+        t = lookup(self.transports, domain)
+        if t is not None and t.kind != "smtp":
+            return Route(t.kind, reply=t.reply)
+        nexthop = t.nexthop if t is not None else self.relayhost
+        if nexthop is None:
+            if not domain:
+                return Route("error", reply=Reply(550, "5.1.3", f"<{address}>: no domain to route by"))
+            literal = _address_literal(domain)
+            if literal is not None:
+                nexthop = Relayhost(host=literal, port=self.smtp_port, mx=False)
+            else:
+                nexthop = Relayhost(host=domain, port=self.smtp_port, mx=True)
+        return Route("smtp", nexthop.host, nexthop.port, nexthop.mx, self._tls(nexthop, domain))
+
+    async def candidates(self, route: Route) -> AsyncIterator[Candidate | Reply]:
+        """The addresses to try for ``route``, best first, at most ``smtp_mx_addresses_max``.
+
+        A :class:`Reply` in the stream is a host that was skipped (temporary, e.g. no address) and why.
+        Raises RouteFailure when the destination itself cannot be routed (see the module text).
+        """
+        if _is_ip(route.host):
+            yield Candidate(route.host, route.host, route.port)
+            return
+        hosts: list[str]
+        implicit = False
+        if route.mx:
+            mx = await self.dns.mx(route.host)
+            if mx is None:
+                hosts, implicit = [route.host], True  # RFC 5321 §5.1: the domain is its own MX, preference 0
+            else:
+                hosts = []
+                for pref in sorted({p for p, _ in mx}):
+                    same = [h for p, h in mx if p == pref]
+                    self.rng.shuffle(same)  # §5.1: random among equal preference, to spread the load
+                    hosts += same
+        else:
+            hosts = [route.host]
+        left = self.addresses_max
+        for host in hosts:
+            try:
+                addrs = await self.dns.addresses(host)
+            except RouteFailure as exc:
+                if implicit or not route.mx:
+                    raise
+                yield Reply(451, exc.reply.enhanced if exc.reply.code < 500 else "4.4.4", f"MX host {host}: {exc.reply.text}")
+                continue
+            if not addrs:
+                if implicit:
+                    raise RouteFailure(Reply(550, "5.1.2", f"Domain {host} has no MX and no address record"))
+                yield Reply(451, "4.4.4", f"Host {host} has no address record")
+                continue
+            for a in addrs:
+                if left <= 0:
+                    return
+                left -= 1
+                yield Candidate(host, a, route.port)
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _address_literal(domain: str) -> str | None:
+    """RFC 5321 §4.1.3 address literal ``[192.0.2.1]`` / ``[IPv6:2001:db8::1]`` -> the address, else None."""
+    if not (domain.startswith("[") and domain.endswith("]")):
+        return None
+    inner = domain[1:-1]
+    if inner.lower().startswith("ipv6:"):
+        inner = inner[5:]
+    return inner if _is_ip(inner) else None

@@ -1,0 +1,196 @@
+"""One delivery attempt of one message: recipients grouped by route, each group tried host after host.
+
+:func:`deliver` groups the recipients by :class:`~mtaq.delivery.routing.Route` (one SMTP transaction per
+destination, as Postfix does), then for each group walks the candidates of the route (MX preference order)
+until every recipient has a final reply:
+
+* 2xx and 5xx replies are final: they are handed to ``record`` (which makes them durable) at once, before
+  the next host is tried, so a crash while trying a backup MX never forgets a delivery that happened;
+* 4xx replies and connection failures (including a 4xx greeting, MAIL refused, or a TLS policy failure)
+  leave the recipient for the next host (RFC 5321 §5.1: "try the next MX"; Postfix's soft-error rule);
+* when the candidates run out, what is left is handed to ``record`` with its last reason (deferred).
+
+Groups are delivered one after the other, within the single START of the attempt; each batch handed to
+``record`` names the relay that gave the replies (``host[address]:port``, ``none`` when no host was asked).
+
+:class:`ConnectionPool` is a worker's small cache of open connections keyed by (address, port, host name,
+TLS policy); connections idle longer than ``idle_s`` are closed by :meth:`ConnectionPool.close_idle`, and
+the least recently used idle one is closed when the pool is full.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+from mtaq.delivery.relay import RelayConnection, Reply, TlsLevel
+from mtaq.delivery.routing import Candidate, Route, RouteFailure, Router
+
+__all__ = ["Batch", "ConnectionPool", "HopFailure", "deliver"]
+
+
+@dataclass(slots=True)
+class Batch:
+    """Final replies from one relay: ``items`` are (recipient position, reply) pairs.
+
+    ``discarded`` is True for a discard transport (nothing was sent). ``tls`` is the TLS version used
+    ("" for plaintext or no connection).
+    """
+
+    relay: str
+    items: list[tuple[int, Reply]]
+    remote_dsn: bool = False
+    discarded: bool = False
+    tls: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class HopFailure:
+    """A host that was tried (or skipped) for ``positions`` and answered 4xx or could not be used."""
+
+    relay: str
+    positions: tuple[int, ...]
+    reply: Reply
+
+
+@dataclass(slots=True)
+class _Entry:
+    conn: RelayConnection
+    last_used: float
+    busy: bool = False
+
+
+@dataclass
+class ConnectionPool:
+    """Open connections of one delivery worker, reused between messages (``max_conns`` at most)."""
+
+    helo_name: str
+    timeout_s: float
+    idle_s: float
+    max_conns: int = 8
+    clock: Callable[[], float] = time.monotonic
+    _entries: dict[tuple[str, int, str, str], _Entry] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, cand: Candidate, tls: TlsLevel) -> RelayConnection:
+        """The cached connection for ``cand`` with policy ``tls``, or a new (not yet open) one; marked busy."""
+        key = (cand.address, cand.port, cand.hostname, tls)
+        e = self._entries.pop(key, None)
+        if e is None:
+            e = _Entry(
+                RelayConnection(cand.address, cand.port, hostname=cand.hostname, helo_name=self.helo_name,
+                                timeout_s=self.timeout_s, tls=tls),
+                self.clock(),
+            )
+        e.busy = True
+        self._entries[key] = e  # most recently used last
+        return e.conn
+
+    async def release(self, conn: RelayConnection) -> None:
+        """Done with ``conn`` for now; close the least recently used idle connections over ``max_conns``."""
+        for e in self._entries.values():
+            if e.conn is conn:
+                e.busy, e.last_used = False, self.clock()
+        while len(self._entries) > self.max_conns:
+            key = next((k for k, e in self._entries.items() if not e.busy), None)
+            if key is None:
+                break
+            await self._entries.pop(key).conn.close()
+
+    async def close_idle(self) -> int:
+        """Close connections not used for ``idle_s`` seconds; returns how many were closed."""
+        now = self.clock()
+        old = [k for k, e in self._entries.items() if not e.busy and now - e.last_used >= self.idle_s]
+        gone = [self._entries.pop(k) for k in old]  # out of the pool before any await: no one picks them up
+        for e in gone:
+            await e.conn.close()
+        return len(gone)
+
+
+async def deliver(
+    router: Router,
+    pool: ConnectionPool,
+    sender: str,
+    recipients: Sequence[str],
+    body: bytes,
+    *,
+    mail_params: Sequence[tuple[str, str]] = (),
+    rcpt_params: Sequence[Sequence[tuple[str, str]]] | None = None,
+    record: Callable[[Batch], Awaitable[None]],
+    on_hop_failure: Callable[[HopFailure], None] = lambda f: None,
+) -> None:
+    """Deliver ``body`` to ``recipients``; every position gets exactly one final reply through ``record``.
+
+    ``record`` is awaited for each batch (the caller makes it durable there). ``on_hop_failure`` hears of
+    each host that was given up on for some recipients before the next one was tried.
+    """
+    params = list(rcpt_params) if rcpt_params is not None else [()] * len(recipients)
+    groups: dict[Route, list[int]] = {}
+    for i, rcpt in enumerate(recipients):
+        groups.setdefault(router.route(rcpt), []).append(i)
+    for route, positions in groups.items():
+        if route.kind != "smtp":
+            assert route.reply is not None
+            await record(Batch("none", [(i, route.reply) for i in positions], discarded=route.kind == "discard"))
+            continue
+        await _deliver_group(router, pool, route, positions, sender, recipients, params, body, mail_params,
+                             record, on_hop_failure)
+
+
+async def _deliver_group(
+    router: Router,
+    pool: ConnectionPool,
+    route: Route,
+    positions: list[int],
+    sender: str,
+    recipients: Sequence[str],
+    params: Sequence[Sequence[tuple[str, str]]],
+    body: bytes,
+    mail_params: Sequence[tuple[str, str]],
+    record: Callable[[Batch], Awaitable[None]],
+    on_hop_failure: Callable[[HopFailure], None],
+) -> None:
+    pending = list(positions)
+    last: dict[int, Reply] = {}
+    last_relay, last_dsn = "none", False
+    try:
+        async for cand in router.candidates(route):
+            if isinstance(cand, Reply):
+                for i in pending:
+                    last[i] = cand
+                on_hop_failure(HopFailure("none", tuple(pending), cand))
+                continue
+            conn = pool.get(cand, route.tls)
+            try:
+                replies = await conn.send(
+                    sender,
+                    [recipients[i] for i in pending],
+                    body,
+                    mail_params=mail_params,
+                    rcpt_params=[params[i] for i in pending],
+                )
+            finally:
+                await pool.release(conn)
+            final = [(i, r) for i, r in zip(pending, replies, strict=True) if not 400 <= r.code < 500]
+            retry = [(i, r) for i, r in zip(pending, replies, strict=True) if 400 <= r.code < 500]
+            if final:
+                await record(Batch(conn.name, final, remote_dsn=conn.remote_dsn, tls=conn.tls_version))
+            pending = [i for i, _ in retry]
+            last_relay, last_dsn = conn.name, conn.remote_dsn
+            for i, r in retry:
+                last[i] = r
+            if not pending:
+                return
+            for reply in {r for _, r in retry}:
+                on_hop_failure(HopFailure(conn.name, tuple(i for i, r in retry if r == reply), reply))
+    except RouteFailure as exc:
+        if not last:
+            await record(Batch("none", [(i, exc.reply) for i in pending]))
+            return
+        for i in pending:
+            last.setdefault(i, exc.reply)
+    fallback = Reply(451, "4.4.4", f"no route to {route}")
+    await record(Batch(last_relay, [(i, last.get(i, fallback)) for i in pending], remote_dsn=last_dsn))
