@@ -194,6 +194,7 @@ class QueueMachine(RuleBasedStateMachine):
                     body = self.q.read_body(env)
                 except CorruptRecord:
                     assert qid not in self.acked, f"{qid}: acknowledged message with unreadable data"
+                    self.waiting[qid] = (pos, env)  # a runner offers it too (and the worker ends it)
                     continue
                 assert self.bodies[qid] == body, f"{qid}: body differs"
                 if qid not in self.acked:  # survived without its 250: it is queued mail now
