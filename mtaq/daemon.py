@@ -32,7 +32,7 @@ from mtaq.errors import CorruptRecord, StorageError, StorageFatal
 from mtaq.logs import get_logger
 from mtaq.queue import Queue
 from mtaq.recovery import move_aside, recover
-from mtaq.runners import Dispatcher, Runner
+from mtaq.runners import Declined, Dispatcher, Runner
 from mtaq.storage.checkpoint import write_checkpoint
 from mtaq.storage.fs import OsFileSystem
 from mtaq.storage.log import Log
@@ -128,7 +128,8 @@ class Daemon:
             outcome_unknown=len(res.unknown),
             corrupt=len(res.corrupt),
         )
-        self.dispatcher = Dispatcher(self.policy.runners)
+        # One slot per runner, plus one (the last) for parked mail that comes due (FUTURERELEASE).
+        self.dispatcher = Dispatcher(self.policy.runners + 1)
         self.runners = [
             Runner(
                 k,
@@ -148,6 +149,7 @@ class Daemon:
         tasks = [asyncio.create_task(r.run()) for r in self.runners]
         tasks += [asyncio.create_task(self._worker()) for _ in range(cfg.delivery_concurrency)]
         tasks.append(asyncio.create_task(self._checkpointer()))
+        tasks.append(asyncio.create_task(self._parked_runner()))
         tasks.append(asyncio.create_task(self._close_idle_connections()))
         if cfg.stats_interval_s > 0:
             tasks.append(asyncio.create_task(self._stats()))
@@ -173,6 +175,11 @@ class Daemon:
                 raise asyncio.CancelledError
             offer = await self.dispatcher.take()
             env = offer.envelope
+            if offer.pos in q.revoked or (offer.runner == self.policy.runners and offer.pos not in q.parked):
+                # An administrator deleted, held, ... this envelope after it was found: it is not ours.
+                q.revoked.discard(offer.pos)
+                offer.accept()
+                continue
             body: bytes | None
             try:
                 body = q.read_body(env)
@@ -267,6 +274,34 @@ class Daemon:
             self.log.info("removed", queue_id=env.queue_id)
 
     # ------------------------------------------------------------------------------- checkpoints, reclaim
+    async def _parked_runner(self) -> None:
+        """Offer delayed mail (FUTURERELEASE, flushed parked mail) when it comes due; held mail never."""
+        q, slot = self.queue, self.policy.runners
+        while True:
+            now = self.clock()
+            due = [p for p in q.parked.due(now) if p < q.log.durable_end]
+            if not due:
+                nxt = q.parked.next_due()
+                await asyncio.sleep(min(1.0, max(0.05, nxt - now)) if nxt is not None else 1.0)
+                continue
+            for pos in due:
+                if pos not in q.parked:
+                    continue  # started by an administrator's action meanwhile
+                try:
+                    env = q.log.read(pos)
+                except (CorruptRecord, StorageError) as exc:
+                    q.parked.remove(pos)
+                    self.log.error("corrupt_envelope", envelope=str(pos), error=str(exc))
+                    continue
+                if not isinstance(env, EnvelopeRecord):
+                    q.parked.remove(pos)
+                    continue
+                try:
+                    await self.dispatcher.offer(slot, pos, env)
+                except Declined:
+                    await asyncio.sleep(1.0)
+                    break
+
     async def _checkpointer(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.checkpoint_interval_s)
@@ -279,8 +314,12 @@ class Daemon:
         positions = tuple(r.position for r in self.runners)
         garbage = tuple(tuple(sorted(r.garbage)) for r in self.runners)
         suffix = working.earliest_start() or head
-        true_garbage_end = min((*positions, working.earliest_envelope() or head, head))
-        cp = Checkpoint(head=head, suffix=suffix, runners=positions, garbage=garbage, written_ts=self.clock())
+        parked = self.queue.parked
+        true_garbage_end = min((*positions, working.earliest_envelope() or head, parked.earliest() or head, head))
+        # Revoked envelopes that every runner has passed can no longer be offered by a runner.
+        self.queue.revoked = {p for p in self.queue.revoked if p >= min(positions, default=head)}
+        cp = Checkpoint(head=head, suffix=suffix, runners=positions, garbage=garbage, written_ts=self.clock(),
+                        parked=tuple(sorted(parked.entries)), counts=self.queue.counts.snapshot())
         await qlog.sync()  # every START behind the positions is durable before the checkpoint says so
         await asyncio.to_thread(write_checkpoint, self.fs, self.cfg.spool_dir, cp)
         self.checkpoints += 1

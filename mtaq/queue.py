@@ -23,10 +23,13 @@ from collections.abc import Callable, Sequence
 import msgspec
 
 from mtaq.core.dsn import DsnRecipient, build_dsn
+from mtaq.core.parking import ADMIN_ACTIONS, ADMIN_BOUNCE, Parked, QueueCounts, admin_conclusion
 from mtaq.core.records import (
+    PARKED,
     DataRecord,
     DeliveryRecord,
     EnvelopeRecord,
+    FinishRecord,
     Outcome,
     Pos,
     Recipient,
@@ -84,6 +87,11 @@ class Queue:
         # New mail is refused (452 4.3.1) while the spool has less than this many bytes free, so that
         # deliveries, which free space, can still write their records (Postfix's queue_minfree). 0: no floor.
         self.minfree_bytes = 0
+        self.counts = QueueCounts()  # messages by state (mtaq queue size)
+        self.parked = Parked()  # held and delayed envelopes, which no runner reads
+        # Envelopes an administrator's action started while a runner or the parked scheduler may still offer
+        # them: a worker that takes such an offer drops it (the message was deleted, held, ... meanwhile).
+        self.revoked: set[Pos] = set()
         # Called with each new envelope and its position once it is durable (the daemon logs `queued`).
         self.on_durable: Callable[[EnvelopeRecord, Pos], None] = lambda env, pos: None
         # Called for each DSN queued: (dsn envelope, original queue ID, kind).
@@ -99,8 +107,12 @@ class Queue:
         rcpt_params: Sequence[Sequence[tuple[str, str]]] | None = None,
         client: str = "",
         helo: str = "",
+        not_before_ts: float | None = None,
     ) -> EnvelopeRecord:
         """Append a new message and return its envelope once it is durable (the caller may then say 250).
+
+        ``not_before_ts`` (UTC seconds) delays the first attempt (RFC 4865 FUTURERELEASE): the envelope is
+        then parked until that time instead of going to the runner for new mail.
 
         ``on_durable`` runs once the covering fsync is done, even if the caller was cancelled meanwhile
         (an SMTP client that hangs up after its final dot). The queue runner for new mail sees the
@@ -110,7 +122,9 @@ class Queue:
         """
         if self.minfree_bytes and self.log.free_bytes() < self.minfree_bytes + len(body):
             raise StorageFull(f"spool free space below queue_minfree_bytes ({self.minfree_bytes} bytes)")
-        env, pos, lsn = self._append_message(sender, recipients, body, mail_params, rcpt_params, client, helo)
+        env, pos, lsn = self._append_message(
+            sender, recipients, body, mail_params, rcpt_params, client, helo, not_before_ts=not_before_ts
+        )
         await asyncio.shield(self._settle(env, pos, lsn))
         return env
 
@@ -124,8 +138,10 @@ class Queue:
         client: str = "",
         helo: str = "",
         bounce_of: str = "",
+        not_before_ts: float | None = None,
     ) -> tuple[EnvelopeRecord, Pos, int]:
         now = self.clock()
+        delayed = not_before_ts is not None and not_before_ts > now
         qid = new_queue_id(now)
         data_pos, _ = self.log.append(DataRecord(queue_id=qid, body=body))
         rps = rcpt_params or [()] * len(recipients)
@@ -145,8 +161,15 @@ class Queue:
             client=client,
             helo=helo,
             bounce_of=bounce_of,
+            runner=PARKED if delayed else 0,
         )
+        if delayed:
+            assert not_before_ts is not None
+            env = msgspec.structs.replace(env, not_before_ts=not_before_ts)
         pos, lsn = self.log.append(env)
+        self.counts.added(env)
+        if delayed:
+            self.parked.add(pos, env)
         return env, pos, lsn
 
     async def _settle(self, env: EnvelopeRecord, pos: Pos, lsn: int) -> None:
@@ -154,11 +177,49 @@ class Queue:
         self.received += 1
         self.on_durable(env, pos)
 
-    def start(self, envelope_pos: Pos, env: EnvelopeRecord) -> Attempt:
-        """Begin an attempt: append START (not waited for); from now the envelope is garbage."""
-        rec = StartRecord(queue_id=env.queue_id, envelope=envelope_pos, ts=self.clock(), runner=env.runner)
+    def start(self, envelope_pos: Pos, env: EnvelopeRecord, *, admin: str = "") -> Attempt:
+        """Begin an attempt (or, with ``admin``, an administrator's action): append START (not waited for);
+        from now the envelope is garbage."""
+        rec = StartRecord(queue_id=env.queue_id, envelope=envelope_pos, ts=self.clock(), runner=env.runner, admin=admin)
         pos, _ = self.log.append(rec)
+        self.counts.started(env)
+        self.parked.remove(envelope_pos)
         return self.working.start(pos, envelope_pos, env)
+
+    def admin(self, envelope_pos: Pos, env: EnvelopeRecord, action: str) -> tuple[EnvelopeRecord | FinishRecord, Pos, int]:
+        """An administrator's ``action`` (one of ADMIN_ACTIONS) on the live envelope at ``envelope_pos``.
+
+        Appends START (``admin=action``) and its conclusion back to back (FINISH, or a replacement with the
+        DATA copied forward; ``bounce`` also queues the DSN first), and marks the envelope revoked so that
+        an offer of it still on its way to a worker is dropped. Returns the concluding record, its position
+        and the LSN to commit before reporting success. Raises StorageError (nothing appended counts until
+        committed), CorruptRecord if the data cannot be copied.
+        """
+        if action not in ADMIN_ACTIONS:
+            raise ValueError(f"unknown admin action {action!r}")
+        attempt = self.start(envelope_pos, env, admin=action)
+        self.revoked.add(envelope_pos)
+        return self.finish_admin(attempt, action)
+
+    def finish_admin(self, attempt: Attempt, action: str) -> tuple[EnvelopeRecord | FinishRecord, Pos, int]:
+        """Conclude the admin action started as ``attempt`` (also used by recovery). See :meth:`admin`."""
+        env = attempt.envelope
+        if action == "bounce":
+            code, enhanced, text = ADMIN_BOUNCE
+            for r in env.recipients:
+                attempt.outcomes[r.index] = Outcome(index=r.index, status="failed", code=code, enhanced=enhanced, text=text)
+            c, pos = self.conclude(attempt)
+            return c.record, pos, self.log.appended_lsn
+        rec = admin_conclusion(env, attempt.start_pos, action, self.clock())
+        if isinstance(rec, EnvelopeRecord):
+            data_pos, _ = self.log.append(DataRecord(queue_id=env.queue_id, body=self.read_body(env)))
+            rec = msgspec.structs.replace(rec, data=data_pos)
+        pos, lsn = self.log.append(rec)
+        self.working.concluded(attempt.start_pos)
+        self.counts.concluded(rec if isinstance(rec, EnvelopeRecord) else None)
+        if isinstance(rec, EnvelopeRecord) and rec.runner == PARKED:
+            self.parked.add(pos, rec)
+        return rec, pos, lsn
 
     def read_body(self, env: EnvelopeRecord) -> bytes:
         """The message content. Raises CorruptRecord when the DATA record does not check out."""
@@ -206,6 +267,9 @@ class Queue:
             c = Conclusion(rec, c.failed, c.delayed, c.succeeded, c.expired)
         pos, _ = self.log.append(rec)
         self.working.concluded(attempt.start_pos)
+        self.counts.concluded(rec if isinstance(rec, EnvelopeRecord) else None)
+        if isinstance(rec, EnvelopeRecord) and rec.runner == PARKED:
+            self.parked.add(pos, rec)
         if c.dsn_groups or isinstance(rec, EnvelopeRecord):
             # Runners read only durable records: a DSN or a retry must not wait for the next checkpoint.
             # A FINISH (the common case) rides on whatever fsync comes next.

@@ -28,7 +28,8 @@ from typing import Any
 
 from mtaq.core.checkpoint import Checkpoint
 from mtaq.core.frame import SEGMENT_HEADER_BYTES, Problem, scan_segment
-from mtaq.core.records import DeliveryRecord, EnvelopeRecord, FinishRecord, Outcome, Pos, StartRecord
+from mtaq.core.parking import QueueCounts
+from mtaq.core.records import PARKED, DeliveryRecord, EnvelopeRecord, FinishRecord, Outcome, Pos, StartRecord
 from mtaq.core.state import Attempt
 from mtaq.errors import CorruptRecord
 from mtaq.queue import Queue
@@ -57,6 +58,14 @@ class RecoveryResult:
     unknown: list[tuple[str, str]] = field(default_factory=list)  # (queue_id, recipient)
     runners: list[Pos] = field(default_factory=list)
     garbage: list[set[Pos]] = field(default_factory=list)
+
+
+def _read_envelope(log: Any, pos: Pos) -> EnvelopeRecord | None:
+    try:
+        rec = log.read(pos)
+    except (CorruptRecord, OSError):
+        return None
+    return rec if isinstance(rec, EnvelopeRecord) else None
 
 
 async def move_aside(log: Any, spool: str, p: Problem, logger: Any) -> None:
@@ -99,6 +108,7 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
     def clamp(p: Pos) -> Pos:
         return p if p >= first else first
 
+    since_start = queue.counts.by_state.copy()
     cp: Checkpoint | None
     cp, why = read_checkpoint(log.fs, spool)
     # Everything before the checkpoint's head was durable when it was written: damage there is corruption.
@@ -110,12 +120,23 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
         runners += [min(runners, default=scan_from)] * (n - len(runners))
         garbage = [{g for g in gs if g >= runners[k]} for k, gs in enumerate(cp.garbage[:n])]
         garbage += [set() for _ in range(n - len(garbage))]
+        # Counts and parked envelopes as of head; what came after head is replayed below.
+        replay_from = clamp(cp.head)
+        queue.counts = QueueCounts.restore(cp.counts)
+        parked_before = [p for p in cp.parked if p >= first]
     else:
         logger.info("checkpoint_unused", reason=why, action="scanning every segment")
         scan_from = first
         runners = [first] * n
         garbage = [set() for _ in range(n)]
+        replay_from = first
+        queue.counts = QueueCounts()
+        parked_before = []
     res.scan_from = scan_from
+    # Mail is accepted while recovery runs (into the new segment, which it does not read): keep its counts.
+    queue.counts.by_state.update(since_start)
+    parked_after: dict[Pos, EnvelopeRecord] = {}  # parked envelopes written after replay_from
+    unparked: set[Pos] = set()  # parked envelopes started after replay_from
     open_attempts: dict[Pos, _Open] = {}
     aside = list_quarantine(log.fs, spool)  # regions moved aside by an earlier start keep their kind
     holes: list[Problem] = []
@@ -158,8 +179,14 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
                 open_attempts[pos] = _Open(rec)
                 started.add(rec.envelope)
                 k = min(rec.runner, n - 1)
-                if rec.envelope >= runners[k]:
+                if k >= 0 and rec.envelope >= runners[k]:
                     garbage[k].add(rec.envelope)
+                if pos >= replay_from:
+                    unparked.add(rec.envelope)
+                    parked_after.pop(rec.envelope, None)
+                    started_env = _read_envelope(log, rec.envelope)
+                    if started_env is not None:
+                        queue.counts.started(started_env)
             elif isinstance(rec, DeliveryRecord):
                 o = open_attempts.get(rec.start)
                 if o is not None:
@@ -168,12 +195,28 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
             elif isinstance(rec, EnvelopeRecord):
                 if rec.replaces is not None:
                     open_attempts.pop(rec.replaces, None)
+                if pos >= replay_from:
+                    if rec.replaces is None:
+                        queue.counts.added(rec)
+                    else:
+                        queue.counts.concluded(rec)
+                    if rec.runner == PARKED:
+                        parked_after[pos] = rec
                 d = rec.data
                 if any(h.segment == d.segment and h.offset <= d.offset < h.end for h in holes):
                     unreadable[pos] = rec
             elif isinstance(rec, FinishRecord):
                 open_attempts.pop(rec.start, None)
+                if pos >= replay_from:
+                    queue.counts.concluded(None)
         await asyncio.sleep(0)  # let SMTP clients in between segments
+    for ppos in parked_before:
+        if ppos not in unparked and ppos < replay_from:
+            penv = _read_envelope(log, ppos)
+            if penv is not None and penv.runner == PARKED:
+                queue.parked.add(ppos, penv)
+    for ppos, penv in parked_after.items():
+        queue.parked.add(ppos, penv)
     killpoints.hit("recovery.before_conclude")
     for start_pos, o in sorted(open_attempts.items()):
         try:
@@ -186,6 +229,17 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
             continue
         attempt = Attempt(env, o.start.envelope, start_pos, dict(o.outcomes), o.remote_dsn)
         queue.working.attempts[start_pos] = attempt
+        if o.start.admin:
+            # An administrator's action interrupted between its START and its conclusion: finish it.
+            try:
+                rec, _pos, _lsn = queue.finish_admin(attempt, o.start.admin)
+            except (CorruptRecord, ValueError) as exc:
+                queue.working.concluded(start_pos)
+                logger.error("admin_action_lost", queue_id=env.queue_id, action=o.start.admin, error=str(exc))
+                continue
+            res.concluded += 1
+            logger.info("admin_action_completed", queue_id=env.queue_id, action=o.start.admin)
+            continue
         for r in env.recipients:
             if r.index not in attempt.outcomes:
                 res.unknown.append((env.queue_id, r.address))
@@ -210,7 +264,7 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
         log.append(FinishRecord(queue_id=env.queue_id, start=attempt.start_pos, ts=queue.clock()))
         queue.working.concluded(attempt.start_pos)
         k = min(env.runner, n - 1)
-        if pos >= runners[k]:
+        if k >= 0 and pos >= runners[k]:
             garbage[k].add(pos)
         logger.warning("unacknowledged_dropped", queue_id=env.queue_id, envelope=str(pos),
                        reason="its data never reached the disk before the crash; no 250 was sent for it")

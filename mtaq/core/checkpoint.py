@@ -8,7 +8,10 @@ positions to disk." A checkpoint holds:
 * ``suffix``: the start of the working suffix, i.e. the earliest START not yet concluded (``head`` when none);
 * ``runners``: each runner's position. Every envelope of runner k before ``runners[k]`` has been started;
 * ``garbage``: for each runner, envelopes ahead of it that were already started (out of band, e.g. by
-  recovery), which it must skip.
+  recovery or an administrator), which it must skip;
+* ``parked``: the live envelopes no runner reads (held, or delayed by FUTURERELEASE) as of ``head``;
+  reclamation never deletes a segment holding one;
+* ``counts``: messages by state as of ``head``, so that ``mtaq queue size`` never scans the queue.
 
 Recovery reads the log from ``min(suffix, head)`` to the end, and no more (GUIDE I5). A checkpoint is
 advisory. A torn, stale or missing one only makes the scan longer. Positions in segments that have been
@@ -44,6 +47,8 @@ class Checkpoint(msgspec.Struct, frozen=True, array_like=True):
     runners: tuple[Pos, ...]
     garbage: tuple[tuple[Pos, ...], ...]
     written_ts: float
+    parked: tuple[Pos, ...] = ()  # live parked envelopes (held or delayed) as of head
+    counts: tuple[tuple[str, int], ...] = ()  # messages by state as of head (QueueCounts), for a cheap size
 
 
 _ENC = msgspec.msgpack.Encoder()

@@ -246,6 +246,11 @@ class Log:
         return self._cur_no
 
     @property
+    def appended_lsn(self) -> int:
+        """The LSN of the last record appended (commit it to make everything appended so far durable)."""
+        return self._appended_lsn
+
+    @property
     def durable_lsn(self) -> int:
         return self._durable_lsn
 
