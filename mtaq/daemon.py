@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from mtaq.admin import AdminService
 from mtaq.config import Config, parse_hostport
 from mtaq.core.checkpoint import Checkpoint
 from mtaq.core.frame import Problem
@@ -143,6 +144,7 @@ class Daemon:
             )
             for k in range(self.policy.runners)
         ]
+        self.admin = AdminService(self.queue, self.runners, self.clock, cfg.spool_dir)
         # A checkpoint now bounds the next recovery to what comes after this start, even if the next crash
         # comes before the first periodic one.
         await self.checkpoint()

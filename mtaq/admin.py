@@ -1,0 +1,286 @@
+"""Operating the queue: list, size, show, delete, hold, release, flush, bounce (Apache James ADR 31).
+
+Every action is a durable record in the log (a START with ``admin=`` and its conclusion), so it is audited,
+survives crashes (recovery completes an action interrupted half-way), and acts on a consistent view:
+
+1. the log is read in a thread up to its durable end P (a :class:`~mtaq.core.view.QueueView` as of P);
+2. then, in the event loop and without awaiting, the view is brought forward to the log's current end
+   (what workers and runners appended meanwhile, durable or not), the messages are selected and the
+   actions appended. No delivery worker can start one of them in between: workers run in the same loop;
+   an offer already on its way to a worker is *revoked* and dropped by the worker that takes it;
+3. one commit makes them durable before the caller hears of them.
+
+A message under an attempt (active) is not touched: it is reported as skipped ("delivery in progress"),
+so a message is delivered or deleted, never both, and never lost.
+
+When the daemon is down, :func:`offline_view` and :func:`offline_size` read the spool directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.parser
+import email.policy
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from mtaq.core.checkpoint import Checkpoint
+from mtaq.core.frame import scan_segment
+from mtaq.core.parking import ADMIN_ACTIONS, QueueCounts
+from mtaq.core.records import PARKED, EnvelopeRecord, FinishRecord, Pos, RecordType, StartRecord
+from mtaq.core.view import Entry, QueueView, Selector
+from mtaq.errors import CorruptRecord, MtaqError, StorageError
+from mtaq.queue import Queue
+from mtaq.runners import Runner
+from mtaq.storage.checkpoint import read_checkpoint
+from mtaq.storage.cursor import LogCursor
+from mtaq.storage.fs import OsFileSystem
+from mtaq.storage.log import Log, list_segments, segment_path
+
+__all__ = ["ActionResult", "AdminError", "AdminService", "offline_size", "offline_view"]
+
+# Which states each action applies to (others are skipped with a reason).
+_APPLIES = {
+    "delete": {"incoming", "deferred", "delayed", "held"},
+    "bounce": {"incoming", "deferred", "delayed", "held"},
+    "hold": {"incoming", "deferred", "delayed"},
+    "release": {"held"},
+    "flush": {"incoming", "deferred", "delayed"},
+}
+
+
+class AdminError(MtaqError):
+    """A request that cannot be carried out as asked (no selection, unknown action or queue ID)."""
+
+
+@dataclass
+class ActionResult:
+    """What an action did: ``done`` queue IDs, ``skipped`` {queue ID: why}, as of log position ``position``."""
+
+    action: str
+    position: str
+    done: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"action": self.action, "position": self.position, "done": self.done, "skipped": self.skipped}
+
+
+def _view_of_segments(log: Log, end: Pos) -> QueueView:
+    """Fold every record of the log before ``end`` (runs in a thread; DATA frames are not decoded)."""
+    view = QueueView(end=end)
+    for n in log.segments():
+        if n > end.segment:
+            break
+        try:
+            buf = log.read_segment(n)
+        except FileNotFoundError:  # reclaimed meanwhile: it held nothing live
+            continue
+        if n == end.segment:
+            buf = buf[: end.offset]
+        for pos, rec in scan_segment(n, buf, skip_data=True).records:
+            view.apply(pos, rec, pos)
+    view.end = end
+    return view
+
+
+def _catch_up(view: QueueView, log: Log) -> None:
+    """Bring ``view`` forward to the log's current end (synchronous: call it in the loop, then act)."""
+    end = log.end
+    cur = LogCursor(log, view.end)
+    while True:
+        found = cur.peek(end, lambda t: t != RecordType.DATA)
+        if found is None or found is False:
+            if found is None:
+                break
+            continue
+        pos, rec = found
+        cur.skip()
+        view.apply(pos, rec, cur.pos)
+    view.end = end
+
+
+class AdminService:
+    """The admin operations of a running daemon (used by the HTTP API and ``mtaq queue``)."""
+
+    def __init__(self, queue: Queue, runners: list[Runner], clock: Any, spool: str) -> None:
+        self.queue = queue
+        self.runners = runners
+        self.clock = clock
+        self.spool = spool
+        self._lock = asyncio.Lock()  # one admin action at a time (listings run freely)
+
+    async def view(self) -> QueueView:
+        """The queue as of now: read in a thread up to the durable end, then caught up in the loop."""
+        log = self.queue.log
+        view = await asyncio.to_thread(_view_of_segments, log, log.durable_end)
+        _catch_up(view, log)
+        return view
+
+    async def list(self, selector: Selector, *, limit: int | None = None) -> tuple[str, list[dict[str, Any]]]:
+        """Messages matching ``selector`` (all if it is empty), oldest first, as ``postqueue -j`` objects,
+        with the log position the listing is consistent as of."""
+        view = await self.view()
+        now = self.clock()
+        entries = list(view.entries.values()) if selector.is_empty() else selector.select(view.entries.values(), now)
+        if selector.is_empty():
+            entries.sort(key=lambda e: (e.envelope.arrival_ts, e.queue_id))
+        if limit is not None:
+            entries = entries[:limit]
+        return str(view.end), [e.as_json(view.reasons(e.queue_id)) for e in entries]
+
+    def size(self) -> dict[str, Any]:
+        """Messages by state from the daemon's counters (no scan), and the log position they are as of."""
+        return {**self.queue.counts.as_dict(), "position": str(self.queue.log.end)}
+
+    async def show(self, queue_id: str) -> dict[str, Any]:
+        """One message: its listing entry, envelope details and the header section of its content
+        (``postcat -q``). Raises AdminError if the queue ID is not in the queue."""
+        view = await self.view()
+        e = view.entries.get(queue_id)
+        if e is None:
+            raise AdminError(f"{queue_id}: no such message in the queue")
+        out = e.as_json(view.reasons(queue_id))
+        env = e.envelope
+        out |= {
+            "position_as_of": str(view.end),
+            "mail_params": [list(p) for p in env.mail_params],
+            "client": env.client,
+            "helo": env.helo,
+            "generation": env.generation,
+            "bounce_of": env.bounce_of,
+            "recipients_detail": [
+                {"address": r.address, "params": [list(p) for p in r.params], "outcome_unknown": r.unknown}
+                for r in env.recipients
+            ],
+        }
+        try:
+            body = self.queue.read_body(env)
+            head, _, _ = body.partition(b"\r\n\r\n")
+            msg = email.parser.BytesHeaderParser(policy=email.policy.compat32).parsebytes(head + b"\r\n\r\n")
+            out["headers"] = [[k, str(v)] for k, v in msg.items()]
+        except (CorruptRecord, StorageError) as exc:
+            out["headers_error"] = str(exc)
+        return out
+
+    async def act(self, action: str, selector: Selector) -> ActionResult:
+        """Apply ``action`` (delete, hold, release, flush, bounce) to the selected messages; durable on
+        return. Raises AdminError for an unknown action or an empty selection, StorageError if the log
+        cannot be written (then nothing is reported done)."""
+        if action not in ADMIN_ACTIONS:
+            raise AdminError(f"unknown action {action!r}; expected one of {', '.join(ADMIN_ACTIONS)}")
+        if selector.is_empty():
+            raise AdminError("no messages selected: give queue IDs, ALL, or a filter")
+        async with self._lock:
+            view = await asyncio.to_thread(_view_of_segments, self.queue.log, self.queue.log.durable_end)
+            # From here to the commit below nothing awaits: no worker can start a selected message.
+            _catch_up(view, self.queue.log)
+            res = ActionResult(action, str(view.end))
+            chosen = selector.select(view.entries.values(), self.clock())
+            for qid in selector.ids:
+                if qid not in view.entries:
+                    res.skipped[qid] = "no such message in the queue"
+            lsn = 0
+            for e in chosen:
+                why = self._why_not(action, e)
+                if why:
+                    res.skipped[e.queue_id] = why
+                    continue
+                try:
+                    _rec, _pos, lsn = self.queue.admin(e.pos, e.envelope, action)
+                except CorruptRecord as exc:
+                    res.skipped[e.queue_id] = f"message data unreadable: {exc}"
+                    continue
+                self._out_of_runners_way(e)
+                res.done.append(e.queue_id)
+            if lsn:
+                await self.queue.log.commit(lsn)
+            return res
+
+    @staticmethod
+    def _why_not(action: str, e: Entry) -> str:
+        if e.state == "active":
+            return "delivery in progress; try again when it is over"
+        if e.state not in _APPLIES[action]:
+            return f"message is {e.state}"
+        return ""
+
+    def _out_of_runners_way(self, e: Entry) -> None:
+        """The runner that would offer this envelope must skip it (the START is ahead of it)."""
+        k = e.envelope.runner
+        if k == PARKED or not self.runners:
+            return
+        r = self.runners[min(k, len(self.runners) - 1)]
+        if e.pos >= r.position:
+            r.garbage.add(e.pos)
+
+    def flush_all(self) -> None:
+        """``postqueue -f``: every runner offers all its envelopes now (the parked ones are not touched)."""
+        for r in self.runners:
+            r.flush()
+
+
+# --------------------------------------------------------------------------------------- daemon is down
+def offline_view(spool: str) -> QueueView:
+    """The queue as of the end of the log in ``spool``, read from disk (the daemon is not running)."""
+    fs = OsFileSystem()
+    log_dir = os.path.join(spool, "log")
+    view = QueueView()
+    for n in list_segments(fs, log_dir):
+        scan = scan_segment(n, fs.read_file(segment_path(log_dir, n)), skip_data=True)
+        for pos, rec in scan.records:
+            view.apply(pos, rec, pos)
+        view.end = Pos(n, scan.valid_end)
+    return view
+
+
+def offline_size(spool: str) -> dict[str, Any]:
+    """Messages by state from the last checkpoint's counts plus the records after its head (the working
+    suffix at most), without scanning the queue. Falls back to a full scan without a usable checkpoint;
+    ``source`` says which."""
+    fs = OsFileSystem()
+    cp: Checkpoint | None
+    cp, _why = read_checkpoint(fs, spool)
+    log_dir = os.path.join(spool, "log")
+    segs = list_segments(fs, log_dir)
+    if cp is None or not cp.counts or (segs and cp.head.segment < segs[0]):
+        view = offline_view(spool)
+        return {**view.counts(), "position": str(view.end), "source": "full scan"}
+    counts = QueueCounts.restore(cp.counts)
+    end = cp.head
+    envelopes: dict[Pos, EnvelopeRecord] = {}
+    for n in segs:
+        if n < cp.head.segment:
+            continue
+        buf = fs.read_file(segment_path(log_dir, n))
+        scan = scan_segment(n, buf, skip_data=True)
+        for pos, rec in scan.records:
+            if pos < cp.head:
+                continue
+            if isinstance(rec, EnvelopeRecord):
+                envelopes[pos] = rec
+                if rec.replaces is None:
+                    counts.added(rec)
+                else:
+                    counts.concluded(rec)
+            elif isinstance(rec, StartRecord):
+                env = envelopes.get(rec.envelope) or _read_envelope_at(fs, log_dir, rec.envelope)
+                if env is not None:
+                    counts.started(env)
+            elif isinstance(rec, FinishRecord):
+                counts.concluded(None)
+        end = Pos(n, scan.valid_end)
+    return {**counts.as_dict(), "position": str(end), "source": f"checkpoint at {cp.head} and the records after it"}
+
+
+def _read_envelope_at(fs: OsFileSystem, log_dir: str, pos: Pos) -> EnvelopeRecord | None:
+    try:
+        buf = fs.read_file(segment_path(log_dir, pos.segment))
+    except OSError:
+        return None
+    for p, rec in scan_segment(pos.segment, buf, skip_data=True).records:
+        if p == pos:
+            return rec if isinstance(rec, EnvelopeRecord) else None
+    return None
+

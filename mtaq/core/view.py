@@ -1,0 +1,159 @@
+"""The queue as of one log position: a fold over records (pure: no I/O), for listings and admin selection.
+
+Feed :meth:`QueueView.apply` every record in log order, up to a position P; the view then holds every
+message in the queue as of P (its live envelope, or its envelope under an open attempt, which is
+*active*) and the last reply each recipient got. A listing built from it is consistent as of P, unlike
+Postfix's ``mailq``, which walks directories while they change and can show a message twice or miss it
+(GUIDE §4). The view can be brought forward by applying what came after P.
+
+What must hold: a message is live as of P iff its newest envelope before P has no START before P, or
+has one whose attempt has no FINISH and no replacement before P (then it is active).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from mtaq.core.parking import state_of
+from mtaq.core.records import DeliveryRecord, EnvelopeRecord, FinishRecord, Pos, Record, StartRecord
+
+__all__ = ["Entry", "QueueView", "Selector"]
+
+
+@dataclass(slots=True)
+class Entry:
+    """One message in the view: its current envelope and where it is, and its state."""
+
+    pos: Pos
+    envelope: EnvelopeRecord
+    state: str
+    start: Pos | None = None  # the open attempt's START when active
+
+    @property
+    def queue_id(self) -> str:
+        return self.envelope.queue_id
+
+    def as_json(self, reasons: dict[int, str]) -> dict[str, Any]:
+        """One object like ``postqueue -j``: queue_name, queue_id, arrival_time (UTC s), message_size,
+        sender, recipients [{address, delay_reason}], plus state, release_time (delayed), position."""
+        env = self.envelope
+        out: dict[str, Any] = {
+            "queue_name": self.state,
+            "queue_id": env.queue_id,
+            "arrival_time": int(env.arrival_ts),
+            "message_size": env.size,
+            "sender": env.sender,
+            "recipients": [
+                {"address": r.address, **({"delay_reason": reasons[r.index]} if r.index in reasons else {})}
+                for r in env.recipients
+            ],
+            "state": self.state,
+            "attempts": env.attempts,
+            "position": str(self.pos),
+        }
+        if self.state == "delayed" or (self.state == "deferred" and env.not_before_ts > 0):
+            out["release_time" if self.state == "delayed" else "next_attempt_time"] = round(env.not_before_ts, 3)
+        return out
+
+
+@dataclass
+class QueueView:
+    """Every message as of ``end`` (see the module docstring). ``apply`` records in log order."""
+
+    end: Pos = field(default_factory=lambda: Pos(0, 0))
+    entries: dict[str, Entry] = field(default_factory=dict)  # queue_id -> entry
+    _by_start: dict[Pos, str] = field(default_factory=dict)  # open START -> queue_id
+    _reasons: dict[str, dict[int, str]] = field(default_factory=dict)  # queue_id -> index -> last reply
+
+    def apply(self, pos: Pos, rec: Record, end: Pos) -> None:
+        """Fold the record at ``pos`` (which ends at ``end``) into the view."""
+        self.end = end
+        if isinstance(rec, EnvelopeRecord):
+            if rec.replaces is not None:
+                self._by_start.pop(rec.replaces, None)
+            self.entries[rec.queue_id] = Entry(pos, rec, state_of(rec))
+            reasons = self._reasons.setdefault(rec.queue_id, {})
+            for r in rec.recipients:
+                if r.last_reply and r.index not in reasons:
+                    reasons[r.index] = r.last_reply
+        elif isinstance(rec, StartRecord):
+            e = self.entries.get(rec.queue_id)
+            if e is not None and e.pos == rec.envelope:
+                e.state, e.start = "active", pos
+                self._by_start[pos] = rec.queue_id
+        elif isinstance(rec, DeliveryRecord):
+            reasons = self._reasons.setdefault(rec.queue_id, {})
+            for o in rec.outcomes:
+                reasons[o.index] = f"{o.code} {o.enhanced} {o.text}".replace("  ", " ").strip()
+        elif isinstance(rec, FinishRecord):
+            qid = self._by_start.pop(rec.start, None)
+            if qid is not None:
+                self.entries.pop(qid, None)
+                self._reasons.pop(qid, None)
+
+    def reasons(self, queue_id: str) -> dict[int, str]:
+        """The last reply per recipient index (deferrals and failures; ``delay_reason`` in listings)."""
+        return self._reasons.get(queue_id, {})
+
+    def counts(self) -> dict[str, int]:
+        """Messages by state in this view (a full count; ``mtaq queue size`` uses the daemon's counters)."""
+        out = {s: 0 for s in ("incoming", "active", "deferred", "delayed", "held")}
+        for e in self.entries.values():
+            out[e.state] += 1
+        out["total"] = len(self.entries)
+        return out
+
+
+@dataclass(frozen=True)
+class Selector:
+    """Which messages an admin command acts on or lists (Postfix ``postsuper``/``exiqgrep`` filters).
+
+    ``ids`` (exact queue IDs) or ``all`` (``ALL`` spelled out) choose the candidates; every other field
+    narrows them: sender / recipient (case-insensitive substring of the address), domain (the recipient
+    domain, after the last ``@``), held / deferred (state), older_than_s (arrival before now - that).
+    """
+
+    ids: tuple[str, ...] = ()
+    all: bool = False
+    sender: str | None = None
+    recipient: str | None = None
+    domain: str | None = None
+    held: bool = False
+    deferred: bool = False
+    older_than_s: float | None = None
+
+    def is_empty(self) -> bool:
+        """True when it names nothing (an admin action needs IDs, ALL or a filter)."""
+        return not (self.ids or self.all or self.sender or self.recipient or self.domain or self.held
+                    or self.deferred or self.older_than_s is not None)
+
+    def matches(self, e: Entry, now_ts: float) -> bool:
+        env = e.envelope
+        if self.ids and env.queue_id not in self.ids:
+            return False
+        if self.sender is not None and self.sender.lower() not in env.sender.lower():
+            return False
+        addrs = [r.address.lower() for r in env.recipients]
+        if self.recipient is not None and not any(self.recipient.lower() in a for a in addrs):
+            return False
+        if self.domain is not None:
+            d = self.domain.lower().lstrip("@")
+            if not any(a.rpartition("@")[2] == d for a in addrs):
+                return False
+        if self.held and e.state != "held":
+            return False
+        if self.deferred and e.state != "deferred":
+            return False
+        return not (self.older_than_s is not None and env.arrival_ts > now_ts - self.older_than_s)
+
+    def select(self, entries: Iterable[Entry], now_ts: float) -> list[Entry]:
+        """Matching entries in arrival order."""
+        return sorted((e for e in entries if self.matches(e, now_ts)), key=lambda e: (e.envelope.arrival_ts, e.queue_id))
+
+
+def format_time(ts: float) -> str:
+    """``Sat Nov 21 04:44:50`` in UTC, as mailq prints arrival times."""
+    return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%a %b %d %H:%M:%S")
