@@ -22,6 +22,7 @@ import asyncio
 import email.parser
 import email.policy
 import os
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,14 +119,19 @@ class AdminService:
         _catch_up(view, log)
         return view
 
-    async def list(self, selector: Selector, *, limit: int | None = None) -> tuple[str, list[dict[str, Any]]]:
+    async def list(
+        self, selector: Selector, *, limit: int | None = None, states: Collection[str] | None = None
+    ) -> tuple[str, list[dict[str, Any]]]:
         """Messages matching ``selector`` (all if it is empty), oldest first, as ``postqueue -j`` objects,
-        with the log position the listing is consistent as of."""
+        with the log position the listing is consistent as of. ``states`` (when given) keeps only messages
+        in those states."""
         view = await self.view()
         now = self.clock()
         entries = list(view.entries.values()) if selector.is_empty() else selector.select(view.entries.values(), now)
         if selector.is_empty():
             entries.sort(key=lambda e: (e.envelope.arrival_ts, e.queue_id))
+        if states is not None:
+            entries = [e for e in entries if e.state in states]
         if limit is not None:
             entries = entries[:limit]
         return str(view.end), [e.as_json(view.reasons(e.queue_id)) for e in entries]
@@ -164,10 +170,12 @@ class AdminService:
             out["headers_error"] = str(exc)
         return out
 
-    async def act(self, action: str, selector: Selector) -> ActionResult:
+    async def act(self, action: str, selector: Selector, *, states: Collection[str] | None = None) -> ActionResult:
         """Apply ``action`` (delete, hold, release, flush, bounce) to the selected messages; durable on
-        return. Raises AdminError for an unknown action or an empty selection, StorageError if the log
-        cannot be written (then nothing is reported done)."""
+        return. ``states`` (when given) narrows the selection to messages in those states (a queue ID named
+        in ``selector.ids`` but in another state is reported as skipped). Raises AdminError for an unknown
+        action or an empty selection, StorageError if the log cannot be written (then nothing is reported
+        done)."""
         if action not in ADMIN_ACTIONS:
             raise AdminError(f"unknown action {action!r}; expected one of {', '.join(ADMIN_ACTIONS)}")
         if selector.is_empty():
@@ -178,6 +186,11 @@ class AdminService:
             _catch_up(view, self.queue.log)
             res = ActionResult(action, str(view.end))
             chosen = selector.select(view.entries.values(), self.clock())
+            if states is not None:
+                for e in chosen:
+                    if e.state not in states and e.queue_id in selector.ids:
+                        res.skipped[e.queue_id] = f"message is {e.state}"
+                chosen = [e for e in chosen if e.state in states]
             for qid in selector.ids:
                 if qid not in view.entries:
                     res.skipped[qid] = "no such message in the queue"

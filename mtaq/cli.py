@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spool", metavar="DIR", help="spool directory (default ./spool)")
     p.add_argument("--listen", metavar="HOST:PORT", help="SMTP listening address (default 127.0.0.1:2525)")
     p.add_argument("--relayhost", metavar="[HOST]:PORT", help="next hop, Postfix syntax (default [127.0.0.1]:2526)")
+    p.add_argument("--admin-listen", metavar="HOST:PORT",
+                   help='admin HTTP API and /metrics address (default 127.0.0.1:2580; "" disables it)')
     _add_log_format(p)
 
     p = sub.add_parser("sink", help="a local SMTP sink that stores what it receives as a Maildir")
@@ -90,6 +92,7 @@ def _serve(args: argparse.Namespace) -> int:
         "spool_dir": args.spool,
         "listen": args.listen,
         "relayhost": args.relayhost,
+        "admin_listen": args.admin_listen,
         "log_format": args.log_format,
     }
     cfg = load_config(args.config, overrides)

@@ -16,7 +16,7 @@ import msgspec
 
 from mtaq.errors import ConfigError
 
-__all__ = ["Config", "Relayhost", "load_config", "parse_hostport", "parse_nameserver", "parse_relayhost"]
+__all__ = ["Config", "Relayhost", "is_loopback", "load_config", "parse_hostport", "parse_nameserver", "parse_relayhost"]
 
 MiB = 1024 * 1024
 
@@ -63,6 +63,12 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     smtp_server_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0  # idle client, inbound
     stats_interval_s: Annotated[float, msgspec.Meta(ge=0)] = 60.0  # 0 disables the periodic stats event
     log_format: Literal["console", "json"] = "console"
+    # HTTP admin API and Prometheus /metrics (mtaq/admin_http.py): "HOST:PORT", "" disables it. Port 0 picks a
+    # free port (the real one is written to SPOOL/admin.json). Off loopback, admin_token is required.
+    admin_listen: str = "127.0.0.1:2580"
+    admin_token: str = ""  # when set, every request needs "Authorization: Bearer TOKEN"
+    # Distinct recipient domains labelling mtaq_delivery_latency_seconds; later ones are counted as "other".
+    metrics_domains_max: Annotated[int, msgspec.Meta(ge=0, le=10000)] = 100
 
     def hostname(self) -> str:
         return self.myhostname or socket.getfqdn()
@@ -97,9 +103,25 @@ def load_config(path: str | None, overrides: dict[str, object]) -> Config:
 
         for domain, value in cfg.transport_map.items():
             parse_transport(value, key=f"transport_map.{domain}")
+        if cfg.admin_listen.strip():
+            admin_host, _ = parse_hostport(cfg.admin_listen, key="admin_listen")
+            if not cfg.admin_token and not is_loopback(admin_host):
+                raise ValueError(
+                    f"admin_token: required when admin_listen ({cfg.admin_listen}) is not a loopback address"
+                )
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     return cfg
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback IP literals (127.0.0.0/8, ::1); any other name counts as not."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _name_key(msg: str) -> str:

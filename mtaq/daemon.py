@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mtaq.admin import AdminService
+from mtaq.admin_http import AdminHttp, ApiState
 from mtaq.config import Config, parse_hostport
 from mtaq.core.checkpoint import Checkpoint
 from mtaq.core.frame import Problem
@@ -31,6 +32,7 @@ from mtaq.delivery.transport import Batch, ConnectionPool, HopFailure, deliver
 from mtaq.edge.server import QueueHandler, start_server
 from mtaq.errors import CorruptRecord, StorageError, StorageFatal
 from mtaq.logs import get_logger
+from mtaq.metrics import Metrics
 from mtaq.queue import Queue
 from mtaq.recovery import move_aside, recover
 from mtaq.runners import Declined, Dispatcher, Runner
@@ -57,6 +59,8 @@ class Daemon:
         self.router = Router(cfg)
         self.pools: list[ConnectionPool] = []
         self.counts = {"delivered": 0, "deferred": 0, "failed": 0}
+        self.metrics = Metrics(self.counts, domains_max=cfg.metrics_domains_max)
+        self.http: AdminHttp | None = None  # the admin API (admin_listen), listening from the start
         self.policy = RetryPolicy(
             intervals_s=tuple(cfg.retry_intervals_s),
             maximal_queue_lifetime_s=cfg.maximal_queue_lifetime_s,
@@ -98,6 +102,13 @@ class Daemon:
         self.queue.on_durable = self._on_durable
         self.queue.minfree_bytes = max(cfg.queue_minfree_bytes, cfg.message_size_limit_bytes * 3 // 2)
         self.queue.on_dsn = self._on_dsn
+        self.metrics.queue = self.queue
+        qlog.on_commit_seconds = self.metrics.commit_latency.observe
+        if cfg.admin_listen.strip():
+            admin_host, admin_port = parse_hostport(cfg.admin_listen, key="admin_listen")
+            self.http = AdminHttp(ApiState(self.metrics, token=cfg.admin_token, log=self.log), admin_host,
+                                  admin_port, cfg.spool_dir)
+            await self.http.start()  # before SMTP: once SMTP listens, admin.json is there; 503 until recovered
         host, port = parse_hostport(cfg.listen)
         self.server = await start_server(
             QueueHandler(self.queue),
@@ -110,6 +121,7 @@ class Daemon:
         self.log.info(
             "listening",
             listen=cfg.listen,
+            admin=self.http.url if self.http else "",
             spool=cfg.spool_dir,
             relayhost=self.router.describe(),
             segment=report.new_segment,
@@ -117,6 +129,7 @@ class Daemon:
         )
         res = await recover(self.queue, report, cfg.spool_dir, self.log)
         self.recovery = res
+        self.metrics.recovery_seconds = res.seconds
         self.log.info(
             "recovery_complete",
             seconds=round(res.seconds, 4),
@@ -145,6 +158,8 @@ class Daemon:
             for k in range(self.policy.runners)
         ]
         self.admin = AdminService(self.queue, self.runners, self.clock, cfg.spool_dir)
+        if self.http is not None:
+            self.http.state.admin = self.admin
         # A checkpoint now bounds the next recovery to what comes after this start, even if the next crash
         # comes before the first periodic one.
         await self.checkpoint()
@@ -229,6 +244,8 @@ class Daemon:
             await q.record_outcomes(attempt, b.relay, outcomes, remote_dsn=b.remote_dsn)  # durable before they count
             for (i, _), o in zip(b.items, outcomes, strict=True):
                 self.counts[o.status] += 1
+                if o.status == "delivered":
+                    self.metrics.delivered(rcpts[i].address, self.clock() - env.arrival_ts)
                 event = "discarded" if b.discarded else _EVENT_OF[o.status]
                 getattr(self.log, "info" if o.status == "delivered" else "warning")(
                     event,

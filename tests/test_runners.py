@@ -79,7 +79,7 @@ class Harness:
     async def start(self) -> Daemon:
         cfg = load_config(None, {"spool_dir": self.spool, "listen": "127.0.0.1:0",
                                  "relayhost": f"[127.0.0.1]:{self.sink_port}", "stats_interval_s": 0,
-                                 "checkpoint_interval_s": 3600, **self.config})
+                                 "checkpoint_interval_s": 3600, "admin_listen": "127.0.0.1:0", **self.config})
         self.daemon = Daemon(cfg, clock=self.clock)
         self.task = asyncio.create_task(self.daemon.run())
         while not self.daemon.runners:

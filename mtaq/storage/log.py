@@ -145,6 +145,8 @@ class Log:
         self._failed: StorageFatal | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtaq-fsync")
         self.on_fatal: list[Callable[[StorageFatal], None]] = []
+        # Told how long each commit() that had to wait waited, in seconds (metrics; must be cheap).
+        self.on_commit_seconds: Callable[[float], None] | None = None
 
     # ----------------------------------------------------------------------------------------- opening
     @classmethod
@@ -337,11 +339,14 @@ class Log:
         if lsn <= self._durable_lsn:
             return
         loop = asyncio.get_running_loop()
+        t0 = time.monotonic()
         fut: asyncio.Future[None] = loop.create_future()
         self._waiters.append((lsn, fut))
         if self._commit_task is None:
             self._commit_task = loop.create_task(self._commit_loop())
         await fut
+        if self.on_commit_seconds is not None:
+            self.on_commit_seconds(time.monotonic() - t0)
 
     async def sync(self) -> None:
         """Make everything appended so far durable (book-keeping included)."""

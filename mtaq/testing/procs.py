@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Proc", "free_port", "free_port_on", "maildir_count", "maildir_message_ids", "start_daemon", "start_sink", "wait_port"]
+__all__ = ["Proc", "admin_url", "free_port", "free_port_on", "maildir_count", "maildir_message_ids", "start_daemon", "start_sink", "wait_port"]
 
 
 def free_port() -> int:
@@ -113,13 +113,19 @@ def start_daemon(
     config: str | None = None,
     env: dict[str, str] | None = None,
     wrapper: Sequence[str] = (),
+    admin_listen: str | None = "127.0.0.1:0",
 ) -> Proc:
-    """Start ``mtaq serve`` on ``spool`` relaying to 127.0.0.1:``relay_port``; returns once SMTP listens.
+    """Start ``mtaq serve`` on ``spool`` relaying to 127.0.0.1:``relay_port``; returns once SMTP listens
+    (the admin API listens before SMTP does, so ``SPOOL/admin.json`` is there by then).
 
     With ``relay_port`` None there is no ``--relayhost`` flag: the config file (or the default) decides.
+    ``admin_listen`` is the ``--admin-listen`` flag (default: a free port on 127.0.0.1, so that daemons
+    started side by side never share 2580); None leaves it to the config file.
     """
     port = port or free_port()
     args = ["--log-format", "json", "serve", "--spool", spool, "--listen", f"127.0.0.1:{port}"]
+    if admin_listen is not None:
+        args += ["--admin-listen", admin_listen]
     if relay_port is not None:
         args += ["--relayhost", f"[127.0.0.1]:{relay_port}"]
     if config:
@@ -132,6 +138,12 @@ def start_daemon(
         p = _mtaq(args, log_path, env)
     wait_port(port, proc=p)
     return Proc(p, port, log_path)
+
+
+def admin_url(spool: str) -> str:
+    """The admin API's URL that the daemon on ``spool`` wrote into ``SPOOL/admin.json``."""
+    with open(os.path.join(spool, "admin.json"), encoding="utf-8") as f:
+        return str(json.load(f)["url"])
 
 
 def read_events(path: str) -> list[dict[str, Any]]:

@@ -1,0 +1,375 @@
+"""The HTTP admin API (aiohttp, in the daemon's event loop): the queue as JSON, Prometheus ``/metrics``.
+
+Routes follow Apache James WebAdmin's mail-queue routes (``/mailQueues``...), on one queue named ``spool``:
+mtaq has one log, and a message's state (incoming, active, deferred, delayed, held) is a filter, not a
+queue. The OpenAPI 3 description is :data:`mtaq.admin_openapi.SPEC` (``GET /openapi.json``).
+
+What must always hold:
+
+* the API listens on ``admin_listen`` (loopback by default); off loopback, ``admin_token`` is required at
+  start-up (config check), and when a token is set every request, ``/metrics`` included, must carry
+  ``Authorization: Bearer TOKEN`` or gets 401;
+* it listens from the start (metrics during recovery) but queue routes answer 503 until recovery is done;
+* every error is JSON ``{"statusCode", "type", "message"}`` (James style): 400 bad input (the message names
+  the parameter), 401, 404 unknown queue, queue ID or route, 405, 500 when the log cannot be written;
+* actions go through :class:`~mtaq.admin.AdminService` (durable log records, consistent selection);
+* ``SPOOL/admin.json`` (``{"url", "pid"}``) is written atomically (rename; not fsync'd: it is a hint for
+  ``mtaq queue``, rewritten at every start) once the API listens.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import msgspec
+from aiohttp import web
+from multidict import MultiMapping
+
+from mtaq.admin import AdminError, AdminService
+from mtaq.core.duration import parse_duration
+from mtaq.core.parking import ADMIN_ACTIONS
+from mtaq.core.view import Selector
+from mtaq.errors import StorageError
+from mtaq.metrics import CONTENT_TYPE, Metrics
+
+__all__ = ["ADMIN_JSON", "QUEUE_NAME", "AdminHttp", "ApiError", "ApiState", "make_app", "selector_from_query"]
+
+QUEUE_NAME = "spool"
+ADMIN_JSON = "admin.json"
+_JSON = "application/json"
+_LIST_PARAMS = {"sender", "recipient", "domain", "held", "deferred", "olderThan", "limit"}
+_DELETE_PARAMS = {"sender", "recipient", "domain", "held", "deferred", "olderThan", "name"}
+# James: PATCH /mailQueues/{name}?delayed=true {"delayed": false} makes mail that waits for a later time
+# deliverable now; here: deferred (waiting for a retry) and delayed (FUTURERELEASE) mail.
+_NOT_YET_DUE = frozenset({"deferred", "delayed"})
+
+
+class ApiError(Exception):
+    """An error answered as ``{"statusCode", "type", "message"}`` with HTTP status ``status``."""
+
+    def __init__(self, status: int, type_: str, message: str, headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.type, self.message = status, type_, message
+        self.headers = dict(headers or {})
+
+    def response(self) -> web.Response:
+        body = {"statusCode": self.status, "type": self.type, "message": self.message}
+        return web.json_response(body, status=self.status, headers=self.headers)
+
+
+class ApiState:
+    """What the handlers need: the admin service (None until recovery is done), metrics, token, logger."""
+
+    def __init__(self, metrics: Metrics, *, token: str = "", log: Any = None) -> None:
+        self.admin: AdminService | None = None
+        self.metrics = metrics
+        self.token = token
+        self.log = log
+
+
+_STATE: web.AppKey[ApiState] = web.AppKey("mtaq_state", ApiState)
+
+
+class _ActionBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``POST /mails/actions/{action}`` body: which messages (ids or all) and filters that narrow them."""
+
+    ids: list[str] = msgspec.field(default_factory=list)
+    all: bool = False
+    sender: str | None = None
+    recipient: str | None = None
+    domain: str | None = None
+    held: bool = False
+    deferred: bool = False
+    older_than: str | float | None = msgspec.field(default=None, name="olderThan")
+
+
+# ------------------------------------------------------------------------------------------ parsing input
+def _bool(params: MultiMapping[str], key: str) -> bool:
+    v = params.get(key)
+    if v is None:
+        return False
+    if v.lower() in ("true", "false"):
+        return v.lower() == "true"
+    raise ApiError(400, "InvalidArgument", f"{key}: expected true or false, got {v!r}")
+
+
+def _older_than(key: str, value: str | float | None) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, float | int):
+        if value < 0:
+            raise ApiError(400, "InvalidArgument", f"{key}: expected a duration >= 0, got {value!r}")
+        return float(value)
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise ApiError(400, "InvalidArgument", f"{key}: {exc}") from None
+
+
+def _text(params: MultiMapping[str], key: str) -> str | None:
+    v = params.get(key)
+    if v is not None and not v.strip():
+        raise ApiError(400, "InvalidArgument", f"{key}: must not be empty")
+    return v
+
+
+def selector_from_query(params: MultiMapping[str], allowed: set[str]) -> Selector:
+    """The Selector that query parameters ask for (``name`` may repeat: queue IDs). Raises ApiError 400 for
+    an unknown parameter or a bad value, naming it."""
+    unknown = sorted(set(params) - allowed)
+    if unknown:
+        raise ApiError(400, "InvalidArgument", f"unknown parameter {unknown[0]!r}; expected one of {', '.join(sorted(allowed))}")
+    return Selector(
+        ids=tuple(params.getall("name", ())),
+        sender=_text(params, "sender"),
+        recipient=_text(params, "recipient"),
+        domain=_text(params, "domain"),
+        held=_bool(params, "held"),
+        deferred=_bool(params, "deferred"),
+        older_than_s=_older_than("olderThan", params.get("olderThan")),
+    )
+
+
+def _limit(params: MultiMapping[str]) -> int | None:
+    v = params.get("limit")
+    if v is None:
+        return None
+    if not v.isdigit() or int(v) < 1:
+        raise ApiError(400, "InvalidArgument", f"limit: expected a whole number >= 1, got {v!r}")
+    return int(v)
+
+
+# ------------------------------------------------------------------------------------------------ handlers
+def _state(request: web.Request) -> ApiState:
+    return request.app[_STATE]
+
+
+def _admin(request: web.Request) -> AdminService:
+    admin = _state(request).admin
+    if admin is None:
+        raise ApiError(503, "ServiceUnavailable", "recovery in progress; try again in a moment", {"Retry-After": "1"})
+    return admin
+
+
+def _queue_name(request: web.Request) -> str:
+    name = request.match_info["name"]
+    if name != QUEUE_NAME:
+        raise ApiError(404, "notFound", f"no mail queue named {name!r}; the queue is {QUEUE_NAME!r}")
+    return name
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(body=msgspec.json.encode(data), status=status, content_type=_JSON)
+
+
+async def list_queues(request: web.Request) -> web.Response:
+    """``GET /mailQueues``: the queue names (one: ``spool``)."""
+    return _json([QUEUE_NAME])
+
+
+async def queue_size(request: web.Request) -> web.Response:
+    """``GET /mailQueues/{name}``: size by state from the daemon's counters (no scan)."""
+    name = _queue_name(request)
+    size = _admin(request).size()
+    position = size.pop("position")
+    total = size.pop("total")
+    return _json({"name": name, "size": total, "byState": size, "position": position})
+
+
+async def list_mails(request: web.Request) -> web.Response:
+    """``GET /mailQueues/{name}/mails``: the messages (filters, limit), consistent as of ``position``."""
+    name = _queue_name(request)
+    selector = selector_from_query(request.query, _LIST_PARAMS)
+    limit = _limit(request.query)
+    position, mails = await _admin(request).list(selector, limit=limit)
+    return _json({"name": name, "position": position, "count": len(mails), "mails": mails})
+
+
+async def delete_mails(request: web.Request) -> web.Response:
+    """``DELETE /mailQueues/{name}/mails?sender=|recipient=|name=...``: delete what the filters select."""
+    _queue_name(request)
+    selector = selector_from_query(request.query, _DELETE_PARAMS)
+    if selector.is_empty():
+        raise ApiError(400, "InvalidArgument",
+                       "give at least one of sender, recipient, name, domain, held, deferred, olderThan "
+                       "(to delete everything: POST /mails/actions/delete {\"all\": true})")
+    return await _act(request, "delete", selector)
+
+
+async def flush_delayed(request: web.Request) -> web.Response:
+    """``PATCH /mailQueues/{name}?delayed=true`` with ``{"delayed": false}``: deferred and delayed mail is
+    due now (a durable ``flush`` of each)."""
+    _queue_name(request)
+    unknown = sorted(set(request.query) - {"delayed"})
+    if unknown:
+        raise ApiError(400, "InvalidArgument", f"unknown parameter {unknown[0]!r}; expected delayed=true")
+    if request.query.get("delayed") != "true":
+        raise ApiError(400, "InvalidArgument", "delayed: expected the query parameter delayed=true")
+    body = await _body(request)
+    if body != {"delayed": False}:
+        raise ApiError(400, "InvalidArgument", 'body: expected {"delayed": false}')
+    return await _act(request, "flush", Selector(all=True), states=_NOT_YET_DUE)
+
+
+async def show_mail(request: web.Request) -> web.Response:
+    """``GET /mails/{queue_id}``: one message (envelope, recipients and last reasons, header section)."""
+    admin = _admin(request)
+    try:
+        return _json(await admin.show(request.match_info["queue_id"]))
+    except AdminError as exc:
+        raise ApiError(404, "notFound", str(exc)) from None
+
+
+async def mail_action(request: web.Request) -> web.Response:
+    """``POST /mails/actions/{action}`` with ``{"ids": [...]}`` or ``{"all": true}`` and filters."""
+    action = request.match_info["action"]
+    if action not in ADMIN_ACTIONS:
+        raise ApiError(404, "notFound", f"no action {action!r}; expected one of {', '.join(ADMIN_ACTIONS)}")
+    raw = await request.read()
+    try:
+        b = msgspec.json.decode(raw or b"{}", type=_ActionBody)
+    except msgspec.ValidationError as exc:
+        raise ApiError(400, "InvalidArgument", f"body: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, "InvalidArgument", f"body: not JSON: {exc}") from None
+    if not b.ids and not b.all:
+        raise ApiError(400, "InvalidArgument", 'body: give "ids": [queue IDs] or "all": true')
+    for key in ("sender", "recipient", "domain"):
+        v = getattr(b, key)
+        if v is not None and not v.strip():
+            raise ApiError(400, "InvalidArgument", f"{key}: must not be empty")
+    selector = Selector(ids=tuple(b.ids), all=b.all, sender=b.sender, recipient=b.recipient, domain=b.domain,
+                        held=b.held, deferred=b.deferred, older_than_s=_older_than("olderThan", b.older_than))
+    return await _act(request, action, selector)
+
+
+async def _body(request: web.Request) -> Any:
+    raw = await request.read()
+    try:
+        return json.loads(raw or b"null")
+    except ValueError as exc:
+        raise ApiError(400, "InvalidArgument", f"body: not JSON: {exc}") from None
+
+
+async def _act(request: web.Request, action: str, selector: Selector, *, states: frozenset[str] | None = None) -> web.Response:
+    st = _state(request)
+    admin = _admin(request)
+    try:
+        res = await admin.act(action, selector, states=states)
+    except AdminError as exc:
+        raise ApiError(400, "InvalidArgument", str(exc)) from None
+    except StorageError as exc:
+        raise ApiError(500, "ServerError", f"the queue log cannot be written: {exc}") from None
+    st.metrics.admin_action(action, len(res.done))
+    if st.log is not None:
+        st.log.info("admin_action", action=action, done=len(res.done), skipped=len(res.skipped),
+                    position=res.position, queue_ids=res.done[:100], client=request.remote or "")
+    return _json(res.as_json())
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """``GET /metrics``: Prometheus text format."""
+    return web.Response(body=_state(request).metrics.exposition(), headers={"Content-Type": CONTENT_TYPE})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    """``GET /openapi.json``: the OpenAPI 3 description of this API."""
+    from mtaq.admin_openapi import SPEC
+
+    return _json(SPEC)
+
+
+# -------------------------------------------------------------------------------------------- middleware
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return exc.response()
+    except web.HTTPException as exc:  # unknown route (404), wrong method (405), ...
+        if exc.status < 400:
+            raise
+        kind = {404: "notFound", 405: "MethodNotAllowed"}.get(exc.status, "InvalidArgument")
+        headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        return ApiError(exc.status, kind, f"{request.method} {request.path}: {exc.reason}", headers).response()
+
+
+@web.middleware
+async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+    token = _state(request).token
+    if token:
+        given = request.headers.get("Authorization", "")
+        scheme, _, value = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), token.encode()):
+            raise ApiError(401, "Unauthorized", "missing or wrong bearer token (Authorization: Bearer TOKEN)",
+                           {"WWW-Authenticate": 'Bearer realm="mtaq"'})
+    return await handler(request)
+
+
+ROUTES: tuple[tuple[str, str, Callable[[web.Request], Awaitable[web.Response]]], ...] = (
+    ("GET", "/mailQueues", list_queues),
+    ("GET", "/mailQueues/{name}", queue_size),
+    ("PATCH", "/mailQueues/{name}", flush_delayed),
+    ("GET", "/mailQueues/{name}/mails", list_mails),
+    ("DELETE", "/mailQueues/{name}/mails", delete_mails),
+    ("GET", "/mails/{queue_id}", show_mail),
+    ("POST", "/mails/actions/{action}", mail_action),
+    ("GET", "/metrics", metrics),
+    ("GET", "/openapi.json", openapi),
+)
+
+
+def make_app(state: ApiState) -> web.Application:
+    """The aiohttp application (routes in :data:`ROUTES`, described in :mod:`mtaq.admin_openapi`)."""
+    app = web.Application(middlewares=[_errors, _auth], client_max_size=1024 * 1024)
+    app[_STATE] = state
+    for method, path, handler in ROUTES:
+        app.router.add_route(method, path, handler)
+    return app
+
+
+# -------------------------------------------------------------------------------------------- the server
+class AdminHttp:
+    """The API server of one daemon: :meth:`start` listens on ``host``:``port`` and writes admin.json."""
+
+    def __init__(self, state: ApiState, host: str, port: int, spool: str) -> None:
+        self.state = state
+        self.host, self.port, self.spool = host, port, spool
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def admin_json(self) -> str:
+        return os.path.join(self.spool, ADMIN_JSON)
+
+    async def start(self) -> str:
+        """Listen; write ``SPOOL/admin.json``; return the URL (with the real port when port 0 was asked).
+        Raises OSError when the address cannot be bound."""
+        try:
+            os.unlink(self.admin_json)  # a stale one from the previous run
+        except FileNotFoundError:
+            pass
+        runner = web.AppRunner(make_app(self.state), access_log=None, handle_signals=False)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, self.host, self.port, reuse_address=True).start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        addr = runner.addresses[0]
+        host, port = str(addr[0]), int(addr[1])
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+        self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        tmp = self.admin_json + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"url": self.url, "pid": os.getpid()}, f)
+        os.replace(tmp, self.admin_json)  # atomic; not fsync'd (a hint, rewritten at every start)
+        return self.url
