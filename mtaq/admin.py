@@ -22,14 +22,14 @@ import asyncio
 import email.parser
 import email.policy
 import os
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
 from mtaq.core.checkpoint import Checkpoint
 from mtaq.core.frame import scan_segment
 from mtaq.core.parking import ADMIN_ACTIONS, QueueCounts
-from mtaq.core.records import PARKED, EnvelopeRecord, FinishRecord, Pos, RecordType, StartRecord
+from mtaq.core.records import PARKED, DataRecord, EnvelopeRecord, FinishRecord, Pos, RecordType, StartRecord
 from mtaq.core.view import Entry, QueueView, Selector
 from mtaq.errors import CorruptRecord, MtaqError, StorageError
 from mtaq.queue import Queue
@@ -39,7 +39,7 @@ from mtaq.storage.cursor import LogCursor
 from mtaq.storage.fs import OsFileSystem
 from mtaq.storage.log import Log, list_segments, segment_path
 
-__all__ = ["ActionResult", "AdminError", "AdminService", "offline_size", "offline_view"]
+__all__ = ["ActionResult", "AdminError", "AdminService", "offline_show", "offline_size", "offline_view"]
 
 # Which states each action applies to (others are skipped with a reason).
 _APPLIES = {
@@ -144,31 +144,7 @@ class AdminService:
         """One message: its listing entry, envelope details and the header section of its content
         (``postcat -q``). Raises AdminError if the queue ID is not in the queue."""
         view = await self.view()
-        e = view.entries.get(queue_id)
-        if e is None:
-            raise AdminError(f"{queue_id}: no such message in the queue")
-        out = e.as_json(view.reasons(queue_id))
-        env = e.envelope
-        out |= {
-            "position_as_of": str(view.end),
-            "mail_params": [list(p) for p in env.mail_params],
-            "client": env.client,
-            "helo": env.helo,
-            "generation": env.generation,
-            "bounce_of": env.bounce_of,
-            "recipients_detail": [
-                {"address": r.address, "params": [list(p) for p in r.params], "outcome_unknown": r.unknown}
-                for r in env.recipients
-            ],
-        }
-        try:
-            body = self.queue.read_body(env)
-            head, _, _ = body.partition(b"\r\n\r\n")
-            msg = email.parser.BytesHeaderParser(policy=email.policy.compat32).parsebytes(head + b"\r\n\r\n")
-            out["headers"] = [[k, str(v)] for k, v in msg.items()]
-        except (CorruptRecord, StorageError) as exc:
-            out["headers_error"] = str(exc)
-        return out
+        return _details(view, queue_id, self.queue.read_body)
 
     async def act(self, action: str, selector: Selector, *, states: Collection[str] | None = None) -> ActionResult:
         """Apply ``action`` (delete, hold, release, flush, bounce) to the selected messages; durable on
@@ -234,6 +210,35 @@ class AdminService:
             r.flush()
 
 
+def _details(view: QueueView, queue_id: str, read_body: Callable[[EnvelopeRecord], bytes]) -> dict[str, Any]:
+    """The ``show`` object of ``queue_id`` in ``view``; raises AdminError if it is not in the queue."""
+    e = view.entries.get(queue_id)
+    if e is None:
+        raise AdminError(f"{queue_id}: no such message in the queue")
+    out = e.as_json(view.reasons(queue_id))
+    env = e.envelope
+    out |= {
+        "position_as_of": str(view.end),
+        "mail_params": [list(p) for p in env.mail_params],
+        "client": env.client,
+        "helo": env.helo,
+        "generation": env.generation,
+        "bounce_of": env.bounce_of,
+        "recipients_detail": [
+            {"address": r.address, "params": [list(p) for p in r.params], "outcome_unknown": r.unknown}
+            for r in env.recipients
+        ],
+    }
+    try:
+        body = read_body(env)
+        head, _, _ = body.partition(b"\r\n\r\n")
+        msg = email.parser.BytesHeaderParser(policy=email.policy.compat32).parsebytes(head + b"\r\n\r\n")
+        out["headers"] = [[k, str(v)] for k, v in msg.items()]
+    except (CorruptRecord, StorageError, OSError) as exc:
+        out["headers_error"] = str(exc)
+    return out
+
+
 # --------------------------------------------------------------------------------------- daemon is down
 def offline_view(spool: str) -> QueueView:
     """The queue as of the end of the log in ``spool``, read from disk (the daemon is not running)."""
@@ -246,6 +251,23 @@ def offline_view(spool: str) -> QueueView:
             view.apply(pos, rec, pos)
         view.end = Pos(n, scan.valid_end)
     return view
+
+
+def offline_show(spool: str, queue_id: str) -> dict[str, Any]:
+    """:meth:`AdminService.show` read from disk (the daemon is not running). Raises AdminError if the queue ID
+    is not in the queue."""
+    view = offline_view(spool)
+    fs = OsFileSystem()
+    log_dir = os.path.join(spool, "log")
+
+    def read_body(env: EnvelopeRecord) -> bytes:
+        buf = fs.read_file(segment_path(log_dir, env.data.segment))
+        for p, rec in scan_segment(env.data.segment, buf).records:
+            if p == env.data and isinstance(rec, DataRecord) and rec.queue_id == env.queue_id:
+                return rec.body
+        raise CorruptRecord(f"{env.queue_id}: data reference {env.data} is not its DATA record")
+
+    return _details(view, queue_id, read_body)
 
 
 def offline_size(spool: str) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """The ``mtaq`` command line (argparse).
 
-``mtaq serve``, ``mtaq sink``, ``mtaq log dump``, ``mtaq log verify``. Errors are one line on stderr with a
-non-zero exit status: 2 for bad usage or configuration, 1 for a log that does not verify.
+``mtaq serve``, ``mtaq sink``, ``mtaq log dump``, ``mtaq log verify``, ``mtaq queue ...`` (mtaq/queuecli.py).
+Errors are one line on stderr with a non-zero exit status: 2 for bad usage or configuration, 1 for a log that
+does not verify or a ``queue`` command that failed.
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true", help="one JSON object per line")
     v = lsub.add_parser("verify", help="check every checksum and link; exit 0 when sound")
     v.add_argument("--spool", metavar="DIR", default="./spool")
+
+    from mtaq.queuecli import add_queue_parser
+
+    add_queue_parser(sub)
     return parser
 
 
@@ -67,6 +72,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _serve(args)
         if args.command == "sink":
             return _sink(args)
+        if args.command == "queue":
+            from mtaq.queuecli import run_queue
+
+            return run_queue(args)
         if args.command == "log":
             from mtaq.logtools import dump, verify
 

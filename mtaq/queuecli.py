@@ -1,0 +1,375 @@
+"""``mtaq queue``: list, size, show, delete, hold, release, flush, bounce (Postfix mailq / postsuper style).
+
+The commands talk to the running daemon through its admin HTTP API (:mod:`mtaq.admin_http`), found through
+``SPOOL/admin.json`` (or ``--url``), with the stdlib's urllib. When the daemon is down (no admin.json, its
+pid gone, or nothing listening), ``list``, ``size`` and ``show`` read the spool directly and say so on
+stderr; the actions then fail: the queue is changed only by the daemon, through its log.
+
+What must hold: a listing names the log position it is consistent as of; errors are one line on stderr
+(``mtaq: ...``) with exit status 1; nothing here writes to the spool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+import msgspec
+
+from mtaq.core.duration import parse_duration
+from mtaq.core.parking import ADMIN_ACTIONS
+from mtaq.core.view import format_time
+from mtaq.errors import MtaqError
+
+__all__ = ["add_queue_parser", "format_mailq", "run_queue"]
+
+HEADER = "-Queue ID-  --Size-- ----Arrival Time---- -Sender/Recipient-------"
+RECIPIENT_INDENT = 42
+_PAST = {"delete": "deleted", "hold": "held", "release": "released", "flush": "flushed", "bounce": "bounced"}
+_FLAG = {"active": "*", "held": "!"}
+
+
+class QueueCommandError(MtaqError):
+    """A ``mtaq queue`` command that cannot be carried out; the message is the one line printed."""
+
+
+class Offline(Exception):
+    """The daemon is not reachable; ``why`` says how we know."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
+# ------------------------------------------------------------------------------------------- arguments
+def add_queue_parser(sub: Any) -> None:
+    """Add ``mtaq queue ...`` to the ``mtaq`` sub-command parsers ``sub``."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--spool", metavar="DIR", help="spool directory (default: spool_dir of --config, else ./spool)")
+    common.add_argument("--config", metavar="FILE", help="TOML configuration file (spool_dir, admin_token)")
+    common.add_argument("--url", metavar="URL", help="admin API URL (default: from SPOOL/admin.json)")
+    common.add_argument("--token", metavar="TOKEN",
+                        help="admin API bearer token (default: $MTAQ_ADMIN_TOKEN, else admin_token of --config)")
+    common.add_argument("--timeout", metavar="SECONDS", type=float, default=300.0,
+                        help="seconds to wait for the daemon's answer (default 300)")
+    filters = argparse.ArgumentParser(add_help=False)
+    filters.add_argument("--sender", metavar="S", help="sender contains S (case-insensitive)")
+    filters.add_argument("--recipient", metavar="R", help="a recipient contains R (case-insensitive)")
+    filters.add_argument("--domain", metavar="D", help="a recipient's domain is D")
+    filters.add_argument("--held", action="store_true", help="held messages only")
+    filters.add_argument("--deferred", action="store_true", help="deferred messages only")
+    filters.add_argument("--older-than", metavar="DURATION", help="arrived more than DURATION ago (3600, 30m, 2h, 1d)")
+    as_json = argparse.ArgumentParser(add_help=False)
+    as_json.add_argument("--json", action="store_true", help="JSON output")
+
+    p = sub.add_parser("queue", help="list, inspect and act on the queue (mailq, postsuper)")
+    qsub = p.add_subparsers(dest="queue_command", required=True)
+    lst = qsub.add_parser("list", parents=[common, filters], help="the queue like mailq (--json: like postqueue -j)")
+    lst.add_argument("--json", action="store_true", help="one JSON object per message and line (postqueue -j)")
+    qsub.add_parser("size", parents=[common, as_json], help="messages by state (daemon counters: no scan)")
+    show = qsub.add_parser("show", parents=[common, as_json], help="one message: envelope, reasons, headers")
+    show.add_argument("queue_id", metavar="ID")
+    for action in ADMIN_ACTIONS:
+        a = qsub.add_parser(action, parents=[common, filters, as_json], help=f"{action} messages (running daemon)")
+        a.add_argument("targets", nargs="+", metavar="ID|ALL|-",
+                       help="queue IDs, ALL (spelled out), or - to read IDs from standard input; filters narrow")
+
+
+# ----------------------------------------------------------------------------------------- the client
+class Client:
+    """JSON over HTTP to the admin API (urllib). Raises Offline when nothing answers at all."""
+
+    def __init__(self, url: str, token: str, timeout_s: float, *, may_be_stale: bool) -> None:
+        self.url = url.rstrip("/")
+        self.token = token
+        self.timeout_s = timeout_s
+        self.may_be_stale = may_be_stale  # the URL came from admin.json: refused means the daemon is down
+
+    def call(self, method: str, path: str, query: dict[str, Any] | None = None, body: Any = None) -> Any:
+        """The decoded JSON answer. Raises QueueCommandError for an error answer (its message), Offline."""
+        url = self.url + path
+        if query:
+            url += "?" + urllib.parse.urlencode({k: v for k, v in query.items() if v is not None})
+        data = None if body is None else json.dumps(body).encode()
+        headers = {"Accept": "application/json"}
+        if data is not None:
+            headers["Content-Type"] = "application/json"
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        deadline = time.monotonic() + min(self.timeout_s, 30.0)
+        while True:
+            req = urllib.request.Request(url, data=data, method=method, headers=headers)
+            try:
+                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                    return msgspec.json.decode(resp.read())
+            except urllib.error.HTTPError as exc:
+                if exc.code == 503 and time.monotonic() < deadline:  # recovery in progress: it is short
+                    time.sleep(0.2)
+                    continue
+                raise QueueCommandError(_error_message(exc)) from None
+            except urllib.error.URLError as exc:
+                if isinstance(exc.reason, ConnectionRefusedError) and self.may_be_stale:
+                    raise Offline(f"nothing listening at {self.url}") from None
+                raise QueueCommandError(f"admin API at {self.url}: {exc.reason}") from None
+            except (TimeoutError, ConnectionError) as exc:
+                raise QueueCommandError(f"admin API at {self.url}: {exc}") from None
+            except msgspec.DecodeError as exc:
+                raise QueueCommandError(f"admin API at {self.url}: answer is not JSON: {exc}") from None
+
+
+def _error_message(exc: urllib.error.HTTPError) -> str:
+    try:
+        msg = str(json.loads(exc.read())["message"])
+    except (ValueError, KeyError, TypeError):
+        msg = exc.reason or ""
+    hint = " (give --token or set MTAQ_ADMIN_TOKEN)" if exc.code == 401 else ""
+    return f"admin API: {exc.code} {msg}{hint}"
+
+
+def _settings(args: argparse.Namespace) -> tuple[str, str]:
+    """(spool directory, token) from the flags, the environment and --config."""
+    spool, token = args.spool, args.token
+    if args.config:
+        from mtaq.config import load_config
+
+        cfg = load_config(args.config, {})
+        spool = spool or cfg.spool_dir
+        token = token or os.environ.get("MTAQ_ADMIN_TOKEN") or cfg.admin_token
+    return spool or "./spool", token or os.environ.get("MTAQ_ADMIN_TOKEN", "")
+
+
+def _client(args: argparse.Namespace, spool: str, token: str) -> Client:
+    """The client of the running daemon. Raises Offline when admin.json says there is none."""
+    if args.url:
+        return Client(args.url, token, args.timeout, may_be_stale=False)
+    path = os.path.join(spool, "admin.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            info = json.load(f)
+        url, pid = str(info["url"]), int(info["pid"])
+    except FileNotFoundError:
+        raise Offline(f"no {path}") from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise QueueCommandError(f"{path}: unreadable: {exc}") from None
+    if not _pid_alive(pid):
+        raise Offline(f"daemon pid {pid} of {path} is not running")
+    return Client(url, token, args.timeout, may_be_stale=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _offline_note(why: str, spool: str) -> None:
+    print(f"mtaq: daemon not running ({why}); reading the spool {spool} directly", file=sys.stderr)
+
+
+def _need_log(spool: str) -> None:
+    if not os.path.isdir(os.path.join(spool, "log")):
+        raise QueueCommandError(f"no queue log at {os.path.join(spool, 'log')}")
+
+
+# ------------------------------------------------------------------------------------------- commands
+def run_queue(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    """Run ``mtaq queue ...``; returns the exit status. Raises MtaqError (a one-line message)."""
+    out = out or sys.stdout
+    spool, token = _settings(args)
+    older = None
+    if getattr(args, "older_than", None) is not None:
+        try:
+            older = parse_duration(args.older_than)
+        except ValueError as exc:
+            raise QueueCommandError(f"--older-than: {exc}") from None
+    cmd = args.queue_command
+    if cmd in ADMIN_ACTIONS:
+        body = _action_body(args, older)
+        try:
+            client = _client(args, spool, token)
+            res = client.call("POST", f"/mails/actions/{cmd}", body=body)
+        except Offline as off:
+            raise QueueCommandError(
+                f"{cmd} needs a running daemon ({off.why}): the queue changes only through the daemon's log"
+            ) from None
+        _print_action(cmd, res, args.json, out)
+        return 0
+    try:
+        client = _client(args, spool, token)
+        if cmd == "list":
+            query = _filter_query(args, older)
+            listing = client.call("GET", "/mailQueues/spool/mails", query)
+            position, mails = listing["position"], listing["mails"]
+        elif cmd == "size":
+            size = client.call("GET", "/mailQueues/spool")
+            counts = {**size["byState"], "total": size["size"], "position": size["position"]}
+        else:
+            detail = client.call("GET", f"/mails/{urllib.parse.quote(args.queue_id, safe='')}")
+    except Offline as off:
+        _offline_note(off.why, spool)
+        _need_log(spool)
+        from mtaq import admin
+
+        if cmd == "list":
+            position, mails = _offline_list(spool, args, older)
+        elif cmd == "size":
+            counts = admin.offline_size(spool)
+        else:
+            try:
+                detail = admin.offline_show(spool, args.queue_id)
+            except admin.AdminError as exc:
+                raise QueueCommandError(str(exc)) from None
+    if cmd == "list":
+        if args.json:
+            for m in mails:
+                out.write(json.dumps(m) + "\n")
+            print(f"mtaq: listing consistent as of log position {position}", file=sys.stderr)
+        else:
+            out.write(format_mailq(mails, position))
+    elif cmd == "size":
+        if args.json:
+            out.write(json.dumps(counts) + "\n")
+        else:
+            for k in ("incoming", "active", "deferred", "delayed", "held", "total"):
+                out.write(f"{k:<9} {counts.get(k, 0)}\n")
+            source = f"; {counts['source']}" if "source" in counts else ""
+            out.write(f"(as of log position {counts['position']}{source})\n")
+    else:
+        out.write(json.dumps(detail) + "\n" if args.json else format_show(detail))
+    return 0
+
+
+def _filter_query(args: argparse.Namespace, older: float | None) -> dict[str, Any]:
+    return {
+        "sender": args.sender,
+        "recipient": args.recipient,
+        "domain": args.domain,
+        "held": "true" if args.held else None,
+        "deferred": "true" if args.deferred else None,
+        "olderThan": None if older is None else repr(older),
+    }
+
+
+def _offline_list(spool: str, args: argparse.Namespace, older: float | None) -> tuple[str, list[dict[str, Any]]]:
+    from mtaq.admin import offline_view
+    from mtaq.core.view import Selector
+
+    view = offline_view(spool)
+    sel = Selector(sender=args.sender, recipient=args.recipient, domain=args.domain, held=args.held,
+                   deferred=args.deferred, older_than_s=older)
+    entries = sel.select(view.entries.values(), time.time())
+    return str(view.end), [e.as_json(view.reasons(e.queue_id)) for e in entries]
+
+
+def _action_body(args: argparse.Namespace, older: float | None) -> dict[str, Any]:
+    ids: list[str] = []
+    everything = False
+    for t in args.targets:
+        if t == "ALL":
+            everything = True
+        elif t == "-":
+            got = [line.strip() for line in sys.stdin if line.strip()]
+            if not got:
+                raise QueueCommandError("no queue IDs on standard input")
+            ids += got
+        else:
+            ids.append(t)
+    if everything and ids:
+        raise QueueCommandError("give either ALL or queue IDs, not both")
+    body: dict[str, Any] = {"all": True} if everything else {"ids": ids}
+    for key, value in (("sender", args.sender), ("recipient", args.recipient), ("domain", args.domain)):
+        if value is not None:
+            body[key] = value
+    if args.held:
+        body["held"] = True
+    if args.deferred:
+        body["deferred"] = True
+    if older is not None:
+        body["olderThan"] = older
+    return body
+
+
+def _print_action(action: str, res: dict[str, Any], as_json: bool, out: TextIO) -> None:
+    if as_json:
+        out.write(json.dumps(res) + "\n")
+        return
+    for qid in res["done"]:
+        out.write(f"{qid}: {_PAST[action]}\n")
+    for qid, why in res["skipped"].items():
+        print(f"mtaq: {qid}: skipped: {why}", file=sys.stderr)
+    n = len(res["done"])
+    out.write(f"{_PAST[action].capitalize()}: {n} message{'' if n == 1 else 's'} "
+              f"(as of log position {res['position']})\n")
+
+
+# ------------------------------------------------------------------------------------------ formatting
+def format_mailq(mails: Sequence[dict[str, Any]], position: str) -> str:
+    """The listing as Postfix ``mailq`` prints it: a header; per message the queue ID with ``*`` (active)
+    or ``!`` (held), size (bytes), arrival time (UTC), sender; each recipient on its own line after its last
+    reason in parentheses; a blank line between messages; the total in Kbytes (rounded up) and requests,
+    and the log position the listing is consistent as of."""
+    if not mails:
+        return f"Mail queue is empty (consistent as of log position {position})\n"
+    lines = [HEADER]
+    total = 0
+    for m in mails:
+        total += int(m["message_size"])
+        flag = _FLAG.get(str(m["state"]), "")
+        lines.append(f"{m['queue_id'] + flag:<11} {m['message_size']:>8} {format_time(m['arrival_time']):<20} "
+                     f"{m['sender'] or '<>'}")
+        last = None
+        for r in m["recipients"]:
+            reason = r.get("delay_reason")
+            if reason and reason != last:
+                lines.append(f"({reason})")
+            last = reason
+            lines.append(" " * RECIPIENT_INDENT + r["address"])
+        lines.append("")
+    n = len(mails)
+    kbytes = math.ceil(total / 1024)
+    lines.append(f"-- {kbytes} Kbytes in {n} Request{'' if n == 1 else 's'}. (consistent as of log position {position})")
+    return "\n".join(lines) + "\n"
+
+
+def format_show(d: dict[str, Any]) -> str:
+    """One message for a terminal (``mtaq queue show``): envelope fields, recipients, header section."""
+    lines = [
+        f"Queue ID: {d['queue_id']}",
+        f"State: {d['state']}",
+        f"Arrival: {format_time(d['arrival_time'])} UTC",
+        f"Size: {d['message_size']} bytes",
+        f"Sender: {d['sender'] or '<>'}",
+        f"Attempts: {d.get('attempts', 0)}",
+    ]
+    if "next_attempt_time" in d:
+        lines.append(f"Next attempt: {format_time(d['next_attempt_time'])} UTC")
+    if "release_time" in d:
+        lines.append(f"Release: {format_time(d['release_time'])} UTC")
+    if d.get("client"):
+        lines.append(f"Client: {d['client']} (HELO {d.get('helo', '')})")
+    if d.get("bounce_of"):
+        lines.append(f"Bounce of: {d['bounce_of']}")
+    lines.append("Recipients:")
+    for r in d["recipients"]:
+        reason = f"  ({r['delay_reason']})" if r.get("delay_reason") else ""
+        lines.append(f"  {r['address']}{reason}")
+    if "headers" in d:
+        lines.append("Headers:")
+        lines += [f"  {k}: {v}" for k, v in d["headers"]]
+    elif "headers_error" in d:
+        lines.append(f"Headers: unreadable: {d['headers_error']}")
+    lines.append(f"(consistent as of log position {d['position_as_of']})")
+    return "\n".join(lines) + "\n"
