@@ -96,7 +96,7 @@ SPEC: dict[str, Any] = {
                 "summary": "Flush delayed mail: deferred and delayed messages become due now (James: delayed=true, "
                            "body {\"delayed\": false})",
                 "operationId": "flushDelayed",
-                "parameters": [_q("delayed", "Must be true", {"type": "string", "enum": ["true"]}, required=True)],
+                "parameters": [_QUEUE, _q("delayed", "Must be true", {"type": "string", "enum": ["true"]}, required=True)],
                 "requestBody": {
                     "required": True,
                     "content": _json_content({
