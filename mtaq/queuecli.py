@@ -219,8 +219,8 @@ def run_queue(args: argparse.Namespace, out: TextIO | None = None) -> int:
         else:
             detail = client.call("GET", f"/mails/{urllib.parse.quote(args.queue_id, safe='')}")
     except Offline as off:
-        _offline_note(off.why, spool)
         _need_log(spool)
+        _offline_note(off.why, spool)
         from mtaq import admin
 
         if cmd == "list":
