@@ -41,6 +41,7 @@ __all__ = ["ADMIN_JSON", "QUEUE_NAME", "AdminHttp", "ApiError", "ApiState", "mak
 QUEUE_NAME = "spool"
 ADMIN_JSON = "admin.json"
 _JSON = "application/json"
+_BODY_BYTES_MAX = 64 * 1024 * 1024  # an action body naming a million queue IDs fits
 _LIST_PARAMS = {"sender", "recipient", "domain", "held", "deferred", "olderThan", "limit"}
 _DELETE_PARAMS = {"sender", "recipient", "domain", "held", "deferred", "olderThan", "name"}
 # James: PATCH /mailQueues/{name}?delayed=true {"delayed": false} makes mail that waits for a later time
@@ -328,7 +329,7 @@ ROUTES: tuple[tuple[str, str, Callable[[web.Request], Awaitable[web.Response]]],
 
 def make_app(state: ApiState) -> web.Application:
     """The aiohttp application (routes in :data:`ROUTES`, described in :mod:`mtaq.admin_openapi`)."""
-    app = web.Application(middlewares=[_errors, _auth], client_max_size=1024 * 1024)
+    app = web.Application(middlewares=[_errors, _auth], client_max_size=_BODY_BYTES_MAX)
     app[_STATE] = state
     for method, path, handler in ROUTES:
         app.router.add_route(method, path, handler)
@@ -351,7 +352,7 @@ class AdminHttp:
 
     async def start(self) -> str:
         """Listen; write ``SPOOL/admin.json``; return the URL (with the real port when port 0 was asked).
-        Raises OSError when the address cannot be bound."""
+        Raises OSError naming ``admin_listen`` when the address cannot be bound."""
         try:
             os.unlink(self.admin_json)  # a stale one from the previous run
         except FileNotFoundError:
@@ -360,9 +361,10 @@ class AdminHttp:
         await runner.setup()
         try:
             await web.TCPSite(runner, self.host, self.port, reuse_address=True).start()
-        except BaseException:
+        except OSError as exc:
             await runner.cleanup()
-            raise
+            why = os.strerror(exc.errno) if exc.errno else str(exc)
+            raise OSError(exc.errno, f"admin_listen {self.host}:{self.port}: {why}") from exc
         self._runner = runner
         addr = runner.addresses[0]
         host, port = str(addr[0]), int(addr[1])

@@ -243,6 +243,19 @@ def test_non_loopback_admin_address_with_a_token_listens_and_asks_for_it(relay_f
     assert (401, 200) == (api(url, "GET", "/mailQueues")[0], api(url, "GET", "/mailQueues", token="t0ken")[0])
 
 
+def test_admin_address_in_use_is_a_one_line_error_naming_the_key(tmp_path):
+    """When admin_listen cannot be bound, serve exits 1 with one line naming admin_listen."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        out = mtaq("serve", "--spool", str(tmp_path / "s"), "--listen", "127.0.0.1:0", "--admin-listen", f"127.0.0.1:{port}")
+    assert (1, [f"mtaq: cannot serve: admin_listen 127.0.0.1:{port}: Address already in use"]) == (
+        out.returncode, out.stderr.splitlines())
+
+
 def test_admin_json_names_the_real_port_and_pid_and_is_replaced_at_restart(relay_factory):
     """With port 0 the daemon writes SPOOL/admin.json with the port it got and its pid; after kill -9 and
     a restart the file names the new process."""
