@@ -59,6 +59,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     bounce_queue_lifetime_s: Annotated[float, msgspec.Meta(gt=0)] = 5 * 86400.0  # for mail from <>
     delay_warning_time_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # 0: no delay DSNs
     checkpoint_interval_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 5.0
+    # An attempt still running after this long is abandoned and its message due again (visibility timeout).
+    delivery_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 900.0
     smtp_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0  # per command, outbound
     smtp_server_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0  # idle client, inbound
     stats_interval_s: Annotated[float, msgspec.Meta(ge=0)] = 60.0  # 0 disables the periodic stats event

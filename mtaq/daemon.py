@@ -226,7 +226,9 @@ class Daemon:
                         text=rep.text)
                 for i, rep in b.items
             ]
-            await q.record_outcomes(attempt, b.relay, outcomes, remote_dsn=b.remote_dsn)  # durable before they count
+            # Durable before they count; shielded so that an abandoned attempt (delivery_timeout_s) still
+            # writes the replies it already has.
+            await asyncio.shield(q.record_outcomes(attempt, b.relay, outcomes, remote_dsn=b.remote_dsn))
             for (i, _), o in zip(b.items, outcomes, strict=True):
                 self.counts[o.status] += 1
                 event = "discarded" if b.discarded else _EVENT_OF[o.status]
@@ -253,17 +255,25 @@ class Daemon:
             reply = Reply(554, "5.3.0", f"message data unreadable in queue: {problem}")
             await record(Batch("none", [(i, reply) for i in range(len(rcpts))]))
         else:
-            await deliver(
-                self.router,
-                pool,
-                env.sender,
-                [r.address for r in rcpts],
-                body,
-                mail_params=env.mail_params,
-                rcpt_params=[r.params for r in rcpts],
-                record=record,
-                on_hop_failure=hop_failed,
-            )
+            try:
+                async with asyncio.timeout(self.cfg.delivery_timeout_s):
+                    await deliver(
+                        self.router,
+                        pool,
+                        env.sender,
+                        [r.address for r in rcpts],
+                        body,
+                        mail_params=env.mail_params,
+                        rcpt_params=[r.params for r in rcpts],
+                        record=record,
+                        on_hop_failure=hop_failed,
+                    )
+            except TimeoutError:
+                # The visibility timeout (CassieQ): the attempt is abandoned; recipients without a durable
+                # reply have an unknown outcome and are retried at once (GUIDE I4: at most a duplicate).
+                left = [r.address for r in rcpts if r.index not in attempt.outcomes]
+                self.log.warning("attempt_timed_out", queue_id=env.queue_id, seconds=self.cfg.delivery_timeout_s,
+                                 recipients=left, action="retry")
         c, _pos = q.conclude(attempt, body)
         for r in c.expired:
             self.counts["failed"] += 1

@@ -20,6 +20,7 @@ the least recently used idle one is closed when the pool is full.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -100,6 +101,13 @@ class ConnectionPool:
                 break
             await self._entries.pop(key).conn.close()
 
+    def discard(self, conn: RelayConnection) -> None:
+        """Take ``conn`` out of the pool and drop it without QUIT."""
+        for key, e in list(self._entries.items()):
+            if e.conn is conn:
+                del self._entries[key]
+        conn.abort()
+
     async def close_idle(self) -> int:
         """Close connections not used for ``idle_s`` seconds; returns how many were closed."""
         now = self.clock()
@@ -172,6 +180,9 @@ async def _deliver_group(
                     mail_params=mail_params,
                     rcpt_params=[params[i] for i in pending],
                 )
+            except asyncio.CancelledError:
+                pool.discard(conn)  # abandoned mid-transaction (delivery_timeout_s): never reuse it
+                raise
             finally:
                 await pool.release(conn)
             final = [(i, r) for i, r in zip(pending, replies, strict=True) if not 400 <= r.code < 500]
