@@ -21,6 +21,13 @@ __all__ = ["Config", "Relayhost", "load_config", "parse_hostport", "parse_namese
 MiB = 1024 * 1024
 
 
+class DestinationLimit(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Traffic shaping for one recipient domain (``[destination_limits."example.org"]``)."""
+
+    concurrency: Annotated[int, msgspec.Meta(ge=1, le=10000)] = 20
+    rate_per_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # deliveries started per second; 0: no limit
+
+
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Every setting of ``mtaq serve``. Times in seconds, sizes in bytes."""
 
@@ -32,6 +39,14 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Per-domain next hops (Postfix transport(5)): "example.org" = "[10.0.0.5]:25" | "smtp:host" | "discard"
     # | "error:5.1.1 text". Lookup order: exact domain, ".parent" domains, then "*". Wins over relayhost.
     transport_map: dict[str, str] = msgspec.field(default_factory=dict)
+    # Per recipient domain: deliveries at once (Postfix default_destination_concurrency_limit) and a rate.
+    destination_concurrency_limit: Annotated[int, msgspec.Meta(ge=1, le=10000)] = 20
+    destination_rate_per_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # 0: no limit
+    destination_limits: dict[str, DestinationLimit] = msgspec.field(default_factory=dict)
+    # Back-pressure at the door: 452 4.3.1 while this many messages are queued (0: no limit), 451 4.3.2
+    # while this many messages wait for their fsync (group commit backlog; 0: no limit).
+    queue_messages_max: Annotated[int, msgspec.Meta(ge=0)] = 0
+    commit_backlog_max: Annotated[int, msgspec.Meta(ge=0)] = 0
     # Outbound STARTTLS (Postfix smtp_tls_security_level): "may" (opportunistic, certificate not verified),
     # "encrypt" (defer 4.7.4/4.7.5 without TLS), "none". Per destination in tls_policy_map.
     smtp_tls_security_level: Literal["none", "may", "encrypt"] = "may"

@@ -27,6 +27,7 @@ from mtaq.core.records import EnvelopeRecord, Outcome, Pos
 from mtaq.core.state import Attempt, RetryPolicy, format_reply
 from mtaq.delivery.relay import Reply, classify
 from mtaq.delivery.routing import Router
+from mtaq.delivery.throttle import DomainLimit, Throttle
 from mtaq.delivery.transport import Batch, ConnectionPool, HopFailure, deliver
 from mtaq.edge.server import QueueHandler, start_server
 from mtaq.errors import CorruptRecord, StorageError, StorageFatal
@@ -55,6 +56,10 @@ class Daemon:
         self.clock = clock
         self.log = get_logger()
         self.router = Router(cfg)
+        self.throttle = Throttle(
+            DomainLimit(cfg.destination_concurrency_limit, cfg.destination_rate_per_s),
+            {d: DomainLimit(v.concurrency, v.rate_per_s) for d, v in cfg.destination_limits.items()},
+        )
         self.pools: list[ConnectionPool] = []
         self.counts = {"delivered": 0, "deferred": 0, "failed": 0}
         self.policy = RetryPolicy(
@@ -96,6 +101,8 @@ class Daemon:
         qlog.on_fatal.append(self._on_fatal)
         self.queue = Queue(qlog, policy=self.policy, reporting_mta=cfg.hostname(), clock=self.clock)
         self.queue.on_durable = self._on_durable
+        self.queue.messages_max = cfg.queue_messages_max
+        self.queue.commit_backlog_max = cfg.commit_backlog_max
         self.queue.minfree_bytes = max(cfg.queue_minfree_bytes, cfg.message_size_limit_bytes * 3 // 2)
         self.queue.on_dsn = self._on_dsn
         host, port = parse_hostport(cfg.listen)
@@ -267,6 +274,7 @@ class Daemon:
                         rcpt_params=[r.params for r in rcpts],
                         record=record,
                         on_hop_failure=hop_failed,
+                        throttle=self.throttle,
                     )
             except TimeoutError:
                 # The visibility timeout (CassieQ): the attempt is abandoned; recipients without a durable
