@@ -19,10 +19,12 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# Debian packages used by tests that talk to real tools (swaks as an SMTP client).
+# Debian packages used by tests that talk to real tools (swaks as an SMTP client, nmap's smtp-open-relay).
+DEBS := swaks nmap
 debs:
-	@command -v swaks >/dev/null 2>&1 || { \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq swaks >/dev/null; }
+	@missing=""; for t in $(DEBS); do command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
+	if [ -n "$$missing" ]; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; fi
 
 run: install
 	mkdir -p spool

@@ -24,6 +24,7 @@ from mtaq.core.checkpoint import Checkpoint
 from mtaq.core.records import EnvelopeRecord, Outcome, Pos
 from mtaq.core.state import Attempt, RetryPolicy, format_reply
 from mtaq.delivery.relay import RelayConnection, Reply, classify
+from mtaq.edge.policy import EdgePolicy
 from mtaq.edge.server import QueueHandler, start_server
 from mtaq.errors import CorruptRecord, StorageError, StorageFatal
 from mtaq.logs import get_logger
@@ -51,6 +52,7 @@ class Daemon:
         self.clock = clock
         self.log = get_logger()
         self.relayhost = parse_relayhost(cfg.relayhost)
+        self.edge = EdgePolicy.from_config(cfg)  # reads the TLS and password files; ConfigError if bad
         self.counts = {"delivered": 0, "deferred": 0, "failed": 0}
         self.policy = RetryPolicy(
             intervals_s=tuple(cfg.retry_intervals_s),
@@ -92,6 +94,7 @@ class Daemon:
             hostname=cfg.hostname(),
             data_size_limit=cfg.message_size_limit_bytes,
             timeout_s=cfg.smtp_server_timeout_s,
+            policy=self.edge,
         )
         self.log.info(
             "listening",
