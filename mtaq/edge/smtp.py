@@ -222,6 +222,7 @@ class MtaqSMTP(SMTP):
         self.command_size_limits = collections.defaultdict(lambda: self.command_size_limit)
         self._ehlo_lines: list[str | bytes] | None = None
         self.policy = policy if policy is not None else EdgePolicy()
+        self.auth_enabled = self.policy.passwords is not None  # HELP lists AUTH only then
         self.gate = gate
         self._verb: str | None = None  # the command being answered, for the enhanced status codes
         self._errors = 0  # 5xx replies sent in this connection
@@ -366,8 +367,10 @@ class MtaqSMTP(SMTP):
                 lines = [*extended]
                 self.command_size_limits["MAIL"] += _MAIL_EXTRA
                 self.command_size_limits["RCPT"] += _RCPT_EXTRA
-            for line in lines:
-                await self.push(line)
+            # One write for the whole reply: clients that read "a line" and take what came with it (nmap's
+            # smtp library) would otherwise take the rest of the EHLO reply as the reply to what follows.
+            texts = [line.decode("utf-8", "replace") if isinstance(line, bytes) else line for line in lines]
+            await self.push("\r\n".join(texts))
         finally:
             self._verb = None
 
@@ -380,7 +383,7 @@ class MtaqSMTP(SMTP):
         finally:
             self._verb = None
 
-    @syntax("AUTH <mechanism>")
+    @syntax("AUTH <mechanism>", when="auth_enabled")
     async def smtp_AUTH(self, arg: str) -> None:
         """aiosmtpd's AUTH (RFC 4954), only with a password file and never inside a mail transaction."""
         if self.policy.passwords is None:
