@@ -70,14 +70,14 @@ def enhance(reply: str, verb: str | None = None) -> str:
     Replies that must not carry a code (3xx, the 220 greeting, 250 to HELO/EHLO) come back unchanged.
     """
     code = reply_code(reply)
-    if code == 0 or has_enhanced_code(reply) or 300 <= code < 400:
-        return reply
-    if (verb in _RAW_VERBS and code == 250) or (code == 220 and verb != "STARTTLS"):
-        return reply
     if reply == "250 OK" and verb in _OK_AFTER:
         return _OK_AFTER[verb]
     if reply in _EXACT:
         return _EXACT[reply]
+    if code == 0 or has_enhanced_code(reply) or 300 <= code < 400:
+        return reply
+    if (verb in _RAW_VERBS and code == 250) or (code == 220 and verb != "STARTTLS"):
+        return reply
     if code == 500 and reply.startswith('500 Error: command "'):
         return "500 5.5.2 " + reply[4:]
     klass = code // 100

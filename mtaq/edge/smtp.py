@@ -273,8 +273,7 @@ class MtaqSMTP(SMTP):
         """An idle client: ``421 4.4.2`` (RFC 3463: connection dropped, timeout), then aiosmtpd closes."""
         if self.transport is not None and not self._closing and not self.transport.is_closing():
             self._closing = True
-            assert isinstance(self.transport, asyncio.WriteTransport)
-            self.transport.write(f"421 4.4.2 {self.hostname} Error: timeout exceeded\r\n".encode("ascii"))
+            self._writer.write(f"421 4.4.2 {self.hostname} Error: timeout exceeded\r\n".encode("ascii"))
         super()._timeout_cb()  # type: ignore[no-untyped-call]
 
     def _hang_up(self) -> None:
