@@ -55,11 +55,12 @@ import re
 from collections.abc import Collection, Iterable
 from typing import Any
 
-from aiosmtpd.smtp import MISSING, SMTP, AuthResult, Envelope, LoginPassword, syntax
+from aiosmtpd.smtp import MISSING, SMTP, AuthResult, Envelope, LoginPassword, TLSSetupException, syntax
 
 from mtaq.edge.limits import ConnectionGate
 from mtaq.edge.policy import EdgePolicy, address_problem
 from mtaq.edge.replies import enhance, reply_code
+from mtaq.logs import get_logger
 
 __all__ = ["DsnEnvelope", "DsnParams", "DsnSyntaxError", "MtaqSMTP", "decode_xtext", "encode_xtext",
            "parse_mail_dsn", "parse_rcpt_dsn"]
@@ -222,7 +223,7 @@ class MtaqSMTP(SMTP):
         self.command_size_limits = collections.defaultdict(lambda: self.command_size_limit)
         self._ehlo_lines: list[str | bytes] | None = None
         self.policy = policy if policy is not None else EdgePolicy()
-        self.auth_enabled = self.policy.passwords is not None  # HELP lists AUTH only then
+        self.sasl_enabled = self.policy.passwords is not None  # HELP lists AUTH only then
         self.gate = gate
         self._verb: str | None = None  # the command being answered, for the enhanced status codes
         self._errors = 0  # 5xx replies sent in this connection
@@ -314,6 +315,17 @@ class MtaqSMTP(SMTP):
                 self._hang_up()
         return sent
 
+    async def handle_exception(self, error: Exception) -> str:
+        """A failed TLS handshake is the client's business (one log line); any other exception is a bug:
+        logged, and the client gets ``451 4.3.0`` (try again later) rather than the exception's text."""
+        if hasattr(self.event_handler, "handle_exception"):
+            return await super().handle_exception(error)
+        if isinstance(error, TLSSetupException):
+            get_logger().warning("tls_handshake_failed", client=self.client_ip(), error=str(error.__cause__ or error))
+            return "454 4.7.0 TLS not available due to temporary reason"
+        get_logger().exception("smtp_session_error", client=self.client_ip(), error=str(error))
+        return "451 4.3.0 Error: internal error"
+
     async def _call_handler_hook(self, command: str, *args: Any) -> Any:
         """The policy first (MAIL: address checks; RCPT: count, address checks, relay control), then the
         handler's own hook. A reply string refuses the command (aiosmtpd then records nothing)."""
@@ -382,7 +394,7 @@ class MtaqSMTP(SMTP):
         finally:
             self._verb = None
 
-    @syntax("AUTH <mechanism>", when="auth_enabled")
+    @syntax("AUTH <mechanism>", when="sasl_enabled")
     async def smtp_AUTH(self, arg: str) -> None:
         """aiosmtpd's AUTH (RFC 4954), only with a password file and never inside a mail transaction."""
         if self.policy.passwords is None:
@@ -404,7 +416,7 @@ class MtaqSMTP(SMTP):
             return AuthResult(success=False, handled=True)
         authzid, user, password = parts
         if authzid and authzid != user:
-            return AuthResult(success=False)  # no authorisation as someone else: 535 5.7.8
+            return AuthResult(success=False, handled=False)  # no authorisation as someone else: 535 5.7.8
         return await self._check_password(user, password)
 
     async def auth_LOGIN(self, _: SMTP, args: list[str]) -> AuthResult:
@@ -435,7 +447,7 @@ class MtaqSMTP(SMTP):
         ok = await asyncio.to_thread(passwords.verify, name, password)
         if ok:
             return AuthResult(success=True, auth_data=LoginPassword(user, b""))
-        return AuthResult(success=False)
+        return AuthResult(success=False, handled=False)
 
     @syntax("MAIL FROM: <address>", extended=" [SP <mail-parameters>]")
     async def smtp_MAIL(self, arg: str | None) -> None:
