@@ -58,7 +58,7 @@ def test_received_header_forms_helo_several_recipients_smtputf8(tmp_path):
             assert {} == s.sendmail("a@example.org", ["b@example.net", "c@example.net"], b"Subject: 1\r\n\r\nx\r\n")
         with edge.client() as s:
             s.ehlo("client.test")
-            assert {} == s.sendmail("ü@bücher.example", ["ö@bücher.example"], "Subject: 2\r\n\r\nx\r\n".encode(),
+            assert {} == s.sendmail("ü@bücher.example", ["ö@bücher.example"], b"Subject: 2\r\n\r\nx\r\n",
                                     mail_options=["SMTPUTF8", "BODY=8BITMIME"])
         (_, first), (env2, second) = edge.messages()
     assert first.startswith(b"Received: from we?ird??name ([127.0.0.1])\r\n\tby mx.test (mtaq) with SMTP;\r\n"
