@@ -145,3 +145,25 @@ def test_lines_starting_with_dots_arrive_intact_at_the_sink(tmp_path):
             assert {} == s.sendmail("a@example.org", ["b@example.net"], body)
         [msg] = r.wait_for(r.sink_messages, "delivery")
     assert msg.endswith(b"\r\n\r\n.\r\n..\r\n.x\r\n...\r\nend\r\n.\r\n")
+
+
+def test_a_message_cut_off_before_its_final_dot_is_never_queued(tmp_path):
+    """The client sends half a message (even a bare '.' line after LF) and hangs up: nothing is queued;
+    the next client's message is (RFC 5321 §6.1 / GUIDE I3: absent or complete)."""
+    import socket
+
+    with run_edge(tmp_path, EdgePolicy(bare_newline="normalize")) as edge:
+        with edge.raw() as c:
+            start = c.reply()
+            assert start.startswith("220 ")
+            c.command("EHLO client.test")
+            c.command("MAIL FROM:<a@example.org>")
+            c.command("RCPT TO:<cut@example.net>")
+            assert 354 == codes(c.command("DATA"))[0]
+            c.send(b"Subject: cut\r\n\r\nhalf a message\n.\n")
+            c.sock.shutdown(socket.SHUT_WR)
+            assert c.closed()
+        with edge.client() as s:
+            assert {} == s.sendmail("a@example.org", ["whole@example.net"], b"Subject: whole\r\n\r\nx\r\n")
+        messages = edge.messages()
+    assert [["whole@example.net"]] == [[r.address for r in env.recipients] for env, _ in messages]

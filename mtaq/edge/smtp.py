@@ -563,6 +563,7 @@ class MtaqSMTP(SMTP):
         bare: str | None = None
         too_long = too_big = False
         partial = False  # inside a line longer than the reader's limit (its pieces come one by one)
+        ended_ok = False
         while self.transport is not None:
             try:
                 line: bytes = await reader.readuntil(b"\r\n")
@@ -572,6 +573,7 @@ class MtaqSMTP(SMTP):
                 piece, ended = line, False
             self._reset_timeout()
             if ended and not partial and line == b".\r\n":
+                ended_ok = True
                 break
             if bare is None and (b"\n" in piece or b"\r" in piece):
                 cr, lf = piece.find(b"\r"), piece.find(b"\n")
@@ -588,6 +590,9 @@ class MtaqSMTP(SMTP):
                 kept.clear()  # refused: keep nothing
                 continue
             kept.append(_NEWLINES.sub(b"\r\n", line) if normalize and bare is not None else line)
+        if not ended_ok:
+            # The connection went away before the final dot: a message without its end is never queued.
+            raise asyncio.CancelledError
         if bare is not None and not normalize:
             # Postfix 3.9 smtpd_forbid_bare_newline = reject: its reply code (550), then disconnect: what
             # follows on this connection cannot be trusted to be what the client meant.
