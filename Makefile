@@ -19,10 +19,13 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# Debian packages used by tests that talk to real tools (swaks as an SMTP client).
+# Debian packages used by tests that talk to real tools, as command:package (swaks as an SMTP client,
+# nmap's smtp-open-relay, libfiu's fiu-run/fiu-ctrl for fsync EIO injection).
+DEBS := swaks:swaks nmap:nmap fiu-run:fiu-utils
 debs:
-	@command -v swaks >/dev/null 2>&1 && command -v fiu-run >/dev/null 2>&1 || { \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq swaks fiu-utils >/dev/null; }
+	@missing=""; for t in $(DEBS); do command -v $${t%%:*} >/dev/null 2>&1 || missing="$$missing $${t#*:}"; done; \
+	if [ -n "$$missing" ]; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; fi
 
 run: install
 	mkdir -p spool

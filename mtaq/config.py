@@ -80,6 +80,23 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     smtp_server_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0  # idle client, inbound
     stats_interval_s: Annotated[float, msgspec.Meta(ge=0)] = 60.0  # 0 disables the periodic stats event
     log_format: Literal["console", "json"] = "console"
+    # --- the SMTP edge (mtaq.edge.policy): relay control, limits, smuggling, TLS, AUTH -------------------
+    # Clients that may relay to any domain (CIDR; a bare address is a /32 or /128). Default: loopback only.
+    mynetworks: list[str] = msgspec.field(default_factory=lambda: ["127.0.0.0/8", "::1/128"])
+    # Domains anyone may send to ("example.org" exactly; ".example.org" for its subdomains).
+    relay_domains: list[str] = msgspec.field(default_factory=list)
+    # RFC 5321 §4.5.3.1.8: at least 100 recipients must be accepted; the excess gets 452 4.5.3.
+    recipients_per_message_max: Annotated[int, msgspec.Meta(ge=100, le=100_000)] = 1000
+    connections_max: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 500  # concurrent, all clients
+    # New connections per client IP in any 60 s (clients in mynetworks are exempt); 0: no limit.
+    connections_per_client_per_minute_max: Annotated[int, msgspec.Meta(ge=0)] = 120
+    # 5xx replies in one session before "421 4.7.0 Error: too many errors" (Postfix smtpd_hard_error_limit).
+    smtp_server_errors_max: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 20
+    # A bare CR or LF in DATA: "reject" (550 5.5.2 and disconnect) or "normalize" (made CRLF).
+    smtp_bare_newline: Literal["reject", "normalize"] = "reject"
+    tls_cert_file: str = ""  # PEM certificate chain for STARTTLS ("" : no STARTTLS)
+    tls_key_file: str = ""  # PEM private key for STARTTLS
+    auth_password_file: str = ""  # "user:bcrypt-hash" lines (mtaq passwd); "" : no AUTH
 
     def hostname(self) -> str:
         return self.myhostname or socket.getfqdn()

@@ -29,6 +29,7 @@ from mtaq.delivery.relay import Reply, classify
 from mtaq.delivery.routing import Router
 from mtaq.delivery.throttle import DomainLimit, Throttle
 from mtaq.delivery.transport import Batch, ConnectionPool, HopFailure, deliver
+from mtaq.edge.policy import EdgePolicy
 from mtaq.edge.server import QueueHandler, start_server
 from mtaq.errors import CorruptRecord, StorageError, StorageFatal
 from mtaq.logs import get_logger
@@ -61,6 +62,7 @@ class Daemon:
             {d: DomainLimit(v.concurrency, v.rate_per_s) for d, v in cfg.destination_limits.items()},
         )
         self.pools: list[ConnectionPool] = []
+        self.edge = EdgePolicy.from_config(cfg)  # reads the TLS and password files; ConfigError if bad
         self.counts = {"delivered": 0, "deferred": 0, "failed": 0}
         self.policy = RetryPolicy(
             intervals_s=tuple(cfg.retry_intervals_s),
@@ -113,6 +115,7 @@ class Daemon:
             hostname=cfg.hostname(),
             data_size_limit=cfg.message_size_limit_bytes,
             timeout_s=cfg.smtp_server_timeout_s,
+            policy=self.edge,
         )
         self.log.info(
             "listening",

@@ -113,10 +113,12 @@ def start_daemon(
     config: str | None = None,
     env: dict[str, str] | None = None,
     wrapper: Sequence[str] = (),
+    extra: Sequence[str] = (),
 ) -> Proc:
     """Start ``mtaq serve`` on ``spool`` relaying to 127.0.0.1:``relay_port``; returns once SMTP listens.
 
     With ``relay_port`` None there is no ``--relayhost`` flag: the config file (or the default) decides.
+    ``extra``: more ``mtaq serve`` flags (e.g. ``--mynetworks``).
     """
     port = port or free_port()
     args = ["--log-format", "json", "serve", "--spool", spool, "--listen", f"127.0.0.1:{port}"]
@@ -124,6 +126,7 @@ def start_daemon(
         args += ["--relayhost", f"[127.0.0.1]:{relay_port}"]
     if config:
         args += ["--config", config]
+    args += list(extra)
     if wrapper:
         out = open(log_path, "ab")
         p = subprocess.Popen([*wrapper, sys.executable, "-m", "mtaq.cli", *args], stdout=out, stderr=out,
