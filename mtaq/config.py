@@ -43,6 +43,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     smtp_server_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0  # idle client, inbound
     stats_interval_s: Annotated[float, msgspec.Meta(ge=0)] = 60.0  # 0 disables the periodic stats event
     log_format: Literal["console", "json"] = "console"
+    # Reclaimed segments are copied here before they are deleted ("" = no archive; relative to the cwd).
+    archive_dir: str = ""
+    archive_compress: Literal["none", "zstd"] = "none"
+    archive_retention_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # delete archives older than this; 0: keep
 
     def hostname(self) -> str:
         return self.myhostname or socket.getfqdn()
