@@ -91,7 +91,10 @@ def run(args: argparse.Namespace) -> int:
     opts = Options(paths=args.segments, out=args.out, since=since, until=until, top=args.top,
                    partition_bytes=args.partition_bytes, plots=not args.no_plots, progress=say,
                    parquet_out=args.parquet_out)
-    result = analyze(spark, opts)
+    try:
+        result = analyze(spark, opts)
+    finally:
+        spark.stop()
     if args.json:
         keys = ("received", "delivered", "deferred", "bounced", "rejected", "deferrals", "expired", "dsn_generated",
                 "bytes_received", "bytes_delivered", "delay_p50_s", "delay_p90_s", "delay_p99_s", "outcome_unknown",
