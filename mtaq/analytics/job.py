@@ -366,7 +366,8 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
     )
     attempts = received.groupBy("attempts").agg(F.count("*").alias("messages")).orderBy("attempts")
     say("queue shape over time")
-    end_ts = F.lit(until) if until is not None else F.lit(ev.agg(F.max("ts")).first()[0])  # type: ignore[index]
+    last_ts = ev.filter(rt.isin("ENVELOPE", "START", "DELIVERY", "FINISH")).agg(F.max("ts")).first()
+    end_ts = F.lit(until) if until is not None else F.lit(last_ts[0] if last_ts is not None else None)
     q = msgs
     first_tick = F.date_trunc("hour", F.col("arrival_ts"))
     first_tick = F.when(first_tick == F.col("arrival_ts"), first_tick).otherwise(first_tick + F.expr("INTERVAL 1 HOUR"))

@@ -165,7 +165,7 @@ def _glob(fs: pafs.FileSystem, root: str, pattern: str) -> list[SegmentFile]:
 
 def _read_salt(fs: pafs.FileSystem, sf: SegmentFile) -> int | None:
     try:
-        with fs.open_input_stream(sf.path) as f:
+        with fs.open_input_stream(sf.path, compression=None) as f:
             head = f.read(SEGMENT_HEADER_BYTES)
         return decode_segment_header(head).salt
     except (OSError, HeaderError, pa.ArrowException):
@@ -231,10 +231,13 @@ def plan_partitions(files: Sequence[SegmentFile], partition_bytes: int) -> list[
 
 
 def read_segment_bytes(sf: SegmentFile, fs: pafs.FileSystem | None = None) -> bytes:
-    """The segment's bytes, decompressed if it is a ``.zst``. Raises OSError / pyarrow / zstd errors."""
+    """The segment's bytes, decompressed if it is a ``.zst`` (here, not by pyarrow's by-extension guess).
+
+    Raises OSError, pyarrow or zstandard errors.
+    """
     if fs is None:
         fs, _, _ = _resolve(sf.root)
-    with fs.open_input_stream(sf.path) as f:
+    with fs.open_input_stream(sf.path, compression=None) as f:
         raw = f.read()
     if not sf.compressed:
         return bytes(raw)
