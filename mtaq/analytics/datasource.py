@@ -36,7 +36,7 @@ __all__ = ["MtaqDataSource", "SegmentPartition", "register"]
 PARTITION_BYTES_DEFAULT = 64 * 1024 * 1024
 
 
-class SegmentPartition(InputPartition):  # type: ignore[misc]
+class SegmentPartition(InputPartition):
     """Whole segment files read by one task, in log order."""
 
     def __init__(self, files: Sequence[SegmentFile]) -> None:
@@ -60,7 +60,7 @@ def paths_of(options: Any) -> list[str]:
     return out
 
 
-class MtaqReader(DataSourceReader):  # type: ignore[misc]
+class MtaqReader(DataSourceReader):
     """Plans partitions on the driver (listing files), reads them on executors."""
 
     def __init__(self, options: Any) -> None:
@@ -70,11 +70,12 @@ class MtaqReader(DataSourceReader):  # type: ignore[misc]
     def partitions(self) -> list[SegmentPartition]:
         return [SegmentPartition(g) for g in plan_partitions(self.files, self.partition_bytes)]
 
-    def read(self, partition: SegmentPartition) -> Iterator[Any]:
+    def read(self, partition: InputPartition) -> Iterator[Any]:
+        assert isinstance(partition, SegmentPartition)
         yield from batches(partition.files)
 
 
-class MtaqDataSource(DataSource):  # type: ignore[misc]
+class MtaqDataSource(DataSource):
     """``spark.read.format("mtaq")``: queue-log segments, decoded by the daemon's codec."""
 
     @classmethod

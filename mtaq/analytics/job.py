@@ -343,7 +343,7 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
                                F.when(st == "expired", "bounced").when(st == "failed", "bounced").otherwise(st).alias("kind"),
                                F.when(delivered, F.col("size")).otherwise(0).alias("bytes")))
     )
-    kinds = ["received", "delivered", "deferred", "bounced"]
+    kinds: list[Any] = ["received", "delivered", "deferred", "bounced"]
 
     def traffic(key: Column, name: str) -> DataFrame:
         return (
@@ -380,7 +380,7 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
         .filter(_window(F.col("tick"), since, until))
         .withColumn("age", _bucket_label(AGE_BUCKETS_MIN, "m", _seconds_between(F.col("tick"), F.col("arrival_ts")) / 60))
     )
-    age_labels = bucket_labels(AGE_BUCKETS_MIN, "m")
+    age_labels: list[Any] = bucket_labels(AGE_BUCKETS_MIN, "m")
     qshape = (
         ticks.groupBy("tick").pivot("age", age_labels).agg(F.count(F.lit(1)))
         .join(ticks.groupBy("tick").agg(F.count("*").alias("messages"), F.sum("size").alias("bytes")), "tick")

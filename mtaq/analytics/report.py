@@ -25,7 +25,7 @@ def _cell(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.3f}".rstrip("0").rstrip(".") if v != int(v) else str(int(v))
     if hasattr(v, "isoformat"):
-        s = v.isoformat()
+        s = str(v.isoformat())
         return s.replace("T", " ").replace("+00:00", "")
     return str(v).replace("|", "\\|").replace("\n", " ")
 
