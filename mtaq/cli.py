@@ -1,7 +1,9 @@
 """The ``mtaq`` command line (argparse).
 
-``mtaq serve``, ``mtaq sink``, ``mtaq log dump``, ``mtaq log verify``, ``mtaq passwd``. Errors are one line
-on stderr with a non-zero exit status: 2 for bad usage or configuration, 1 for a log that does not verify.
+``mtaq serve``, ``mtaq sink``, ``mtaq log dump``, ``mtaq log verify``, ``mtaq passwd``, ``mtaq analyze``
+(delivery statistics on Spark; needs the ``spark`` extra, imported only when that command runs). Errors are
+one line on stderr with a non-zero exit status: 2 for bad usage or configuration, 1 for a log that does not
+verify.
 """
 
 from __future__ import annotations
@@ -64,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true", help="one JSON object per line")
     v = lsub.add_parser("verify", help="check every checksum and link; exit 0 when sound")
     v.add_argument("--spool", metavar="DIR", default="./spool")
+
+    from mtaq.analytics.command import add_arguments
+
+    a = sub.add_parser("analyze", help="delivery statistics from queue-log segments on Spark (the spark extra)")
+    add_arguments(a)
     return parser
 
 
@@ -76,6 +83,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _sink(args)
         if args.command == "passwd":
             return _passwd(args)
+        if args.command == "analyze":
+            from mtaq.analytics.command import run
+
+            return run(args)
         if args.command == "log":
             from mtaq.logtools import dump, verify
 

@@ -97,6 +97,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     tls_cert_file: str = ""  # PEM certificate chain for STARTTLS ("" : no STARTTLS)
     tls_key_file: str = ""  # PEM private key for STARTTLS
     auth_password_file: str = ""  # "user:bcrypt-hash" lines (mtaq passwd); "" : no AUTH
+    # Reclaimed segments are copied here before they are deleted ("" = no archive; relative to the cwd).
+    archive_dir: str = ""
+    archive_compress: Literal["none", "zstd"] = "none"
+    archive_retention_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # delete archives older than this; 0: keep
 
     def hostname(self) -> str:
         return self.myhostname or socket.getfqdn()

@@ -8,7 +8,10 @@ daemon task (status 70). In both cases recovery re-reads the disk.
 Every ``checkpoint_interval_s`` the restart positions are taken, the log is fsync'd, the checkpoint is
 written (seed 001), and then every segment wholly before the point where true garbage ends is deleted
 (reclamation). That point is the earliest of the runner positions and of the envelopes of attempts still
-in the working set.
+in the working set. With ``archive_dir`` set, the segments are first copied into the archive by a
+background task (the copying runs in a thread): the queue, and the checkpoints, never wait for it. A
+segment whose copy fails is kept, with an ``archive_failed`` event, and tried again after the next
+checkpoint; only the archived prefix is deleted.
 """
 
 from __future__ import annotations
@@ -36,9 +39,10 @@ from mtaq.logs import get_logger
 from mtaq.queue import Queue
 from mtaq.recovery import move_aside, recover
 from mtaq.runners import Declined, Dispatcher, Runner
+from mtaq.storage.archive import ArchiveError, SegmentArchive
 from mtaq.storage.checkpoint import write_checkpoint
 from mtaq.storage.fs import OsFileSystem
-from mtaq.storage.log import Log
+from mtaq.storage.log import Log, segment_path
 from mtaq.testing import killpoints, powercut
 
 __all__ = ["Daemon", "serve"]
@@ -74,6 +78,10 @@ class Daemon:
         self._background: set[asyncio.Task[None]] = set()
         self.checkpoints = 0
         self.reclaimed = 0
+        self.archived = 0
+        self.archive: SegmentArchive | None = None
+        self._reclaim_task: asyncio.Task[None] | None = None
+        self._reclaim_limit = 0
 
     def _on_durable(self, env: EnvelopeRecord, pos: Pos) -> None:
         self.log.info(
@@ -99,6 +107,9 @@ class Daemon:
         t_start = time.monotonic()
         # MTAQ_TEST_FS (tests only) selects a file system that can simulate a power cut; unset: the real one.
         self.fs = powercut.from_env(cfg.spool_dir) or OsFileSystem()
+        if cfg.archive_dir:
+            self.archive = SegmentArchive(self.fs, cfg.archive_dir, compress=cfg.archive_compress,
+                                          retention_s=cfg.archive_retention_s, clock=self.clock)
         qlog, report = Log.open(self.fs, os.path.join(cfg.spool_dir, "log"), segment_bytes_max=cfg.segment_bytes_max)
         qlog.on_fatal.append(self._on_fatal)
         self.queue = Queue(qlog, policy=self.policy, reporting_mta=cfg.hostname(), clock=self.clock)
@@ -347,10 +358,61 @@ class Daemon:
         await asyncio.to_thread(write_checkpoint, self.fs, self.cfg.spool_dir, cp)
         self.checkpoints += 1
         # Keep the segment before the garbage end too: an envelope's DATA may sit at the end of it.
-        gone = qlog.delete_segments_before(true_garbage_end.segment - 1)
+        limit = true_garbage_end.segment - 1
+        if self.archive is not None:
+            self._reclaim_soon(limit)
+            return
+        gone = qlog.delete_segments_before(limit)
         if gone:
             self.reclaimed += len(gone)
             self.log.info("segments_reclaimed", segments=gone, garbage_end=str(true_garbage_end))
+
+    def _reclaim_soon(self, limit: int) -> None:
+        """Archive, then delete, the segments below ``limit`` in a background task (one at a time)."""
+        self._reclaim_limit = max(self._reclaim_limit, limit)
+        if self._reclaim_task is None or self._reclaim_task.done():
+            self._reclaim_task = asyncio.create_task(self._archive_and_reclaim())
+
+    async def reclaimed_idle(self) -> None:
+        """Wait until the background archive-and-reclaim task (if any) has finished (for tests and tools)."""
+        while self._reclaim_task is not None and not self._reclaim_task.done():
+            await asyncio.shield(self._reclaim_task)
+
+    async def _archive_and_reclaim(self) -> None:
+        archive = self.archive
+        assert archive is not None
+        qlog = self.queue.log
+        done = 0
+        while done < self._reclaim_limit:
+            limit = done = self._reclaim_limit
+            archived: list[int] = []
+            for n in qlog.segments():
+                if n >= limit or n >= qlog.current_segment:
+                    break
+                try:
+                    a = await asyncio.to_thread(archive.store, n, segment_path(qlog.directory, n))
+                except ArchiveError as exc:
+                    self.log.error("archive_failed", segment=n, error=str(exc), action="segment kept")
+                    break
+                archived.append(n)
+                self.archived += 1
+                self.log.info("segment_archived", segment=n, path=a.path, bytes=a.bytes, stored_bytes=a.stored_bytes,
+                              seconds=round(a.seconds, 4))
+            if archived:
+                try:
+                    gone = qlog.delete_segments_before(archived[-1] + 1)
+                except StorageError as exc:
+                    self.log.error("reclaim_failed", error=str(exc), action="segments kept")
+                    return
+                self.reclaimed += len(gone)
+                self.log.info("segments_reclaimed", segments=gone, archived=archived, limit=limit)
+            try:
+                expired = await asyncio.to_thread(archive.expire)
+            except ArchiveError as exc:
+                self.log.error("archive_retention_failed", error=str(exc))
+            else:
+                if expired:
+                    self.log.info("archives_expired", files=expired, retention_s=archive.retention_s)
 
     async def _stats(self) -> None:
         while True:
@@ -373,6 +435,7 @@ class Daemon:
                 log_bytes=sum(self.queue.log.segment_size(n) for n in segs),
                 checkpoints=self.checkpoints,
                 segments_reclaimed=self.reclaimed,
+                segments_archived=self.archived,
                 runner_positions=[str(r.position) for r in self.runners],
             )
 
