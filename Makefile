@@ -9,20 +9,25 @@ LISTEN ?= 127.0.0.1:2525
 SINK_HOST ?= 127.0.0.1
 SINK_PORT ?= 2526
 
-.PHONY: install debs run test lint bench clean-spool
+.PHONY: install debs run test lint bench bench-analytics spark-zip clean-spool
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[test,spark]'
 	touch $(STAMP)
 
 install: $(STAMP)
 
-# Debian packages used by tests that talk to real tools (swaks as an SMTP client).
+# Debian packages used by tests that talk to real tools, as command:package (swaks as an SMTP client,
+# nmap's smtp-open-relay, libfiu's fiu-run/fiu-ctrl for fsync EIO injection).
+DEBS := swaks:swaks nmap:nmap fiu-run:fiu-utils
 debs:
-	@command -v swaks >/dev/null 2>&1 && command -v fiu-run >/dev/null 2>&1 || { \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq swaks fiu-utils >/dev/null; }
+	@missing=""; for t in $(DEBS); do command -v $${t%%:*} >/dev/null 2>&1 || missing="$$missing $${t#*:}"; done; \
+	if [ -n "$$missing" ]; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; fi
+	@command -v java >/dev/null 2>&1 || { \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openjdk-17-jre-headless >/dev/null; }
 
 run: install
 	mkdir -p spool
@@ -40,6 +45,14 @@ test: install debs lint
 
 bench: install
 	$(BIN)/python bench/throughput.py --messages 10000 --concurrency 20 --size 2048
+
+bench-analytics: install
+	$(BIN)/python bench/analytics.py --records 10000000
+
+# The module zip for spark-submit --py-files (executors import mtaq from it).
+spark-zip:
+	mkdir -p dist && $(PY) -c "import zipfile, pathlib; z = zipfile.ZipFile('dist/mtaq.zip', 'w'); \
+	  [z.write(p) for p in sorted(pathlib.Path('mtaq').rglob('*.py'))]; z.close()"
 
 clean-spool:
 	rm -rf spool/log spool/sink

@@ -19,6 +19,7 @@ When the daemon is down, :func:`offline_view` and :func:`offline_size` read the 
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import email.parser
 import email.policy
 import os
@@ -39,7 +40,7 @@ from mtaq.storage.cursor import LogCursor
 from mtaq.storage.fs import OsFileSystem
 from mtaq.storage.log import Log, list_segments, segment_path
 
-__all__ = ["ActionResult", "AdminError", "AdminService", "offline_show", "offline_size", "offline_view"]
+__all__ = ["ActionResult", "AdminError", "AdminService", "format_time", "offline_show", "offline_size", "offline_view"]
 
 # Which states each action applies to (others are skipped with a reason).
 _APPLIES = {
@@ -49,6 +50,11 @@ _APPLIES = {
     "release": {"held"},
     "flush": {"incoming", "deferred", "delayed"},
 }
+
+
+def format_time(ts: float) -> str:
+    """``Sat Nov 21 04:44:50`` (UTC), as mailq prints arrival times."""
+    return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%a %b %d %H:%M:%S")
 
 
 class AdminError(MtaqError):

@@ -1,8 +1,9 @@
 """The ``mtaq`` command line (argparse).
 
-``mtaq serve``, ``mtaq sink``, ``mtaq log dump``, ``mtaq log verify``, ``mtaq queue ...`` (mtaq/queuecli.py).
-Errors are one line on stderr with a non-zero exit status: 2 for bad usage or configuration, 1 for a log that
-does not verify or a ``queue`` command that failed.
+``mtaq serve``, ``mtaq sink``, ``mtaq log dump``, ``mtaq log verify``, ``mtaq passwd``, ``mtaq analyze``
+(delivery statistics on Spark; needs the ``spark`` extra, imported only when that command runs), ``mtaq queue
+...`` (mtaq/queuecli.py). Errors are one line on stderr with a non-zero exit status: 2 for bad usage or
+configuration, 1 for a log that does not verify or a ``queue`` command that failed.
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--relayhost", metavar="[HOST]:PORT", help="next hop, Postfix syntax (default [127.0.0.1]:2526)")
     p.add_argument("--admin-listen", metavar="HOST:PORT",
                    help='admin HTTP API and /metrics address (default 127.0.0.1:2580; "" disables it)')
+    p.add_argument("--mynetworks", metavar="CIDR[,CIDR...]", type=_comma_list,
+                   help="clients that may relay anywhere (default 127.0.0.0/8,::1/128)")
+    p.add_argument("--relay-domains", metavar="DOMAIN[,DOMAIN...]", type=_comma_list,
+                   help="domains anyone may send to (.example.org: its subdomains)")
     _add_log_format(p)
 
     p = sub.add_parser("sink", help="a local SMTP sink that stores what it receives as a Maildir")
@@ -51,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-smtputf8", action="store_true", help="do not offer SMTPUTF8 (RFC 6531)")
     _add_log_format(p)
 
+    p = sub.add_parser("passwd", help="print a user:hash line for auth_password_file (password from stdin)")
+    p.add_argument("user", help="the user name (printable ASCII, no ':')")
+    p.add_argument("--rounds", type=int, default=12, choices=range(4, 32), metavar="4..31",
+                   help="bcrypt cost (default 12)")
+
     p = sub.add_parser("log", help="inspect the queue log")
     lsub = p.add_subparsers(dest="log_command", required=True)
     d = lsub.add_parser("dump", help="one line per record")
@@ -62,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     from mtaq.queuecli import add_queue_parser
 
     add_queue_parser(sub)
+    from mtaq.analytics.command import add_arguments
+
+    a = sub.add_parser("analyze", help="delivery statistics from queue-log segments on Spark (the spark extra)")
+    add_arguments(a)
     return parser
 
 
@@ -76,6 +90,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             from mtaq.queuecli import run_queue
 
             return run_queue(args)
+        if args.command == "passwd":
+            return _passwd(args)
+        if args.command == "analyze":
+            from mtaq.analytics.command import run
+
+            return run(args)
         if args.command == "log":
             from mtaq.logtools import dump, verify
 
@@ -103,6 +123,8 @@ def _serve(args: argparse.Namespace) -> int:
         "relayhost": args.relayhost,
         "admin_listen": args.admin_listen,
         "log_format": args.log_format,
+        "mynetworks": args.mynetworks,
+        "relay_domains": args.relay_domains,
     }
     cfg = load_config(args.config, overrides)
     configure_logging(cfg.log_format)
@@ -113,6 +135,33 @@ def _serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"mtaq: cannot serve: {exc.strerror or exc}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _comma_list(value: str) -> list[str]:
+    """``"a, b,c"`` -> ``["a", "b", "c"]``; ``""`` -> ``[]``."""
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def _passwd(args: argparse.Namespace) -> int:
+    """Read a password (asked twice on a terminal; else the first line of stdin) and print ``user:hash``."""
+    import getpass
+
+    from mtaq.edge.auth import hash_password, valid_user
+
+    if not valid_user(args.user):
+        raise ConfigError(f"passwd: bad user name {args.user!r} (printable ASCII, no ':' or space)")
+    if sys.stdin.isatty():
+        password = getpass.getpass("Password: ")
+        if getpass.getpass("Again: ") != password:
+            raise ConfigError("passwd: the passwords differ")
+    else:
+        password = sys.stdin.readline().rstrip("\r\n")
+    try:
+        hashed = hash_password(password.encode("utf-8"), rounds=args.rounds)
+    except ValueError as exc:
+        raise ConfigError(f"passwd: {exc}") from exc
+    print(f"{args.user}:{hashed}")
     return 0
 
 

@@ -21,6 +21,13 @@ __all__ = ["Config", "Relayhost", "is_loopback", "load_config", "parse_hostport"
 MiB = 1024 * 1024
 
 
+class DestinationLimit(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Traffic shaping for one recipient domain (``[destination_limits."example.org"]``)."""
+
+    concurrency: Annotated[int, msgspec.Meta(ge=1, le=10000)] = 20
+    rate_per_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # deliveries started per second; 0: no limit
+
+
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Every setting of ``mtaq serve``. Times in seconds, sizes in bytes."""
 
@@ -32,6 +39,14 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Per-domain next hops (Postfix transport(5)): "example.org" = "[10.0.0.5]:25" | "smtp:host" | "discard"
     # | "error:5.1.1 text". Lookup order: exact domain, ".parent" domains, then "*". Wins over relayhost.
     transport_map: dict[str, str] = msgspec.field(default_factory=dict)
+    # Per recipient domain: deliveries at once (Postfix default_destination_concurrency_limit) and a rate.
+    destination_concurrency_limit: Annotated[int, msgspec.Meta(ge=1, le=10000)] = 20
+    destination_rate_per_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # 0: no limit
+    destination_limits: dict[str, DestinationLimit] = msgspec.field(default_factory=dict)
+    # Back-pressure at the door: 452 4.3.1 while this many messages are queued (0: no limit), 451 4.3.2
+    # while this many messages wait for their fsync (group commit backlog; 0: no limit).
+    queue_messages_max: Annotated[int, msgspec.Meta(ge=0)] = 0
+    commit_backlog_max: Annotated[int, msgspec.Meta(ge=0)] = 0
     # Outbound STARTTLS (Postfix smtp_tls_security_level): "may" (opportunistic, certificate not verified),
     # "encrypt" (defer 4.7.4/4.7.5 without TLS), "none". Per destination in tls_policy_map.
     smtp_tls_security_level: Literal["none", "may", "encrypt"] = "may"
@@ -59,6 +74,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     bounce_queue_lifetime_s: Annotated[float, msgspec.Meta(gt=0)] = 5 * 86400.0  # for mail from <>
     delay_warning_time_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # 0: no delay DSNs
     checkpoint_interval_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 5.0
+    # An attempt still running after this long is abandoned and its message due again (visibility timeout).
+    delivery_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 900.0
     smtp_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0  # per command, outbound
     smtp_server_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0  # idle client, inbound
     stats_interval_s: Annotated[float, msgspec.Meta(ge=0)] = 60.0  # 0 disables the periodic stats event
@@ -69,6 +86,27 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     admin_token: str = ""  # when set, every request needs "Authorization: Bearer TOKEN"
     # Distinct recipient domains labelling mtaq_delivery_latency_seconds; later ones are counted as "other".
     metrics_domains_max: Annotated[int, msgspec.Meta(ge=0, le=10000)] = 100
+    # --- the SMTP edge (mtaq.edge.policy): relay control, limits, smuggling, TLS, AUTH -------------------
+    # Clients that may relay to any domain (CIDR; a bare address is a /32 or /128). Default: loopback only.
+    mynetworks: list[str] = msgspec.field(default_factory=lambda: ["127.0.0.0/8", "::1/128"])
+    # Domains anyone may send to ("example.org" exactly; ".example.org" for its subdomains).
+    relay_domains: list[str] = msgspec.field(default_factory=list)
+    # RFC 5321 §4.5.3.1.8: at least 100 recipients must be accepted; the excess gets 452 4.5.3.
+    recipients_per_message_max: Annotated[int, msgspec.Meta(ge=100, le=100_000)] = 1000
+    connections_max: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 500  # concurrent, all clients
+    # New connections per client IP in any 60 s (clients in mynetworks are exempt); 0: no limit.
+    connections_per_client_per_minute_max: Annotated[int, msgspec.Meta(ge=0)] = 120
+    # 5xx replies in one session before "421 4.7.0 Error: too many errors" (Postfix smtpd_hard_error_limit).
+    smtp_server_errors_max: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 20
+    # A bare CR or LF in DATA: "reject" (550 5.5.2 and disconnect) or "normalize" (made CRLF).
+    smtp_bare_newline: Literal["reject", "normalize"] = "reject"
+    tls_cert_file: str = ""  # PEM certificate chain for STARTTLS ("" : no STARTTLS)
+    tls_key_file: str = ""  # PEM private key for STARTTLS
+    auth_password_file: str = ""  # "user:bcrypt-hash" lines (mtaq passwd); "" : no AUTH
+    # Reclaimed segments are copied here before they are deleted ("" = no archive; relative to the cwd).
+    archive_dir: str = ""
+    archive_compress: Literal["none", "zstd"] = "none"
+    archive_retention_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # delete archives older than this; 0: keep
 
     def hostname(self) -> str:
         return self.myhostname or socket.getfqdn()

@@ -8,7 +8,10 @@ daemon task (status 70). In both cases recovery re-reads the disk.
 Every ``checkpoint_interval_s`` the restart positions are taken, the log is fsync'd, the checkpoint is
 written (seed 001), and then every segment wholly before the point where true garbage ends is deleted
 (reclamation). That point is the earliest of the runner positions and of the envelopes of attempts still
-in the working set.
+in the working set. With ``archive_dir`` set, the segments are first copied into the archive by a
+background task (the copying runs in a thread): the queue, and the checkpoints, never wait for it. A
+segment whose copy fails is kept, with an ``archive_failed`` event, and tried again after the next
+checkpoint; only the archived prefix is deleted.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ from mtaq.core.records import EnvelopeRecord, Outcome, Pos
 from mtaq.core.state import Attempt, RetryPolicy, format_reply
 from mtaq.delivery.relay import Reply, classify
 from mtaq.delivery.routing import Router
+from mtaq.delivery.throttle import DomainLimit, Throttle
 from mtaq.delivery.transport import Batch, ConnectionPool, HopFailure, deliver
+from mtaq.edge.policy import EdgePolicy
 from mtaq.edge.server import QueueHandler, start_server
 from mtaq.errors import CorruptRecord, StorageError, StorageFatal
 from mtaq.logs import get_logger
@@ -36,9 +41,10 @@ from mtaq.metrics import Metrics
 from mtaq.queue import Queue
 from mtaq.recovery import move_aside, recover
 from mtaq.runners import Declined, Dispatcher, Runner
+from mtaq.storage.archive import ArchiveError, SegmentArchive
 from mtaq.storage.checkpoint import write_checkpoint
 from mtaq.storage.fs import OsFileSystem
-from mtaq.storage.log import Log
+from mtaq.storage.log import Log, segment_path
 from mtaq.testing import killpoints, powercut
 
 __all__ = ["Daemon", "serve"]
@@ -57,7 +63,12 @@ class Daemon:
         self.clock = clock
         self.log = get_logger()
         self.router = Router(cfg)
+        self.throttle = Throttle(
+            DomainLimit(cfg.destination_concurrency_limit, cfg.destination_rate_per_s),
+            {d: DomainLimit(v.concurrency, v.rate_per_s) for d, v in cfg.destination_limits.items()},
+        )
         self.pools: list[ConnectionPool] = []
+        self.edge = EdgePolicy.from_config(cfg)  # reads the TLS and password files; ConfigError if bad
         self.counts = {"delivered": 0, "deferred": 0, "failed": 0}
         self.metrics = Metrics(self.counts, domains_max=cfg.metrics_domains_max)
         self.http: AdminHttp | None = None  # the admin API (admin_listen), listening from the start
@@ -71,6 +82,10 @@ class Daemon:
         self._background: set[asyncio.Task[None]] = set()
         self.checkpoints = 0
         self.reclaimed = 0
+        self.archived = 0
+        self.archive: SegmentArchive | None = None
+        self._reclaim_task: asyncio.Task[None] | None = None
+        self._reclaim_limit = 0
 
     def _on_durable(self, env: EnvelopeRecord, pos: Pos) -> None:
         self.log.info(
@@ -96,10 +111,15 @@ class Daemon:
         t_start = time.monotonic()
         # MTAQ_TEST_FS (tests only) selects a file system that can simulate a power cut; unset: the real one.
         self.fs = powercut.from_env(cfg.spool_dir) or OsFileSystem()
+        if cfg.archive_dir:
+            self.archive = SegmentArchive(self.fs, cfg.archive_dir, compress=cfg.archive_compress,
+                                          retention_s=cfg.archive_retention_s, clock=self.clock)
         qlog, report = Log.open(self.fs, os.path.join(cfg.spool_dir, "log"), segment_bytes_max=cfg.segment_bytes_max)
         qlog.on_fatal.append(self._on_fatal)
         self.queue = Queue(qlog, policy=self.policy, reporting_mta=cfg.hostname(), clock=self.clock)
         self.queue.on_durable = self._on_durable
+        self.queue.messages_max = cfg.queue_messages_max
+        self.queue.commit_backlog_max = cfg.commit_backlog_max
         self.queue.minfree_bytes = max(cfg.queue_minfree_bytes, cfg.message_size_limit_bytes * 3 // 2)
         self.queue.on_dsn = self._on_dsn
         self.metrics.queue = self.queue
@@ -117,6 +137,7 @@ class Daemon:
             hostname=cfg.hostname(),
             data_size_limit=cfg.message_size_limit_bytes,
             timeout_s=cfg.smtp_server_timeout_s,
+            policy=self.edge,
         )
         self.log.info(
             "listening",
@@ -241,7 +262,9 @@ class Daemon:
                         text=rep.text)
                 for i, rep in b.items
             ]
-            await q.record_outcomes(attempt, b.relay, outcomes, remote_dsn=b.remote_dsn)  # durable before they count
+            # Durable before they count; shielded so that an abandoned attempt (delivery_timeout_s) still
+            # writes the replies it already has.
+            await asyncio.shield(q.record_outcomes(attempt, b.relay, outcomes, remote_dsn=b.remote_dsn))
             for (i, _), o in zip(b.items, outcomes, strict=True):
                 self.counts[o.status] += 1
                 if o.status == "delivered":
@@ -270,17 +293,26 @@ class Daemon:
             reply = Reply(554, "5.3.0", f"message data unreadable in queue: {problem}")
             await record(Batch("none", [(i, reply) for i in range(len(rcpts))]))
         else:
-            await deliver(
-                self.router,
-                pool,
-                env.sender,
-                [r.address for r in rcpts],
-                body,
-                mail_params=env.mail_params,
-                rcpt_params=[r.params for r in rcpts],
-                record=record,
-                on_hop_failure=hop_failed,
-            )
+            try:
+                async with asyncio.timeout(self.cfg.delivery_timeout_s):
+                    await deliver(
+                        self.router,
+                        pool,
+                        env.sender,
+                        [r.address for r in rcpts],
+                        body,
+                        mail_params=env.mail_params,
+                        rcpt_params=[r.params for r in rcpts],
+                        record=record,
+                        on_hop_failure=hop_failed,
+                        throttle=self.throttle,
+                    )
+            except TimeoutError:
+                # The visibility timeout (CassieQ): the attempt is abandoned; recipients without a durable
+                # reply have an unknown outcome and are retried at once (GUIDE I4: at most a duplicate).
+                left = [r.address for r in rcpts if r.index not in attempt.outcomes]
+                self.log.warning("attempt_timed_out", queue_id=env.queue_id, seconds=self.cfg.delivery_timeout_s,
+                                 recipients=left, action="retry")
         c, _pos = q.conclude(attempt, body)
         for r in c.expired:
             self.counts["failed"] += 1
@@ -343,10 +375,61 @@ class Daemon:
         await asyncio.to_thread(write_checkpoint, self.fs, self.cfg.spool_dir, cp)
         self.checkpoints += 1
         # Keep the segment before the garbage end too: an envelope's DATA may sit at the end of it.
-        gone = qlog.delete_segments_before(true_garbage_end.segment - 1)
+        limit = true_garbage_end.segment - 1
+        if self.archive is not None:
+            self._reclaim_soon(limit)
+            return
+        gone = qlog.delete_segments_before(limit)
         if gone:
             self.reclaimed += len(gone)
             self.log.info("segments_reclaimed", segments=gone, garbage_end=str(true_garbage_end))
+
+    def _reclaim_soon(self, limit: int) -> None:
+        """Archive, then delete, the segments below ``limit`` in a background task (one at a time)."""
+        self._reclaim_limit = max(self._reclaim_limit, limit)
+        if self._reclaim_task is None or self._reclaim_task.done():
+            self._reclaim_task = asyncio.create_task(self._archive_and_reclaim())
+
+    async def reclaimed_idle(self) -> None:
+        """Wait until the background archive-and-reclaim task (if any) has finished (for tests and tools)."""
+        while self._reclaim_task is not None and not self._reclaim_task.done():
+            await asyncio.shield(self._reclaim_task)
+
+    async def _archive_and_reclaim(self) -> None:
+        archive = self.archive
+        assert archive is not None
+        qlog = self.queue.log
+        done = 0
+        while done < self._reclaim_limit:
+            limit = done = self._reclaim_limit
+            archived: list[int] = []
+            for n in qlog.segments():
+                if n >= limit or n >= qlog.current_segment:
+                    break
+                try:
+                    a = await asyncio.to_thread(archive.store, n, segment_path(qlog.directory, n))
+                except ArchiveError as exc:
+                    self.log.error("archive_failed", segment=n, error=str(exc), action="segment kept")
+                    break
+                archived.append(n)
+                self.archived += 1
+                self.log.info("segment_archived", segment=n, path=a.path, bytes=a.bytes, stored_bytes=a.stored_bytes,
+                              seconds=round(a.seconds, 4))
+            if archived:
+                try:
+                    gone = qlog.delete_segments_before(archived[-1] + 1)
+                except StorageError as exc:
+                    self.log.error("reclaim_failed", error=str(exc), action="segments kept")
+                    return
+                self.reclaimed += len(gone)
+                self.log.info("segments_reclaimed", segments=gone, archived=archived, limit=limit)
+            try:
+                expired = await asyncio.to_thread(archive.expire)
+            except ArchiveError as exc:
+                self.log.error("archive_retention_failed", error=str(exc))
+            else:
+                if expired:
+                    self.log.info("archives_expired", files=expired, retention_s=archive.retention_s)
 
     async def _stats(self) -> None:
         while True:
@@ -369,6 +452,7 @@ class Daemon:
                 log_bytes=sum(self.queue.log.segment_size(n) for n in segs),
                 checkpoints=self.checkpoints,
                 segments_reclaimed=self.reclaimed,
+                segments_archived=self.archived,
                 runner_positions=[str(r.position) for r in self.runners],
             )
 

@@ -32,6 +32,13 @@ class StorageFull(StorageError):
     smtp_reply = "452 4.3.1 Insufficient system storage"
 
 
+class QueueBusy(StorageError):
+    """Back-pressure: too many messages wait for their fsync (``commit_backlog_max``). Nothing was
+    written. SMTP: ``451 4.3.2`` (RFC 3463: system not accepting network messages), try again later."""
+
+    smtp_reply = "451 4.3.2 System busy, try again later"
+
+
 class StorageFatal(StorageError):
     """An fsync failed (or an earlier one did): durability of everything unsynced is unknown.
 

@@ -36,7 +36,7 @@ from mtaq.core.records import (
     StartRecord,
 )
 from mtaq.core.state import Attempt, Conclusion, DsnItem, RetryPolicy, WorkingSet, conclude, format_reply
-from mtaq.errors import CorruptRecord, StorageFull
+from mtaq.errors import CorruptRecord, QueueBusy, StorageFull
 from mtaq.storage.log import Log
 
 __all__ = ["Queue", "new_queue_id"]
@@ -87,6 +87,9 @@ class Queue:
         # New mail is refused (452 4.3.1) while the spool has less than this many bytes free, so that
         # deliveries, which free space, can still write their records (Postfix's queue_minfree). 0: no floor.
         self.minfree_bytes = 0
+        self.messages_max = 0  # back-pressure: 452 4.3.1 while the queue holds this many (0: no limit)
+        self.commit_backlog_max = 0  # back-pressure: 451 4.3.2 while this many wait for an fsync (0: none)
+        self.settling = 0  # received messages waiting for their covering fsync (the group commit backlog)
         self.counts = QueueCounts()  # messages by state (mtaq queue size)
         self.parked = Parked()  # held and delayed envelopes, which no runner reads
         # Envelopes an administrator's action started while a runner or the parked scheduler may still offer
@@ -120,6 +123,10 @@ class Queue:
         Raises StorageFull / StorageError / StorageFatal (nothing acknowledged); StorageFull also when the
         spool has less than ``minfree_bytes`` + the message free.
         """
+        if self.commit_backlog_max and self.settling >= self.commit_backlog_max:
+            raise QueueBusy(f"{self.settling} messages wait for an fsync (commit_backlog_max)")
+        if self.messages_max and self.counts.total() >= self.messages_max:
+            raise StorageFull(f"the queue holds {self.counts.total()} messages (queue_messages_max)")
         if self.minfree_bytes and self.log.free_bytes() < self.minfree_bytes + len(body):
             raise StorageFull(f"spool free space below queue_minfree_bytes ({self.minfree_bytes} bytes)")
         env, pos, lsn = self._append_message(
@@ -173,7 +180,11 @@ class Queue:
         return env, pos, lsn
 
     async def _settle(self, env: EnvelopeRecord, pos: Pos, lsn: int) -> None:
-        await self.log.commit(lsn)
+        self.settling += 1
+        try:
+            await self.log.commit(lsn)
+        finally:
+            self.settling -= 1
         self.received += 1
         self.on_durable(env, pos)
 

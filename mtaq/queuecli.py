@@ -25,9 +25,9 @@ from typing import Any, TextIO
 
 import msgspec
 
+from mtaq.admin import format_time
 from mtaq.core.duration import parse_duration
 from mtaq.core.parking import ADMIN_ACTIONS
-from mtaq.core.view import format_time
 from mtaq.errors import MtaqError
 
 __all__ = ["add_queue_parser", "format_mailq", "run_queue"]
@@ -368,7 +368,7 @@ def format_show(d: dict[str, Any]) -> str:
         lines.append(f"  {r['address']}{reason}")
     if "headers" in d:
         lines.append("Headers:")
-        lines += [f"  {k}: {v}" for k, v in d["headers"]]
+        lines += [f"  {k}: {v}".replace("\r\n", "\n") for k, v in d["headers"]]  # folded lines stay folded
     elif "headers_error" in d:
         lines.append(f"Headers: unreadable: {d['headers_error']}")
     lines.append(f"(consistent as of log position {d['position_as_of']})")

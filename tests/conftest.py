@@ -61,3 +61,14 @@ def relay_factory(tmp_path) -> Iterator:
     yield make
     for r in made:
         r.close()
+
+
+@pytest.fixture(scope="session")
+def spark():
+    """One SparkSession (local[2], UTC) for the whole test session: starting one costs 6-9 s."""
+    pytest.importorskip("pyspark")
+    from mtaq.analytics.job import spark_session
+
+    s = spark_session("local[2]", [("spark.ui.enabled", "false")], app="mtaq tests")
+    yield s
+    s.stop()

@@ -117,14 +117,16 @@ def ehlo_lines(s: smtplib.SMTP) -> list[str]:
 
 
 def test_ehlo_advertises_dsn_and_keeps_aiosmtpds_extensions(server):
-    """EHLO is plain aiosmtpd's reply with DSN added before HELP; a second EHLO lists it once."""
+    """EHLO is plain aiosmtpd's reply with PIPELINING, ENHANCEDSTATUSCODES and DSN added before HELP;
+    a second EHLO lists each once."""
     with run_server(RecordingHandler(), SMTP) as plain, plain.client() as s:
         expected = ehlo_lines(s)
-    expected.insert(len(expected) - 1, "DSN")
+    expected[-1:-1] = ["PIPELINING", "ENHANCEDSTATUSCODES", "DSN"]
     with server.client() as s:
         lines = ehlo_lines(s)
         assert expected == lines
-        assert ["mx.test", "SIZE 1048576", "8BITMIME", "SMTPUTF8", "DSN", "HELP"] == lines
+        assert ["mx.test", "SIZE 1048576", "8BITMIME", "SMTPUTF8", "PIPELINING", "ENHANCEDSTATUSCODES", "DSN",
+                "HELP"] == lines
         assert s.has_extn("dsn")
         assert lines == ehlo_lines(s)
 
@@ -143,7 +145,7 @@ def test_helo_session_does_not_advertise_and_rejects_dsn_params(server):
         code, text = s.helo("client.test")
         assert 250 == code and b"DSN" not in text
         code, text = s.docmd("MAIL", "FROM:<a@example.org> RET=FULL")
-        assert 501 == code and text.startswith(b"Syntax: MAIL FROM:")
+        assert 501 == code and text.startswith(b"5.5.4 Syntax: MAIL FROM:")
         assert 250 == s.docmd("MAIL", "FROM:<a@example.org>")[0]
         code, _ = s.docmd("RCPT", "TO:<b@example.net> NOTIFY=NEVER")
         assert 501 == code
@@ -311,11 +313,11 @@ def test_each_transaction_starts_without_dsn_values(server):
 
 
 def test_help_still_knows_mail_and_rcpt(server):
-    """The overridden commands keep aiosmtpd's HELP text."""
+    """The overridden commands keep aiosmtpd's HELP text (with an enhanced status code)."""
     with server.client() as s:
         s.ehlo("client.test")
-        assert (250, b"Syntax: RCPT TO: <address> [SP <mail-parameters>]") == s.docmd("HELP", "RCPT")
-        assert (250, b"Syntax: MAIL FROM: <address> [SP <mail-parameters>]") == s.docmd("HELP", "MAIL")
+        assert (250, b"2.0.0 Syntax: RCPT TO: <address> [SP <mail-parameters>]") == s.docmd("HELP", "RCPT")
+        assert (250, b"2.0.0 Syntax: MAIL FROM: <address> [SP <mail-parameters>]") == s.docmd("HELP", "MAIL")
 
 
 def test_xtext_decode_and_encode():

@@ -172,7 +172,8 @@ def test_offline_list_size_show_read_the_spool_and_actions_fail(relay_factory):
     off_size = json.loads(queue("size", "--json", spool=r.spool).stdout)
     assert {k: online_size[k] for k in ("deferred", "held", "total")} == {k: off_size[k] for k in ("deferred", "held", "total")}
     shown = queue("show", a, "--json", spool=r.spool)
-    assert (0, a, ["Subject", "a"]) == (shown.returncode, json.loads(shown.stdout)["queue_id"], json.loads(shown.stdout)["headers"][0])
+    detail = json.loads(shown.stdout)
+    assert (0, a, True) == (shown.returncode, detail["queue_id"], ["Subject", "a"] in detail["headers"])
     act = queue("delete", a, spool=r.spool)
     assert 1 == act.returncode
     [line] = act.stderr.splitlines()

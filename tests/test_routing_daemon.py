@@ -8,6 +8,7 @@ MX records carry no port, so every MX host listens on the same ``smtp_port`` at 
 
 from __future__ import annotations
 
+import email.policy
 import json
 import smtplib
 import subprocess
@@ -65,7 +66,7 @@ class Mesh:
             s.mail(sender)
             for r in rcpts:
                 s.rcpt(r)
-            code, text = s.data(m.as_bytes())
+            code, text = s.data(m.as_bytes(policy=email.policy.SMTP))
         assert 250 == code
         return text.decode().rsplit(" ", 1)[1]
 
@@ -258,7 +259,7 @@ mx.new      IN A 127.0.0.4
         s.mail("s@origin.test", ["SMTPUTF8"])
         for r in ("jürgen@old.test", "bob@old.test", "jürgen@new.test"):
             s.rcpt(r)
-        assert 250 == s.data(msg.as_bytes())[0]
+        assert 250 == s.data(msg.as_bytes(policy=email.policy.SMTP))[0]
     qid = m.events("queued")[0]["queue_id"]
     finals = m.finals(qid, 3)
     assert {

@@ -345,3 +345,29 @@ def test_spool_below_its_free_space_floor_refuses_new_mail_with_452_but_keeps_de
         assert 250 == code
 
     run(tmp_path, body, retry_intervals_s=[60.0])
+
+
+def test_attempt_hanging_past_delivery_timeout_is_abandoned_and_retried_at_once(tmp_path):
+    """The next hop hangs after DATA: past delivery_timeout_s the attempt is abandoned, the recipient's
+    outcome is unknown and the message is due again at once (CassieQ's visibility timeout); the retry is
+    delivered. The hung copy is never stored here, so exactly one copy arrives."""
+
+    async def body(h: Harness) -> None:
+        assert h.daemon is not None
+        orig = h.sink.handle_DATA
+        calls = []
+
+        async def hang_once(server, session, envelope):
+            calls.append(1)
+            if len(calls) == 1:
+                await asyncio.sleep(3600)
+            return await orig(server, session, envelope)
+
+        h.sink.handle_DATA = hang_once
+        await h.send("alice@example.org", ["bob@example.net"], "hang")
+        await h.until(lambda: h.sink.to("bob@example.net"), timeout_s=30, what="delivery by the retry")
+        assert 2 == len(calls)
+        assert 1 == len(h.sink.messages)
+        assert 0 == h.daemon.admin.size()["total"]
+
+    run(tmp_path, body, delivery_timeout_s=1.0)

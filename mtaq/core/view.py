@@ -12,7 +12,6 @@ has one whose attempt has no FINISH and no replacement before P (then it is acti
 
 from __future__ import annotations
 
-import datetime as dt
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -153,7 +152,3 @@ class Selector:
         """Matching entries in arrival order."""
         return sorted((e for e in entries if self.matches(e, now_ts)), key=lambda e: (e.envelope.arrival_ts, e.queue_id))
 
-
-def format_time(ts: float) -> str:
-    """``Sat Nov 21 04:44:50`` in UTC, as mailq prints arrival times."""
-    return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%a %b %d %H:%M:%S")

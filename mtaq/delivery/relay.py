@@ -322,6 +322,12 @@ class RelayConnection:
         except (aiosmtplib.SMTPException, OSError):
             self._drop()
 
+    def abort(self) -> None:
+        """Drop the connection at once, without QUIT (a transaction abandoned half-way, a hung server)."""
+        c, self._client = self._client, None
+        if c is not None:
+            c.close()
+
     async def close(self) -> None:
         c, self._client = self._client, None
         if c is not None:

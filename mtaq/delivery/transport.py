@@ -20,12 +20,14 @@ the least recently used idle one is closed when the pool is full.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from mtaq.delivery.relay import RelayConnection, Reply, TlsLevel
 from mtaq.delivery.routing import Candidate, Route, RouteFailure, Router
+from mtaq.delivery.throttle import Throttle
 
 __all__ = ["Batch", "ConnectionPool", "HopFailure", "deliver"]
 
@@ -100,6 +102,13 @@ class ConnectionPool:
                 break
             await self._entries.pop(key).conn.close()
 
+    def discard(self, conn: RelayConnection) -> None:
+        """Take ``conn`` out of the pool and drop it without QUIT."""
+        for key, e in list(self._entries.items()):
+            if e.conn is conn:
+                del self._entries[key]
+        conn.abort()
+
     async def close_idle(self) -> int:
         """Close connections not used for ``idle_s`` seconds; returns how many were closed."""
         now = self.clock()
@@ -121,11 +130,13 @@ async def deliver(
     rcpt_params: Sequence[Sequence[tuple[str, str]]] | None = None,
     record: Callable[[Batch], Awaitable[None]],
     on_hop_failure: Callable[[HopFailure], None] = lambda f: None,
+    throttle: Throttle | None = None,
 ) -> None:
     """Deliver ``body`` to ``recipients``; every position gets exactly one final reply through ``record``.
 
     ``record`` is awaited for each batch (the caller makes it durable there). ``on_hop_failure`` hears of
-    each host that was given up on for some recipients before the next one was tried.
+    each host that was given up on for some recipients before the next one was tried. ``throttle`` holds
+    a slot of each recipient domain of a group while it is delivered (per-domain concurrency and rate).
     """
     params = list(rcpt_params) if rcpt_params is not None else [()] * len(recipients)
     groups: dict[Route, list[int]] = {}
@@ -136,8 +147,13 @@ async def deliver(
             assert route.reply is not None
             await record(Batch("none", [(i, route.reply) for i in positions], discarded=route.kind == "discard"))
             continue
-        await _deliver_group(router, pool, route, positions, sender, recipients, params, body, mail_params,
-                             record, on_hop_failure)
+        if throttle is None:
+            await _deliver_group(router, pool, route, positions, sender, recipients, params, body, mail_params,
+                                 record, on_hop_failure)
+            continue
+        async with throttle.slots(recipients[i].rpartition("@")[2] for i in positions):
+            await _deliver_group(router, pool, route, positions, sender, recipients, params, body, mail_params,
+                                 record, on_hop_failure)
 
 
 async def _deliver_group(
@@ -172,6 +188,9 @@ async def _deliver_group(
                     mail_params=mail_params,
                     rcpt_params=[params[i] for i in pending],
                 )
+            except asyncio.CancelledError:
+                pool.discard(conn)  # abandoned mid-transaction (delivery_timeout_s): never reuse it
+                raise
             finally:
                 await pool.release(conn)
             final = [(i, r) for i, r in zip(pending, replies, strict=True) if not 400 <= r.code < 500]

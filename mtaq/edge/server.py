@@ -1,7 +1,9 @@
 """The SMTP server side: aiosmtpd does the protocol; this handler queues the message durably.
 
 RFC 5321 §6.1: after ``250`` to DATA the message is ours and must not be lost. The reply is therefore sent
-only after the DATA and ENVELOPE records are covered by an fsync (group commit). The ``queued`` event and
+only after the DATA and ENVELOPE records are covered by an fsync (group commit). The body appended is the
+message as received with one ``Received:`` header in front (RFC 5321 §4.4, :mod:`mtaq.edge.trace`): the
+log holds exactly what is relayed. The ``queued`` event and
 the scheduling happen in :meth:`Queue.receive` once the message is durable, whether or not the client is
 still there to hear the 250. A storage failure is
 answered ``451 4.3.0`` (``452 4.3.1`` when the spool is full) and the message is not acknowledged.
@@ -14,7 +16,10 @@ from typing import Any
 
 from aiosmtpd.smtp import SMTP, Envelope, Session
 
+from mtaq.edge.limits import ConnectionGate
+from mtaq.edge.policy import EdgePolicy
 from mtaq.edge.smtp import MtaqSMTP
+from mtaq.edge.trace import protocol_name, received_header
 from mtaq.errors import StorageError
 from mtaq.logs import get_logger
 from mtaq.queue import Queue
@@ -31,9 +36,18 @@ class QueueHandler:
         self.log = get_logger()
 
     async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
-        body = envelope.original_content or b""
         peer = session.peer
         client = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer or "")
+        trace = received_header(
+            helo=session.host_name or "",
+            client_ip=str(peer[0]) if isinstance(peer, tuple) else "",
+            hostname=server.hostname,
+            protocol=protocol_name(extended=bool(session.extended_smtp), tls=session.ssl is not None,
+                                   authenticated=bool(session.authenticated), smtputf8=bool(envelope.smtp_utf8)),
+            recipients=envelope.rcpt_tos,
+            when_ts=self.queue.clock(),
+        )
+        body = trace + (envelope.original_content or b"")
         mail_params = [_param(o) for o in envelope.mail_options]
         ret, envid = getattr(envelope, "dsn_ret", None), getattr(envelope, "dsn_envid", None)
         if ret:
@@ -71,19 +85,35 @@ async def start_server(
     hostname: str,
     data_size_limit: int,
     timeout_s: float,
+    policy: EdgePolicy | None = None,
 ) -> asyncio.AbstractServer:
-    """Listen on ``host:port`` with aiosmtpd's SMTP protocol; returns the asyncio server."""
+    """Listen on ``host:port`` with :class:`MtaqSMTP`; returns the asyncio server.
+
+    ``data_size_limit`` in bytes (SIZE, ``552 5.3.4``); ``timeout_s`` the idle time before ``421 4.4.2``;
+    ``policy`` the relay control, limits, TLS and AUTH (default: :class:`EdgePolicy`'s safe defaults).
+    All connections of the listener share one :class:`ConnectionGate`. Raises OSError if it cannot listen.
+    """
     loop = asyncio.get_running_loop()
+    pol = policy if policy is not None else EdgePolicy()
+    gate = ConnectionGate(
+        connections_max=pol.connections_max,
+        per_client_per_minute_max=pol.client_connections_per_minute_max,
+        exempt=pol.in_mynetworks,
+        clock=loop.time,
+    )
 
     def factory() -> Any:
         return MtaqSMTP(
             handler,
             hostname=hostname,
-            ident="mtaq",
+            ident="ESMTP mtaq",
             data_size_limit=data_size_limit,
             enable_SMTPUTF8=True,
             decode_data=False,
             timeout=timeout_s,
+            tls_context=pol.tls_context,
+            policy=pol,
+            gate=gate,
             loop=loop,
         )
 

@@ -20,16 +20,47 @@ parameter is (aiosmtpd's reply, unchanged).
 
 RFC 3461 lets the MAIL line grow by the ENVID and RET parameters and the RCPT line by up to 500 characters
 of ORCPT; the per-command line limits are raised accordingly after an EHLO that advertised DSN.
+
+The same class is where the edge is made safe (the policy is :class:`~mtaq.edge.policy.EdgePolicy`):
+
+* **Relay control and address checks** at MAIL and RCPT, before the handler's hooks (``553 5.1.3``,
+  ``553 5.6.7``, ``554 5.7.1``), and at most ``recipients_max`` recipients (``452 4.5.3``, RFC 5321
+  §4.5.3.1.10).
+* **DATA** is read here, not by aiosmtpd: only ``CRLF . CRLF`` ends it (RFC 5321 §4.1.1.4, §2.3.8). A bare
+  CR or LF anywhere in it is refused (``550 5.5.2 ... Error: bare <LF> received``, then the connection is
+  closed, as Postfix 3.9 does with ``smtpd_forbid_bare_newline = reject``) or, with ``normalize``, turned
+  into CRLF; either way ``\n.\r\n``, ``\n.\n``, ``\r.\r\n`` and the like are message content and can neither
+  end the message nor start a second one. A text line longer than 1000 octets with its CRLF, not counting
+  the transparency dot (RFC 5321 §4.5.3.1.6), gets ``500 5.5.2`` (Exim's ``message_linelength_limit``
+  refuses such lines too); more than ``data_size_limit`` octets get ``552 5.3.4``. Each reply comes after
+  the final dot (RFC 5321 §4.2.5) and nothing of a refused message reaches the handler.
+* **Replies**: every 2xx/4xx/5xx reply carries an enhanced status code (RFC 2034, :mod:`mtaq.edge.replies`);
+  EHLO also offers PIPELINING, ENHANCEDSTATUSCODES and DSN; AUTH only with a password file and only after
+  STARTTLS (aiosmtpd answers ``538 5.7.11`` before it).
+* **Limits**: connections over the :class:`~mtaq.edge.limits.ConnectionGate` get ``421 4.7.0`` instead of
+  the greeting; an idle client gets ``421 4.4.2`` (aiosmtpd just closed); after ``errors_max`` 5xx replies
+  the client gets ``421 4.7.0 ... too many errors`` (Postfix ``smtpd_hard_error_limit``). After any 421 the
+  connection is closed and nothing more is read (RFC 5321 §3.8).
+* **STARTTLS**: aiosmtpd discards what the client sent after ``STARTTLS`` in the clear before the handshake
+  (RFC 3207 §4.2; the CVE-2011-0411 command injection), and starts a fresh session after it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import binascii
 import collections
 import re
 from collections.abc import Collection, Iterable
 from typing import Any
 
-from aiosmtpd.smtp import SMTP, Envelope, syntax
+from aiosmtpd.smtp import MISSING, SMTP, AuthResult, Envelope, LoginPassword, TLSSetupException, syntax
+
+from mtaq.edge.limits import ConnectionGate
+from mtaq.edge.policy import EdgePolicy, address_problem
+from mtaq.edge.replies import enhance, reply_code
+from mtaq.logs import get_logger
 
 __all__ = ["DsnEnvelope", "DsnParams", "DsnSyntaxError", "MtaqSMTP", "decode_xtext", "encode_xtext",
            "parse_mail_dsn", "parse_rcpt_dsn"]
@@ -58,6 +89,11 @@ _HEXCHAR = re.compile(r"\+([0-9A-F]{2})")
 _ADDR_TYPE = re.compile(r"[A-Za-z0-9!#$%&'*+\-/?^_`{|}~]+")
 
 _SYNTAX = "501 5.5.4 Syntax error in parameters: "
+
+TEXT_LINE_MAX = 1000
+"""RFC 5321 §4.5.3.1.6: a text line is at most 1000 octets with its CRLF (not counting a transparency dot)."""
+_EXTENSIONS = ("PIPELINING", "ENHANCEDSTATUSCODES", "DSN")
+_NEWLINES = re.compile(rb"\r\n|\r|\n")
 
 
 class DsnSyntaxError(ValueError):
@@ -172,17 +208,28 @@ def parse_rcpt_dsn(tokens: Iterable[str]) -> DsnParams:
 
 
 class MtaqSMTP(SMTP):
-    """aiosmtpd's :class:`~aiosmtpd.smtp.SMTP` with the RFC 3461 DSN extension (see the module docstring).
+    """aiosmtpd's :class:`~aiosmtpd.smtp.SMTP` with DSN, relay control, limits, DATA checks (module docstring).
 
-    Takes the same arguments as aiosmtpd's SMTP. The envelope is a :class:`DsnEnvelope`; a subclass that
-    overrides :meth:`_create_envelope` must return one.
+    Takes aiosmtpd's arguments, plus ``policy`` (default: :class:`EdgePolicy`'s safe defaults) and ``gate``
+    (connection admission shared by the listener; None admits everyone). Pass ``tls_context`` for STARTTLS.
+    The envelope is a :class:`DsnEnvelope`; a subclass that overrides :meth:`_create_envelope` must return one.
     """
 
-    def __init__(self, handler: Any, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self, handler: Any, *args: Any, policy: EdgePolicy | None = None, gate: ConnectionGate | None = None, **kwargs: Any
+    ) -> None:
         # aiosmtpd keeps the per-command line limits in a class attribute, shared by every connection (and
         # grown on each EHLO); give each connection its own.
         self.command_size_limits = collections.defaultdict(lambda: self.command_size_limit)
         self._ehlo_lines: list[str | bytes] | None = None
+        self.policy = policy if policy is not None else EdgePolicy()
+        self.sasl_enabled = self.policy.passwords is not None  # HELP lists AUTH only then
+        self.gate = gate
+        self._verb: str | None = None  # the command being answered, for the enhanced status codes
+        self._errors = 0  # 5xx replies sent in this connection
+        self._closing = False  # a 421 went out: say nothing more
+        self._admitted = False  # holds a place in the gate
+        self._refusal: str | None = None  # why the gate refused this connection
         super().__init__(handler, *args, **kwargs)
 
     def _create_envelope(self) -> DsnEnvelope:
@@ -194,40 +241,224 @@ class MtaqSMTP(SMTP):
         assert isinstance(envelope, DsnEnvelope), "MtaqSMTP needs a DsnEnvelope"
         return envelope
 
+    def client_ip(self) -> str:
+        """The client's IP address as text ("" if unknown)."""
+        peer = self.session.peer if self.session is not None else None
+        return str(peer[0]) if isinstance(peer, tuple) and peer else ""
+
+    # ---------------------------------------------------------------------------- connection and replies
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """aiosmtpd's, plus admission through the gate on the first call (not again after STARTTLS)."""
+        first = self.transport is None and self._original_transport is None
+        if first and self.gate is not None:
+            peer = transport.get_extra_info("peername")
+            ip = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+            self._refusal = self.gate.admit(ip)
+            self._admitted = self._refusal is None
+        super().connection_made(transport)
+
+    def connection_lost(self, error: Exception | None) -> None:
+        """aiosmtpd's, and the connection's place in the gate is given back."""
+        if self._admitted and self.gate is not None:
+            self._admitted = False
+            self.gate.release()
+        super().connection_lost(error)
+
+    async def _handle_client(self) -> None:
+        if self._refusal is not None:
+            await self.push(f"421 4.7.0 {self.hostname} Error: {self._refusal}")
+            return
+        await super()._handle_client()
+
+    def _timeout_cb(self) -> None:
+        """An idle client: ``421 4.4.2`` (RFC 3463: connection dropped, timeout), then aiosmtpd closes."""
+        if self.transport is not None and not self._closing and not self.transport.is_closing():
+            self._closing = True
+            self._writer.write(f"421 4.4.2 {self.hostname} Error: timeout exceeded\r\n".encode("ascii"))
+        super()._timeout_cb()  # type: ignore[no-untyped-call]
+
+    def _hang_up(self) -> None:
+        """Close after a 421: nothing more is read or answered (pipelined commands are dropped)."""
+        self._closing = True
+        if self.transport is not None:
+            self.transport.close()
+        if self._handler_coroutine is not None:
+            self._handler_coroutine.cancel()
+
     async def push(self, status: str | bytes) -> bool:
-        """Send one reply line, or hold it back while an EHLO reply is being assembled."""
+        """Send one reply line with its enhanced status code, or hold it back while EHLO is assembled.
+
+        Counts 5xx replies; at ``policy.errors_max`` adds ``421 4.7.0 ... too many errors`` and hangs up.
+        After any 421 the connection is closed.
+        """
         if self._ehlo_lines is not None:
             self._ehlo_lines.append(status)
             return False
-        # aiosmtpd's push takes AnyStr: bind it to str or to bytes, not to the union.
-        if isinstance(status, str):
-            sent: bool = await super().push(status)
-        else:
-            sent = await super().push(status)
+        if self._closing:
+            return False
+        if isinstance(status, bytes):
+            raw = status
+            try:
+                status = raw.decode("ascii")
+            except UnicodeDecodeError:
+                sent_raw: bool = await super().push(raw)
+                return sent_raw
+        text = enhance(status, self._verb)
+        sent: bool = await super().push(text)
+        code = reply_code(text)
+        if code == 421:
+            self._hang_up()
+        elif code >= 500:
+            self._errors += 1
+            if self._errors >= self.policy.errors_max:
+                await super().push(f"421 4.7.0 {self.hostname} Error: too many errors")
+                self._hang_up()
         return sent
+
+    async def handle_exception(self, error: Exception) -> str:
+        """A failed TLS handshake is the client's business (one log line); any other exception is a bug:
+        logged, and the client gets ``451 4.3.0`` (try again later) rather than the exception's text."""
+        if hasattr(self.event_handler, "handle_exception"):
+            return await super().handle_exception(error)
+        if isinstance(error, TLSSetupException):
+            get_logger().warning("tls_handshake_failed", client=self.client_ip(), error=str(error.__cause__ or error))
+            return "454 4.7.0 TLS not available due to temporary reason"
+        get_logger().exception("smtp_session_error", client=self.client_ip(), error=str(error))
+        return "451 4.3.0 Error: internal error"
+
+    async def _call_handler_hook(self, command: str, *args: Any) -> Any:
+        """The policy first (MAIL: address checks; RCPT: count, address checks, relay control), then the
+        handler's own hook. A reply string refuses the command (aiosmtpd then records nothing)."""
+        if command in ("MAIL", "RCPT"):
+            envelope = self._dsn_envelope()
+            address = str(args[0])
+            smtputf8 = bool(envelope.smtp_utf8)
+            if command == "MAIL":
+                problem = address_problem(address, smtputf8=smtputf8, null_ok=True)
+                if problem is not None:
+                    return problem
+            else:
+                if len(envelope.rcpt_tos) >= self.policy.recipients_max:
+                    return "452 4.5.3 Error: too many recipients"
+                assert self.session is not None
+                refusal = self.policy.rcpt_reply(address, client_ip=self.client_ip(),
+                                                 authenticated=bool(self.session.authenticated), smtputf8=smtputf8)
+                if refusal is not None:
+                    return refusal
+        return await super()._call_handler_hook(command, *args)
+
+    # ------------------------------------------------------------------------------------------ commands
+    @syntax("HELO hostname")
+    async def smtp_HELO(self, hostname: str) -> None:
+        """aiosmtpd's HELO (its 250 reply carries no enhanced code, RFC 2034 §3)."""
+        self._verb = "HELO"
+        try:
+            await super().smtp_HELO(hostname)
+        finally:
+            self._verb = None
 
     @syntax("EHLO hostname")
     async def smtp_EHLO(self, hostname: str) -> None:
-        """aiosmtpd's EHLO (and the handler's ``handle_EHLO``), with ``DSN`` added to a positive reply."""
+        """aiosmtpd's EHLO (and the handler's ``handle_EHLO``), with PIPELINING, ENHANCEDSTATUSCODES and
+        DSN added to a positive reply, and AUTH left out when there is no password file."""
         if hostname:
             self.command_size_limits.clear()  # aiosmtpd adds to them on each EHLO; start over
         self._ehlo_lines = []
+        self._verb = "EHLO"
         try:
-            await super().smtp_EHLO(hostname)
-            lines = self._ehlo_lines
+            try:
+                await super().smtp_EHLO(hostname)
+                lines = self._ehlo_lines
+            finally:
+                self._ehlo_lines = None
+            if self.policy.passwords is None:
+                lines = [line for line in lines if _ehlo_keyword(line) != "AUTH"]
+            extended = _with_extensions(lines, _EXTENSIONS)
+            if extended is not None:
+                lines = [*extended]
+                self.command_size_limits["MAIL"] += _MAIL_EXTRA
+                self.command_size_limits["RCPT"] += _RCPT_EXTRA
+            # One write for the whole reply: clients that read "a line" and take what came with it (nmap's
+            # smtp library) would otherwise take the rest of the EHLO reply as the reply to what follows.
+            texts = [line.decode("utf-8", "replace") if isinstance(line, bytes) else line for line in lines]
+            await self.push("\r\n".join(texts))
         finally:
-            self._ehlo_lines = None
-        extended = _with_dsn(lines)
-        if extended is not None:
-            lines = [*extended]
-            self.command_size_limits["MAIL"] += _MAIL_EXTRA
-            self.command_size_limits["RCPT"] += _RCPT_EXTRA
-        for line in lines:
-            await self.push(line)
+            self._verb = None
+
+    @syntax("STARTTLS", when="tls_context")
+    async def smtp_STARTTLS(self, arg: str) -> None:
+        """aiosmtpd's STARTTLS (RFC 3207), answered ``220 2.0.0``."""
+        self._verb = "STARTTLS"
+        try:
+            await super().smtp_STARTTLS(arg)
+        finally:
+            self._verb = None
+
+    @syntax("AUTH <mechanism>", when="sasl_enabled")
+    async def smtp_AUTH(self, arg: str) -> None:
+        """aiosmtpd's AUTH (RFC 4954), only with a password file and never inside a mail transaction."""
+        if self.policy.passwords is None:
+            await self.push("503 5.5.1 Error: authentication not enabled")
+            return
+        if self.envelope is not None and self.envelope.mail_from:
+            await self.push("503 5.5.1 Error: MAIL transaction in progress")  # RFC 4954 §4
+            return
+        await super().smtp_AUTH(arg)
+
+    async def auth_PLAIN(self, _: SMTP, args: list[str]) -> AuthResult:
+        """SASL PLAIN (RFC 4616): ``authzid NUL authcid NUL passwd``; authzid empty or the user's own."""
+        blob = await self.challenge_auth("") if len(args) == 1 else await self._initial_response(args[1])
+        if not isinstance(blob, bytes):  # MISSING or None: answered already
+            return AuthResult(success=False, handled=True)
+        parts = blob.split(b"\x00")
+        if len(parts) != 3:
+            await self.push("501 5.5.2 Error: malformed PLAIN response")
+            return AuthResult(success=False, handled=True)
+        authzid, user, password = parts
+        if authzid and authzid != user:
+            return AuthResult(success=False, handled=False)  # no authorisation as someone else: 535 5.7.8
+        return await self._check_password(user, password)
+
+    async def auth_LOGIN(self, _: SMTP, args: list[str]) -> AuthResult:
+        """SASL LOGIN (draft-murchison-sasl-login): user name, then password, each base64."""
+        user = await self.challenge_auth("Username:") if len(args) == 1 else await self._initial_response(args[1])
+        if not isinstance(user, bytes):  # MISSING or None: answered already
+            return AuthResult(success=False, handled=True)
+        password = await self.challenge_auth("Password:")
+        if not isinstance(password, bytes):
+            return AuthResult(success=False, handled=True)
+        return await self._check_password(user, password)
+
+    async def _initial_response(self, text: str) -> bytes | None:
+        """Decode an RFC 4954 §4 initial response (``=`` is empty); None after answering ``501``."""
+        if text == "=":
+            return b""
+        try:
+            return base64.b64decode(text, validate=True)
+        except (binascii.Error, ValueError):
+            await self.push("501 5.5.2 Error: cannot decode base64")
+            return None
+
+    async def _check_password(self, user: bytes, password: bytes) -> AuthResult:
+        """Check against the password file in a thread (bcrypt is slow on purpose). Failure: 535 5.7.8."""
+        passwords = self.policy.passwords
+        assert passwords is not None
+        name = user.decode("utf-8", "replace")
+        ok = await asyncio.to_thread(passwords.verify, name, password)
+        if ok:
+            return AuthResult(success=True, auth_data=LoginPassword(user, b""))
+        return AuthResult(success=False, handled=False)
 
     @syntax("MAIL FROM: <address>", extended=" [SP <mail-parameters>]")
     async def smtp_MAIL(self, arg: str | None) -> None:
         """aiosmtpd's MAIL, with RET and ENVID taken out, checked and kept on the envelope."""
+        self._verb = "MAIL"
+        try:
+            await self._mail(arg)
+        finally:
+            self._verb = None
+
+    async def _mail(self, arg: str | None) -> None:
         split = self._take_params(arg, "FROM:", _MAIL_KEYWORDS)
         if split is None:
             await super().smtp_MAIL(arg)
@@ -253,6 +484,13 @@ class MtaqSMTP(SMTP):
     @syntax("RCPT TO: <address>", extended=" [SP <mail-parameters>]")
     async def smtp_RCPT(self, arg: str | None) -> None:
         """aiosmtpd's RCPT, with NOTIFY and ORCPT taken out, checked and kept per accepted recipient."""
+        self._verb = "RCPT"
+        try:
+            await self._rcpt(arg)
+        finally:
+            self._verb = None
+
+    async def _rcpt(self, arg: str | None) -> None:
         split = self._take_params(arg, "TO:", _RCPT_KEYWORDS)
         if split is None:
             await self._rcpt_aligned(arg, ())
@@ -278,6 +516,93 @@ class MtaqSMTP(SMTP):
         while len(envelope.rcpt_dsn) < len(envelope.rcpt_tos):
             envelope.rcpt_dsn.append(params)
 
+    @syntax("DATA")
+    async def smtp_DATA(self, arg: str) -> None:
+        """Read the message (see the module docstring for what is refused), then the handler's
+        ``handle_DATA`` decides the reply. RFC 5321 §4.1.1.4, §4.5.2 (dot transparency)."""
+        if await self.check_helo_needed() or await self.check_auth_needed("DATA"):
+            return
+        envelope = self._dsn_envelope()
+        if not envelope.rcpt_tos:
+            await self.push("503 Error: need RCPT command")
+            return
+        if arg:
+            await self.push("501 Syntax: DATA")
+            return
+        await self.push("354 End data with <CR><LF>.<CR><LF>")
+        content, refusal, hang_up = await self._read_data()
+        if refusal is not None:
+            self._set_post_data_state()  # type: ignore[no-untyped-call]
+            await self.push(refusal)
+            if hang_up:
+                self._hang_up()
+            return
+        envelope.content = envelope.original_content = content
+        self._reset_timeout()  # the handler's wait for the fsync is not the client's idleness
+        status = await self._call_handler_hook("DATA") if "DATA" in self._handle_hooks else MISSING
+        self._set_post_data_state()  # type: ignore[no-untyped-call]
+        self._verb = "DATA"
+        try:
+            await self.push("250 OK" if status is MISSING else status)
+        finally:
+            self._verb = None
+
+    async def _read_data(self) -> tuple[bytes, str | None, bool]:
+        """``(content, None, False)``, or ``(b"", reply, hang_up)`` for a refused message; reads up to
+        ``CRLF . CRLF``.
+
+        Lines are split on CRLF only; a leading dot is removed from each (RFC 5321 §4.5.2). A bare CR or LF
+        is refused or, under ``normalize``, replaced by CRLF after that (so no dot is removed after one).
+        Once a message is refused its lines are no longer kept.
+        """
+        reader = self._reader
+        limit = self.data_size_limit or 0
+        normalize = self.policy.bare_newline == "normalize"
+        kept: list[bytes] = []
+        size = 0
+        bare: str | None = None
+        too_long = too_big = False
+        partial = False  # inside a line longer than the reader's limit (its pieces come one by one)
+        ended_ok = False
+        while self.transport is not None:
+            try:
+                line: bytes = await reader.readuntil(b"\r\n")
+                piece, ended = line[:-2], True
+            except asyncio.LimitOverrunError as exc:
+                line = await reader.read(exc.consumed)
+                piece, ended = line, False
+            self._reset_timeout()
+            if ended and not partial and line == b".\r\n":
+                ended_ok = True
+                break
+            if bare is None and (b"\n" in piece or b"\r" in piece):
+                cr, lf = piece.find(b"\r"), piece.find(b"\n")
+                bare = "<CR>" if lf < 0 or 0 <= cr < lf else "<LF>"
+            if not partial and line.startswith(b"."):
+                line = line[1:]  # dot transparency
+            if not ended or partial or len(line) > TEXT_LINE_MAX:
+                too_long = True
+            partial = not ended
+            size += len(line)
+            if limit and size > limit:
+                too_big = True
+            if too_long or too_big or (bare is not None and not normalize):
+                kept.clear()  # refused: keep nothing
+                continue
+            kept.append(_NEWLINES.sub(b"\r\n", line) if normalize and bare is not None else line)
+        if not ended_ok:
+            # The connection went away before the final dot: a message without its end is never queued.
+            raise asyncio.CancelledError
+        if bare is not None and not normalize:
+            # Postfix 3.9 smtpd_forbid_bare_newline = reject: its reply code (550), then disconnect: what
+            # follows on this connection cannot be trusted to be what the client meant.
+            return b"", f"550 5.5.2 {self.hostname} Error: bare {bare} received", True
+        if too_big:
+            return b"", "552 5.3.4 Error: message size exceeds fixed maximum message size", False
+        if too_long:
+            return b"", f"500 5.5.2 Error: line too long (RFC 5321 §4.5.3.1.6: {TEXT_LINE_MAX} octets)", False
+        return b"".join(kept), None, False
+
     def _take_params(self, arg: str | None, keyword: str, ours: Collection[str]) -> tuple[str, list[str]] | None:
         """``(arg without our parameters, our parameter tokens)``; ``None`` if there are none of ours.
 
@@ -301,11 +626,18 @@ class MtaqSMTP(SMTP):
         return " ".join([keyword + head, *kept]), taken
 
 
-def _with_dsn(lines: list[str | bytes]) -> list[str] | None:
-    """The EHLO reply ``lines`` with ``DSN`` added before the last line, or ``None`` to leave it as it is.
+def _ehlo_keyword(line: str | bytes) -> str:
+    """The extension keyword of an EHLO reply line (``"250-AUTH PLAIN"`` -> ``"AUTH"``)."""
+    text = line.decode("ascii", "replace") if isinstance(line, bytes) else line
+    words = text[4:].split()
+    return words[0].upper() if words else ""
 
-    Only a well-formed positive reply (``250-`` lines, then one ``250 `` line) that does not already list
-    DSN is changed.
+
+def _with_extensions(lines: list[str | bytes], extensions: Iterable[str]) -> list[str] | None:
+    """The EHLO reply ``lines`` with ``extensions`` added before the last line (those not listed yet), or
+    ``None`` to leave it as it is.
+
+    Only a well-formed positive reply (``250-`` lines, then one ``250 `` line) is changed.
     """
     texts: list[str] = []
     for line in lines:
@@ -320,7 +652,10 @@ def _with_dsn(lines: list[str | bytes]) -> list[str] | None:
     if not all(t.startswith("250-") for t in texts[:-1]) or not texts[-1].startswith("250 "):
         return None
     words = [t[4:] for t in texts]
-    if any(w.upper().split()[:1] == ["DSN"] for w in words[1:]):
-        return None
-    words.insert(max(1, len(words) - 1), "DSN")
+    have = {w.upper().split()[0] for w in words[1:] if w.split()}
+    at = max(1, len(words) - 1)
+    for ext in extensions:
+        if ext not in have:
+            words.insert(at, ext)
+            at += 1
     return [f"250-{w}" for w in words[:-1]] + [f"250 {words[-1]}"]

@@ -114,6 +114,7 @@ def start_daemon(
     env: dict[str, str] | None = None,
     wrapper: Sequence[str] = (),
     admin_listen: str | None = "127.0.0.1:0",
+    extra: Sequence[str] = (),
 ) -> Proc:
     """Start ``mtaq serve`` on ``spool`` relaying to 127.0.0.1:``relay_port``; returns once SMTP listens
     (the admin API listens before SMTP does, so ``SPOOL/admin.json`` is there by then).
@@ -121,6 +122,7 @@ def start_daemon(
     With ``relay_port`` None there is no ``--relayhost`` flag: the config file (or the default) decides.
     ``admin_listen`` is the ``--admin-listen`` flag (default: a free port on 127.0.0.1, so that daemons
     started side by side never share 2580); None leaves it to the config file.
+    ``extra``: more ``mtaq serve`` flags (e.g. ``--mynetworks``).
     """
     port = port or free_port()
     args = ["--log-format", "json", "serve", "--spool", spool, "--listen", f"127.0.0.1:{port}"]
@@ -130,6 +132,7 @@ def start_daemon(
         args += ["--relayhost", f"[127.0.0.1]:{relay_port}"]
     if config:
         args += ["--config", config]
+    args += list(extra)
     if wrapper:
         out = open(log_path, "ab")
         p = subprocess.Popen([*wrapper, sys.executable, "-m", "mtaq.cli", *args], stdout=out, stderr=out,

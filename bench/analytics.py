@@ -1,0 +1,139 @@
+"""Benchmark: records/s of the Spark job on local[2] against a plain single-process Python scan (same codec).
+
+Generates segments directly with :class:`mtaq.storage.log.Log` (realistic record sequences, not SMTP):
+per message DATA, ENVELOPE, START, DELIVERY, then FINISH or a replacement (DATA copied forward, ENVELOPE)
+and more attempts. Mix: 80 % delivered at once, 10 % deferred once then delivered 30 min later, 5 %
+bounced (5xx), 5 % deferred three times then delivered; 1-3 recipients per message; arrivals spread over
+``--days`` days. Then it measures, on the same segments:
+
+* ``plain``: :func:`mtaq.analytics.plain.plain_totals`, one Python process (parse + headline totals);
+* ``spark_scan``: the ``mtaq`` data source alone on ``--master`` (parse + count of rows);
+* ``spark_job``: the whole ``mtaq analyze`` job (every table, Parquet, report).
+
+Prints one JSON object: records, bytes, seconds and records/s of each, and the ratios.
+
+    .venv/bin/python bench/analytics.py --records 10000000 --dir /tmp/mtaq-bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import sys
+import time
+
+from mtaq.core.records import DataRecord, DeliveryRecord, EnvelopeRecord, FinishRecord, Outcome, Recipient, StartRecord
+from mtaq.storage.fs import OsFileSystem
+from mtaq.storage.log import Log
+
+
+def generate(spool: str, records: int, *, days: int = 3, body_bytes: int = 300, seed: int = 7) -> int:
+    """Write about ``records`` records into ``spool/log``; return the number written (seals excluded)."""
+    rnd = random.Random(seed)
+    log, _ = Log.open(OsFileSystem(), os.path.join(spool, "log"), segment_bytes_max=64 << 20)
+    body = b"Subject: bench\r\n\r\n" + b"x" * (body_bytes - 20) + b"\r\n"
+    domains = [f"d{i}.example" for i in range(200)]
+    senders = [f"s{i}@src{i % 50}.example" for i in range(1000)]
+    t0 = 1_740_787_200.0  # 2025-03-01T00:00:00Z
+    span = days * 86400.0
+    n = 0
+    i = 0
+    while n < records:
+        i += 1
+        qid = f"B{i:014d}"
+        now = t0 + span * (i * 0.6180339887 % 1.0)
+        rcpts = tuple(Recipient(k, f"u{rnd.randrange(5000)}@{rnd.choice(domains)}") for k in range(rnd.randint(1, 3)))
+        sender = rnd.choice(senders)
+        roll = rnd.random()
+        plan = (["ok"] if roll < 0.8 else ["def", "ok"] if roll < 0.9 else ["bounce"] if roll < 0.95
+                else ["def", "def", "def", "ok"])
+        data, _ = log.append(DataRecord(qid, body))
+        env = EnvelopeRecord(qid, 0, now, now, sender, rcpts, data, len(body), client="192.0.2.1", helo="c.example")
+        env_pos, _ = log.append(env)
+        n += 2
+        for a, step in enumerate(plan):
+            start, _ = log.append(StartRecord(qid, env_pos, now, env.runner))
+            if step == "ok":
+                outs = tuple(Outcome(r.index, "delivered", 250, "2.0.0", "Ok") for r in env.recipients)
+            elif step == "bounce":
+                outs = tuple(Outcome(r.index, "failed", 550, "5.1.1", "no such user") for r in env.recipients)
+            else:
+                outs = tuple(Outcome(r.index, "deferred", 451, "4.2.0", "try later") for r in env.recipients)
+            log.append(DeliveryRecord(qid, start, now + 0.2, "mx[192.0.2.25]:25", outs))
+            n += 2
+            if step != "def":
+                log.append(FinishRecord(qid, start, now + 0.2))
+                n += 1
+                break
+            now += 1800.0
+            data, _ = log.append(DataRecord(qid, body))
+            env = EnvelopeRecord(qid, env.generation + 1, env.arrival_ts, now, sender, env.recipients, data, len(body),
+                                 attempts=a + 1, replaces=start, runner=min(a + 1, 4))
+            env_pos, _ = log.append(env)
+            n += 2
+    asyncio.run(log.sync())
+    log.close()
+    return n
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--records", type=int, default=10_000_000)
+    ap.add_argument("--dir", default="/tmp/mtaq-bench-analytics")
+    ap.add_argument("--master", default="local[2]")
+    ap.add_argument("--keep", action="store_true", help="reuse segments already generated in --dir")
+    ap.add_argument("--driver-memory", default="4g")
+    args = ap.parse_args()
+    spool = os.path.join(args.dir, "spool")
+    t = time.monotonic()
+    if not (args.keep and os.path.isdir(os.path.join(spool, "log"))):
+        shutil.rmtree(args.dir, ignore_errors=True)
+        written = generate(spool, args.records)
+        print(f"generated {written} records in {time.monotonic() - t:.1f} s", file=sys.stderr)
+    from mtaq.analytics.plain import plain_totals
+
+    t = time.monotonic()
+    plain = plain_totals([spool])
+    plain_s = time.monotonic() - t
+    records = plain["records"]
+    size = sum(os.path.getsize(os.path.join(spool, "log", f)) for f in os.listdir(os.path.join(spool, "log")))
+
+    from mtaq.analytics.job import Options, analyze, spark_session
+
+    spark = spark_session(args.master, [("spark.driver.memory", args.driver_memory)], app="mtaq bench")
+    from mtaq.analytics.datasource import register
+
+    register(spark)
+    t = time.monotonic()
+    rows = spark.read.format("mtaq").load(spool).count()
+    scan_s = time.monotonic() - t
+    t = time.monotonic()
+    res = analyze(spark, Options(paths=[spool], out=os.path.join(args.dir, "out"),
+                                 progress=lambda m: print(f"  {time.monotonic() - t:7.1f} s {m}", file=sys.stderr)))
+    job_s = time.monotonic() - t
+    same = {k: (plain[k], res.totals[k]) for k in ("received", "delivered", "deferrals", "bounced", "bytes_received")}
+    print(json.dumps({
+        "records": records,
+        "segment_bytes": size,
+        "rows": rows,
+        "master": args.master,
+        "plain_s": round(plain_s, 2),
+        "plain_records_per_s": round(records / plain_s),
+        "spark_scan_s": round(scan_s, 2),
+        "spark_scan_records_per_s": round(records / scan_s),
+        "spark_job_s": round(job_s, 2),
+        "spark_job_records_per_s": round(records / job_s),
+        "scan_ratio_spark_over_plain": round(plain_s / scan_s, 3),
+        "job_ratio_spark_over_plain": round(plain_s / job_s, 3),
+        "totals_agree": all(a == b for a, b in same.values()),
+        "totals": same,
+    }))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

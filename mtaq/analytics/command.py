@@ -1,0 +1,115 @@
+"""``mtaq analyze``: the arguments and the run (shared by ``mtaq.cli`` and the ``spark-submit`` entry file).
+
+Imports neither PySpark nor the daemon's logging here, so ``mtaq --help`` works without the ``spark``
+extra and a cluster driver needs only PySpark, pyarrow, msgspec, zstandard and matplotlib.
+
+Errors: a bad flag value or a path that names no segments exits 2 with one line naming the flag or the
+path; a missing ``spark`` extra exits 2 saying how to install it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+import time
+from collections.abc import Sequence
+
+from mtaq.errors import ConfigError
+
+__all__ = ["add_arguments", "parse_time", "run"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``mtaq analyze``."""
+    p.add_argument("--segments", metavar="PATH", action="append", required=True,
+                   help="spool dir, archive dir, segment file or glob; local, s3:// or hdfs:// (repeatable)")
+    p.add_argument("--out", metavar="DIR", required=True, help="output directory: report.md, PNGs, tables/ (Parquet)")
+    p.add_argument("--parquet-out", metavar="URI",
+                   help="where executors write the big tables (outcomes, messages); default OUT/tables. On a "
+                        "cluster give a shared URI (hdfs://, s3a://)")
+    p.add_argument("--master", metavar="URL", help="Spark master (default local[*]; spark-submit's own under spark-submit)")
+    p.add_argument("--since", metavar="T", help="count facts at or after T (ISO 8601; UTC unless an offset is given)")
+    p.add_argument("--until", metavar="T", help="count facts before T (ISO 8601; UTC unless an offset is given)")
+    p.add_argument("--json", action="store_true", help="also print the headline totals as one JSON object on stdout")
+    p.add_argument("--top", metavar="N", type=int, default=20, help="rows in the report's top-N tables (default 20)")
+    p.add_argument("--partition-bytes", metavar="N", type=int, default=64 * 1024 * 1024,
+                   help="pack whole segments into Spark partitions of about N bytes (default 67108864)")
+    p.add_argument("--conf", metavar="KEY=VALUE", action="append", default=[],
+                   help="extra Spark configuration, e.g. spark.driver.memory=4g (repeatable)")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+
+def parse_time(value: str | None, flag: str) -> dt.datetime | None:
+    """ISO 8601 date or date-time -> aware UTC datetime (naive means UTC). Raises ConfigError naming ``flag``."""
+    if value is None:
+        return None
+    try:
+        t = dt.datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
+    except ValueError as exc:
+        raise ConfigError(f"{flag}: cannot parse {value!r} as an ISO 8601 time (e.g. 2025-03-01T00:00:00Z)") from exc
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=dt.UTC)
+    return t.astimezone(dt.UTC)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Validate ``args``, start Spark, run the job; print the totals as JSON with ``--json``. Returns 0."""
+    since = parse_time(args.since, "--since")
+    until = parse_time(args.until, "--until")
+    if since is not None and until is not None and since >= until:
+        raise ConfigError(f"--since {args.since} is not before --until {args.until}")
+    if args.top < 1:
+        raise ConfigError(f"--top: expected an integer >= 1, got {args.top}")
+    if args.partition_bytes < 1:
+        raise ConfigError(f"--partition-bytes: expected an integer >= 1, got {args.partition_bytes}")
+    conf = []
+    for item in args.conf:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--conf: expected KEY=VALUE, got {item!r}")
+        conf.append((key.strip(), value.strip()))
+    try:
+        from mtaq.analytics.job import Options, analyze, spark_session
+        from mtaq.analytics.source import SourceError, discover
+    except ImportError as exc:
+        raise ConfigError(f"analyze needs the spark extra (pip install 'mtaq[spark]'): {exc}") from exc
+    try:
+        discover(args.segments)  # fail fast, before Spark starts, on a path that names nothing
+    except SourceError as exc:
+        raise ConfigError(f"--segments {exc}") from exc
+    t0 = time.monotonic()
+
+    def say(msg: str) -> None:
+        if not args.quiet:
+            print(f"mtaq analyze [{time.monotonic() - t0:7.1f} s] {msg}", file=sys.stderr, flush=True)
+
+    say("starting Spark")
+    spark = spark_session(args.master, conf)
+    opts = Options(paths=args.segments, out=args.out, since=since, until=until, top=args.top,
+                   partition_bytes=args.partition_bytes, plots=not args.no_plots, progress=say,
+                   parquet_out=args.parquet_out)
+    try:
+        result = analyze(spark, opts)
+    finally:
+        spark.stop()
+    if args.json:
+        keys = ("received", "delivered", "deferred", "bounced", "rejected", "deferrals", "expired", "dsn_generated",
+                "bytes_received", "bytes_delivered", "delay_p50_s", "delay_p90_s", "delay_p99_s", "outcome_unknown",
+                "problems", "segments", "records")
+        print(json.dumps({k: result.totals[k] for k in keys}), flush=True)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python mtaq/analytics/submit.py ARGS`` / ``spark-submit ... submit.py ARGS``: the analyze command."""
+    p = argparse.ArgumentParser(prog="mtaq analyze", description="Delivery statistics from queue-log segments (Spark).")
+    add_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        return run(args)
+    except ConfigError as exc:
+        print(f"mtaq: {exc}", file=sys.stderr)
+        return 2

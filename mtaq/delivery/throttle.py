@@ -1,0 +1,89 @@
+"""Traffic shaping per destination domain: a concurrency limit and a message rate (Postfix
+``default_destination_concurrency_limit`` / ``smtp_destination_rate_delay``, KumoMTA traffic shaping).
+
+A delivery of a message to the recipients of one domain holds one of that domain's *slots* while it
+talks to the next hop, and takes one token of the domain's rate (a token bucket of one: deliveries to the
+domain start at least ``1 / rate_per_s`` seconds apart). A worker that finds the domain saturated waits,
+like mail in Postfix's active queue waits for its destination; it never defers the mail for it.
+
+What must always hold: at no moment do more deliveries to a domain hold a slot than its limit. Domains
+are acquired in sorted order, so two workers needing the same two domains cannot deadlock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+__all__ = ["DomainLimit", "Throttle"]
+
+
+@dataclass(frozen=True)
+class DomainLimit:
+    """``concurrency``: deliveries at once (>= 1); ``rate_per_s``: deliveries started per second (0: no limit)."""
+
+    concurrency: int
+    rate_per_s: float = 0.0
+
+
+class _Domain:
+    __slots__ = ("active", "limit", "next_start", "peak", "sem")
+
+    def __init__(self, limit: DomainLimit) -> None:
+        self.limit = limit
+        self.sem = asyncio.Semaphore(limit.concurrency)
+        self.next_start = 0.0
+        self.active = 0
+        self.peak = 0  # the most deliveries ever in progress at once (tests and metrics)
+
+
+class Throttle:
+    """Per-domain limits: ``limits`` by domain (lower case), ``default`` for every other domain."""
+
+    def __init__(self, default: DomainLimit, limits: dict[str, DomainLimit] | None = None,
+                 *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.default = default
+        self.limits = {k.lower(): v for k, v in (limits or {}).items()}
+        self.clock = clock
+        self._domains: dict[str, _Domain] = {}
+
+    def _domain(self, name: str) -> _Domain:
+        d = self._domains.get(name)
+        if d is None:
+            d = self._domains[name] = _Domain(self.limits.get(name, self.default))
+        return d
+
+    def peak(self, domain: str) -> int:
+        """The highest number of simultaneous deliveries to ``domain`` seen so far."""
+        d = self._domains.get(domain.lower())
+        return d.peak if d is not None else 0
+
+    @asynccontextmanager
+    async def slots(self, domains: Iterable[str]) -> AsyncIterator[None]:
+        """Hold one slot (and one rate token) of each domain for the body of the ``async with``."""
+        names = sorted({d.lower() for d in domains})
+        held: list[_Domain] = []  # semaphores acquired
+        counted: list[_Domain] = []  # deliveries counted as active
+        try:
+            for name in names:
+                d = self._domain(name)
+                await d.sem.acquire()
+                held.append(d)
+                if d.limit.rate_per_s > 0:
+                    now = self.clock()
+                    start = max(now, d.next_start)
+                    d.next_start = start + 1.0 / d.limit.rate_per_s
+                    if start > now:
+                        await asyncio.sleep(start - now)
+                d.active += 1
+                counted.append(d)
+                d.peak = max(d.peak, d.active)
+            yield
+        finally:
+            for d in counted:
+                d.active -= 1
+            for d in held:
+                d.sem.release()

@@ -1,0 +1,80 @@
+"""The trace header mtaq adds to every message it queues (RFC 5321 §4.4, RFC 5322 §3.6.7).
+
+The edge prepends one ``Received:`` line to the message as received, before it is appended to the log, so
+the log holds exactly what is relayed. Form (folded with CRLF and a tab, every line under 78 characters
+when the names allow)::
+
+    Received: from HELO ([192.0.2.1])
+    \tby mx.example.org (mtaq) with ESMTPS
+    \tfor <rcpt@example.net>; Mon, 20 Nov 2023 04:19:26 +0000
+
+``from`` names what the client said in HELO/EHLO and its address as an address literal (no reverse DNS
+lookup is made); ``with`` is the RFC 3848 / RFC 6531 §3.7.3 protocol name (SMTP, ESMTP, ESMTPA, ESMTPS,
+ESMTPSA, UTF8SMTP...); ``for`` is given only when the message has one recipient (as Postfix does, so that
+one copy does not reveal the other recipients). The date is UTC.
+
+Must always hold: the header is CRLF-terminated 7-bit text (UTF-8 only in an address under SMTPUTF8) with
+no bare CR or LF, whatever the client sent in HELO.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import email.utils
+import ipaddress
+from collections.abc import Sequence
+
+__all__ = ["address_literal", "protocol_name", "received_header"]
+
+_HELO_MAX = 255
+
+
+def address_literal(ip: str) -> str:
+    """``192.0.2.1`` -> ``[192.0.2.1]``, ``::1`` -> ``[IPv6:::1]`` (RFC 5321 §4.1.3); else ``[unknown]``."""
+    try:
+        addr = ipaddress.ip_address(ip.split("%", 1)[0])
+    except ValueError:
+        return "[unknown]"
+    if isinstance(addr, ipaddress.IPv6Address):
+        mapped = addr.ipv4_mapped
+        return f"[{mapped}]" if mapped is not None else f"[IPv6:{addr.compressed}]"
+    return f"[{addr}]"
+
+
+def protocol_name(*, extended: bool, tls: bool, authenticated: bool, smtputf8: bool) -> str:
+    """The ``with`` value: ``SMTP``/``ESMTP`` or ``UTF8SMTP``, plus ``S`` for TLS and ``A`` for AUTH."""
+    if smtputf8:
+        base = "UTF8SMTP"
+    else:
+        base = "ESMTP" if extended else "SMTP"
+    if base == "SMTP":
+        return base
+    return base + ("S" if tls else "") + ("A" if authenticated else "")
+
+
+def _clean_helo(helo: str) -> str:
+    text = "".join(c if "!" <= c <= "~" and c not in "()\\" else "?" for c in helo[:_HELO_MAX])
+    return text or "unknown"
+
+
+def received_header(
+    *,
+    helo: str,
+    client_ip: str,
+    hostname: str,
+    protocol: str,
+    recipients: Sequence[str],
+    when_ts: float,
+) -> bytes:
+    """The ``Received:`` header (with its final CRLF) for a message received now (``when_ts``, UTC seconds)."""
+    date = email.utils.format_datetime(dt.datetime.fromtimestamp(when_ts, dt.UTC))
+    lines = [
+        f"Received: from {_clean_helo(helo)} ({address_literal(client_ip)})",
+        f"\tby {_clean_helo(hostname)} (mtaq) with {protocol}",
+    ]
+    if len(recipients) == 1 and all(c >= " " and c != "\x7f" for c in recipients[0]):
+        lines.append(f"\tfor <{recipients[0]}>; {date}")
+    else:
+        lines[-1] += ";"
+        lines.append(f"\t{date}")
+    return ("\r\n".join(lines) + "\r\n").encode("utf-8", "surrogateescape")

@@ -1,0 +1,188 @@
+"""Limits of the SMTP edge, each with its RFC reply: size, recipients, line length, connections,
+connection rate, idle time, errors. Real edge (real log) or the daemon, over loopback sockets."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+from edgekit import HOST, codes, edge_relay, run_edge
+
+from mtaq.edge.limits import ConnectionGate
+from mtaq.edge.policy import EdgePolicy, parse_networks
+
+ENHANCED = re.compile(r"^\d{3}[ -][245]\.\d{1,3}\.\d{1,3} ")
+
+
+def start_data(c) -> None:
+    c.reply()
+    c.command("EHLO client.test")
+    assert (250, "2.1.0") == codes(c.command("MAIL FROM:<a@example.org>"))
+    assert (250, "2.1.5") == codes(c.command("RCPT TO:<b@example.net>"))
+    assert 354 == codes(c.command("DATA"))[0]
+
+
+def test_size_is_advertised_and_enforced_at_mail_and_after_data(tmp_path):
+    """SIZE in EHLO is the limit (RFC 1870); MAIL with SIZE above it gets 552 5.3.4; a message of exactly
+    the limit is queued, one octet more gets 552 5.3.4 after the final dot and nothing is queued."""
+    limit = 4096
+    body = b"Subject: s\r\n\r\n" + b"x" * 78 + b"\r\n"
+    while len(body) + 80 <= limit:
+        body += b"z" * 78 + b"\r\n"
+    body += b"w" * (limit - len(body) - 2) + b"\r\n"
+    assert limit == len(body)
+    with run_edge(tmp_path, data_size_limit=limit) as edge:
+        with edge.client() as s:
+            s.ehlo("client.test")
+            assert str(limit) == s.esmtp_features["size"]
+            assert (552, b"5.3.4 Error: message size exceeds fixed maximum message size") == s.mail("a@example.org", [f"SIZE={limit + 1}"])
+            assert 250 == s.mail("a@example.org", [f"SIZE={limit}"])[0]
+            s.rcpt("b@example.net")
+            assert 250 == s.data(body)[0]
+            s.mail("a@example.org")
+            s.rcpt("b@example.net")
+            code, text = s.data(body[:-2] + b"x\r\n")
+            assert (552, b"5.3.4 Error: message size exceeds fixed maximum message size") == (code, text)
+            assert 250 == s.noop()[0]  # the session goes on
+        [(_, stored)] = edge.messages()
+    assert stored.endswith(body)
+
+
+def test_recipients_beyond_the_limit_get_452_and_the_first_hundred_are_kept(tmp_path):
+    """RFC 5321 §4.5.3.1.8: at least 100 recipients are accepted; the 101st with a limit of 100 gets
+    452 4.5.3 (§4.5.3.1.10) and the message goes to the first 100. The config refuses a limit under 100."""
+    with run_edge(tmp_path, EdgePolicy(recipients_max=100)) as edge:
+        with edge.client() as s:
+            s.ehlo("client.test")
+            s.mail("a@example.org")
+            assert [250] * 100 == [s.rcpt(f"r{i}@example.net")[0] for i in range(100)]
+            assert (452, b"4.5.3 Error: too many recipients") == s.rcpt("r100@example.net")
+            assert 250 == s.data(b"Subject: many\r\n\r\nx\r\n")[0]
+        [(env, _)] = edge.messages()
+    assert [f"r{i}@example.net" for i in range(100)] == [r.address for r in env.recipients]
+    cfg = tmp_path / "few.toml"
+    cfg.write_text("recipients_per_message_max = 99\n")
+    out = subprocess.run([sys.executable, "-m", "mtaq.cli", "serve", "--config", str(cfg)], capture_output=True, text=True,
+                         timeout=60)
+    assert 2 == out.returncode and out.stderr.startswith(f"mtaq: {cfg}: recipients_per_message_max: Expected `int` >= 100")
+
+
+def test_text_lines_over_1000_octets_are_refused_and_the_session_goes_on(tmp_path):
+    """RFC 5321 §4.5.3.1.6: 998 octets + CRLF (plus a transparency dot) are accepted; 999 + CRLF, and a line
+    far longer than the reader's buffer, get 500 5.5.2 after the final dot; nothing of them is queued and
+    the next message on the same connection is accepted."""
+    with run_edge(tmp_path) as edge, edge.raw() as c:
+        start_data(c)
+        c.send(b"Subject: ok\r\n\r\n" + b"a" * 998 + b"\r\n.." + b"b" * 997 + b"\r\n.\r\n")
+        assert (250, "2.0.0") == codes(c.reply())
+        for long_line in (b"c" * 999, b"d" * 70000):
+            c.command("MAIL FROM:<a@example.org>")
+            c.command("RCPT TO:<b@example.net>")
+            c.command("DATA")
+            c.send(b"Subject: long\r\n\r\n" + long_line + b"\r\nafter\r\n.\r\n")
+            assert "500 5.5.2 Error: line too long (RFC 5321 §4.5.3.1.6: 1000 octets)" == c.reply()
+        assert (250, "2.0.0") == codes(c.command("NOOP"))
+        [(_, body)] = edge.messages()
+    assert body.endswith(b"\r\n\r\n" + b"a" * 998 + b"\r\n." + b"b" * 997 + b"\r\n")
+
+
+def test_command_lines_over_512_octets_get_500_5_5_2(tmp_path):
+    """RFC 5321 §4.5.3.1.4: a command line is at most 512 octets (more with the extensions' parameters);
+    a longer one gets 500 5.5.2, and the session goes on."""
+    with run_edge(tmp_path) as edge, edge.raw() as c:
+        c.reply()
+        c.command("EHLO client.test")
+        assert "500 5.5.2 Error: command line too long" == c.command("NOOP " + "x" * 600)
+        assert (250, "2.0.0") == codes(c.command("NOOP"))
+
+
+def test_connections_over_the_limit_get_421_4_7_0_and_a_place_frees_when_one_ends(tmp_path):
+    """With connections_max = 2 a third client gets 421 4.7.0 instead of the greeting and is closed; once
+    one of the two has quit, a new client is greeted again."""
+    with run_edge(tmp_path, EdgePolicy(connections_max=2)) as edge:
+        with edge.raw() as a, edge.raw() as b:
+            assert a.reply().startswith("220 ") and b.reply().startswith("220 ")
+            with edge.raw() as c:
+                assert f"421 4.7.0 {HOST} Error: too many connections" == c.reply()
+                assert c.closed()
+            assert (221, "2.0.0") == codes(a.command("QUIT"))
+            assert a.closed()
+            with edge.raw() as d:
+                assert d.reply().startswith(f"220 {HOST} ESMTP")
+
+
+def test_a_client_connecting_too_often_gets_421_4_7_0_unless_in_mynetworks(tmp_path):
+    """connections_per_client_per_minute_max = 3: the 4th connection within a minute from a client outside
+    mynetworks gets 421 4.7.0 naming the client; a client inside mynetworks is exempt (as in Postfix)."""
+    outside = EdgePolicy(mynetworks=parse_networks(["192.0.2.0/24"]), client_connections_per_minute_max=3)
+    with run_edge(tmp_path, outside) as edge:
+        greetings = []
+        for _ in range(4):
+            with edge.raw() as c:
+                greetings.append(c.reply())
+        assert [g[:4] for g in greetings[:3]] == ["220 "] * 3
+        assert f"421 4.7.0 {HOST} Error: too many connections from 127.0.0.1" == greetings[3]
+    inside = EdgePolicy(client_connections_per_minute_max=3)
+    with run_edge(tmp_path, inside) as edge:
+        for _ in range(6):
+            with edge.raw() as c:
+                assert c.reply().startswith("220 ")
+
+
+def test_connection_gate_forgets_connections_older_than_a_minute():
+    """The rate window slides: after 60 s the same client may connect again (clock injected)."""
+    now = [1000.0]
+    gate = ConnectionGate(connections_max=10, per_client_per_minute_max=2, clock=lambda: now[0])
+    assert [None, None, "too many connections from 192.0.2.9"] == [gate.admit("192.0.2.9") for _ in range(3)]
+    assert None is gate.admit("192.0.2.10")
+    now[0] += 60.0
+    assert None is gate.admit("192.0.2.9")
+    assert 4 == gate.active
+
+
+def test_an_idle_client_of_the_daemon_gets_421_4_4_2_and_is_disconnected(tmp_path):
+    """smtp_server_timeout_s: a client that sends nothing gets '421 4.4.2 ... timeout exceeded' (RFC 3463:
+    timeout) and the daemon closes the connection."""
+    from edgekit import RawClient
+
+    with edge_relay(tmp_path, config="smtp_server_timeout_s = 1\n") as r, RawClient(r.port, timeout_s=30) as c:
+        assert c.reply().startswith("220 ")
+        assert (250, "") == codes(c.command("EHLO client.test"))
+        assert f"421 4.4.2 {HOST} Error: timeout exceeded" == c.reply()
+        assert c.closed()
+
+
+def test_after_too_many_errors_the_client_gets_421_4_7_0_and_pipelined_commands_are_dropped(tmp_path):
+    """Postfix smtpd_hard_error_limit: the 20th 5xx reply is followed by '421 4.7.0 ... too many errors'
+    and the connection is closed; commands sent after it in the same packet are never answered."""
+    with run_edge(tmp_path) as edge, edge.raw() as c:
+        c.reply()
+        c.command("EHLO client.test")
+        c.send(b"RCPT TO:<b@example.net>\r\n" * 25 + b"NOOP\r\n")
+        replies = []
+        while reply := c.reply():
+            replies.append(reply)
+    assert ["503 5.5.1 Error: need MAIL command"] * 20 + [f"421 4.7.0 {HOST} Error: too many errors"] == replies
+
+
+def test_unknown_commands_are_answered_500_then_421_4_7_0_after_five(tmp_path):
+    """Unknown commands get 500 5.5.2; the fifth closes the session with 421 4.7.0 (aiosmtpd's limit)."""
+    with run_edge(tmp_path) as edge, edge.raw() as c:
+        c.reply()
+        replies = [c.command(f"XYZZY{i}") for i in range(5)]
+        assert c.closed()
+    assert [f'500 5.5.2 Error: command "XYZZY{i}" not recognized' for i in range(4)] == replies[:4]
+    assert "421 4.7.0 Error: too many unrecognized commands" == replies[4]
+
+
+def test_every_reply_but_greeting_ehlo_and_354_has_an_enhanced_status_code(tmp_path):
+    """ENHANCEDSTATUSCODES is advertised, so every 2xx/4xx/5xx reply carries one (RFC 2034 §3)."""
+    commands = ["NOOP", "HELP", "VRFY a@example.org", "EXPN list", "RSET", "MAIL FROM:<a@example.org>",
+                "MAIL FROM:<a@example.org>", "RCPT TO:<b@example.net>", "RCPT TO:<bad", "STARTTLS", "AUTH PLAIN",
+                "DATA extra", "MAIL FROM:<a@example.org> XFOO=1", "BDAT 10", "", "RSET now", "QUIT"]
+    with run_edge(tmp_path) as edge, edge.raw() as c:
+        assert c.reply().startswith("220 ")
+        assert "250-ENHANCEDSTATUSCODES" in c.command("EHLO client.test").split("\n")
+        replies = [c.command(cmd) for cmd in commands]
+    assert [] == [r for r in replies if not ENHANCED.match(r)]
