@@ -119,7 +119,7 @@ def run_script(tmp) -> dict:
             "spool_dir": spool, "listen": "127.0.0.1:0", "relayhost": f"[127.0.0.1]:{sink_port}",
             "stats_interval_s": 0, "checkpoint_interval_s": 3600, "segment_bytes_max": 65536,
             "retry_intervals_s": [1000.0, 3000.0], "maximal_queue_lifetime_s": 3600.0,
-            "archive_dir": archive, "archive_compress": "zstd"})
+            "archive_dir": archive, "archive_compress": "zstd", "admin_listen": "127.0.0.1:0"})
         d = Daemon(cfg, clock=clock)
         task = asyncio.create_task(d.run())
         while not d.runners:

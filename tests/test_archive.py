@@ -97,7 +97,7 @@ def _run_daemon(tmp_path, archive_dir: str, body) -> None:
         cfg = load_config(None, {
             "spool_dir": str(tmp_path / "spool"), "listen": "127.0.0.1:0", "stats_interval_s": 0,
             "relayhost": f"[127.0.0.1]:{server.sockets[0].getsockname()[1]}", "checkpoint_interval_s": 3600,
-            "segment_bytes_max": 65536, "archive_dir": archive_dir, "archive_compress": "zstd"})
+            "segment_bytes_max": 65536, "archive_dir": archive_dir, "archive_compress": "zstd", "admin_listen": "127.0.0.1:0"})
         d = Daemon(cfg)
         task = asyncio.create_task(d.run())
         while not d.runners:
