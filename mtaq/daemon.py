@@ -165,7 +165,7 @@ class Daemon:
             )
             for k in range(self.policy.runners)
         ]
-        self.admin = AdminService(self.queue, self.runners, self.clock, cfg.spool_dir)
+        self.admin = AdminService(self.queue, self.runners, self.clock, cfg.spool_dir, delay_max_s=cfg.delay_max_s)
         # A checkpoint now bounds the next recovery to what comes after this start, even if the next crash
         # comes before the first periodic one.
         await self.checkpoint()
