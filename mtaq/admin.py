@@ -49,6 +49,7 @@ _APPLIES = {
     "hold": {"incoming", "deferred", "delayed"},
     "release": {"held"},
     "flush": {"incoming", "deferred", "delayed"},
+    "delay": {"incoming", "deferred", "delayed"},
 }
 
 
@@ -111,7 +112,8 @@ def _catch_up(view: QueueView, log: Log) -> None:
 class AdminService:
     """The admin operations of a running daemon (used by the HTTP API and ``mtaq queue``)."""
 
-    def __init__(self, queue: Queue, runners: list[Runner], clock: Any, spool: str) -> None:
+    def __init__(self, queue: Queue, runners: list[Runner], clock: Any, spool: str, *, delay_max_s: float = 0.0) -> None:
+        self.delay_max_s = delay_max_s  # the longest "delay" an administrator may ask (0: no limit)
         self.queue = queue
         self.runners = runners
         self.clock = clock
@@ -152,16 +154,27 @@ class AdminService:
         view = await self.view()
         return _details(view, queue_id, self.queue.read_body)
 
-    async def act(self, action: str, selector: Selector, *, states: Collection[str] | None = None) -> ActionResult:
-        """Apply ``action`` (delete, hold, release, flush, bounce) to the selected messages; durable on
-        return. ``states`` (when given) narrows the selection to messages in those states (a queue ID named
-        in ``selector.ids`` but in another state is reported as skipped). Raises AdminError for an unknown
-        action or an empty selection, StorageError if the log cannot be written (then nothing is reported
-        done)."""
+    async def act(
+        self, action: str, selector: Selector, *, delay_s: float | None = None, states: Collection[str] | None = None
+    ) -> ActionResult:
+        """Apply ``action`` (delete, hold, release, flush, bounce, delay) to the selected messages; durable
+        on return. ``delay`` parks them for ``delay_s`` seconds (at most ``delay_max_s``, the same limit as
+        FUTURERELEASE). ``states`` (when given) narrows the selection to messages in those states (a queue ID
+        named in ``selector.ids`` but in another state is reported as skipped). Raises AdminError for an
+        unknown action, an empty selection or a delay out of bounds, StorageError if the log cannot be
+        written (then nothing is reported done)."""
         if action not in ADMIN_ACTIONS:
             raise AdminError(f"unknown action {action!r}; expected one of {', '.join(ADMIN_ACTIONS)}")
         if selector.is_empty():
             raise AdminError("no messages selected: give queue IDs, ALL, or a filter")
+        release_ts: float | None = None
+        if action == "delay":
+            if delay_s is None or delay_s < 0:
+                raise AdminError("delay needs a number of seconds >= 0")
+            if self.delay_max_s > 0 and delay_s > self.delay_max_s:
+                raise AdminError(f"requested delay of {delay_s:.0f} seconds exceeds the maximum of "
+                                 f"{self.delay_max_s:.0f} seconds (delay_max_s)")
+            release_ts = self.clock() + delay_s
         async with self._lock:
             view = await asyncio.to_thread(_view_of_segments, self.queue.log, self.queue.log.durable_end)
             # From here to the commit below nothing awaits: no worker can start a selected message.
@@ -183,7 +196,7 @@ class AdminService:
                     res.skipped[e.queue_id] = why
                     continue
                 try:
-                    _rec, _pos, lsn = self.queue.admin(e.pos, e.envelope, action)
+                    _rec, _pos, lsn = self.queue.admin(e.pos, e.envelope, action, release_ts=release_ts)
                 except CorruptRecord as exc:
                     res.skipped[e.queue_id] = f"message data unreadable: {exc}"
                     continue

@@ -86,6 +86,7 @@ class _ActionBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     held: bool = False
     deferred: bool = False
     older_than: str | float | None = msgspec.field(default=None, name="olderThan")
+    delay: str | float | None = None  # action delay only: seconds or a duration (2h), at most delay_max_s
 
 
 # ------------------------------------------------------------------------------------------ parsing input
@@ -245,7 +246,11 @@ async def mail_action(request: web.Request) -> web.Response:
             raise ApiError(400, "InvalidArgument", f"{key}: must not be empty")
     selector = Selector(ids=tuple(b.ids), all=b.all, sender=b.sender, recipient=b.recipient, domain=b.domain,
                         held=b.held, deferred=b.deferred, older_than_s=_older_than("olderThan", b.older_than))
-    return await _act(request, action, selector)
+    delay_s = _older_than("delay", b.delay)
+    if (action == "delay") != (delay_s is not None):
+        raise ApiError(400, "InvalidArgument", 'delay: "delay" (seconds, or 30m, 2h, 1d) is needed by the delay '
+                       "action and by no other")
+    return await _act(request, action, selector, delay_s=delay_s)
 
 
 async def _body(request: web.Request) -> Any:
@@ -256,11 +261,14 @@ async def _body(request: web.Request) -> Any:
         raise ApiError(400, "InvalidArgument", f"body: not JSON: {exc}") from None
 
 
-async def _act(request: web.Request, action: str, selector: Selector, *, states: frozenset[str] | None = None) -> web.Response:
+async def _act(
+    request: web.Request, action: str, selector: Selector, *, states: frozenset[str] | None = None,
+    delay_s: float | None = None,
+) -> web.Response:
     st = _state(request)
     admin = _admin(request)
     try:
-        res = await admin.act(action, selector, states=states)
+        res = await admin.act(action, selector, states=states, delay_s=delay_s)
     except AdminError as exc:
         raise ApiError(400, "InvalidArgument", str(exc)) from None
     except StorageError as exc:

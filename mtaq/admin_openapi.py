@@ -160,11 +160,12 @@ SPEC: dict[str, Any] = {
         },
         "/mails/actions/{action}": {
             "post": {
-                "summary": "delete, hold, release, flush (due now) or bounce (return to sender with 5.4.7)",
+                "summary": "delete, hold, release, flush (due now), bounce (return to sender with 5.4.7) or delay "
+                           "(parked for 'delay', at most delay_max_s: 400 beyond it)",
                 "operationId": "mailAction",
                 "parameters": [{
                     "name": "action", "in": "path", "required": True, "description": "The action",
-                    "schema": {"type": "string", "enum": ["delete", "hold", "release", "flush", "bounce"]},
+                    "schema": {"type": "string", "enum": ["delete", "hold", "release", "flush", "bounce", "delay"]},
                 }],
                 "requestBody": {"required": True, "content": _json_content(_ref("ActionRequest"))},
                 "responses": {
@@ -280,6 +281,8 @@ SPEC: dict[str, Any] = {
                     "held": _BOOL,
                     "deferred": _BOOL,
                     "olderThan": {"type": ["string", "number"], "description": "Seconds, or 30m, 2h, 1d, 1w"},
+                    "delay": {"type": ["string", "number"],
+                              "description": "Action delay only (required there): seconds, or 30m, 2h, 1d"},
                 },
                 "additionalProperties": False,
             },

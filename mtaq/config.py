@@ -43,6 +43,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     destination_concurrency_limit: Annotated[int, msgspec.Meta(ge=1, le=10000)] = 20
     destination_rate_per_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # 0: no limit
     destination_limits: dict[str, DestinationLimit] = msgspec.field(default_factory=dict)
+    # RFC 4865 FUTURERELEASE (HOLDFOR / HOLDUNTIL): the longest delay a client may ask; longer requests are
+    # refused with 501 5.5.4 naming this limit (Pulsar PIP-315). 0: no limit.
+    delay_max_s: Annotated[float, msgspec.Meta(ge=0)] = 7 * 86400.0
     # Back-pressure at the door: 452 4.3.1 while this many messages are queued (0: no limit), 451 4.3.2
     # while this many messages wait for their fsync (group commit backlog; 0: no limit).
     queue_messages_max: Annotated[int, msgspec.Meta(ge=0)] = 0

@@ -178,7 +178,7 @@ class Daemon:
             )
             for k in range(self.policy.runners)
         ]
-        self.admin = AdminService(self.queue, self.runners, self.clock, cfg.spool_dir)
+        self.admin = AdminService(self.queue, self.runners, self.clock, cfg.spool_dir, delay_max_s=cfg.delay_max_s)
         if self.http is not None:
             self.http.state.admin = self.admin
         # A checkpoint now bounds the next recovery to what comes after this start, even if the next crash

@@ -197,7 +197,9 @@ class Queue:
         self.parked.remove(envelope_pos)
         return self.working.start(pos, envelope_pos, env)
 
-    def admin(self, envelope_pos: Pos, env: EnvelopeRecord, action: str) -> tuple[EnvelopeRecord | FinishRecord, Pos, int]:
+    def admin(
+        self, envelope_pos: Pos, env: EnvelopeRecord, action: str, *, release_ts: float | None = None
+    ) -> tuple[EnvelopeRecord | FinishRecord, Pos, int]:
         """An administrator's ``action`` (one of ADMIN_ACTIONS) on the live envelope at ``envelope_pos``.
 
         Appends START (``admin=action``) and its conclusion back to back (FINISH, or a replacement with the
@@ -210,9 +212,11 @@ class Queue:
             raise ValueError(f"unknown admin action {action!r}")
         attempt = self.start(envelope_pos, env, admin=action)
         self.revoked.add(envelope_pos)
-        return self.finish_admin(attempt, action)
+        return self.finish_admin(attempt, action, release_ts=release_ts)
 
-    def finish_admin(self, attempt: Attempt, action: str) -> tuple[EnvelopeRecord | FinishRecord, Pos, int]:
+    def finish_admin(
+        self, attempt: Attempt, action: str, *, release_ts: float | None = None
+    ) -> tuple[EnvelopeRecord | FinishRecord, Pos, int]:
         """Conclude the admin action started as ``attempt`` (also used by recovery). See :meth:`admin`."""
         env = attempt.envelope
         if action == "bounce":
@@ -221,7 +225,9 @@ class Queue:
                 attempt.outcomes[r.index] = Outcome(index=r.index, status="failed", code=code, enhanced=enhanced, text=text)
             c, pos = self.conclude(attempt)
             return c.record, pos, self.log.appended_lsn
-        rec = admin_conclusion(env, attempt.start_pos, action, self.clock())
+        if action == "delay" and release_ts is None:
+            release_ts = self.clock()  # recovery completing a delay cut short: due now rather than lost
+        rec = admin_conclusion(env, attempt.start_pos, action, self.clock(), release_ts)
         if isinstance(rec, EnvelopeRecord):
             data_pos, _ = self.log.append(DataRecord(queue_id=env.queue_id, body=self.read_body(env)))
             rec = msgspec.structs.replace(rec, data=data_pos)

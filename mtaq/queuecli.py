@@ -34,7 +34,8 @@ __all__ = ["add_queue_parser", "format_mailq", "run_queue"]
 
 HEADER = "-Queue ID-  --Size-- ----Arrival Time---- -Sender/Recipient-------"
 RECIPIENT_INDENT = 42
-_PAST = {"delete": "deleted", "hold": "held", "release": "released", "flush": "flushed", "bounce": "bounced"}
+_PAST = {"delete": "deleted", "hold": "held", "release": "released", "flush": "flushed", "bounce": "bounced",
+         "delay": "delayed"}
 _FLAG = {"active": "*", "held": "!"}
 
 
@@ -82,6 +83,9 @@ def add_queue_parser(sub: Any) -> None:
         a = qsub.add_parser(action, parents=[common, filters, as_json], help=f"{action} messages (running daemon)")
         a.add_argument("targets", nargs="+", metavar="ID|ALL|-",
                        help="queue IDs, ALL (spelled out), or - to read IDs from standard input; filters narrow")
+        if action == "delay":
+            a.add_argument("--for", dest="delay_for", metavar="DURATION", required=True,
+                           help="park the messages this long (3600, 30m, 2h, 1d; at most delay_max_s)")
 
 
 # ----------------------------------------------------------------------------------------- the client
@@ -299,6 +303,11 @@ def _action_body(args: argparse.Namespace, older: float | None) -> dict[str, Any
         body["deferred"] = True
     if older is not None:
         body["olderThan"] = older
+    if getattr(args, "delay_for", None) is not None:
+        try:
+            body["delay"] = parse_duration(args.delay_for)
+        except ValueError as exc:
+            raise QueueCommandError(f"--for: {exc}") from None
     return body
 
 

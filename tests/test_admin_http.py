@@ -170,6 +170,28 @@ def test_actions_hold_release_and_bounce_by_ids_and_all(relay_factory):
     assert [a] == [m["queue_id"] for m in api(url, "GET", "/mailQueues/spool/mails")[1]["mails"]]
 
 
+def test_delay_action_parks_mail_until_a_release_time_within_delay_max_s(relay_factory):
+    """POST /mails/actions/delay {"ids": [...], "delay": "1h"}: the message is listed as delayed with its
+    release time; a delay beyond delay_max_s is 400 naming the limit; delay is required by that action
+    only."""
+    import time
+
+    r = deferred_relay(relay_factory, config="delay_max_s = 7200\n")
+    qid = send(r.daemon.port, "alice@example.org", ["slow@example.net"], "d")
+    wait_deferred(r, 1)
+    url = admin_url(r.spool)
+    before = time.time()
+    status, res, _ = api(url, "POST", "/mails/actions/delay", {"ids": [qid], "delay": "1h"})
+    assert (200, "delay", [qid]) == (status, res["action"], res["done"])
+    [m] = api(url, "GET", "/mailQueues/spool/mails")[1]["mails"]
+    assert ("delayed", True) == (m["state"], before + 3600 <= m["release_time"] <= time.time() + 3600)
+    status, err, _ = api(url, "POST", "/mails/actions/delay", {"ids": [qid], "delay": 86400})
+    assert (400, "requested delay of 86400 seconds exceeds the maximum of 7200 seconds (delay_max_s)") == (
+        status, err["message"])
+    assert 400 == api(url, "POST", "/mails/actions/delay", {"ids": [qid]})[0]
+    assert 400 == api(url, "POST", "/mails/actions/hold", {"ids": [qid], "delay": 60})[0]
+
+
 @pytest.mark.parametrize(
     ("method", "path", "body", "status", "kind", "names"),
     [

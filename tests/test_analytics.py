@@ -125,11 +125,20 @@ def run_script(tmp) -> dict:
         while not d.runners:
             await asyncio.sleep(0.01)
         port = d.server.sockets[0].getsockname()[1]
+        queued: list[int] = []
+        logged = d.queue.on_durable
+
+        def on_durable(env, pos) -> None:  # the queued size: what was sent plus our Received header
+            queued.append(env.size)
+            logged(env, pos)
+
+        d.queue.on_durable = on_durable
 
         async def send(sender: str, rcpts: list[str], i: int) -> None:
             msg = body(i)
-            sizes.setdefault(sender, []).append(len(msg))
             await asyncio.to_thread(_send, port, sender, rcpts, msg)
+            assert queued and queued[-1] > len(msg)
+            sizes.setdefault(sender, []).append(queued[-1])
 
         async def until(delivered: int, deferred: int, failed: int) -> None:
             want = {"delivered": delivered, "deferred": deferred, "failed": failed}

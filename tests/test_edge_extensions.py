@@ -20,13 +20,16 @@ RECEIVED = re.compile(
 
 
 def test_the_daemon_advertises_the_extensions_of_a_modern_relay(tmp_path):
-    """EHLO lists SIZE (the configured limit), 8BITMIME, SMTPUTF8, PIPELINING, ENHANCEDSTATUSCODES and DSN;
-    the greeting names the host and says ESMTP."""
+    """EHLO lists SIZE (the configured limit), 8BITMIME, SMTPUTF8, PIPELINING, ENHANCEDSTATUSCODES, DSN and
+    FUTURERELEASE; the greeting names the host and says ESMTP."""
     with edge_relay(tmp_path, config="message_size_limit_bytes = 2000000\n") as r, RawClient(r.port) as c:
         assert f"220 {HOST} ESMTP mtaq" == c.reply()
         lines = c.command("EHLO client.test").split("\n")
     assert [f"250-{HOST}", "250-SIZE 2000000", "250-8BITMIME", "250-SMTPUTF8", "250-PIPELINING",
-            "250-ENHANCEDSTATUSCODES", "250-DSN", "250 HELP"] == lines
+            "250-ENHANCEDSTATUSCODES", "250-DSN"] == lines[:7]
+    # RFC 4865: the maximum interval (delay_max_s, 7 days by default) and the latest date-time it allows.
+    assert re.fullmatch(r"250-FUTURERELEASE 604800 \d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", lines[7]), lines[7]
+    assert ["250 HELP"] == lines[8:]
 
 
 def test_every_relayed_message_gets_one_received_header_first_in_the_log_and_at_the_next_hop(tmp_path):

@@ -144,6 +144,21 @@ def test_actions_by_id_stdin_and_all_with_filters(relay_factory):
     assert (1, ["mtaq: give either ALL or queue IDs, not both"]) == (both.returncode, both.stderr.splitlines())
 
 
+def test_delay_parks_mail_for_a_while_and_refuses_beyond_delay_max_s(relay_factory):
+    """delay ID --for 2h: the message is delayed with a release time; --for beyond delay_max_s is exit 1
+    with one line naming the limit."""
+    r = relay_factory(sink_args=["--defer-rcpt", "^slow"], config="retry_intervals_s = [3600.0]\ndelay_max_s = 86400\n")
+    a = send(r.daemon.port, "alice@example.org", ["slow1@example.net"], "a")
+    r.wait_for(lambda: r.events("deferred_until"), what="deferred")
+    out = queue("delay", a, "--for", "2h", spool=r.spool)
+    assert (0, [f"{a}: delayed"]) == (out.returncode, out.stdout.splitlines()[:1])
+    [m] = json_lines(queue("list", "--json", spool=r.spool).stdout)
+    assert ("delayed", True) == (m["state"], "release_time" in m)
+    out = queue("delay", a, "--for", "2d", spool=r.spool)
+    assert (1, ["mtaq: admin API: 400 requested delay of 172800 seconds exceeds the maximum of 86400 seconds (delay_max_s)"]) == (
+        out.returncode, out.stderr.splitlines())
+
+
 def test_bounce_returns_the_message_to_its_sender(relay_factory):
     """bounce ID: the sender gets a DSN (sent through the queue to the sink) and the message is gone."""
     r, (a,) = deferred(relay_factory, [("alice@example.org", ["slow1@example.net"], "a")])

@@ -118,21 +118,30 @@ class Parked:
         return min(self.entries, default=None)
 
 
-ADMIN_ACTIONS = ("delete", "hold", "release", "flush", "bounce")
+ADMIN_ACTIONS = ("delete", "hold", "release", "flush", "bounce", "delay")
 
 
-def admin_conclusion(env: EnvelopeRecord, start_pos: Pos, action: str, now_ts: float) -> EnvelopeRecord | FinishRecord:
+def admin_conclusion(
+    env: EnvelopeRecord, start_pos: Pos, action: str, now_ts: float, release_ts: float | None = None
+) -> EnvelopeRecord | FinishRecord:
     """The record that concludes an administrator's action on ``env`` (started at ``start_pos``).
 
     ``delete``: FINISH (the message is gone, no DSN; Postfix ``postsuper -d``). ``hold``: a replacement
     that is parked and held (``postsuper -h``). ``release``: a replacement for the new-mail runner, due now
-    (``postsuper -H``). ``flush``: the same for deferred or delayed mail (``postqueue -i``). ``bounce`` is
+    (``postsuper -H``). ``flush``: the same for deferred or delayed mail (``postqueue -i``). ``delay``: a
+    replacement parked until ``release_ts`` (UTC seconds; the admin API's delayed delivery). ``bounce`` is
     concluded like a delivery attempt whose recipients all failed (see :data:`ADMIN_BOUNCE`), by the caller.
     The replacement keeps the DATA reference; the caller copies the data forward. Raises ValueError for
     an unknown action.
     """
     if action == "delete":
         return FinishRecord(queue_id=env.queue_id, start=start_pos, ts=now_ts)
+    if action == "delay":
+        if release_ts is None:
+            raise ValueError("delay needs a release time")
+        return msgspec.structs.replace(
+            env, generation=env.generation + 1, not_before_ts=release_ts, replaces=start_pos, runner=PARKED, held=False
+        )
     if action not in ("hold", "release", "flush"):
         raise ValueError(f"unknown admin action {action!r}")
     hold = action == "hold"

@@ -188,6 +188,7 @@ class EdgePolicy:
     bare_newline: Literal["reject", "normalize"] = "reject"
     tls_context: ssl.SSLContext | None = field(default=None, repr=False)
     passwords: PasswordFile | None = field(default=None, repr=False)
+    delay_max_s: float = 7 * 86400.0  # RFC 4865 FUTURERELEASE: the longest delay a client may ask; 0: no limit
 
     @classmethod
     def from_config(cls, cfg: Config) -> EdgePolicy:
@@ -207,6 +208,7 @@ class EdgePolicy:
             bare_newline=cfg.smtp_bare_newline,
             tls_context=tls,
             passwords=passwords,
+            delay_max_s=cfg.delay_max_s,
         )
 
     def in_mynetworks(self, ip: str) -> bool:

@@ -55,6 +55,7 @@ class QueueHandler:
         if envid:
             mail_params.append(("ENVID", envid))
         rcpt_dsn = getattr(envelope, "rcpt_dsn", None)
+        release_ts = getattr(envelope, "release_ts", None)
         try:
             env = await self.queue.receive(
                 envelope.mail_from or "",
@@ -64,6 +65,7 @@ class QueueHandler:
                 rcpt_params=rcpt_dsn if rcpt_dsn and len(rcpt_dsn) == len(envelope.rcpt_tos) else None,
                 client=client,
                 helo=session.host_name or "",
+                not_before_ts=release_ts,
             )
         except StorageError as exc:
             self.log.error("queue_write_failed", error=str(exc), client=client, reply=exc.smtp_reply)

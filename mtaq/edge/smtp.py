@@ -51,7 +51,9 @@ import asyncio
 import base64
 import binascii
 import collections
+import datetime as dt
 import re
+import time
 from collections.abc import Collection, Iterable
 from typing import Any
 
@@ -73,13 +75,13 @@ ENVID_MAX = 100
 ORCPT_MAX = 500
 """RFC 3461 §4.2: the ORCPT parameter may be up to 500 characters (checked on the value as sent)."""
 
-_MAIL_KEYWORDS = frozenset({"RET", "ENVID"})
+_MAIL_KEYWORDS = frozenset({"RET", "ENVID", "HOLDFOR", "HOLDUNTIL"})
 _RCPT_KEYWORDS = frozenset({"NOTIFY", "ORCPT"})
 _RET_VALUES = frozenset({"FULL", "HDRS"})
 _NOTIFY_VALUES = ("SUCCESS", "FAILURE", "DELAY")
 # How much longer a MAIL / RCPT line may be with the DSN parameters: " RET=HDRS ENVID=" + 100, and
 # " NOTIFY=SUCCESS,FAILURE,DELAY ORCPT=" + 500.
-_MAIL_EXTRA = len(" RET=HDRS ENVID=") + ENVID_MAX
+_MAIL_EXTRA = len(" RET=HDRS ENVID=") + ENVID_MAX + len(" HOLDUNTIL=2026-11-22T08:00:00.000000+00:00")
 _RCPT_EXTRA = len(" NOTIFY=SUCCESS,FAILURE,DELAY ORCPT=") + ORCPT_MAX
 
 # RFC 3461 §4: xchar is "!" (33) to "~" (126) except "+" and "="; hexchar is "+" and two upper case hex digits.
@@ -116,6 +118,7 @@ class DsnEnvelope(Envelope):
         self.dsn_ret: str | None = None
         self.dsn_envid: str | None = None
         self.rcpt_dsn: list[DsnParams] = []
+        self.release_ts: float | None = None  # RFC 4865 HOLDFOR/HOLDUNTIL: first attempt not before (UTC s)
 
 
 def decode_xtext(value: str) -> str:
@@ -175,6 +178,52 @@ def parse_mail_dsn(tokens: Iterable[str]) -> tuple[str | None, str | None]:
         if not raw or len(raw) > ENVID_MAX or envid is None or not _printable(envid):
             raise DsnSyntaxError(f"ENVID must be xtext of 1 to {ENVID_MAX} characters")
     return ret, envid
+
+
+# RFC 4865 §4: HOLDFOR is 1*9DIGIT seconds; HOLDUNTIL an RFC 3339 date-time (erratum 2040).
+_HOLDFOR = re.compile(r"[0-9]{1,9}")
+NO_LIMIT_S = 999_999_999  # what FUTURERELEASE advertises when delay_max_s = 0 (the largest 9-digit interval)
+
+
+def parse_future_release(tokens: Iterable[str], now_ts: float, delay_max_s: float) -> float | None:
+    """The release time (UTC seconds) asked by HOLDFOR / HOLDUNTIL among MAIL parameter tokens, or None.
+
+    A request beyond ``delay_max_s`` (0: no limit) is refused, naming the limit (Pulsar PIP-315's rule); so
+    are both parameters at once, a malformed value and a time in the past. Raises :class:`DsnSyntaxError`
+    whose reply is ``501 5.5.4`` (RFC 4865: the hold parameter is invalid).
+    """
+    found = _split_params(tokens, ("HOLDFOR", "HOLDUNTIL"))
+    if not found:
+        return None
+    if len(found) == 2:
+        raise DsnSyntaxError("HOLDFOR and HOLDUNTIL cannot both be given")
+    limit = delay_max_s if delay_max_s > 0 else NO_LIMIT_S
+    if "HOLDFOR" in found:
+        raw = found["HOLDFOR"] or ""
+        if not _HOLDFOR.fullmatch(raw):
+            raise DsnSyntaxError("HOLDFOR must be a number of seconds (1 to 9 digits)")
+        delay = float(raw)
+    else:
+        raw = found["HOLDUNTIL"] or ""
+        try:
+            when = dt.datetime.fromisoformat(raw.replace("z", "Z"))
+        except ValueError:
+            raise DsnSyntaxError("HOLDUNTIL must be an RFC 3339 date-time, e.g. 2026-11-22T08:00:00Z") from None
+        if when.tzinfo is None:
+            raise DsnSyntaxError("HOLDUNTIL needs a time zone (Z or +hh:mm)")
+        delay = when.timestamp() - now_ts
+        if delay < 0:
+            raise DsnSyntaxError("HOLDUNTIL is in the past")
+    if delay > limit:
+        raise DsnSyntaxError(f"requested delay of {delay:.0f} seconds exceeds the maximum of {limit:.0f} seconds (delay_max_s)")
+    return now_ts + delay
+
+
+def future_release_keyword(now_ts: float, delay_max_s: float) -> str:
+    """The EHLO line ``FUTURERELEASE <max-interval> <max-date-time>`` (RFC 4865 §3), as of ``now_ts``."""
+    limit = int(delay_max_s) if delay_max_s > 0 else NO_LIMIT_S
+    until = dt.datetime.fromtimestamp(now_ts + limit, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return f"FUTURERELEASE {limit} {until}"
 
 
 def parse_rcpt_dsn(tokens: Iterable[str]) -> DsnParams:
@@ -373,7 +422,7 @@ class MtaqSMTP(SMTP):
                 self._ehlo_lines = None
             if self.policy.passwords is None:
                 lines = [line for line in lines if _ehlo_keyword(line) != "AUTH"]
-            extended = _with_extensions(lines, _EXTENSIONS)
+            extended = _with_extensions(lines, (*_EXTENSIONS, future_release_keyword(time.time(), self.policy.delay_max_s)))
             if extended is not None:
                 lines = [*extended]
                 self.command_size_limits["MAIL"] += _MAIL_EXTRA
@@ -473,13 +522,16 @@ class MtaqSMTP(SMTP):
             return
         try:
             ret, envid = parse_mail_dsn(tokens)
+            release = parse_future_release(tokens, time.time(), self.policy.delay_max_s)
         except DsnSyntaxError as exc:
             await self.push(exc.reply)
             return
         envelope.dsn_ret, envelope.dsn_envid = ret, envid  # visible to the handler's handle_MAIL
+        envelope.release_ts = release
         await super().smtp_MAIL(stripped)
         if not envelope.mail_from:  # refused (SIZE, BODY, unknown parameter, handle_MAIL): not kept
             envelope.dsn_ret = envelope.dsn_envid = None
+            envelope.release_ts = None
 
     @syntax("RCPT TO: <address>", extended=" [SP <mail-parameters>]")
     async def smtp_RCPT(self, arg: str | None) -> None:

@@ -6,6 +6,7 @@ The full crash file system (drop unsynced writes, forget directory entries) is :
 from __future__ import annotations
 
 import errno
+import threading
 import time
 from typing import Any
 
@@ -26,6 +27,8 @@ class _FaultyFile:
     def fsync(self) -> None:
         if self._fs.fsync_delay_s:
             time.sleep(self._fs.fsync_delay_s)  # runs in the log's fsync thread, like a slow disk
+        if self._fs.fsync_gate is not None:
+            self._fs.fsync_gate.wait()  # a disk that answers only when the test says so
         if self._fs.fail_fsync:
             raise OSError(errno.EIO, "Input/output error")
         self._inner.fsync()
@@ -43,6 +46,7 @@ class FaultyFileSystem(OsFileSystem):
 
     def __init__(self) -> None:
         self.fsync_delay_s = 0.0
+        self.fsync_gate: threading.Event | None = None
         self.fail_fsync = False
         self.fail_append: int | None = None
         self.fail_create: int | None = None
