@@ -192,7 +192,7 @@ def postfix_queue_count() -> int:
 class Sink:
     """Postfix's ``smtp-sink -c`` on 127.0.0.1:port; a thread reads its running ``mesg=N`` counter."""
 
-    def __init__(self, port: int, backlog: int) -> None:
+    def __init__(self, port: int, backlog: int, target: int) -> None:
         cmd = ["smtp-sink", "-c"]
         if os.geteuid() == 0:
             cmd += ["-u", "nobody"]
@@ -201,7 +201,7 @@ class Sink:
         self.count = 0
         self.cond = threading.Condition()
         self.reached: dict[int, float] = {}
-        self.target = 0
+        self.target = target  # the time the count reaches it is taken as the count is read
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.thread = threading.Thread(target=self._read, daemon=True)
         self.thread.start()
@@ -270,7 +270,7 @@ def run_postfix(args: argparse.Namespace, sink_port: int) -> dict[str, Any]:
     if left:
         log(f"Postfix queue not empty ({left} files): postsuper -d ALL")
         run(["postsuper", "-d", "ALL"], check=False)
-    sink = Sink(sink_port, args.backlog)
+    sink = Sink(sink_port, args.backlog, args.messages)
     try:
         t0, t1, rc, err = smtp_source(args, args.postfix_port)
         t_e2e = sink.wait_for(args.messages, args.timeout) if rc == 0 else None
@@ -286,7 +286,7 @@ def run_mtaq(args: argparse.Namespace, sink_port: int, workdir: str, i: int) -> 
         f.write("stats_interval_s = 0.5\n")
     port = free_port()
     logf = os.path.join(work, "daemon.log")
-    sink = Sink(sink_port, args.backlog)
+    sink = Sink(sink_port, args.backlog, args.messages)
     out = open(logf, "ab")
     daemon = subprocess.Popen(
         [*args.mtaq, "--log-format", "json", "serve", "--spool", os.path.join(work, "spool"),
@@ -296,8 +296,17 @@ def run_mtaq(args: argparse.Namespace, sink_port: int, workdir: str, i: int) -> 
     try:
         wait_port(port)
         _wait_event(logf, "recovery_complete", 30)
+        spy = None
+        if args.py_spy:
+            spy = subprocess.Popen(["py-spy", "record", "--nonblocking", "-r", "250", "-f", args.py_spy_format,
+                                    "-o", f"{args.py_spy}.{i}", "--pid", str(daemon.pid)],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(1.0)
         t0, t1, rc, err = smtp_source(args, port)
         t_e2e = sink.wait_for(args.messages, args.timeout) if rc == 0 else None
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)
+            spy.wait()
         res = _result(args, t0, t1, rc, err, t_e2e, sink.count)
         time.sleep(1.2)  # a stats event after the drain
         res["peak_rss_kib"] = peak_rss_kib(daemon.pid)
@@ -372,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep mtaq's spools and logs")
     ap.add_argument("--mtaq", nargs="+", default=[sys.executable, "-m", "mtaq.cli"], help="how to run mtaq")
     ap.add_argument("--only", choices=("postfix", "mtaq"), help="run one side only (no ratio; for profiling)")
+    ap.add_argument("--py-spy", metavar="FILE", help="profile mtaq with py-spy (in PATH) into FILE.<pair>")
+    ap.add_argument("--py-spy-format", default="raw", choices=("raw", "flamegraph", "speedscope"))
     args = ap.parse_args(argv)
     if args.pairs < 1 or args.messages < 1 or args.sessions < 1 or args.recipients < 1:
         ap.error("--pairs, --messages, --sessions and --recipients must be >= 1")

@@ -31,6 +31,8 @@ from typing import Any
 
 from aiosmtpd.smtp import SMTP, Envelope, syntax
 
+from mtaq.edge.fastpath import FastPathMixin
+
 __all__ = ["DsnEnvelope", "DsnParams", "DsnSyntaxError", "MtaqSMTP", "decode_xtext", "encode_xtext",
            "parse_mail_dsn", "parse_rcpt_dsn"]
 
@@ -171,7 +173,7 @@ def parse_rcpt_dsn(tokens: Iterable[str]) -> DsnParams:
     return tuple(params)
 
 
-class MtaqSMTP(SMTP):
+class MtaqSMTP(FastPathMixin, SMTP):
     """aiosmtpd's :class:`~aiosmtpd.smtp.SMTP` with the RFC 3461 DSN extension (see the module docstring).
 
     Takes the same arguments as aiosmtpd's SMTP. The envelope is a :class:`DsnEnvelope`; a subclass that
