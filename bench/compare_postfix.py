@@ -27,8 +27,10 @@ Postfix set-up (needs root): installed from Debian if missing (``DEBIAN_FRONTEND
 as Debian ships it (chroot, process limits, connection cache). It is started with ``postfix start`` (or
 reloaded). This rewrites the machine's Postfix configuration: run it on a bench machine.
 
-mtaq: ``mtaq serve`` with a fresh spool for each run, ``--relayhost [127.0.0.1]:SINK``, JSON logs to a file,
-its embedded defaults otherwise (``stats_interval_s`` 0.5 so that fsyncs per message can be reported).
+mtaq: ``mtaq serve`` with a fresh spool for each run, ``--relayhost [127.0.0.1]:SINK``, ``--workers N``
+(``--workers``, default 1), JSON logs to a file, its embedded defaults otherwise (``stats_interval_s`` 0.5
+so that fsyncs per message can be reported, summed over the workers; ``peak_rss_kib`` is the sum of the
+VmHWM of the supervisor and the workers).
 
 Load (``smtp-source``): ``-s SESSIONS -m MESSAGES -l SIZE -r RECIPIENTS``; ``-l`` is the payload length in
 bytes without the headers; one connection per message, as smtp-source does by default (``--reuse`` adds
@@ -290,7 +292,8 @@ def run_mtaq(args: argparse.Namespace, sink_port: int, workdir: str, i: int) -> 
     out = open(logf, "ab")
     daemon = subprocess.Popen(
         [*args.mtaq, "--log-format", "json", "serve", "--spool", os.path.join(work, "spool"),
-         "--listen", f"127.0.0.1:{port}", "--relayhost", f"[127.0.0.1]:{sink_port}", "--config", conf],
+         "--listen", f"127.0.0.1:{port}", "--relayhost", f"[127.0.0.1]:{sink_port}", "--config", conf,
+         "--workers", str(args.workers)],
         stdout=out, stderr=out, stdin=subprocess.DEVNULL,
     )
     try:
@@ -309,11 +312,17 @@ def run_mtaq(args: argparse.Namespace, sink_port: int, workdir: str, i: int) -> 
             spy.wait()
         res = _result(args, t0, t1, rc, err, t_e2e, sink.count)
         time.sleep(1.2)  # a stats event after the drain
-        res["peak_rss_kib"] = peak_rss_kib(daemon.pid)
-        stats = [e for e in _events(logf) if e.get("event") == "stats"]
-        if stats:
-            res["fsyncs_per_msg"] = round(stats[-1].get("fsync_calls", 0) / args.messages, 4)
-            res["commit_rounds_per_msg"] = round(stats[-1].get("commit_rounds", 0) / args.messages, 4)
+        pids = [daemon.pid, *_children(daemon.pid)]
+        res["peak_rss_kib"] = sum(peak_rss_kib(p) or 0 for p in pids)  # supervisor + workers
+        last: dict[Any, dict[str, Any]] = {}
+        for e in _events(logf):
+            if e.get("event") == "stats":
+                last[e.get("shard")] = e  # the last of each worker
+        if last:
+            fsyncs = sum(e.get("fsync_calls", 0) for e in last.values())
+            rounds = sum(e.get("commit_rounds", 0) for e in last.values())
+            res["fsyncs_per_msg"] = round(fsyncs / args.messages, 4)
+            res["commit_rounds_per_msg"] = round(rounds / args.messages, 4)
         res["alive"] = daemon.poll() is None
     finally:
         if daemon.poll() is None:
@@ -325,6 +334,16 @@ def run_mtaq(args: argparse.Namespace, sink_port: int, workdir: str, i: int) -> 
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
     return res
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            with contextlib.suppress(OSError), open(f"/proc/{name}/stat", encoding="ascii", errors="replace") as f:
+                if int(f.read().rpartition(")")[2].split()[1]) == pid:
+                    out.append(int(name))
+    return out
 
 
 def _result(args: argparse.Namespace, t0: float, t1: float, rc: int, err: str, t_e2e: float | None,
@@ -380,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default="/var/tmp", help="where mtaq's spools go (the disk Postfix's spool is on)")
     ap.add_argument("--keep", action="store_true", help="keep mtaq's spools and logs")
     ap.add_argument("--mtaq", nargs="+", default=[sys.executable, "-m", "mtaq.cli"], help="how to run mtaq")
+    ap.add_argument("--workers", type=int, default=1, help="mtaq worker processes (mtaq serve --workers)")
     ap.add_argument("--only", choices=("postfix", "mtaq"), help="run one side only (no ratio; for profiling)")
     ap.add_argument("--py-spy", metavar="FILE", help="profile mtaq with py-spy (in PATH) into FILE.<pair>")
     ap.add_argument("--py-spy-format", default="raw", choices=("raw", "flamegraph", "speedscope"))
@@ -398,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         "size_bytes": args.size,
         "recipients": args.recipients,
         "reuse_connections": args.reuse,
+        "mtaq_workers": args.workers,
         "pairs": args.pairs,
         "cpus": os.cpu_count(),
         "loadavg_before": [round(x, 2) for x in os.getloadavg()],

@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from mtaq.config import Config, parse_hostport
 from mtaq.core.checkpoint import Checkpoint
 from mtaq.core.frame import Problem
@@ -29,14 +31,15 @@ from mtaq.delivery.routing import Router
 from mtaq.delivery.transport import Batch, ConnectionPool, HopFailure, deliver
 from mtaq.edge.server import QueueHandler, start_server
 from mtaq.errors import CorruptRecord, StorageError, StorageFatal
-from mtaq.logs import get_logger
-from mtaq.queue import Queue
+from mtaq.logs import configure_logging, get_logger
+from mtaq.queue import Queue, set_queue_id_shard
 from mtaq.recovery import move_aside, recover
 from mtaq.runners import Dispatcher, Runner
 from mtaq.storage.checkpoint import write_checkpoint
 from mtaq.storage.fs import OsFileSystem
 from mtaq.storage.log import Log
 from mtaq.testing import killpoints, powercut
+from mtaq.workers import shard_count, shard_dir, supervise
 
 __all__ = ["Daemon", "serve"]
 
@@ -49,9 +52,10 @@ _STATUS_OF = {"delivered": "sent", "deferred": "deferred", "failed": "bounced"}
 class Daemon:
     """The running relay: one log, one SMTP listener, the runners, ``delivery_concurrency`` workers."""
 
-    def __init__(self, cfg: Config, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, cfg: Config, *, clock: Callable[[], float] = time.time, reuse_port: bool = False) -> None:
         self.cfg = cfg
         self.clock = clock
+        self.reuse_port = reuse_port  # one of several worker processes sharing the port (mtaq.workers)
         self.log = get_logger()
         self.router = Router(cfg)
         self.pools: list[ConnectionPool] = []
@@ -105,6 +109,7 @@ class Daemon:
             hostname=cfg.hostname(),
             data_size_limit=cfg.message_size_limit_bytes,
             timeout_s=cfg.smtp_server_timeout_s,
+            reuse_port=self.reuse_port,
         )
         self.log.info(
             "listening",
@@ -326,8 +331,7 @@ async def _run_or_crash(daemon: Daemon) -> None:
         os._exit(EXIT_SOFTWARE)
 
 
-def serve(cfg: Config) -> None:
-    """Run the daemon until the process is killed."""
+def _run_loop(daemon: Daemon) -> None:
     runner: Any
     try:
         import uvloop
@@ -335,4 +339,32 @@ def serve(cfg: Config) -> None:
         runner = uvloop.run
     except ImportError:  # pragma: no cover
         runner = asyncio.run
-    runner(_run_or_crash(Daemon(cfg)))
+    runner(_run_or_crash(daemon))
+
+
+def _run_worker(cfg: Config, shard: int, n: int) -> None:
+    """Worker ``shard`` of ``n`` (in its own process): a whole daemon on its shard of the spool."""
+    set_queue_id_shard(shard)
+    configure_logging(cfg.log_format, shard=shard)
+    shard_cfg = msgspec.structs.replace(
+        cfg,
+        spool_dir=shard_dir(cfg.spool_dir, shard),
+        delivery_concurrency=max(1, -(-cfg.delivery_concurrency // n)),  # the total stays as configured
+    )
+    _run_loop(Daemon(shard_cfg, reuse_port=True))
+
+
+def serve(cfg: Config) -> int:
+    """Run the daemon until the process is killed; with ``workers`` > 1 (or a spool that has shards), run
+    one worker process per shard under a supervisor (:mod:`mtaq.workers`) and return the exit status of
+    the first worker that ended (the others are killed: crash-only). Raises ValueError (too many shards)."""
+    n = shard_count(cfg.spool_dir, cfg.workers)
+    if n == 1:
+        _run_loop(Daemon(cfg))
+        return 0
+    log = get_logger()
+
+    def on_exit(shard: int, status: int) -> None:
+        log.critical("worker_exited", shard=shard, exit_status=status, action="stopping every worker")
+
+    return supervise(n, lambda k: _run_worker(cfg, k, n), on_exit)

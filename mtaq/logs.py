@@ -15,13 +15,23 @@ import structlog
 __all__ = ["configure_logging", "get_logger"]
 
 
-def configure_logging(fmt: str = "console", *, stream: Any = None) -> None:
-    """Send events to ``stream`` (stderr) as JSON lines (``fmt="json"``) or for a terminal."""
+def configure_logging(fmt: str = "console", *, stream: Any = None, shard: int | None = None) -> None:
+    """Send events to ``stream`` (stderr) as JSON lines (``fmt="json"``) or for a terminal.
+
+    ``shard``: in a worker process of a sharded spool (mtaq.workers), every event gets a ``shard`` field.
+    """
     stream = stream or sys.stderr
     processors: list[Any] = [
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
+    if shard is not None:
+
+        def add_shard(_logger: Any, _name: str, event: Any) -> Any:
+            event.setdefault("shard", shard)
+            return event
+
+        processors.append(add_shard)
     if fmt == "json":
         # exc_info becomes an "exception" field (the traceback as structured data) instead of being dropped.
         processors += [structlog.processors.dict_tracebacks, structlog.processors.JSONRenderer()]

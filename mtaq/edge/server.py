@@ -71,8 +71,12 @@ async def start_server(
     hostname: str,
     data_size_limit: int,
     timeout_s: float,
+    reuse_port: bool = False,
 ) -> asyncio.AbstractServer:
-    """Listen on ``host:port`` with aiosmtpd's SMTP protocol; returns the asyncio server."""
+    """Listen on ``host:port`` with aiosmtpd's SMTP protocol; returns the asyncio server.
+
+    ``reuse_port``: SO_REUSEPORT, for several worker processes on one port (mtaq.workers).
+    """
     loop = asyncio.get_running_loop()
 
     def factory() -> Any:
@@ -87,4 +91,4 @@ async def start_server(
             loop=loop,
         )
 
-    return await loop.create_server(factory, host=host, port=port, reuse_address=True)
+    return await loop.create_server(factory, host=host, port=port, reuse_address=True, reuse_port=reuse_port or None)
