@@ -9,7 +9,9 @@ Per run:
 
 * ``accepted_per_s`` = messages / (smtp-source's wall time): every message was answered 250 to DATA
   (smtp-source exits non-zero on any other reply), in messages/s;
-* ``e2e_per_s`` = messages / (time the sink counted the last message - start of smtp-source), messages/s.
+* ``e2e_per_s`` = messages / (time the sink counted the last message - start of smtp-source), messages/s;
+* mtaq only: ``cpu_ms_per_msg``, the user + system CPU time of its processes from the start of the load to
+  the last message in the sink, per message (ms); ``fsyncs_per_msg``; ``peak_rss_kib``.
 
 It prints ONE JSON line on stdout: each side's median ``accepted_per_s`` and ``e2e_per_s`` (with the runs
 themselves), and ``ratio_e2e`` / ``ratio_accepted`` = mtaq median / Postfix median. The exit status is 0
@@ -293,7 +295,7 @@ def run_mtaq(args: argparse.Namespace, sink_port: int, workdir: str, i: int) -> 
     daemon = subprocess.Popen(
         [*args.mtaq, "--log-format", "json", "serve", "--spool", os.path.join(work, "spool"),
          "--listen", f"127.0.0.1:{port}", "--relayhost", f"[127.0.0.1]:{sink_port}", "--config", conf,
-         "--workers", str(args.workers)],
+         *(["--workers", str(args.workers)] if args.workers != 1 else [])],
         stdout=out, stderr=out, stdin=subprocess.DEVNULL,
     )
     try:
@@ -305,14 +307,17 @@ def run_mtaq(args: argparse.Namespace, sink_port: int, workdir: str, i: int) -> 
                                     "-o", f"{args.py_spy}.{i}", "--pid", str(daemon.pid)],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(1.0)
+        pids = [daemon.pid, *_children(daemon.pid)]
+        cpu0 = sum(_cpu_s(p) for p in pids)
         t0, t1, rc, err = smtp_source(args, port)
         t_e2e = sink.wait_for(args.messages, args.timeout) if rc == 0 else None
+        cpu1 = sum(_cpu_s(p) for p in pids)
         if spy is not None:
             spy.send_signal(signal.SIGINT)
             spy.wait()
         res = _result(args, t0, t1, rc, err, t_e2e, sink.count)
+        res["cpu_ms_per_msg"] = round(1000 * (cpu1 - cpu0) / args.messages, 3)  # user + system, all processes
         time.sleep(1.2)  # a stats event after the drain
-        pids = [daemon.pid, *_children(daemon.pid)]
         res["peak_rss_kib"] = sum(peak_rss_kib(p) or 0 for p in pids)  # supervisor + workers
         last: dict[Any, dict[str, Any]] = {}
         for e in _events(logf):
@@ -334,6 +339,16 @@ def run_mtaq(args: argparse.Namespace, sink_port: int, workdir: str, i: int) -> 
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
     return res
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _children(pid: int) -> list[int]:

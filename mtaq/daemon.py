@@ -14,6 +14,7 @@ in the working set.
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import time
 from collections.abc import Callable
@@ -43,6 +44,7 @@ from mtaq.workers import shard_count, shard_dir, supervise
 
 __all__ = ["Daemon", "serve"]
 
+GC_THRESHOLDS = (20_000, 20, 20)  # gc.set_threshold: collect the young generation every 20,000 allocations
 EXIT_FSYNC_FAILED = 75
 EXIT_SOFTWARE = 70  # an unexpected exception in a daemon task: crash, recovery will pick up
 _EVENT_OF = {"delivered": "delivered", "deferred": "deferred", "failed": "bounced"}
@@ -133,6 +135,10 @@ class Daemon:
             outcome_unknown=len(res.unknown),
             corrupt=len(res.corrupt),
         )
+        # Everything recovery built stays: keep it out of the cyclic collector's generations, and let the
+        # young generation grow (each message allocates a few hundred short-lived objects; issue 8).
+        gc.freeze()
+        gc.set_threshold(*GC_THRESHOLDS)
         self.dispatcher = Dispatcher(self.policy.runners)
         self.runners = [
             Runner(

@@ -10,6 +10,7 @@ import logging
 import sys
 from typing import Any
 
+import msgspec
 import structlog
 
 __all__ = ["configure_logging", "get_logger"]
@@ -34,7 +35,7 @@ def configure_logging(fmt: str = "console", *, stream: Any = None, shard: int | 
         processors.append(add_shard)
     if fmt == "json":
         # exc_info becomes an "exception" field (the traceback as structured data) instead of being dropped.
-        processors += [structlog.processors.dict_tracebacks, structlog.processors.JSONRenderer()]
+        processors += [structlog.processors.dict_tracebacks, structlog.processors.JSONRenderer(serializer=_dumps)]
     else:
         processors.append(structlog.dev.ConsoleRenderer(colors=stream.isatty()))
     structlog.configure(
@@ -43,6 +44,20 @@ def configure_logging(fmt: str = "console", *, stream: Any = None, shard: int | 
         logger_factory=structlog.PrintLoggerFactory(stream),
         cache_logger_on_first_use=True,
     )
+
+
+def _fallback(obj: Any) -> Any:
+    """What msgspec cannot encode: the object's ``__structlog__()`` if it has one, else its repr (structlog's rule)."""
+    to_log = getattr(obj, "__structlog__", None)
+    return to_log() if callable(to_log) else repr(obj)
+
+
+_ENCODER = msgspec.json.Encoder(enc_hook=_fallback)
+
+
+def _dumps(event: Any, **_kw: Any) -> str:
+    """One JSON object per event (msgspec: several times faster than json.dumps; the same JSON values)."""
+    return _ENCODER.encode(event).decode()
 
 
 def get_logger(**bind: Any) -> Any:
