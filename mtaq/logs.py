@@ -41,7 +41,9 @@ def configure_logging(fmt: str = "console", *, stream: Any = None, shard: int | 
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
-        logger_factory=structlog.PrintLoggerFactory(stream),
+        # One write per event (message and newline together): several worker processes share the stream,
+        # and O_APPEND makes each write land whole (print() writes the newline separately).
+        logger_factory=structlog.WriteLoggerFactory(stream),
         cache_logger_on_first_use=True,
     )
 

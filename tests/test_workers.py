@@ -17,7 +17,7 @@ import pytest
 
 import mtaq.queue
 from mtaq.queue import new_queue_id, set_queue_id_shard
-from mtaq.testing.procs import Proc, maildir_message_ids, read_events, start_daemon, start_sink
+from mtaq.testing.procs import Proc, log_problems, maildir_message_ids, read_events, start_daemon, start_sink
 from mtaq.workers import WORKERS_MAX, existing_shards, log_dirs, shard_count, shard_dir
 
 _B32 = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
@@ -90,7 +90,8 @@ def test_queue_ids_of_a_worker_carry_its_shard(monkeypatch: pytest.MonkeyPatch) 
 
 def test_two_workers_share_the_port_and_deliver_every_message_once(tmp_path: Path) -> None:
     """With workers = 2, both workers take connections on the one port; each message is delivered exactly
-    once; each shard's log holds only IDs of its shard; log verify checks both shards and passes."""
+    once; every line of the shared log file is one whole JSON event; each shard's log holds only IDs of its
+    shard; log verify checks both shards and passes."""
     sink = start_sink(str(tmp_path / "maildir"), str(tmp_path / "sink.log"))
     (tmp_path / "mtaq.toml").write_text("workers = 2\n")
     spool = str(tmp_path / "spool")
@@ -105,6 +106,8 @@ def test_two_workers_share_the_port_and_deliver_every_message_once(tmp_path: Pat
         daemon.kill9()
         sink.kill9()
     assert [] == daemon.children()
+    _bad, not_json = log_problems(daemon.log_path)
+    assert [] == not_json  # both workers write events to one file: each line is one whole event
     dump = _mtaq("log", "dump", "--spool", spool)
     assert 0 == dump.returncode, dump.stderr
     per_shard: dict[int, set[str]] = {}
