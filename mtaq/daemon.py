@@ -365,6 +365,8 @@ def serve(cfg: Config) -> int:
     one worker process per shard under a supervisor (:mod:`mtaq.workers`) and return the exit status of
     the first worker that ended (the others are killed: crash-only). Raises ValueError (too many shards)."""
     n = shard_count(cfg.spool_dir, cfg.workers)
+    if n > 1 and parse_hostport(cfg.listen)[1] == 0:
+        raise ValueError(f"workers: {n} workers need a fixed listen port, not {cfg.listen}")
     if n == 1:
         _run_loop(Daemon(cfg))
         return 0

@@ -192,3 +192,11 @@ def test_a_worker_that_dies_takes_the_supervisor_and_the_other_workers_down(tmp_
     finally:
         daemon.kill9()
         sink.kill9()
+
+
+def test_several_workers_need_a_fixed_port(tmp_path: Path) -> None:
+    """Port 0 would give each worker a port of its own: refused with a one-line message naming the key."""
+    res = _mtaq("serve", "--spool", str(tmp_path / "spool"), "--listen", "127.0.0.1:0", "--workers", "2")
+    assert 2 == res.returncode
+    assert "workers: 2 workers need a fixed listen port" in res.stderr
+    assert 1 == len(res.stderr.strip().splitlines())
