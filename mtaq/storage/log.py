@@ -146,6 +146,7 @@ class Log:
         self._failed: StorageFatal | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtaq-fsync")
         self.on_fatal: list[Callable[[StorageFatal], None]] = []
+        self.decoded: dict[Pos, Record] = {}  # records the cursors decoded lately (mtaq.storage.cursor)
         self._free = 0  # free_bytes(): the last statvfs answer, when, and bytes_appended then
         self._free_at: float | None = None
         self._free_base = 0
