@@ -9,7 +9,7 @@ LISTEN ?= 127.0.0.1:2525
 SINK_HOST ?= 127.0.0.1
 SINK_PORT ?= 2526
 
-.PHONY: install debs run test lint bench clean-spool
+.PHONY: install debs run test lint bench compare clean-spool
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -40,6 +40,10 @@ test: install debs lint
 
 bench: install
 	$(BIN)/python bench/throughput.py --messages 10000 --concurrency 20 --size 2048
+
+# mtaq against Postfix (root: installs and configures Postfix from Debian; see docs/performance.md).
+compare: install
+	$(BIN)/python bench/compare_postfix.py --workers 2
 
 clean-spool:
 	rm -rf spool/log spool/sink
