@@ -9,7 +9,7 @@ LISTEN ?= 127.0.0.1:2525
 SINK_HOST ?= 127.0.0.1
 SINK_PORT ?= 2526
 
-.PHONY: install debs run test lint bench bench-analytics spark-zip clean-spool
+.PHONY: install debs run test lint bench bench-analytics spark-zip compare clean-spool
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -53,6 +53,10 @@ bench-analytics: install
 spark-zip:
 	mkdir -p dist && $(PY) -c "import zipfile, pathlib; z = zipfile.ZipFile('dist/mtaq.zip', 'w'); \
 	  [z.write(p) for p in sorted(pathlib.Path('mtaq').rglob('*.py'))]; z.close()"
+
+# mtaq against Postfix (root: installs and configures Postfix from Debian; see docs/performance.md).
+compare: install
+	$(BIN)/python bench/compare_postfix.py --workers 2
 
 clean-spool:
 	rm -rf spool/log spool/sink

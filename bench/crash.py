@@ -224,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=None, help="default: random (printed)")
     ap.add_argument("--keep", metavar="DIR", help="work in DIR (must not hold a spool yet) and keep it")
     ap.add_argument("--drain-timeout", type=float, default=120.0, metavar="S")
+    ap.add_argument("--workers", type=int, default=1, metavar="N",
+                    help="worker processes, one spool shard each (a kill -9 takes the supervisor and all of them)")
     ap.add_argument("--segment-bytes", type=int, default=None, metavar="N",
                     help="segment_bytes_max for the daemon (small values make kills land across roll-overs)")
     args = ap.parse_args(argv)
@@ -272,10 +274,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sink = start_sink(maildir, sink_log)
         config = None
-        if args.segment_bytes:
+        if args.segment_bytes or args.workers > 1:
             config = os.path.join(work_dir, "mtaq.toml")
             with open(config, "w") as f:
-                f.write(f"segment_bytes_max = {args.segment_bytes}\n")
+                if args.segment_bytes:
+                    f.write(f"segment_bytes_max = {args.segment_bytes}\n")
+                if args.workers > 1:
+                    f.write(f"workers = {args.workers}\n")
 
         def spawn(kill_point: str | None) -> Proc:
             cut_totals["starts"] += 1
@@ -400,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
                 wall.append(min(ts) - r)
         # A kill that lands before recovery_complete is a crash during recovery (GUIDE I5): allowed, counted.
         starts = cut_totals.pop("starts", 0)
-        killed_during_recovery = starts - len(recs)
+        killed_during_recovery = starts * args.workers - len(recs)  # one recovery per worker and start
         if killed_during_recovery < 0:
             broken.append(f"{len(recs)} recovery_complete events for {starts} starts")
 
@@ -430,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
             "cycles": kills_done,
             "self_killed_at": dict(sorted(self_killed.items())),
             "power_cut": fs_mode or "off",
+            "workers": args.workers,
             "power_cut_bytes_dropped": cut_totals["bytes_dropped"],
             "power_cut_files_removed": cut_totals["files_removed"],
             "killed_during_recovery": max(0, killed_during_recovery),
@@ -445,6 +451,12 @@ def main(argv: list[str] | None = None) -> int:
             result["errors"] = broken
         if lost_ids:
             _report_lost(lost_ids, tally, daemon_log, spool, seed)
+        for m in dup_unexplained[:5]:
+            qid = queue_id_of(tally.acked[m])
+            print(f"crash: duplicated without outcome_unknown: {m} queued as {qid}", file=sys.stderr)
+            for e in events:
+                if e.get("queue_id") == qid or e.get("dsn_for") == qid:
+                    print(f"crash:   {json.dumps(e)}", file=sys.stderr)
     except Exception as exc:
         broken.append(f"{type(exc).__name__}: {exc}")
         result = {"messages": n, "cycles": kills_done, "seed": seed, "errors": broken,

@@ -19,7 +19,8 @@ It prints ONE JSON line on stdout:
   last ``stats`` log event (written after the queue drained) divided by accepted messages. These are
   totals since the daemon started, so they include the delivery-outcome commits, not only receiving.
 - ``daemon_peak_rss_kib`` / ``sink_peak_rss_kib``: VmHWM of the process (KiB) read from /proc before the
-  SIGKILL; null where /proc is not available.
+  SIGKILL (with ``--workers N``: the sum over the supervisor and its workers, whose stats are summed too);
+  null where /proc is not available.
 - the parameters: ``n``, ``concurrency``, ``size_bytes``, ``recipients``, ``sink`` (kind of sink).
 
 The exit status is 0 only when every message was accepted, N files reached the Maildir, and every
@@ -180,6 +181,19 @@ def stats_events(path: str) -> list[dict[str, Any]]:
     return [e for e in read_events(path) if e.get("event") == "stats"]
 
 
+def _sum_last_per_worker(evs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The last stats event of each worker (``shard`` field; one worker: the last event), counters summed."""
+    last: dict[Any, dict[str, Any]] = {}
+    for e in evs:
+        last[e.get("shard")] = e
+    out: dict[str, Any] = {}
+    for e in last.values():
+        for k, v in e.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "shard":
+                out[k] = out.get(k, 0) + v
+    return out
+
+
 def peak_rss_kib(pid: int) -> int | None:
     try:
         with open(f"/proc/{pid}/status", encoding="ascii") as f:
@@ -211,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=20, metavar="C")
     ap.add_argument("--size", type=int, default=2048, metavar="BYTES", help="message size, headers + body")
     ap.add_argument("--recipients", type=int, default=1, metavar="R", help="envelope recipients per message")
+    ap.add_argument("--workers", type=int, default=1, metavar="N", help="mtaq worker processes (spool shards)")
     ap.add_argument("--keep", metavar="DIR", help="create the work dir under DIR and keep it")
     ap.add_argument("--timeout", type=float, default=600.0, metavar="S", help="for load + drain (seconds)")
     args = ap.parse_args(argv)
@@ -234,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     maildir = os.path.join(work, "maildir")
     conf = os.path.join(work, "mtaq.toml")
     with open(conf, "w", encoding="utf-8") as f:
-        f.write(f"stats_interval_s = {STATS_INTERVAL_S}\n")
+        f.write(f"stats_interval_s = {STATS_INTERVAL_S}\nworkers = {args.workers}\n")
 
     run_id = uuid.uuid4().hex[:12]
     rcpts = [f"rcpt{j}@example.org" for j in range(nrcpt)]
@@ -246,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         "size_bytes": size,
         "recipients": nrcpt,
         "sink": "maildir",
+        "workers": args.workers,
         "client_loop": loop_name,
         "latency_measures": "data_end_to_250",
     }
@@ -305,13 +321,13 @@ def main(argv: list[str] | None = None) -> int:
         while True:
             evs = stats_events(daemon.log_path)
             if evs:
-                stats = evs[-1]
+                stats = _sum_last_per_worker(evs)
             if (len(evs) > n_before and stats is not None and stats.get("delivered", 0) >= delivered * nrcpt) or (
                 time.monotonic() > wait_until or not daemon.alive()
             ):
                 break
             time.sleep(0.1)
-        result["daemon_peak_rss_kib"] = peak_rss_kib(daemon.popen.pid)
+        result["daemon_peak_rss_kib"] = sum(peak_rss_kib(p) or 0 for p in [daemon.popen.pid, *daemon.children()])
         result["sink_peak_rss_kib"] = peak_rss_kib(sink.popen.pid)
         result["daemon_alive_at_end"] = daemon.alive()
         if stats is not None:

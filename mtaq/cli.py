@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="clients that may relay anywhere (default 127.0.0.0/8,::1/128)")
     p.add_argument("--relay-domains", metavar="DOMAIN[,DOMAIN...]", type=_comma_list,
                    help="domains anyone may send to (.example.org: its subdomains)")
+    p.add_argument("--workers", metavar="N", type=int, help="worker processes, one spool shard each (default 1)")
     _add_log_format(p)
 
     p = sub.add_parser("sink", help="a local SMTP sink that stores what it receives as a Maildir")
@@ -98,13 +99,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run(args)
         if args.command == "log":
             from mtaq.logtools import dump, verify
+            from mtaq.workers import log_dirs
 
-            log_dir = os.path.join(args.spool, "log")
-            if not os.path.isdir(log_dir):
-                raise ConfigError(f"no queue log at {log_dir}")
-            if args.log_command == "dump":
-                return dump(log_dir, as_json=args.json, out=sys.stdout)
-            return verify(log_dir, out=sys.stdout)
+            shards = log_dirs(args.spool)  # one log per shard (mtaq.workers); just SPOOL/log with one worker
+            for _k, log_dir in shards:
+                if not os.path.isdir(log_dir):
+                    raise ConfigError(f"no queue log at {log_dir}")
+            status = 0
+            for k, log_dir in shards:
+                shard = k if len(shards) > 1 else None
+                if args.log_command == "dump":
+                    status = max(status, dump(log_dir, as_json=args.json, out=sys.stdout, shard=shard))
+                else:
+                    status = max(status, verify(log_dir, out=sys.stdout))
+            return status
     except ConfigError as exc:
         print(f"mtaq: {exc}", file=sys.stderr)
         return 2
@@ -125,17 +133,19 @@ def _serve(args: argparse.Namespace) -> int:
         "log_format": args.log_format,
         "mynetworks": args.mynetworks,
         "relay_domains": args.relay_domains,
+        "workers": args.workers,
     }
     cfg = load_config(args.config, overrides)
     configure_logging(cfg.log_format)
     from mtaq.daemon import serve
 
     try:
-        serve(cfg)
+        return serve(cfg)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
     except OSError as exc:
         print(f"mtaq: cannot serve: {exc.strerror or exc}", file=sys.stderr)
         return 1
-    return 0
 
 
 def _comma_list(value: str) -> list[str]:

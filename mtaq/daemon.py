@@ -17,10 +17,13 @@ checkpoint; only the archived prefix is deleted.
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import time
 from collections.abc import Callable
 from typing import Any
+
+import msgspec
 
 from mtaq.admin import AdminService
 from mtaq.admin_http import AdminHttp, ApiState
@@ -36,9 +39,9 @@ from mtaq.delivery.transport import Batch, ConnectionPool, HopFailure, deliver
 from mtaq.edge.policy import EdgePolicy
 from mtaq.edge.server import QueueHandler, start_server
 from mtaq.errors import CorruptRecord, StorageError, StorageFatal
-from mtaq.logs import get_logger
+from mtaq.logs import configure_logging, get_logger
 from mtaq.metrics import Metrics
-from mtaq.queue import Queue
+from mtaq.queue import Queue, set_queue_id_shard
 from mtaq.recovery import move_aside, recover
 from mtaq.runners import Declined, Dispatcher, Runner
 from mtaq.storage.archive import ArchiveError, SegmentArchive
@@ -46,9 +49,11 @@ from mtaq.storage.checkpoint import write_checkpoint
 from mtaq.storage.fs import OsFileSystem
 from mtaq.storage.log import Log, segment_path
 from mtaq.testing import killpoints, powercut
+from mtaq.workers import shard_count, shard_dir, supervise
 
 __all__ = ["Daemon", "serve"]
 
+GC_THRESHOLDS = (20_000, 20, 20)  # gc.set_threshold: collect the young generation every 20,000 allocations
 EXIT_FSYNC_FAILED = 75
 EXIT_SOFTWARE = 70  # an unexpected exception in a daemon task: crash, recovery will pick up
 _EVENT_OF = {"delivered": "delivered", "deferred": "deferred", "failed": "bounced"}
@@ -58,9 +63,10 @@ _STATUS_OF = {"delivered": "sent", "deferred": "deferred", "failed": "bounced"}
 class Daemon:
     """The running relay: one log, one SMTP listener, the runners, ``delivery_concurrency`` workers."""
 
-    def __init__(self, cfg: Config, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, cfg: Config, *, clock: Callable[[], float] = time.time, reuse_port: bool = False) -> None:
         self.cfg = cfg
         self.clock = clock
+        self.reuse_port = reuse_port  # one of several worker processes sharing the port (mtaq.workers)
         self.log = get_logger()
         self.router = Router(cfg)
         self.throttle = Throttle(
@@ -138,6 +144,7 @@ class Daemon:
             data_size_limit=cfg.message_size_limit_bytes,
             timeout_s=cfg.smtp_server_timeout_s,
             policy=self.edge,
+            reuse_port=self.reuse_port,
         )
         self.log.info(
             "listening",
@@ -163,7 +170,11 @@ class Daemon:
             outcome_unknown=len(res.unknown),
             corrupt=len(res.corrupt),
         )
-        # One slot per runner, plus one (the last) for parked mail that comes due (FUTURERELEASE).
+        # Everything recovery built stays: keep it out of the cyclic collector's generations, and let the
+        # young generation grow (each message allocates a few hundred short-lived objects; issue 8).
+        gc.freeze()
+        gc.set_threshold(*GC_THRESHOLDS)
+                # One slot per runner, plus one (the last) for parked mail that comes due (FUTURERELEASE).
         self.dispatcher = Dispatcher(self.policy.runners + 1)
         self.runners = [
             Runner(
@@ -468,8 +479,7 @@ async def _run_or_crash(daemon: Daemon) -> None:
         os._exit(EXIT_SOFTWARE)
 
 
-def serve(cfg: Config) -> None:
-    """Run the daemon until the process is killed."""
+def _run_loop(daemon: Daemon) -> None:
     runner: Any
     try:
         import uvloop
@@ -477,4 +487,36 @@ def serve(cfg: Config) -> None:
         runner = uvloop.run
     except ImportError:  # pragma: no cover
         runner = asyncio.run
-    runner(_run_or_crash(Daemon(cfg)))
+    runner(_run_or_crash(daemon))
+
+
+def _run_worker(cfg: Config, shard: int, n: int) -> None:
+    """Worker ``shard`` of ``n`` (in its own process): a whole daemon on its shard of the spool."""
+    set_queue_id_shard(shard)
+    configure_logging(cfg.log_format, shard=shard)
+    shard_cfg = msgspec.structs.replace(
+        cfg,
+        spool_dir=shard_dir(cfg.spool_dir, shard),
+        delivery_concurrency=max(1, -(-cfg.delivery_concurrency // n)),  # the total stays as configured
+        # The admin API and /metrics: worker 0 only (one port), and they see shard 0 only for now.
+        admin_listen=cfg.admin_listen if shard == 0 else "",
+    )
+    _run_loop(Daemon(shard_cfg, reuse_port=True))
+
+
+def serve(cfg: Config) -> int:
+    """Run the daemon until the process is killed; with ``workers`` > 1 (or a spool that has shards), run
+    one worker process per shard under a supervisor (:mod:`mtaq.workers`) and return the exit status of
+    the first worker that ended (the others are killed: crash-only). Raises ValueError (too many shards)."""
+    n = shard_count(cfg.spool_dir, cfg.workers)
+    if n > 1 and parse_hostport(cfg.listen)[1] == 0:
+        raise ValueError(f"workers: {n} workers need a fixed listen port, not {cfg.listen}")
+    if n == 1:
+        _run_loop(Daemon(cfg))
+        return 0
+    log = get_logger()
+
+    def on_exit(shard: int, status: int) -> None:
+        log.critical("worker_exited", shard=shard, exit_status=status, action="stopping every worker")
+
+    return supervise(n, lambda k: _run_worker(cfg, k, n), on_exit)

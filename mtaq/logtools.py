@@ -69,12 +69,18 @@ def _line(pos: Pos, rec: Record) -> str:
     return f"{pos} {t} segment={rec.segment} records={rec.records}"
 
 
-def dump(log_dir: str, *, as_json: bool, out: IO[str]) -> int:
-    """Print one line per record (and one per problem); exit status 0."""
+def dump(log_dir: str, *, as_json: bool, out: IO[str], shard: int | None = None) -> int:
+    """Print one line per record (and one per problem); exit status 0.
+
+    ``shard`` (a sharded spool, mtaq.workers): a ``# shard k: DIR`` line first, and a ``shard`` field in JSON.
+    """
+    extra = {} if shard is None else {"shard": shard}
+    if shard is not None and not as_json:
+        out.write(f"# shard {shard}: {log_dir}\n")
     for scan in scan_log(OsFileSystem(), log_dir):
         for pos, rec in scan.records:
             if as_json:
-                out.write(json.dumps({"pos": str(pos), **record_fields(rec)}) + "\n")
+                out.write(json.dumps({**extra, "pos": str(pos), **record_fields(rec)}) + "\n")
             else:
                 out.write(_line(pos, rec) + "\n")
         for p in scan.problems:

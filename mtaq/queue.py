@@ -39,10 +39,20 @@ from mtaq.core.state import Attempt, Conclusion, DsnItem, RetryPolicy, WorkingSe
 from mtaq.errors import CorruptRecord, QueueBusy, StorageFull
 from mtaq.storage.log import Log
 
-__all__ = ["Queue", "new_queue_id"]
+__all__ = ["Queue", "new_queue_id", "set_queue_id_shard"]
 
 _B32 = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"  # Crockford base32: no I, L, O, U
 _last_us = 0
+_shard = -1
+
+
+def set_queue_id_shard(shard: int) -> None:
+    """In worker ``shard`` (0..15) of a sharded spool (mtaq.workers): the low 4 bits of every queue ID are
+    ``shard``, so that IDs made by different worker processes can never be equal."""
+    global _shard
+    if not 0 <= shard < 16:
+        raise ValueError(f"shard {shard} out of range 0..15")
+    _shard = shard
 
 
 def new_queue_id(now_ts: float | None = None) -> str:
@@ -53,6 +63,8 @@ def new_queue_id(now_ts: float | None = None) -> str:
         us = _last_us + 1
     _last_us = us
     n = (us << 20) | int.from_bytes(os.urandom(3), "big") & 0xFFFFF
+    if _shard >= 0:
+        n = (n & ~0xF) | _shard
     out = []
     for _ in range(15):
         out.append(_B32[n & 31])

@@ -80,3 +80,39 @@ def test_enospc_on_append_raises_storage_full_and_the_log_goes_on(tmp_path):
     pos, _ = log.append(StartRecord("Q2", Pos(1, 32), 1.0))
     assert StartRecord("Q2", Pos(1, 32), 1.0) == log.read(pos)
     log.close()
+
+
+class _CountingFs(OsFileSystem):
+    """The real file system, reporting a free space the test sets and counting the statvfs calls."""
+
+    def __init__(self, free: int) -> None:
+        self.free = free
+        self.calls = 0
+
+    def free_bytes(self, path: str) -> int:
+        self.calls += 1
+        return self.free
+
+
+def test_free_space_is_asked_at_most_every_ttl_and_counts_what_was_appended_since(tmp_path, monkeypatch):
+    """Log.free_bytes asks the file system once per FREE_BYTES_TTL_S; in between it answers the last figure
+    minus every byte appended since (never more than is free); after the TTL it asks again."""
+    import mtaq.storage.log as logmod
+
+    now = [1000.0]
+    monkeypatch.setattr(logmod.time, "monotonic", lambda: now[0])
+    fs = _CountingFs(10_000_000)
+    log, _ = Log.open(fs, str(tmp_path), segment_bytes_max=1 << 20)
+    assert 10_000_000 == log.free_bytes()
+    assert 1 == fs.calls
+    before = log.stats.bytes_appended
+    log.append(StartRecord("Q1", Pos(1, 32), 1.0))
+    appended = log.stats.bytes_appended - before
+    assert 0 < appended
+    fs.free = 5  # whatever the disk says now is not asked before the TTL
+    assert 10_000_000 - appended == log.free_bytes()
+    assert 1 == fs.calls
+    now[0] += logmod.FREE_BYTES_TTL_S
+    assert 5 == log.free_bytes()
+    assert 2 == fs.calls
+    log.close()

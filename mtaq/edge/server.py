@@ -88,11 +88,13 @@ async def start_server(
     data_size_limit: int,
     timeout_s: float,
     policy: EdgePolicy | None = None,
+    reuse_port: bool = False,
 ) -> asyncio.AbstractServer:
     """Listen on ``host:port`` with :class:`MtaqSMTP`; returns the asyncio server.
 
     ``data_size_limit`` in bytes (SIZE, ``552 5.3.4``); ``timeout_s`` the idle time before ``421 4.4.2``;
-    ``policy`` the relay control, limits, TLS and AUTH (default: :class:`EdgePolicy`'s safe defaults).
+    ``policy`` the relay control, limits, TLS and AUTH (default: :class:`EdgePolicy`'s safe defaults);
+    ``reuse_port``: SO_REUSEPORT, for several worker processes on one port (mtaq.workers).
     All connections of the listener share one :class:`ConnectionGate`. Raises OSError if it cannot listen.
     """
     loop = asyncio.get_running_loop()
@@ -119,4 +121,4 @@ async def start_server(
             loop=loop,
         )
 
-    return await loop.create_server(factory, host=host, port=port, reuse_address=True)
+    return await loop.create_server(factory, host=host, port=port, reuse_address=True, reuse_port=reuse_port or None)

@@ -59,6 +59,7 @@ from typing import Any
 
 from aiosmtpd.smtp import MISSING, SMTP, AuthResult, Envelope, LoginPassword, TLSSetupException, syntax
 
+from mtaq.edge.fastpath import FastPathMixin
 from mtaq.edge.limits import ConnectionGate
 from mtaq.edge.policy import EdgePolicy, address_problem
 from mtaq.edge.replies import enhance, reply_code
@@ -256,7 +257,7 @@ def parse_rcpt_dsn(tokens: Iterable[str]) -> DsnParams:
     return tuple(params)
 
 
-class MtaqSMTP(SMTP):
+class MtaqSMTP(FastPathMixin, SMTP):
     """aiosmtpd's :class:`~aiosmtpd.smtp.SMTP` with DSN, relay control, limits, DATA checks (module docstring).
 
     Takes aiosmtpd's arguments, plus ``policy`` (default: :class:`EdgePolicy`'s safe defaults) and ``gate``

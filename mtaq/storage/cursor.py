@@ -4,7 +4,9 @@ A cursor reads frame headers only, and reads and checks (CRC) the payload of the
 so a runner that scans for envelopes does not decode message bodies. It reads the segment in chunks
 (``CHUNK_BYTES``) and parses headers from memory: appends never change bytes already written, so a chunk
 never goes stale. It never reads past ``end``, which the caller sets to the log's durable end: a runner
-never acts on a record that is not durable.
+never acts on a record that is not durable. A record one cursor decoded (and checked) is kept for a while
+in ``Log.decoded`` for the others (one runner per retry interval reads every envelope): segments are
+append-only and their numbers never reused, so the bytes at a position never change while it is read.
 
 A frame that does not check out in the middle of a segment is reported once through ``on_corrupt`` and
 passed over to the next good frame (found by :func:`scan_segment`); it is never silently skipped.
@@ -20,9 +22,10 @@ from mtaq.core.records import PayloadError, Pos, Record, RecordType, decode_payl
 from mtaq.errors import CorruptRecord
 from mtaq.storage.log import Log
 
-__all__ = ["CHUNK_BYTES", "LogCursor"]
+__all__ = ["CHUNK_BYTES", "DECODED_MAX", "LogCursor"]
 
 CHUNK_BYTES = 256 * 1024
+DECODED_MAX = 4096  # records decoded by one cursor and kept (Log.decoded) for the others
 
 
 class LogCursor:
@@ -54,6 +57,17 @@ class LogCursor:
         return head[2], int.from_bytes(head[4:8], "little")
 
     def _record(self, pos: Pos, length: int) -> Record:
+        shared = self.log.decoded  # the runners' cursors read the same envelopes: decode and check each once
+        rec = shared.get(pos)
+        if rec is not None:
+            return rec
+        rec = self._decode(pos, length)
+        if len(shared) >= DECODED_MAX:
+            del shared[next(iter(shared))]  # the oldest
+        shared[pos] = rec
+        return rec
+
+    def _decode(self, pos: Pos, length: int) -> Record:
         raw = self._bytes(pos, FRAME_HEADER_BYTES + length)
         _f, salt = self.log._file(pos.segment)
         res = decode_frame(raw or b"", 0, salt)

@@ -51,9 +51,10 @@ from mtaq.errors import CorruptRecord, StorageError, StorageFatal, StorageFull
 from mtaq.storage.fs import File, FileSystem
 from mtaq.testing import killpoints
 
-__all__ = ["Log", "LogStats", "OpenReport", "list_segments", "scan_log", "segment_path"]
+__all__ = ["FREE_BYTES_TTL_S", "Log", "LogStats", "OpenReport", "list_segments", "scan_log", "segment_path"]
 
 _SUFFIX = ".seg"
+FREE_BYTES_TTL_S = 0.25  # how old the free-space figure of Log.free_bytes may be, in seconds
 
 
 def segment_path(directory: str, number: int) -> str:
@@ -147,6 +148,10 @@ class Log:
         self.on_fatal: list[Callable[[StorageFatal], None]] = []
         # Told how long each commit() that had to wait waited, in seconds (metrics; must be cheap).
         self.on_commit_seconds: Callable[[float], None] | None = None
+        self.decoded: dict[Pos, Record] = {}  # records the cursors decoded lately (mtaq.storage.cursor)
+        self._free = 0  # free_bytes(): the last statvfs answer, when, and bytes_appended then
+        self._free_at: float | None = None
+        self._free_base = 0
 
     # ----------------------------------------------------------------------------------------- opening
     @classmethod
@@ -446,11 +451,20 @@ class Log:
         return f, self._salts[number]
 
     def free_bytes(self) -> int:
-        """Bytes free on the device holding the log (statvfs). Raises StorageError if it cannot be read."""
-        try:
-            return self.fs.free_bytes(self.directory)
-        except OSError as exc:
-            raise _wrap_oserror(exc, f"checking free space of {self.directory}") from exc
+        """Bytes free on the device holding the log. Raises StorageError if it cannot be read.
+
+        statvfs is asked at most every ``FREE_BYTES_TTL_S`` seconds (it was a system call per message); in
+        between, the answer is the last one minus every byte this log appended since (never more than
+        what is free, as far as this log is concerned).
+        """
+        now = time.monotonic()
+        if self._free_at is None or now - self._free_at >= FREE_BYTES_TTL_S:
+            try:
+                self._free = self.fs.free_bytes(self.directory)
+            except OSError as exc:
+                raise _wrap_oserror(exc, f"checking free space of {self.directory}") from exc
+            self._free_at, self._free_base = now, self.stats.bytes_appended
+        return self._free - (self.stats.bytes_appended - self._free_base)
 
     def read_bytes(self, segment: int, offset: int, length: int) -> bytes:
         """``length`` bytes of segment ``segment`` from ``offset`` (fewer at its end). Raises OSError."""

@@ -114,7 +114,8 @@ def cut(spool: str) -> dict[str, int]:
 
     Returns ``{"files_removed": n, "files_cut": n, "bytes_dropped": n}``. Every regular file under the
     spool (the ledger excepted) is judged by the ledger: removed if its directory was fsync'd without it
-    (or never fsync'd at all), else cut back to its last fsync'd size.
+    (or never fsync'd at all), else cut back to its last fsync'd size. Shard directories (``shard-k``) are
+    cut by their own ledgers.
     """
     synced: dict[str, int] = {}
     listing: dict[str, set[str]] = {}
@@ -138,7 +139,13 @@ def cut(spool: str) -> dict[str, int]:
                 synced.pop(dst, None)
     out = {"files_removed": 0, "files_cut": 0, "bytes_dropped": 0}
     root = os.path.abspath(spool)
-    for dirpath, _dirs, files in os.walk(root):
+    for dirpath, dirs, files in os.walk(root):
+        if dirpath == root:
+            # The shards of a sharded spool (mtaq.workers) keep their own ledgers: each is cut by its own.
+            for d in [d for d in dirs if d.startswith("shard-") and d[6:].isdigit()]:
+                dirs.remove(d)
+                for k, v in cut(os.path.join(root, d)).items():
+                    out[k] += v
         for name in files:
             p = os.path.join(dirpath, name)
             if p == os.path.join(root, LEDGER_NAME):

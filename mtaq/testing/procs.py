@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Proc", "admin_url", "free_port", "free_port_on", "maildir_count", "maildir_message_ids", "start_daemon", "start_sink", "wait_port"]
+__all__ = ["Proc", "admin_url", "children", "free_port", "free_port_on", "maildir_count", "maildir_message_ids", "start_daemon", "start_sink", "wait_port"]
 
 
 def free_port() -> int:
@@ -70,10 +70,24 @@ class Proc:
     started: float = field(default_factory=time.monotonic)
 
     def kill9(self) -> None:
-        """SIGKILL and reap (the only stop of a crash-only daemon)."""
+        """SIGKILL and reap (the only stop of a crash-only daemon), the worker processes of a supervisor
+        (``workers`` > 1) too; returns once none of them can write anything any more."""
+        kids = children(self.popen.pid) if self.popen.poll() is None else []
         if self.popen.poll() is None:
             self.popen.send_signal(signal.SIGKILL)
+        for pid in kids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self.popen.wait()
+        deadline = time.monotonic() + 10
+        while any(_running(pid) for pid in kids) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def children(self) -> list[int]:
+        """PIDs of the processes this one started (the workers of a supervisor)."""
+        return children(self.popen.pid)
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -81,6 +95,35 @@ class Proc:
     def log_text(self) -> str:
         with open(self.log_path, encoding="utf-8", errors="replace") as f:
             return f.read()
+
+
+def children(pid: int) -> list[int]:
+    """PIDs of the live child processes of ``pid`` (Linux /proc; [] elsewhere)."""
+    out = []
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", encoding="ascii", errors="replace") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out.append(int(name))
+    return out
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie (a killed child whose reaper has not come yet)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _mtaq(args: Sequence[str], log_path: str, env: dict[str, str] | None) -> subprocess.Popen[bytes]:

@@ -1,0 +1,86 @@
+"""Per-connection and per-command costs of aiosmtpd taken off the hot path (issue 8), behaviour unchanged.
+
+aiosmtpd's ``SMTP.__init__`` builds its command and AUTH tables on *every* connection from ``dir(self)``
+and ``inspect.getmembers(self)``; the latter calls ``getattr`` on every attribute of the protocol object,
+properties included, which cost more than the rest of a short session. And ``SMTP._getaddr`` defines a
+``typing.Protocol`` class on every call before it parses the address of each MAIL and RCPT with the email
+package's RFC 5322 parser (``get_angle_addr`` / ``get_addr_spec``).
+
+:class:`FastPathMixin`, placed before aiosmtpd's ``SMTP`` in the bases of the protocol class, changes both:
+
+* ``__dir__`` lists only the ``smtp_*`` and ``auth_*`` names of the class (all aiosmtpd looks for there),
+  computed once per class;
+* ``_getaddr`` parses as aiosmtpd does (the same parser functions, the same ``local_part_limit`` rule, the
+  same ``(address, rest)`` / ``(None, None)`` results, RFC 5321 §4.1.2), without the class, and remembers
+  the last ``ADDRESS_CACHE_MAX`` results: senders and recipients repeat.
+
+What must always hold: the replies and the envelope are exactly what aiosmtpd alone would produce.
+"""
+
+from __future__ import annotations
+
+from email._header_value_parser import get_addr_spec, get_angle_addr
+from email.errors import HeaderParseError
+
+__all__ = ["ADDRESS_CACHE_MAX", "FastPathMixin"]
+
+ADDRESS_CACHE_MAX = 4096
+"""Parsed MAIL/RCPT arguments kept (the cache is emptied when it reaches this many)."""
+
+_parsed: dict[tuple[str, int], tuple[str | None, str | None]] = {}
+
+
+_names: dict[type, tuple[str, ...]] = {}
+
+
+def _table_names(cls: type) -> tuple[str, ...]:
+    names = _names.get(cls)
+    if names is None:
+        names = _names[cls] = tuple(n for n in dir(cls) if n.startswith(("smtp_", "auth_")))
+    return names
+
+
+def parse_address(arg: str, local_part_limit: int = 0) -> tuple[str | None, str | None]:
+    """``(address, rest of the line)`` of a MAIL FROM / RCPT TO argument, as aiosmtpd's ``_getaddr``.
+
+    ``("", "")`` for an empty argument; ``(None, None)`` when it does not parse (RFC 5321 §4.1.2 path or
+    mailbox) or its local part is longer than ``local_part_limit`` (0: no limit). Raises what the email
+    package's parser raises on some malformed input (``IndexError`` for ``<``), as aiosmtpd does.
+    """
+    key = (arg, local_part_limit)
+    hit = _parsed.get(key)
+    if hit is not None:
+        return hit
+    result: tuple[str | None, str | None]
+    if not arg:
+        result = ("", "")
+    else:
+        try:
+            if arg.lstrip().startswith("<"):
+                angle, rest = get_angle_addr(arg)
+                addr = str(angle.addr_spec)
+            else:
+                spec, rest = get_addr_spec(arg)
+                addr = str(spec.addr_spec)
+        except HeaderParseError:
+            result = (None, None)
+        else:
+            local = addr.rpartition("@")[0]
+            result = (None, None) if local_part_limit and len(local) > local_part_limit else (addr, rest)
+    if len(_parsed) >= ADDRESS_CACHE_MAX:
+        _parsed.clear()
+    _parsed[key] = result
+    return result
+
+
+class FastPathMixin:
+    """Put before aiosmtpd's ``SMTP`` in the bases: cheaper connection set-up and address parsing."""
+
+    local_part_limit: int
+
+    def __dir__(self) -> tuple[str, ...]:
+        """Only the ``smtp_*`` and ``auth_*`` names: what aiosmtpd builds its tables from on each connection."""
+        return _table_names(type(self))
+
+    def _getaddr(self, arg: str) -> tuple[str | None, str | None]:
+        return parse_address(arg, self.local_part_limit or 0)

@@ -1,0 +1,137 @@
+"""Several worker processes sharing the SMTP port (SO_REUSEPORT), each owning one shard of the spool.
+
+One Python process runs on one core. With ``workers = N > 1``, ``mtaq serve`` becomes a small supervisor
+that forks N workers, and worker k is a whole daemon (its own log, checkpoint, ``corrupt`` area, recovery,
+runners and delivery workers) on shard k of the spool: shard 0 is the spool directory itself (``SPOOL/log``,
+as with one worker), shard k >= 1 is ``SPOOL/shard-k``. Every worker listens on the same address with
+SO_REUSEPORT, and the kernel spreads new SMTP connections over them. A message stays in the shard that
+accepted it, and so do its DSNs and retries. Nothing is shared between workers but the listening port.
+
+What must always hold:
+
+* no shard is left without its worker: the number of workers started is at least one more than the highest
+  shard found on disk, so lowering ``workers`` never strands queued mail;
+* crash-only: when any worker ends, the supervisor SIGKILLs the others and exits with that worker's status
+  (75 after a failed fsync, 128 + signal number after a signal); the next start is a recovery of every
+  shard. Workers die with the supervisor (``PR_SET_PDEATHSIG``), so ``kill -9`` of it stops them all;
+* queue IDs are unique across shards: the low 4 bits of worker k's IDs are k (so at most 16 workers).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import traceback
+from collections.abc import Callable
+
+__all__ = ["SHARD_PREFIX", "WORKERS_MAX", "existing_shards", "log_dirs", "shard_count", "shard_dir", "supervise"]
+
+SHARD_PREFIX = "shard-"
+WORKERS_MAX = 16  # the queue ID carries the shard in 4 bits
+_PR_SET_PDEATHSIG = 1
+
+
+def shard_dir(spool: str, shard: int) -> str:
+    """The spool directory of shard ``shard``: the spool itself for 0, ``SPOOL/shard-k`` otherwise."""
+    return spool if shard == 0 else os.path.join(spool, f"{SHARD_PREFIX}{shard}")
+
+
+def existing_shards(spool: str) -> list[int]:
+    """The shards k >= 1 that have a directory in ``spool``, ascending (none when the spool is missing)."""
+    try:
+        names = os.listdir(spool)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    out = []
+    for name in names:
+        num = name[len(SHARD_PREFIX) :]
+        if name.startswith(SHARD_PREFIX) and num.isdigit() and int(num) >= 1 and os.path.isdir(os.path.join(spool, name)):
+            out.append(int(num))
+    return sorted(out)
+
+
+def shard_count(spool: str, workers: int) -> int:
+    """How many workers to start: ``workers``, or more if the spool already holds a higher shard.
+
+    Raises ValueError when that is more than :data:`WORKERS_MAX`.
+    """
+    n = max(workers, 1 + max(existing_shards(spool), default=0))
+    if n > WORKERS_MAX:
+        raise ValueError(f"workers: {n} shards in {spool}, at most {WORKERS_MAX} are supported")
+    return n
+
+
+def log_dirs(spool: str) -> list[tuple[int, str]]:
+    """``(shard, log directory)`` of every shard of ``spool`` (shard 0 first), for the log tools."""
+    return [(k, os.path.join(shard_dir(spool, k), "log")) for k in [0, *existing_shards(spool)]]
+
+
+def _die_with_parent(parent: int) -> None:
+    """Linux: get SIGKILL when the supervisor dies (no worker outlives it); exit at once if it already has."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        pass
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _status(wait_status: int) -> int:
+    code = os.waitstatus_to_exitcode(wait_status)
+    return code if code >= 0 else 128 - code
+
+
+def supervise(n: int, run_worker: Callable[[int], None], on_exit: Callable[[int, int], None]) -> int:
+    """Fork ``n`` workers, each running ``run_worker(k)``; return the exit status of the first to end.
+
+    The others are SIGKILLed and reaped first. ``on_exit(shard, status)`` is called (in the supervisor) for
+    the worker that ended. Call this before any thread or event loop exists in the process (fork).
+    """
+    me = os.getpid()
+    pids: dict[int, int] = {}
+    for k in range(n):
+        pid = os.fork()
+        if pid == 0:  # the worker
+            status = 0
+            try:
+                _die_with_parent(me)
+                run_worker(k)
+            except KeyboardInterrupt:
+                status = 130
+            except SystemExit as exc:
+                status = exc.code if isinstance(exc.code, int) else 1
+            except BaseException:
+                traceback.print_exc(file=sys.stderr)
+                status = 70
+            finally:
+                sys.stderr.flush()
+                os._exit(status)
+        pids[pid] = k
+    status = 1
+    try:
+        while True:
+            try:
+                pid, wait_status = os.wait()
+            except ChildProcessError:  # pragma: no cover - every worker reaped already
+                break
+            if pid in pids:
+                status = _status(wait_status)
+                on_exit(pids.pop(pid), status)
+                break
+    except KeyboardInterrupt:
+        status = 130
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for pid in pids:
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+    return status

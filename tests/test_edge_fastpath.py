@@ -1,0 +1,105 @@
+"""The edge's fast path (mtaq.edge.fastpath) changes costs, never behaviour: same tables, same addresses."""
+
+from __future__ import annotations
+
+import asyncio
+import smtplib
+from typing import Any
+
+from aiosmtpd.smtp import SMTP
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mtaq.edge.fastpath import parse_address
+from mtaq.edge.smtp import MtaqSMTP
+
+
+class _Handler:
+    async def handle_DATA(self, server: Any, session: Any, envelope: Any) -> str:
+        return "250 OK"
+
+
+def _outcome(f: Any, *args: Any) -> Any:
+    try:
+        return f(*args)
+    except Exception as exc:  # aiosmtpd's parser raises on some input ('<'): the same must happen
+        return type(exc)
+
+
+def _aiosmtpd_getaddr(arg: str, local_part_limit: int = 0) -> tuple[str | None, str | None]:
+    plain = SMTP.__new__(SMTP)
+    plain.local_part_limit = local_part_limit
+    return SMTP._getaddr(plain, arg)  # type: ignore[no-any-return]
+
+
+_ADDR_CHARS = st.sampled_from([*'ab<>@."\\ :,;()[]x=-+', "SIZE=1", "é", "\t"])
+
+
+@settings(max_examples=400, deadline=None)
+@given(arg=st.lists(_ADDR_CHARS, max_size=24).map("".join), limit=st.sampled_from([0, 1, 3, 64]))
+def test_address_parsing_gives_what_aiosmtpd_gives(arg: str, limit: int) -> None:
+    """For any MAIL/RCPT argument, parse_address returns (or raises) what aiosmtpd does, cached or not."""
+    expected = _outcome(_aiosmtpd_getaddr, arg, limit)
+    assert expected == _outcome(parse_address, arg, limit)
+    assert expected == _outcome(parse_address, arg, limit)  # the second time from the cache
+
+
+def test_address_parsing_examples() -> None:
+    """Angle addresses with parameters, bare addresses, the null path, and garbage."""
+    assert ("a@b.example", "SIZE=10") == parse_address("<a@b.example> SIZE=10")
+    assert ("a@b.example", "") == parse_address("a@b.example")
+    assert ("", "") == parse_address("")
+    assert (None, None) == parse_address("<" + "x" * 65 + "@b.example>", 64)
+
+
+def test_connection_tables_are_those_aiosmtpd_builds_from_the_full_dir() -> None:
+    """The command table (and AUTH table) of a new connection lists every smtp_* (auth_*) method of the class."""
+
+    async def make() -> MtaqSMTP:
+        return MtaqSMTP(_Handler(), hostname="mx.test", loop=asyncio.get_running_loop())
+
+    proto = asyncio.run(make())
+    full = object.__dir__(proto)
+    expected_commands = {n.removeprefix("smtp_") for n in full if n.startswith("smtp_")}
+    assert expected_commands == set(proto._smtp_methods)
+    assert {"DATA", "EHLO", "HELO", "MAIL", "RCPT", "RSET", "QUIT", "NOOP", "VRFY", "HELP"} <= expected_commands
+    expected_auth = {n.removeprefix("auth_").replace("__", "-") for n in full if n.startswith("auth_")}
+    assert expected_auth == set(proto._auth_methods)
+
+
+def test_session_through_the_fast_path(tmp_path: Any) -> None:
+    """A whole session (EHLO, MAIL with DSN parameters, two RCPT, DATA, HELP) against the real protocol class."""
+    received: list[tuple[str, list[str], list[Any]]] = []
+
+    class Handler:
+        async def handle_DATA(self, server: Any, session: Any, envelope: Any) -> str:
+            received.append((envelope.mail_from, list(envelope.rcpt_tos), list(envelope.rcpt_dsn)))
+            return "250 2.0.0 OK"
+
+    async def main() -> tuple[str, tuple[int, bytes]]:
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(
+            lambda: MtaqSMTP(Handler(), hostname="mx.test", loop=loop), host="127.0.0.1", port=0
+        )
+        port = server.sockets[0].getsockname()[1]
+
+        def client() -> tuple[str, tuple[int, bytes]]:
+            with smtplib.SMTP("127.0.0.1", port) as s:
+                s.ehlo("client.test")
+                help_reply = s.docmd("HELP")
+                s.mail("<s@example.org>", ["RET=HDRS"])
+                s.rcpt("<r1@example.net>", ["NOTIFY=SUCCESS"])
+                s.rcpt("r2@example.net")
+                code, _ = s.data(b"Subject: t\r\n\r\nhello\r\n")
+                return str(code), help_reply
+
+        try:
+            return await asyncio.to_thread(client)
+        finally:
+            server.close()
+
+    code, (help_code, help_text) = asyncio.run(main())
+    assert "250" == code
+    assert 250 == help_code
+    assert b"MAIL" in help_text and b"RCPT" in help_text and b"DATA" in help_text
+    assert [("s@example.org", ["r1@example.net", "r2@example.net"], [(("NOTIFY", "SUCCESS"),), ()])] == received

@@ -1,0 +1,202 @@
+"""Several worker processes on one port, one spool shard each (mtaq.workers): every message delivered once,
+crash-only supervision, shards never stranded, queue IDs unique across shards, log tools over all shards."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import smtplib
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import mtaq.queue
+from mtaq.queue import new_queue_id, set_queue_id_shard
+from mtaq.testing.procs import Proc, log_problems, maildir_message_ids, read_events, start_daemon, start_sink
+from mtaq.workers import WORKERS_MAX, existing_shards, log_dirs, shard_count, shard_dir
+
+_B32 = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+
+
+def _shard_of(queue_id: str) -> int:
+    return _B32.index(queue_id[-1]) & 0xF
+
+
+def _send(port: int, n: int, tag: str) -> list[str]:
+    """``n`` messages, each on its own connection (so that the kernel spreads them over the workers)."""
+    replies = []
+    for i in range(n):
+        msg = f"From: a@example.org\r\nTo: b@example.net\r\nMessage-ID: <{tag}.{i}@test>\r\n\r\nbody {i}\r\n"
+        with smtplib.SMTP("127.0.0.1", port, timeout=30) as s:
+            s.ehlo("client.test")
+            s.mail("a@example.org")
+            s.rcpt("b@example.net")
+            code, text = s.data(msg.encode())
+            assert 250 == code, text
+            replies.append(text.decode())
+    return replies
+
+
+def _wait(pred: Any, timeout_s: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _mtaq(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "mtaq.cli", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_shard_directories_and_how_many_workers_start(tmp_path: Path) -> None:
+    """Shard 0 is the spool itself, shard k is SPOOL/shard-k; a spool that holds shard 3 starts 4 workers
+    even when 1 is configured; more shards than queue IDs can tell apart is an error."""
+    spool = str(tmp_path / "spool")
+    assert spool == shard_dir(spool, 0)
+    assert os.path.join(spool, "shard-2") == shard_dir(spool, 2)
+    assert [] == existing_shards(spool)
+    assert 1 == shard_count(spool, 1)
+    assert 2 == shard_count(spool, 2)
+    os.makedirs(os.path.join(spool, "shard-3", "log"))
+    os.makedirs(os.path.join(spool, "shard-x"))
+    (tmp_path / "spool" / "shard-5").write_text("not a directory")
+    assert [3] == existing_shards(spool)
+    assert 4 == shard_count(spool, 1)
+    assert [(0, os.path.join(spool, "log")), (3, os.path.join(spool, "shard-3", "log"))] == log_dirs(spool)
+    os.makedirs(os.path.join(spool, f"shard-{WORKERS_MAX}"))
+    with pytest.raises(ValueError, match="workers"):
+        shard_count(spool, 1)
+
+
+def test_queue_ids_of_a_worker_carry_its_shard(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In worker k, every queue ID's low 4 bits are k: two workers can never make the same ID."""
+    monkeypatch.setattr(mtaq.queue, "_shard", -1)
+    for shard in (0, 5, 15):
+        set_queue_id_shard(shard)
+        ids = [new_queue_id(1_700_000_000.0) for _ in range(50)]
+        assert [shard] * 50 == [_shard_of(q) for q in ids]
+        assert 50 == len(set(ids))
+    with pytest.raises(ValueError):
+        set_queue_id_shard(16)
+
+
+def test_two_workers_share_the_port_and_deliver_every_message_once(tmp_path: Path) -> None:
+    """With workers = 2, both workers take connections on the one port; each message is delivered exactly
+    once; every line of the shared log file is one whole JSON event; each shard's log holds only IDs of its
+    shard; log verify checks both shards and passes."""
+    sink = start_sink(str(tmp_path / "maildir"), str(tmp_path / "sink.log"))
+    (tmp_path / "mtaq.toml").write_text("workers = 2\n")
+    spool = str(tmp_path / "spool")
+    daemon = start_daemon(spool, sink.port, str(tmp_path / "daemon.log"), config=str(tmp_path / "mtaq.toml"))
+    try:
+        _wait(lambda: len(daemon.children()) == 2, 20, "two workers")
+        _send(daemon.port, 40, "w2")
+        _wait(lambda: len(maildir_message_ids(str(tmp_path / "maildir"))) >= 40, 60, "40 deliveries")
+        ids = maildir_message_ids(str(tmp_path / "maildir"))
+        assert {f"<w2.{i}@test>": 1 for i in range(40)} == dict(ids)
+    finally:
+        daemon.kill9()
+        sink.kill9()
+    assert [] == daemon.children()
+    _bad, not_json = log_problems(daemon.log_path)
+    assert [] == not_json  # both workers write events to one file: each line is one whole event
+    dump = _mtaq("log", "dump", "--spool", spool)
+    assert 0 == dump.returncode, dump.stderr
+    per_shard: dict[int, set[str]] = {}
+    shard = -1
+    for line in dump.stdout.splitlines():
+        m = re.match(r"# shard (\d+): ", line)
+        if m:
+            shard = int(m.group(1))
+        elif " ENVELOPE " in line:
+            per_shard.setdefault(shard, set()).add(line.split()[2])
+    assert {0, 1} == set(per_shard)
+    assert 40 == sum(len(v) for v in per_shard.values())
+    for k, qids in per_shard.items():
+        assert {k} == {_shard_of(q) for q in qids}
+    verify = _mtaq("log", "verify", "--spool", spool)
+    assert 0 == verify.returncode, verify.stdout + verify.stderr
+    assert 2 == verify.stdout.count(": sound (")
+
+
+def test_kill9_of_the_supervisor_stops_every_worker_and_a_restart_with_fewer_workers_delivers_all(
+    tmp_path: Path,
+) -> None:
+    """Mail deferred in both shards survives kill -9 of the supervisor (which takes its workers with it);
+    a restart configured with workers = 1 still starts a worker for shard 1, and every message is then
+    delivered exactly once."""
+    maildir = str(tmp_path / "maildir")
+    deferring = start_sink(maildir, str(tmp_path / "sink1.log"), extra=["--defer-rcpt", ".*"])
+    conf = tmp_path / "mtaq.toml"
+    conf.write_text("workers = 2\nretry_intervals_s = [1.0]\n")
+    spool = str(tmp_path / "spool")
+    daemon: Proc | None = start_daemon(spool, deferring.port, str(tmp_path / "daemon1.log"), config=str(conf))
+    sink: Proc | None = None
+    try:
+        assert daemon is not None
+        _wait(lambda: len(daemon.children()) == 2, 20, "two workers")
+        kids = daemon.children()
+        _send(daemon.port, 30, "k9")
+        _wait(lambda: len([e for e in read_events(daemon.log_path) if e.get("event") == "deferred"]) >= 30, 30,
+              "30 deferrals")
+        daemon.kill9()
+        assert not [p for p in kids if os.path.exists(f"/proc/{p}") and _state(p) != "Z"]
+        assert [1] == existing_shards(spool)
+        deferring.kill9()
+        sink = start_sink(maildir, str(tmp_path / "sink2.log"), port=deferring.port)
+        conf.write_text("workers = 1\nretry_intervals_s = [1.0]\n")
+        daemon = start_daemon(spool, sink.port, str(tmp_path / "daemon2.log"), config=str(conf), port=daemon.port)
+        _wait(lambda: len(maildir_message_ids(maildir)) >= 30, 60, "30 deliveries after the restart")
+        time.sleep(1.0)
+        assert {f"<k9.{i}@test>": 1 for i in range(30)} == dict(maildir_message_ids(maildir))
+        shards = {e.get("shard") for e in read_events(daemon.log_path) if e.get("event") == "recovery_complete"}
+        assert {0, 1} == shards
+    finally:
+        if daemon is not None:
+            daemon.kill9()
+        deferring.kill9()
+        if sink is not None:
+            sink.kill9()
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        return f.read().rpartition(")")[2].split()[0]
+
+
+def test_a_worker_that_dies_takes_the_supervisor_and_the_other_workers_down(tmp_path: Path) -> None:
+    """Crash-only: kill -9 of one worker ends the supervisor with status 137 (128 + SIGKILL) after it has
+    killed the other worker, and the supervisor logs worker_exited naming the shard."""
+    sink = start_sink(str(tmp_path / "maildir"), str(tmp_path / "sink.log"))
+    (tmp_path / "mtaq.toml").write_text("workers = 2\n")
+    daemon = start_daemon(str(tmp_path / "spool"), sink.port, str(tmp_path / "daemon.log"),
+                          config=str(tmp_path / "mtaq.toml"))
+    try:
+        kids = _wait(lambda: (k := daemon.children()) and len(k) == 2 and k, 20, "two workers")
+        os.kill(kids[0], signal.SIGKILL)
+        assert 137 == daemon.popen.wait(timeout=20)
+        _wait(lambda: not [p for p in kids if os.path.exists(f"/proc/{p}") and _state(p) != "Z"], 10,
+              "the other worker to be gone")
+        exited = [e for e in read_events(daemon.log_path) if e.get("event") == "worker_exited"]
+        assert 1 == len(exited)
+        assert 137 == exited[0]["exit_status"]
+        assert exited[0]["shard"] in (0, 1)
+    finally:
+        daemon.kill9()
+        sink.kill9()
+
+
+def test_several_workers_need_a_fixed_port(tmp_path: Path) -> None:
+    """Port 0 would give each worker a port of its own: refused with a one-line message naming the key."""
+    res = _mtaq("serve", "--spool", str(tmp_path / "spool"), "--listen", "127.0.0.1:0", "--workers", "2")
+    assert 2 == res.returncode
+    assert "workers: 2 workers need a fixed listen port" in res.stderr
+    assert 1 == len(res.stderr.strip().splitlines())
