@@ -30,7 +30,7 @@ from typing import Any
 from mtaq.core.checkpoint import Checkpoint
 from mtaq.core.frame import scan_segment
 from mtaq.core.parking import ADMIN_ACTIONS, QueueCounts
-from mtaq.core.records import PARKED, DataRecord, EnvelopeRecord, FinishRecord, Pos, RecordType, StartRecord
+from mtaq.core.records import PARKED, DataRecord, EnvelopeRecord, Pos, RecordType
 from mtaq.core.view import Entry, QueueView, Selector
 from mtaq.errors import CorruptRecord, MtaqError, StorageError
 from mtaq.queue import Queue
@@ -97,12 +97,8 @@ def _catch_up(view: QueueView, log: Log) -> None:
     """Bring ``view`` forward to the log's current end (synchronous: call it in the loop, then act)."""
     end = log.end
     cur = LogCursor(log, view.end)
-    while True:
-        found = cur.peek(end, lambda t: t != RecordType.DATA)
-        if found is None or found is False:
-            if found is None:
-                break
-            continue
+    while (found := cur.peek(end, lambda t: t != RecordType.DATA)) is not None:
+        assert found is not False  # only with max_frames
         pos, rec = found
         cur.skip()
         view.apply(pos, rec, cur.pos)
@@ -314,16 +310,7 @@ def offline_size(spool: str) -> dict[str, Any]:
                 continue
             if isinstance(rec, EnvelopeRecord):
                 envelopes[pos] = rec
-                if rec.replaces is None:
-                    counts.added(rec)
-                else:
-                    counts.concluded(rec)
-            elif isinstance(rec, StartRecord):
-                env = envelopes.get(rec.envelope) or _read_envelope_at(fs, log_dir, rec.envelope)
-                if env is not None:
-                    counts.started(env)
-            elif isinstance(rec, FinishRecord):
-                counts.concluded(None)
+            counts.replay(rec, lambda p: envelopes.get(p) or _read_envelope_at(fs, log_dir, p))
         end = Pos(n, scan.valid_end)
     return {**counts.as_dict(), "position": str(end), "source": f"checkpoint at {cp.head} and the records after it"}
 

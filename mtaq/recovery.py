@@ -175,6 +175,8 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
             if pos < scan_from:
                 continue
             res.records += 1
+            if pos >= replay_from:
+                queue.counts.replay(rec, lambda p: _read_envelope(log, p))
             if isinstance(rec, StartRecord):
                 open_attempts[pos] = _Open(rec)
                 started.add(rec.envelope)
@@ -184,9 +186,6 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
                 if pos >= replay_from:
                     unparked.add(rec.envelope)
                     parked_after.pop(rec.envelope, None)
-                    started_env = _read_envelope(log, rec.envelope)
-                    if started_env is not None:
-                        queue.counts.started(started_env)
             elif isinstance(rec, DeliveryRecord):
                 o = open_attempts.get(rec.start)
                 if o is not None:
@@ -195,20 +194,13 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
             elif isinstance(rec, EnvelopeRecord):
                 if rec.replaces is not None:
                     open_attempts.pop(rec.replaces, None)
-                if pos >= replay_from:
-                    if rec.replaces is None:
-                        queue.counts.added(rec)
-                    else:
-                        queue.counts.concluded(rec)
-                    if rec.runner == PARKED:
-                        parked_after[pos] = rec
+                if pos >= replay_from and rec.runner == PARKED:
+                    parked_after[pos] = rec
                 d = rec.data
                 if any(h.segment == d.segment and h.offset <= d.offset < h.end for h in holes):
                     unreadable[pos] = rec
             elif isinstance(rec, FinishRecord):
                 open_attempts.pop(rec.start, None)
-                if pos >= replay_from:
-                    queue.counts.concluded(None)
         await asyncio.sleep(0)  # let SMTP clients in between segments
     for ppos in parked_before:
         if ppos not in unparked and ppos < replay_from:

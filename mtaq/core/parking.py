@@ -22,11 +22,12 @@ and are written into every checkpoint.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
 
-from mtaq.core.records import PARKED, EnvelopeRecord, FinishRecord, Pos
+from mtaq.core.records import PARKED, EnvelopeRecord, FinishRecord, Pos, Record, StartRecord
 
 __all__ = ["ADMIN_ACTIONS", "ADMIN_BOUNCE", "STATES", "Parked", "QueueCounts", "admin_conclusion", "state_of"]
 
@@ -60,6 +61,21 @@ class QueueCounts:
         self._dec("active")
         if replacement is not None:
             self.by_state[state_of(replacement)] += 1
+
+    def replay(self, rec: Record, envelope_at: Callable[[Pos], EnvelopeRecord | None]) -> None:
+        """Apply a record read back from the log (recovery, offline size): the same transitions as above.
+        ``envelope_at`` finds the envelope a START names (None if unreadable: that START is not counted)."""
+        if isinstance(rec, EnvelopeRecord):
+            if rec.replaces is None:
+                self.added(rec)
+            else:
+                self.concluded(rec)
+        elif isinstance(rec, StartRecord):
+            env = envelope_at(rec.envelope)
+            if env is not None:
+                self.started(env)
+        elif isinstance(rec, FinishRecord):
+            self.concluded(None)
 
     def _dec(self, state: str) -> None:
         if self.by_state[state] > 0:
