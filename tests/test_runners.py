@@ -179,6 +179,10 @@ def test_queue_lifetime_expires_with_a_jumped_clock_and_bounces_4_4_7(tmp_path):
         h.sink.defer = re.compile("^slow@")
         await h.send("alice@example.org", ["slow@example.net"], "e1")
         await h.until(lambda: h.sink.rcpt_attempts.count("slow@example.net") == 1, what="first attempt")
+        # The sink has replied 451; wait until the daemon has written the deferral (its replacement envelope)
+        # before jumping the clock, or the attempt itself concludes past the lifetime and expires at once.
+        assert h.daemon is not None
+        await h.until(lambda: h.daemon.queue.counts.by_state["deferred"] == 1, what="deferral written")
         h.clock.offset += 7200  # past the 1000 s retry interval and the 3600 s lifetime
         h.poke()
         [raw] = await h.until(lambda: h.sink.to("alice@example.org"), what="expiry DSN")
@@ -332,6 +336,7 @@ def test_spool_below_its_free_space_floor_refuses_new_mail_with_452_but_keeps_de
         for i in range(3):
             await h.send("alice@example.org", [f"slow{i}@example.net"], f"m{i}")
         await h.until(lambda: len(set(h.sink.rcpt_attempts)) == 3, what="first attempts")
+        await h.until(lambda: h.daemon.queue.counts.by_state["deferred"] == 3, what="deferrals written")
         free = h.daemon.queue.log.free_bytes()
         h.daemon.queue.minfree_bytes = free + (1 << 30)  # the spool is now "full" by the floor
         code, text = await asyncio.to_thread(try_send, h.port)
