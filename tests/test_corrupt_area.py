@@ -100,6 +100,62 @@ def test_flipped_bit_in_a_middle_segment_is_moved_aside_and_every_later_record_i
     assert 1 == len(list_quarantine(OsFileSystem(), spool))
 
 
+def test_flipped_bit_in_a_segment_header_is_moved_aside_and_every_record_of_the_segment_is_kept(tmp_path):
+    """The header of a middle segment (its checksum salt) gets a flipped bit. Recovery reports the 32 header
+    bytes as corrupt and moves them aside; the salt comes back from the records' checksums, so every message
+    in that segment is still offered by a runner and its body still reads; ``mtaq log verify`` names it."""
+    spool = str(tmp_path)
+    log, q, _ = start(spool)
+    sent = {e.queue_id for e in receive(q, 120)}
+    log.close()
+    log_dir = os.path.join(spool, "log")
+    segs = list_segments(OsFileSystem(), log_dir)
+    middle = segs[len(segs) // 2]
+    path = segment_path(log_dir, middle)
+    raw = bytearray(open(path, "rb").read())
+    in_middle = {r.queue_id for _, r in scan_segment(middle, bytes(raw)).records if isinstance(r, EnvelopeRecord)}
+    assert in_middle
+    raw[22] ^= 0x10  # a bit of the salt (header bytes 20-23)
+    open(path, "wb").write(bytes(raw))
+
+    log, q, res = start(spool)
+    assert [(middle, 0, 32)] == [(p.segment, p.offset, p.end) for p in res.corrupt]
+    stem = os.path.join(spool, CORRUPT_DIR, f"{middle:012d}-{0:010d}")
+    assert bytes(raw[:32]) == open(stem + ".bin", "rb").read()
+    cur = LogCursor(log, Pos(segs[0], 32), lambda p: None)
+    offered = {}
+    while (found := cur.peek(log.durable_end, lambda t: t == RecordType.ENVELOPE)) is not None:
+        if found is not False:
+            offered[found[1].queue_id] = found[1]
+            cur.skip()
+    assert sent == set(offered)
+    for qid in in_middle:
+        assert q.read_body(offered[qid]).startswith(b"Subject: ")
+    log.close()
+    out = io.StringIO()
+    assert 1 == verify(log_dir, out=out)
+    assert f"segment {middle} offset 0" in out.getvalue()
+
+
+def test_garbage_header_with_nothing_readable_after_it_is_reported_and_recovery_goes_on(tmp_path):
+    """A new segment whose first write never reached the disk intact (a power cut can leave garbage, not
+    only zeros) and no record after it: recovery reports the whole file as corrupt, copies it aside, and
+    completes; the mail in the segments before it is all there (found by the model-based test)."""
+    spool = str(tmp_path)
+    log, q, _ = start(spool)
+    sent = {e.queue_id for e in receive(q, 3)}
+    log.close()
+    log_dir = os.path.join(spool, "log")
+    garbage = bytes(range(7, 39))
+    with open(segment_path(log_dir, 2), "wb") as f:
+        f.write(garbage)
+    log, q, res = start(spool)
+    log.close()
+    assert [(2, 0, 32)] == [(p.segment, p.offset, p.end) for p in res.corrupt]
+    assert garbage == open(os.path.join(spool, CORRUPT_DIR, f"{2:012d}-{0:010d}.bin"), "rb").read()
+    assert sent == set(envelopes(spool))
+
+
 @pytest.mark.parametrize("checkpoint_after_hole", [False, True])
 def test_hole_left_by_a_crash_after_the_checkpoint_is_an_unsynced_hole_not_corruption(tmp_path, checkpoint_after_hole):
     """Power loss can keep a later write and lose an earlier one (a hole of zeros in the segment being

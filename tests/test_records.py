@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import zlib
 
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from mtaq.core.frame import (
@@ -17,6 +17,8 @@ from mtaq.core.frame import (
     decode_segment_header,
     encode_record,
     encode_segment_header,
+    salvage_segment_header,
+    scan_segment,
 )
 from mtaq.core.records import (
     DataRecord,
@@ -118,3 +120,30 @@ def test_frame_checksum_is_crc32_over_header_and_payload_seeded_with_salt():
     payload = frame[FRAME_HEADER_BYTES:]
     expected = zlib.crc32(payload, zlib.crc32(frame[:8], salt))
     assert expected == int.from_bytes(frame[8:12], "little")
+
+
+@given(st.lists(records, min_size=1, max_size=4), u32, st.integers(0, 32 * 8 - 1))
+def test_damaged_segment_header_gives_its_salt_back_from_the_records(recs, salt, bit):
+    """Any one bit flipped in a segment header: the header fails, and the salt is recovered from the first
+    record's checksum (CRC-32 is affine in its seed), confirmed by the next; the scan keeps every record."""
+    recs = [r for r in recs if not isinstance(r, SealRecord)]  # a seal ends a segment: none in the middle
+    assume(recs)
+    seg = 7
+    body = b"".join(encode_record(r, salt) for r in recs)
+    raw = bytearray(encode_segment_header(SegmentHeader(segment=seg, salt=salt, created=5)) + body)
+    raw[bit // 8] ^= 1 << (bit % 8)
+    assert SegmentHeader(segment=seg, salt=salt, created=0) == salvage_segment_header(seg, bytes(raw))
+    scan = scan_segment(seg, bytes(raw))
+    assert [("corrupt", 0, 32)] == [(p.kind, p.offset, p.end) for p in scan.problems]
+    assert "salt recovered" in scan.problems[0].reason
+    assert recs == [r for _, r in scan.records]
+
+
+def test_no_salt_is_made_up_for_a_header_without_good_records_after_it():
+    """Garbage after a garbage header: no record vouches for a salt, so the whole segment is one problem."""
+    import random
+
+    raw = random.Random(3).randbytes(32) + b"MQ" + random.Random(4).randbytes(400)
+    assert salvage_segment_header(2, raw) is None
+    scan = scan_segment(2, raw)
+    assert (None, [("corrupt", 0, len(raw))]) == (scan.header, [(p.kind, p.offset, p.end) for p in scan.problems])

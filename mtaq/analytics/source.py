@@ -368,7 +368,7 @@ def batches(files: Iterable[SegmentFile]) -> Iterator[pa.RecordBatch]:
             problems.append((p.segment, p.offset, kind, p.end, p.reason))
         if problems:
             yield _problem_batch(name, problems)
-        created = scan.header.created * 1_000_000 if scan.header is not None else None
+        created = scan.header.created * 1_000_000 if scan.header is not None and scan.header.created else None
         yield _batch(1, {
             "file": [name], "segment": [sf.segment], "offset": [0], "record_type": ["SEGMENT"], "ts": [created],
             "size": [len(buf)], "records": [scan.frames + (1 if scan.sealed else 0)], "sealed": [scan.sealed],

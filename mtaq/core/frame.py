@@ -57,6 +57,7 @@ __all__ = [
     "encode_frame",
     "encode_record",
     "encode_segment_header",
+    "salvage_segment_header",
     "scan_segment",
 ]
 
@@ -106,6 +107,68 @@ def decode_segment_header(buf: bytes | memoryview) -> SegmentHeader:
     if version != SEGMENT_VERSION:
         raise HeaderError(f"unsupported segment format version {version}")
     return SegmentHeader(segment=segment, salt=salt, created=created, version=version)
+
+
+def _solve_crc_seed(data: bytes | memoryview, crc: int) -> int | None:
+    """The seed ``s`` with ``zlib.crc32(data, s) == crc``, or None.
+
+    CRC-32 is affine over GF(2) in its seed: ``crc32(data, s) = M·s XOR crc32(data, 0)``, with M invertible
+    (the register shift of a polynomial with an x^0 term). M's columns are measured with the 32 one-bit
+    seeds and the system is solved by Gaussian elimination.
+    """
+    base = zlib.crc32(data, 0)
+    pivots: dict[int, tuple[int, int]] = {}  # highest bit -> (combination of columns, which seed bits)
+    for i in range(32):
+        v, m = zlib.crc32(data, 1 << i) ^ base, 1 << i
+        while v:
+            top = v.bit_length() - 1
+            if top not in pivots:
+                pivots[top] = (v, m)
+                break
+            pv, pm = pivots[top]
+            v, m = v ^ pv, m ^ pm
+    t, seed = crc ^ base, 0
+    while t:
+        top = t.bit_length() - 1
+        if top not in pivots:
+            return None
+        pv, pm = pivots[top]
+        t, seed = t ^ pv, seed ^ pm
+    return seed
+
+
+SALVAGE_CANDIDATES_MAX = 64  # frame-magic positions tried when a segment header is damaged
+
+
+def salvage_segment_header(segment: int, buf: bytes | memoryview) -> SegmentHeader | None:
+    """Rebuild the header of segment ``segment`` whose own header is damaged, from its records.
+
+    A frame's checksum is CRC-32 seeded with the segment's salt, so one good frame gives the salt back
+    (:func:`_solve_crc_seed`). A candidate (the first frame after the header, then the next places the
+    frame magic appears) is accepted only when its payload decodes as a record and, when another frame
+    follows it, that frame checks out with the same salt. Returns a header with ``created = 0`` (unknown),
+    or None when no record vouches for a salt (then the whole segment is unreadable).
+    """
+    mv = memoryview(buf)
+    raw = bytes(buf)
+    off, tried = SEGMENT_HEADER_BYTES, 0
+    while 0 <= off and tried < SALVAGE_CANDIDATES_MAX:
+        tried += 1
+        if off + FRAME_HEADER_BYTES <= len(mv):
+            magic, rtype, _flags, length, crc = _FRAME_HDR.unpack_from(mv, off)
+            end = off + FRAME_HEADER_BYTES + length
+            if magic == FRAME_MAGIC and rtype in _VALID_TYPES and end <= len(mv):
+                salt = _solve_crc_seed(bytes(mv[off : off + 8]) + bytes(mv[off + FRAME_HEADER_BYTES : end]), crc)
+                if salt is not None and isinstance(res := decode_frame(mv, off, salt), Frame):
+                    try:
+                        decode_payload(res.rtype, res.payload)
+                    except PayloadError:
+                        pass
+                    else:
+                        if res.end >= len(mv) or isinstance(decode_frame(mv, res.end, salt), Frame):
+                            return SegmentHeader(segment=segment, salt=salt, created=0)
+        off = raw.find(_FRAME_MAGIC_BYTES, off + 1)
+    return None
 
 
 def encode_frame(rtype: int, payload: bytes, salt: int) -> bytes:
@@ -237,8 +300,10 @@ def scan_segment(segment: int, buf: bytes, *, decode: bool = True, skip_data: bo
 
     With ``decode=False`` only the framing is checked and ``records`` stays empty (cheap verification);
     with ``skip_data=True`` DATA frames are checksummed but neither decoded nor listed (recovery).
-    A header that does not decode makes the whole segment one problem (``header`` is None): a short or
-    missing header is a torn tail (a crash right after the file was created), anything else is corrupt.
+    A header that does not decode: a short or zero-filled one is a torn tail (a crash right after the file
+    was created; ``header`` is None). Any other damage is a ``corrupt`` problem over the header's bytes;
+    the salt is then recovered from the records (:func:`salvage_segment_header`) and every good record is
+    read as usual. Only when no record vouches for a salt is the whole segment one problem (``header`` None).
     """
     scan = SegmentScan(segment=segment, header=None)
     try:
@@ -246,9 +311,13 @@ def scan_segment(segment: int, buf: bytes, *, decode: bool = True, skip_data: bo
     except HeaderError as exc:
         # A short or zero-filled header: the file's first write never reached the disk (torn).
         torn = len(buf) < SEGMENT_HEADER_BYTES or not any(buf[:SEGMENT_HEADER_BYTES])
-        kind = "torn-tail" if torn else "corrupt"
-        scan.problems.append(Problem(kind, segment, 0, len(buf), str(exc)))
-        return scan
+        salvaged = None if torn else salvage_segment_header(segment, buf)
+        if salvaged is None:
+            scan.problems.append(Problem("torn-tail" if torn else "corrupt", segment, 0, len(buf), str(exc)))
+            return scan
+        scan.problems.append(Problem("corrupt", segment, 0, SEGMENT_HEADER_BYTES,
+                                     f"{exc}; checksum salt recovered from the records, which are kept"))
+        header = salvaged
     if header.segment != segment:
         scan.problems.append(Problem("corrupt", segment, 0, len(buf), f"header names segment {header.segment}"))
         return scan

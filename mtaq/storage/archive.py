@@ -27,7 +27,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mtaq.core.frame import SEGMENT_HEADER_BYTES, HeaderError, decode_segment_header
+from mtaq.core.frame import (
+    SEGMENT_HEADER_BYTES,
+    HeaderError,
+    SegmentHeader,
+    decode_segment_header,
+    salvage_segment_header,
+)
 from mtaq.errors import MtaqError
 from mtaq.storage.fs import File, FileSystem
 
@@ -97,8 +103,8 @@ class SegmentArchive:
     def store(self, segment: int, src_path: str) -> Archived:
         """Copy the segment file at ``src_path`` into the archive durably; return where it went.
 
-        Raises ArchiveError (the segment file is untouched) when it cannot be read, its header does not
-        decode or name ``segment``, or the archive cannot be written and fsync'd.
+        Raises ArchiveError (the segment file is untouched) when it cannot be read, its header names another
+        segment, or the archive cannot be written and fsync'd. A damaged header is archived as it is.
         """
         t0 = time.monotonic()
         try:
@@ -111,8 +117,11 @@ class SegmentArchive:
             size = src.size()
             try:
                 header = decode_segment_header(src.pread(0, SEGMENT_HEADER_BYTES))
-            except HeaderError as exc:
-                raise ArchiveError(f"segment {segment}: {exc}") from exc
+            except HeaderError:
+                # A damaged header (already reported and moved aside by recovery): archived as it is, so
+                # history keeps its records and the segment does not pin reclamation; the salt in the name
+                # comes from the records (0 when none vouches for one).
+                header = salvage_segment_header(segment, src.pread(0, size)) or SegmentHeader(segment, 0, 0)
             if header.segment != segment:
                 raise ArchiveError(f"segment {segment}: header names segment {header.segment}")
             name = archive_name(segment, header.salt, self.compress)

@@ -44,6 +44,7 @@ from mtaq.core.frame import (
     decode_segment_header,
     encode_frame,
     encode_segment_header,
+    salvage_segment_header,
     scan_segment,
 )
 from mtaq.core.records import PayloadError, Pos, Record, SealRecord, decode_payload, encode_payload
@@ -445,8 +446,12 @@ class Log:
             try:
                 self._salts[number] = decode_segment_header(f.pread(0, SEGMENT_HEADER_BYTES)).salt
             except HeaderError as exc:
-                f.close()
-                raise CorruptRecord(f"segment {number}: {exc}") from exc
+                # Damaged header: the salt can still come back from the records (rare; reads the file once).
+                salvaged = salvage_segment_header(number, f.pread(0, f.size()))
+                if salvaged is None:
+                    f.close()
+                    raise CorruptRecord(f"segment {number}: {exc}") from exc
+                self._salts[number] = salvaged.salt
             self._files[number] = f
         return f, self._salts[number]
 
@@ -467,9 +472,16 @@ class Log:
         return self._free - (self.stats.bytes_appended - self._free_base)
 
     def read_bytes(self, segment: int, offset: int, length: int) -> bytes:
-        """``length`` bytes of segment ``segment`` from ``offset`` (fewer at its end). Raises OSError."""
-        f, _salt = self._file(segment)
-        return f.pread(offset, length)
+        """``length`` raw bytes of segment ``segment`` from ``offset`` (fewer at its end), whatever its
+        header holds (this is how damaged regions are copied aside). Raises OSError."""
+        f = self._files.get(segment)
+        if f is not None:
+            return f.pread(offset, length)
+        f = self.fs.open(segment_path(self.directory, segment))
+        try:
+            return f.pread(offset, length)
+        finally:
+            f.close()
 
     def read(self, pos: Pos) -> Record:
         """The record at ``pos``. Raises CorruptRecord when it does not check out, StorageError on I/O errors."""
