@@ -9,6 +9,7 @@ answer at all (the resolver times out). Nothing here is used by the daemon itsel
 
 from __future__ import annotations
 
+import errno
 import socket
 import socketserver
 import threading
@@ -30,6 +31,9 @@ _HEAD = """$TTL 60
 @ IN NS ns.{origin}
 ns IN A 127.0.0.1
 """
+
+
+PORT_TRIES = 20  # port numbers tried for a UDP+TCP pair
 
 
 class ZoneServer:
@@ -111,11 +115,23 @@ class ZoneServer:
                 if out is not None:
                     conn.sendall(len(out).to_bytes(2, "big") + out)
 
-        self._udp = socketserver.ThreadingUDPServer(("127.0.0.1", 0), Udp)
-        self.port = int(self._udp.server_address[1])
-        socketserver.ThreadingTCPServer.allow_reuse_address = True
-        self._tcp = socketserver.ThreadingTCPServer(("127.0.0.1", self.port), Tcp)
-        for s in (self._udp, self._tcp):
+        class TcpServer(socketserver.ThreadingTCPServer):
+            allow_reuse_address = True
+
+        # One port number for both: the UDP port the system picks may be taken for TCP (by another
+        # listener or a connection's local port); then pick again.
+        for attempt in range(PORT_TRIES):
+            udp = socketserver.ThreadingUDPServer(("127.0.0.1", 0), Udp)
+            self.port = int(udp.server_address[1])
+            try:
+                tcp = TcpServer(("127.0.0.1", self.port), Tcp)
+                break
+            except OSError as exc:
+                udp.server_close()
+                if exc.errno != errno.EADDRINUSE or attempt == PORT_TRIES - 1:
+                    raise
+        self._udp, self._tcp = udp, tcp
+        for s in (udp, tcp):
             s.daemon_threads = True
             threading.Thread(target=s.serve_forever, daemon=True).start()
         return self
