@@ -28,7 +28,6 @@ Options: --messages N (100000), --size BYTES (1024), --repeat R (3), --keep DIR 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import shutil
@@ -41,32 +40,16 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from mtaq.core.records import DataRecord, EnvelopeRecord, Recipient
-from mtaq.queue import new_queue_id
-from mtaq.storage.fs import OsFileSystem
-from mtaq.storage.log import Log
+from mtaq.testing.prefill import prefill_deferred
 from mtaq.testing.procs import admin_url, free_port, read_events, start_daemon
 
 
 def prefill(spool: str, n: int, size: int) -> float:
     """Append ``n`` deferred messages to the log of ``spool``; return the seconds it took."""
     t0 = time.monotonic()
-    log, _ = Log.open(OsFileSystem(), os.path.join(spool, "log"), segment_bytes_max=64 << 20)
-    try:
-        head = b"From: <bench@example.com>\r\nTo: <rcpt@example.org>\r\nSubject: admin bench\r\n\r\n"
-        body = head + b"x" * max(0, size - len(head) - 2) + b"\r\n"
-        now = time.time()
-        for i in range(n):
-            qid = new_queue_id()
-            data_pos, _ = log.append(DataRecord(queue_id=qid, body=body))
-            log.append(EnvelopeRecord(
-                queue_id=qid, generation=1, arrival_ts=now - 3600, not_before_ts=now + 86400.0,
-                sender=f"sender{i % 100}@example.com", recipients=(Recipient(0, f"deferred{i}@example.org"),),
-                data=data_pos, size=len(body), attempts=1, runner=1,
-            ))
-        asyncio.run(log.sync())
-    finally:
-        log.close()
+    head = b"From: <bench@example.com>\r\nTo: <rcpt@example.org>\r\nSubject: admin bench\r\n\r\n"
+    body = head + b"x" * max(0, size - len(head) - 2) + b"\r\n"
+    prefill_deferred(spool, n, lambda i: body, sender_of=lambda i: f"sender{i % 100}@example.com", age_s=3600)
     return time.monotonic() - t0
 
 

@@ -64,6 +64,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from mtaq.testing.procs import peak_rss_kib
+
 SENDER = "bench@source.example"
 RCPT = "rcpt@dest.example"
 POSTFIX_SPOOL = "/var/spool/postfix"
@@ -95,17 +97,6 @@ def wait_port(port: int, timeout_s: float = 30.0) -> None:
         except OSError:
             time.sleep(0.02)
     raise RuntimeError(f"nothing listening on 127.0.0.1:{port} after {timeout_s}s")
-
-
-def peak_rss_kib(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
 
 
 # ------------------------------------------------------------------------------------------------ Postfix

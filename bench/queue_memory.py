@@ -44,11 +44,10 @@ from typing import Any
 
 import aiosmtplib
 
-from mtaq.core.records import DataRecord, EnvelopeRecord, Pos, Recipient
-from mtaq.queue import new_queue_id
+from mtaq.core.records import Pos
 from mtaq.storage.checkpoint import read_checkpoint
 from mtaq.storage.fs import OsFileSystem
-from mtaq.storage.log import Log
+from mtaq.testing.prefill import prefill_deferred
 from mtaq.testing.procs import maildir_count, start_daemon, start_sink
 
 SENDER = "bench@example.com"
@@ -70,32 +69,9 @@ def build_message(tag: str, size: int = BODY_BYTES) -> bytes:
 def prefill(spool: str, n: int) -> tuple[float, Pos]:
     """Append ``n`` deferred messages; return the seconds it took and the log's end position."""
     t0 = time.monotonic()
-    log, _report = Log.open(OsFileSystem(), os.path.join(spool, "log"), segment_bytes_max=SEGMENT_BYTES_MAX)
-    try:
-        template = build_message("prefill")
-        now = time.time()
-        for i in range(n):
-            qid = new_queue_id()
-            body = template.replace(b"prefill", f"pf{i:08d}".encode(), 2)
-            data_pos, _ = log.append(DataRecord(queue_id=qid, body=body))
-            log.append(
-                EnvelopeRecord(
-                    queue_id=qid,
-                    generation=1,
-                    arrival_ts=now,
-                    not_before_ts=now + 86400.0,
-                    sender=SENDER,
-                    recipients=(Recipient(0, f"deferred{i}@example.org"),),
-                    data=data_pos,
-                    size=len(body),
-                    attempts=1,
-                    runner=1,
-                )
-            )
-        asyncio.run(log.sync())
-        end = log.end
-    finally:
-        log.close()
+    template = build_message("prefill")
+    end = prefill_deferred(spool, n, lambda i: template.replace(b"prefill", f"pf{i:08d}".encode(), 2),
+                           sender_of=lambda i: SENDER, segment_bytes_max=SEGMENT_BYTES_MAX)
     return time.monotonic() - t0, end
 
 

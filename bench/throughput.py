@@ -57,6 +57,7 @@ from mtaq.testing.procs import (
     log_problems,
     maildir_count,
     maildir_message_ids,
+    peak_rss_kib,
     read_events,
     start_daemon,
     start_sink,
@@ -192,17 +193,6 @@ def _sum_last_per_worker(evs: list[dict[str, Any]]) -> dict[str, Any]:
             if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "shard":
                 out[k] = out.get(k, 0) + v
     return out
-
-
-def peak_rss_kib(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
 
 
 def wait_for_event(proc: Proc, name: str, timeout_s: float) -> bool:

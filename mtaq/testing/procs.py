@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Proc", "admin_url", "children", "free_port", "free_port_on", "maildir_count", "maildir_message_ids", "start_daemon", "start_sink", "wait_port"]
+__all__ = ["Proc", "admin_url", "children", "free_port", "free_port_on", "maildir_count", "maildir_message_ids", "peak_rss_kib",
+           "start_daemon", "start_sink", "wait_port"]
 
 
 def free_port() -> int:
@@ -42,6 +43,18 @@ def free_port_on(hosts: Sequence[str]) -> int:
             continue
         return port
     raise RuntimeError(f"no port free on all of {list(hosts)}")
+
+
+def peak_rss_kib(pid: int) -> int | None:
+    """Peak resident set size of process ``pid`` in KiB (``VmHWM`` in /proc/PID/status), or None if gone."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
 
 
 def wait_port(

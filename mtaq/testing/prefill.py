@@ -1,0 +1,54 @@
+"""Fill a spool's log with deferred mail directly, without SMTP (for bench/ scripts that need a big queue).
+
+The records are the daemon's own (DATA, then a generation-1 ENVELOPE of runner 1 with one attempt behind
+it), appended through :class:`Log` and made durable with one fsync at the end, so the daemon started on the
+spool afterwards recovers them like any queue it wrote itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Callable
+
+from mtaq.core.records import DataRecord, EnvelopeRecord, Pos, Recipient
+from mtaq.queue import new_queue_id
+from mtaq.storage.fs import OsFileSystem
+from mtaq.storage.log import Log
+
+__all__ = ["prefill_deferred"]
+
+
+def prefill_deferred(
+    spool: str,
+    n: int,
+    body_of: Callable[[int], bytes],
+    *,
+    sender_of: Callable[[int], str] = lambda i: "bench@example.com",
+    age_s: float = 0.0,
+    due_in_s: float = 86400.0,
+    segment_bytes_max: int = 64 << 20,
+) -> Pos:
+    """Append ``n`` deferred messages to ``SPOOL/log``; return the log's end after the closing fsync.
+
+    Message ``i`` has the content ``body_of(i)`` (bytes, CRLF lines), the sender ``sender_of(i)`` and one
+    recipient ``deferred{i}@example.org``; it arrived ``age_s`` seconds ago and is due ``due_in_s`` seconds
+    from now (UTC clock). Raises StorageError when the disk refuses.
+    """
+    log, _report = Log.open(OsFileSystem(), os.path.join(spool, "log"), segment_bytes_max=segment_bytes_max)
+    try:
+        now = time.time()
+        for i in range(n):
+            qid = new_queue_id()
+            body = body_of(i)
+            data_pos, _ = log.append(DataRecord(queue_id=qid, body=body))
+            log.append(EnvelopeRecord(
+                queue_id=qid, generation=1, arrival_ts=now - age_s, not_before_ts=now + due_in_s,
+                sender=sender_of(i), recipients=(Recipient(0, f"deferred{i}@example.org"),),
+                data=data_pos, size=len(body), attempts=1, runner=1,
+            ))
+        asyncio.run(log.sync())
+        return log.end
+    finally:
+        log.close()
