@@ -41,7 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mtaq.testing.prefill import prefill_deferred
-from mtaq.testing.procs import admin_url, free_port, read_events, start_daemon
+from mtaq.testing.procs import admin_token, admin_url, free_port, read_events, start_daemon
 
 
 def prefill(spool: str, n: int, size: int) -> float:
@@ -92,7 +92,8 @@ def main() -> int:
         url = admin_url(spool)
 
         def get(path: str) -> Any:
-            with urllib.request.urlopen(url + path, timeout=600) as r:
+            req = urllib.request.Request(url + path, headers={"Authorization": f"Bearer {admin_token(spool)}"})
+            with urllib.request.urlopen(req, timeout=600) as r:
                 return json.loads(r.read())
 
         def cli(*a: str) -> str:

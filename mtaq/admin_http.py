@@ -7,8 +7,14 @@ queue. The OpenAPI 3 description is :data:`mtaq.admin_openapi.SPEC` (``GET /open
 What must always hold:
 
 * the API listens on ``admin_listen`` (loopback by default); off loopback, ``admin_token`` is required at
-  start-up (config check), and when a token is set every request, ``/metrics`` included, must carry
-  ``Authorization: Bearer TOKEN`` or gets 401;
+  start-up (config check). Every request, ``/metrics`` included, must carry ``Authorization: Bearer TOKEN``
+  or gets 401: the configured ``admin_token``, or else the one generated at the first start and kept in
+  ``SPOOL/admin.token`` (mode 0600, read by ``mtaq queue``);
+* a web page the operator visits cannot act on the API (cross-site request forgery, DNS rebinding): a
+  ``Host`` that is neither an IP literal, ``localhost`` nor a name in ``admin_hosts`` gets 403; an
+  ``Origin`` (or ``Sec-Fetch-Site: cross-site``) that is not the API's own origin gets 403; a request that
+  changes state (POST, PATCH, DELETE, PUT) without ``Content-Type: application/json`` gets 415, so no HTML
+  form or "simple" cross-origin request can reach a handler. Checked before the token;
 * it listens from the start (metrics during recovery) but queue routes answer 503 until recovery is done;
 * every error is JSON ``{"statusCode", "type", "message"}`` (James style): 400 bad input (the message names
   the parameter), 401, 404 unknown queue, queue ID or route, 405, 500 when the log cannot be written;
@@ -20,8 +26,10 @@ What must always hold:
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import json
 import os
+import secrets
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -36,10 +44,14 @@ from mtaq.core.view import Selector
 from mtaq.errors import StorageError
 from mtaq.metrics import CONTENT_TYPE, Metrics
 
-__all__ = ["ADMIN_JSON", "QUEUE_NAME", "AdminHttp", "ApiError", "ApiState", "make_app", "selector_from_query"]
+__all__ = ["ADMIN_JSON", "ADMIN_TOKEN", "QUEUE_NAME", "AdminHttp", "ApiError", "ApiState", "make_app",
+           "read_spool_token", "selector_from_query", "spool_token"]
 
 QUEUE_NAME = "spool"
 ADMIN_JSON = "admin.json"
+ADMIN_TOKEN = "admin.token"  # the generated bearer token when admin_token is not configured (mode 0600)
+_TOKEN_BYTES = 32
+_SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 _JSON = "application/json"
 _BODY_BYTES_MAX = 64 * 1024 * 1024  # an action body naming a million queue IDs fits
 _LIST_PARAMS = {"sender", "recipient", "domain", "held", "deferred", "olderThan", "limit"}
@@ -63,13 +75,48 @@ class ApiError(Exception):
 
 
 class ApiState:
-    """What the handlers need: the admin service (None until recovery is done), metrics, token, logger."""
+    """What the handlers need: the admin service (None until recovery is done), metrics, token, logger.
 
-    def __init__(self, metrics: Metrics, *, token: str = "", log: Any = None) -> None:
+    ``hosts`` are the host names (besides IP literals and ``localhost``) that a request's ``Host`` may
+    name (``admin_hosts``); compared case-insensitively, without the port."""
+
+    def __init__(self, metrics: Metrics, *, token: str = "", log: Any = None, hosts: tuple[str, ...] = ()) -> None:
         self.admin: AdminService | None = None
         self.metrics = metrics
         self.token = token
         self.log = log
+        self.hosts = frozenset(h.lower().rstrip(".") for h in hosts) | {"localhost"}
+
+
+def spool_token(spool: str) -> str:
+    """The bearer token kept in ``SPOOL/admin.token``, created (32 random bytes, URL-safe base64, mode 0600)
+    when the file is missing, empty or unreadable as a token. Not fsync'd: a token lost in a power cut is
+    made again at the next start, and ``mtaq queue`` reads whatever the running daemon wrote. Raises OSError
+    when the spool cannot be written."""
+    path = os.path.join(spool, ADMIN_TOKEN)
+    token = read_spool_token(spool)
+    if token:
+        os.chmod(path, 0o600)  # a copy restored with a looser mode is tightened
+        return token
+    token = secrets.token_urlsafe(_TOKEN_BYTES)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="ascii") as f:
+        f.write(token + "\n")
+    os.replace(tmp, path)
+    return token
+
+
+def read_spool_token(spool: str) -> str:
+    """The token in ``SPOOL/admin.token``, or "" when there is none (missing, empty or not a token).
+    Raises PermissionError when the file exists but this user may not read it."""
+    try:
+        with open(os.path.join(spool, ADMIN_TOKEN), encoding="ascii", errors="replace") as f:
+            token = f.read(256).strip()
+    except FileNotFoundError:
+        return ""
+    ok = len(token) >= 16 and all(c.isalnum() or c in "-_" for c in token)
+    return token if ok else ""
 
 
 _STATE: web.AppKey[ApiState] = web.AppKey("mtaq_state", ApiState)
@@ -310,6 +357,46 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return ApiError(exc.status, kind, f"{request.method} {request.path}: {exc.reason}", headers).response()
 
 
+def _split_host(value: str) -> tuple[str, str]:
+    """(host, port) of a ``Host`` header or an origin's authority: ``name``, ``name:port``, ``[v6]:port``."""
+    if value.startswith("["):
+        host, _, rest = value[1:].partition("]")
+        return host, rest[1:] if rest.startswith(":") else ""
+    host, _, port = value.rpartition(":") if value.count(":") == 1 else (value, "", "")
+    return host, port
+
+
+def _host_allowed(state: ApiState, host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True  # DNS rebinding needs a name: a browser sends the URL's host, never the resolved address
+    except ValueError:
+        return host.lower().rstrip(".") in state.hosts
+
+
+@web.middleware
+async def _same_origin(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Refuse what a hostile web page can make the operator's browser send (see the module docstring)."""
+    state = _state(request)
+    host_header = request.headers.get("Host")
+    if host_header is not None:
+        host, _port = _split_host(host_header.strip())
+        if not _host_allowed(state, host):
+            raise ApiError(403, "Forbidden", f"Host {host_header!r} is not an address of this API (a DNS rebinding "
+                           "page?); name it in admin_hosts to allow it")
+    origin = request.headers.get("Origin")
+    if origin is not None and (host_header is None or origin.strip().lower() != f"http://{host_header.strip().lower()}"):
+        raise ApiError(403, "Forbidden", f"Origin {origin!r} is not this API's own origin: cross-site requests are refused")
+    if request.headers.get("Sec-Fetch-Site", "").lower() == "cross-site":
+        raise ApiError(403, "Forbidden", "Sec-Fetch-Site: cross-site: cross-site requests are refused")
+    if request.method not in _SAFE_METHODS:
+        ctype = request.headers.get("Content-Type", "")
+        if ctype.split(";", 1)[0].strip().lower() != _JSON:
+            raise ApiError(415, "UnsupportedMediaType", f"{request.method} needs Content-Type: {_JSON} "
+                           f"(got {ctype or 'none'}); this also keeps web pages from sending it cross-site")
+    return await handler(request)
+
+
 @web.middleware
 async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
     token = _state(request).token
@@ -337,7 +424,7 @@ ROUTES: tuple[tuple[str, str, Callable[[web.Request], Awaitable[web.Response]]],
 
 def make_app(state: ApiState) -> web.Application:
     """The aiohttp application (routes in :data:`ROUTES`, described in :mod:`mtaq.admin_openapi`)."""
-    app = web.Application(middlewares=[_errors, _auth], client_max_size=_BODY_BYTES_MAX)
+    app = web.Application(middlewares=[_errors, _same_origin, _auth], client_max_size=_BODY_BYTES_MAX)
     app[_STATE] = state
     for method, path, handler in ROUTES:
         app.router.add_route(method, path, handler)

@@ -28,7 +28,7 @@ def _error(description: str) -> dict[str, Any]:
 
 _ERRORS = {
     "400": _error("Bad input; the message names the parameter"),
-    "401": _error("Missing or wrong bearer token (only when admin_token is set)"),
+    "401": _error("Missing or wrong bearer token (admin_token, or the generated SPOOL/admin.token)"),
     "503": _error("Recovery in progress (Retry-After: 1)"),
 }
 _NOT_FOUND = _error("No such queue, queue ID or action")
@@ -68,7 +68,7 @@ SPEC: dict[str, Any] = {
         ),
     },
     "servers": [{"url": "http://127.0.0.1:2580"}],
-    "security": [{}, {"bearer": []}],
+    "security": [{"bearer": []}],
     "paths": {
         "/mailQueues": {
             "get": {
@@ -199,7 +199,8 @@ SPEC: dict[str, Any] = {
     },
     "components": {
         "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",
-                                       "description": "Required when admin_token is set"}},
+                                       "description": "admin_token, or the token generated at the first "
+                                                      "start into SPOOL/admin.token (mode 0600)"}},
         "schemas": {
             "Error": {
                 "type": "object",
@@ -300,6 +301,14 @@ SPEC: dict[str, Any] = {
         },
     },
 }
+
+
+# Every route: a foreign Host or Origin gets 403; a state change without a JSON content type gets 415.
+for _ops in SPEC["paths"].values():
+    for _method, _op in _ops.items():
+        _op["responses"]["403"] = _error("Host or Origin is not this API's (DNS rebinding, cross-site request)")
+        if _method != "get":
+            _op["responses"]["415"] = _error("A state change without Content-Type: application/json")
 
 
 def dumps() -> str:

@@ -89,7 +89,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # HTTP admin API and Prometheus /metrics (mtaq/admin_http.py): "HOST:PORT", "" disables it. Port 0 picks a
     # free port (the real one is written to SPOOL/admin.json). Off loopback, admin_token is required.
     admin_listen: str = "127.0.0.1:2580"
-    admin_token: str = ""  # when set, every request needs "Authorization: Bearer TOKEN"
+    # Every request needs "Authorization: Bearer TOKEN": this token, or when "" the one generated at the
+    # first start into SPOOL/admin.token (mode 0600; mtaq queue reads it).
+    admin_token: str = ""
+    # Host names a request's Host header may name besides IP literals and localhost (DNS rebinding guard).
+    admin_hosts: list[str] = msgspec.field(default_factory=list)
     # Distinct recipient domains labelling mtaq_delivery_latency_seconds; later ones are counted as "other".
     metrics_domains_max: Annotated[int, msgspec.Meta(ge=0, le=10000)] = 100
     # --- the SMTP edge (mtaq.edge.policy): relay control, limits, smuggling, TLS, AUTH -------------------

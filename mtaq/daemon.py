@@ -26,7 +26,7 @@ from typing import Any
 import msgspec
 
 from mtaq.admin import AdminService
-from mtaq.admin_http import AdminHttp, ApiState
+from mtaq.admin_http import AdminHttp, ApiState, spool_token
 from mtaq.config import Config, parse_hostport
 from mtaq.core.checkpoint import Checkpoint
 from mtaq.core.frame import Problem
@@ -132,8 +132,9 @@ class Daemon:
         qlog.on_commit_seconds = self.metrics.commit_latency.observe
         if cfg.admin_listen.strip():
             admin_host, admin_port = parse_hostport(cfg.admin_listen, key="admin_listen")
-            self.http = AdminHttp(ApiState(self.metrics, token=cfg.admin_token, log=self.log), admin_host,
-                                  admin_port, cfg.spool_dir)
+            token = cfg.admin_token or spool_token(cfg.spool_dir)
+            self.http = AdminHttp(ApiState(self.metrics, token=token, log=self.log, hosts=tuple(cfg.admin_hosts)),
+                                  admin_host, admin_port, cfg.spool_dir)
             await self.http.start()  # before SMTP: once SMTP listens, admin.json is there; 503 until recovered
         host, port = parse_hostport(cfg.listen)
         self.server = await start_server(

@@ -59,7 +59,8 @@ def add_queue_parser(sub: Any) -> None:
     common.add_argument("--config", metavar="FILE", help="TOML configuration file (spool_dir, admin_token)")
     common.add_argument("--url", metavar="URL", help="admin API URL (default: from SPOOL/admin.json)")
     common.add_argument("--token", metavar="TOKEN",
-                        help="admin API bearer token (default: $MTAQ_ADMIN_TOKEN, else admin_token of --config)")
+                        help="admin API bearer token (default: $MTAQ_ADMIN_TOKEN, else admin_token of --config, "
+                             "else SPOOL/admin.token)")
     common.add_argument("--timeout", metavar="SECONDS", type=float, default=300.0,
                         help="seconds to wait for the daemon's answer (default 300)")
     filters = argparse.ArgumentParser(add_help=False)
@@ -105,8 +106,8 @@ class Client:
             url += "?" + urllib.parse.urlencode({k: v for k, v in query.items() if v is not None})
         data = None if body is None else json.dumps(body).encode()
         headers = {"Accept": "application/json"}
-        if data is not None:
-            headers["Content-Type"] = "application/json"
+        if data is not None or method not in ("GET", "HEAD"):
+            headers["Content-Type"] = "application/json"  # the API refuses state changes without it (415)
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
         deadline = time.monotonic() + min(self.timeout_s, 30.0)
@@ -148,7 +149,18 @@ def _settings(args: argparse.Namespace) -> tuple[str, str]:
         cfg = load_config(args.config, {})
         spool = spool or cfg.spool_dir
         token = token or os.environ.get("MTAQ_ADMIN_TOKEN") or cfg.admin_token
-    return spool or "./spool", token or os.environ.get("MTAQ_ADMIN_TOKEN", "")
+    spool = spool or "./spool"
+    token = token or os.environ.get("MTAQ_ADMIN_TOKEN", "")
+    if not token:  # the token the daemon generated at its first start
+        from mtaq.admin_http import read_spool_token
+
+        try:
+            token = read_spool_token(spool)
+        except PermissionError:
+            raise QueueCommandError(
+                f"{os.path.join(spool, 'admin.token')}: permission denied (run as the daemon's user, or give --token)"
+            ) from None
+    return spool, token
 
 
 def _client(args: argparse.Namespace, spool: str, token: str) -> Client:

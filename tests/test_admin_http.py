@@ -20,16 +20,27 @@ import pytest
 from mtaq.admin_http import AdminHttp, ApiState, make_app
 from mtaq.admin_openapi import SPEC, dumps
 from mtaq.metrics import Metrics
-from mtaq.testing.procs import admin_url, maildir_message_ids
+from mtaq.testing import procs
+from mtaq.testing.procs import maildir_message_ids
 
 ROOT = Path(__file__).resolve().parent.parent
+_TOKENS: dict[str, str] = {}  # admin URL -> the token its daemon generated into SPOOL/admin.token
+
+
+def admin_url(spool: str) -> str:
+    """The daemon's admin URL (SPOOL/admin.json); remembers the token it generated for :func:`api`."""
+    url = procs.admin_url(spool)
+    _TOKENS[url] = procs.admin_token(spool)
+    return url
 
 
 def api(url: str, method: str, path: str, body: Any = None, token: str | None = None) -> tuple[int, Any, dict[str, str]]:
-    """(status, decoded JSON body, headers) of one request."""
+    """(status, decoded JSON body, headers) of one request, as ``mtaq queue`` sends it (JSON content type on
+    state changes). ``token`` None: the token the daemon at ``url`` generated ("" when it has none)."""
     data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
-    headers = {"Content-Type": "application/json"} if data is not None else {}
-    if token is not None:
+    headers = {"Content-Type": "application/json"} if data is not None or method not in ("GET", "HEAD") else {}
+    token = _TOKENS.get(url, "") if token is None else token
+    if token:
         headers["Authorization"] = f"Bearer {token}"
     req = urllib.request.Request(url + path, data=data, method=method, headers=headers)
     try:
@@ -283,11 +294,13 @@ def test_admin_json_names_the_real_port_and_pid_and_is_replaced_at_restart(relay
     a restart the file names the new process."""
     r = relay_factory()
     info = json.loads((Path(r.spool) / "admin.json").read_text())
+    _TOKENS[info["url"]] = procs.admin_token(r.spool)
     assert r.daemon.popen.pid == info["pid"]
     assert re.fullmatch(r"http://127\.0\.0\.1:\d+", info["url"]) and not info["url"].endswith(":0")
     assert 200 == api(info["url"], "GET", "/mailQueues")[0]
     r.restart()
     info2 = json.loads((Path(r.spool) / "admin.json").read_text())
+    _TOKENS[info2["url"]] = procs.admin_token(r.spool)
     assert (r.daemon.popen.pid, 200) == (info2["pid"], api(info2["url"], "GET", "/mailQueues/spool")[0])
     assert "admin.json.tmp" not in os.listdir(r.spool)
 

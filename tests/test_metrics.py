@@ -9,12 +9,14 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 from mtaq.metrics import Metrics
-from mtaq.testing.procs import admin_url
+from mtaq.testing.procs import admin_token, admin_url
 
 
-def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """{(sample name, sorted labels): value} of one scrape, parsed by prometheus_client's own parser."""
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+def scrape(url: str, token: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """{(sample name, sorted labels): value} of one scrape (with the bearer token, as a Prometheus
+    ``authorization: credentials_file`` would send it), parsed by prometheus_client's own parser."""
+    req = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=30) as r:
         text = r.read().decode()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for fam in text_string_to_metric_families(text) for s in fam.samples}
@@ -31,14 +33,14 @@ def test_metrics_follow_the_mail_through_the_queue_and_survive_a_restart(relay_f
     by the recipient domain; recovery seconds are reported, also after kill -9 and a restart."""
     r = relay_factory(sink_args=["--defer-rcpt", "^slow"], config="retry_intervals_s = [3600.0]\n")
     url = admin_url(r.spool)
-    before = scrape(url)
+    before = scrape(url, admin_token(r.spool))
     assert 0.0 == before[("mtaq_queue_messages", (("state", "deferred"),))]
     assert 0.0 == before[("mtaq_messages_accepted_total", ())]
     assert 1.0 == before[("mtaq_ready", ())]
     send(r.daemon.port, ["bob@example.com"])
     send(r.daemon.port, ["slow@example.net"])
     r.wait_for(lambda: r.events("deferred_until") and r.events("delivered"), what="one delivered, one deferred")
-    m = scrape(url)
+    m = scrape(url, admin_token(r.spool))
     assert 2.0 == m[("mtaq_messages_accepted_total", ())]
     assert (1.0, 1.0, 0.0) == tuple(m[("mtaq_deliveries_total", (("outcome", o),))] for o in ("delivered", "deferred", "bounced"))
     assert {"incoming": 0.0, "active": 0.0, "deferred": 1.0, "delayed": 0.0, "held": 0.0} == {
@@ -53,7 +55,7 @@ def test_metrics_follow_the_mail_through_the_queue_and_survive_a_restart(relay_f
     assert ("mtaq_delivery_latency_seconds_count", (("domain", "example.net"),)) not in m  # deferred: no delivery
     assert m[("mtaq_recovery_seconds", ())] >= 0
     r.restart()
-    after = scrape(admin_url(r.spool))
+    after = scrape(admin_url(r.spool), admin_token(r.spool))
     assert (1.0, 0.0) == (after[("mtaq_queue_messages", (("state", "deferred"),))], after[("mtaq_messages_accepted_total", ())])
     assert after[("mtaq_recovery_seconds", ())] >= 0
 
@@ -67,9 +69,10 @@ def test_admin_actions_are_counted(relay_factory):
     send(r.daemon.port, ["slow2@example.net"])
     r.wait_for(lambda: len(r.events("deferred_until")) >= 2, what="2 deferred")
     url = admin_url(r.spool)
-    req = urllib.request.Request(url + "/mails/actions/hold", data=json.dumps({"all": True}).encode(), method="POST")
+    req = urllib.request.Request(url + "/mails/actions/hold", data=json.dumps({"all": True}).encode(), method="POST",
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {admin_token(r.spool)}"})
     urllib.request.urlopen(req, timeout=30).read()
-    m = scrape(url)
+    m = scrape(url, admin_token(r.spool))
     assert (2.0, 2.0) == (m[("mtaq_admin_actions_total", (("action", "hold"),))],
                           m[("mtaq_queue_messages", (("state", "held"),))])
 

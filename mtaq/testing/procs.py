@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Proc", "admin_url", "children", "free_port", "free_port_on", "maildir_count", "maildir_message_ids", "peak_rss_kib",
+__all__ = ["Proc", "admin_token", "admin_url", "children", "free_port", "free_port_on", "maildir_count", "maildir_message_ids", "peak_rss_kib",
            "start_daemon", "start_sink", "wait_port"]
 
 
@@ -197,6 +197,15 @@ def start_daemon(
         p = _mtaq(args, log_path, env)
     wait_port(port, proc=p)
     return Proc(p, port, log_path)
+
+
+def admin_token(spool: str) -> str:
+    """The bearer token the daemon on ``spool`` generated into ``SPOOL/admin.token`` ("" if none)."""
+    try:
+        with open(os.path.join(spool, "admin.token"), encoding="ascii") as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        return ""
 
 
 def admin_url(spool: str) -> str:
