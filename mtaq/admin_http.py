@@ -278,13 +278,7 @@ async def mail_action(request: web.Request) -> web.Response:
     action = request.match_info["action"]
     if action not in ADMIN_ACTIONS:
         raise ApiError(404, "notFound", f"no action {action!r}; expected one of {', '.join(ADMIN_ACTIONS)}")
-    raw = await request.read()
-    try:
-        b = msgspec.json.decode(raw or b"{}", type=_ActionBody)
-    except msgspec.ValidationError as exc:
-        raise ApiError(400, "InvalidArgument", f"body: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise ApiError(400, "InvalidArgument", f"body: not JSON: {exc}") from None
+    b = _decode(await request.read() or b"{}", _ActionBody)
     if not b.ids and not b.all:
         raise ApiError(400, "InvalidArgument", 'body: give "ids": [queue IDs] or "all": true')
     for key in ("sender", "recipient", "domain"):
@@ -300,12 +294,20 @@ async def mail_action(request: web.Request) -> web.Response:
     return await _act(request, action, selector, delay_s=delay_s)
 
 
-async def _body(request: web.Request) -> Any:
-    raw = await request.read()
+def _decode(raw: bytes, type_: Any) -> Any:
+    """``raw`` decoded as JSON into ``type_``; ApiError 400 for anything else, nesting too deep included."""
     try:
-        return json.loads(raw or b"null")
-    except ValueError as exc:
+        return msgspec.json.decode(raw, type=type_)
+    except msgspec.ValidationError as exc:
+        raise ApiError(400, "InvalidArgument", f"body: {exc}") from None
+    except msgspec.DecodeError as exc:
         raise ApiError(400, "InvalidArgument", f"body: not JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError(400, "InvalidArgument", "body: JSON nested too deeply") from None
+
+
+async def _body(request: web.Request) -> Any:
+    return _decode(await request.read() or b"null", Any)
 
 
 async def _act(

@@ -124,3 +124,20 @@ def test_a_token_is_generated_at_first_start_kept_0600_used_by_mtaq_queue_and_ke
     r.restart()
     assert token == admin_token(r.spool)
     assert 1 == queued(admin_url(r.spool), token)
+
+
+def test_deeply_nested_json_gets_the_documented_400_and_no_traceback(relay_factory):
+    """A body nested 100,000 deep (PATCH and POST routes) gets 400 InvalidArgument naming the nesting,
+    not 500 with a RecursionError traceback in the log (issue 13.8)."""
+    r, _qid = relay_with_mail(relay_factory)
+    url, token = admin_url(r.spool), admin_token(r.spool)
+    own = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+    deep = b"[" * 100_000 + b"]" * 100_000
+    deep_obj = b'{"ids": ' + deep + b"}"
+    got = [raw(url, "PATCH", "/mailQueues/spool?delayed=true", deep, own),
+           raw(url, "POST", "/mails/actions/hold", deep, own),
+           raw(url, "POST", "/mails/actions/hold", deep_obj, own)]
+    assert [(400, "InvalidArgument")] * 3 == [(s, b["type"]) for s, b in got]
+    assert "nested too deeply" in got[0][1]["message"]
+    assert [] == [e for e in r.events() if "RecursionError" in str(e) or e.get("level") in ("error", "critical")]
+    assert 1 == queued(url, token)
