@@ -79,6 +79,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     maximal_queue_lifetime_s: Annotated[float, msgspec.Meta(gt=0)] = 5 * 86400.0  # then bounce (4.4.7)
     bounce_queue_lifetime_s: Annotated[float, msgspec.Meta(gt=0)] = 5 * 86400.0  # for mail from <>
     delay_warning_time_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # 0: no delay DSNs
+    # Postfix bounce_size_limit: a DSN returns a larger original as its header section only (0: no limit).
+    bounce_size_limit_bytes: Annotated[int, msgspec.Meta(ge=0)] = 50_000
     checkpoint_interval_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 5.0
     # An attempt still running after this long is abandoned and its message due again (visibility timeout).
     delivery_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 900.0

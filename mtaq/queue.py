@@ -101,6 +101,8 @@ class Queue:
         self.minfree_bytes = 0
         self.messages_max = 0  # back-pressure: 452 4.3.1 while the queue holds this many (0: no limit)
         self.commit_backlog_max = 0  # back-pressure: 451 4.3.2 while this many wait for an fsync (0: none)
+        # A DSN returns at most this much of the original, else its header section only (0: no limit).
+        self.bounce_size_limit_bytes = 50_000
         self.settling = 0  # received messages waiting for their covering fsync (the group commit backlog)
         self.counts = QueueCounts()  # messages by state (mtaq queue size)
         self.parked = Parked()  # held and delayed envelopes, which no runner reads
@@ -337,6 +339,7 @@ class Queue:
             now_ts=now,
             queue_id=env.queue_id,
             message_id=f"{qid}@{self.reporting_mta}",
+            size_limit=self.bounce_size_limit_bytes,
         )
         dsn_env, _pos, _lsn = self._append_message("", [env.sender], msg, bounce_of=env.queue_id)
         self.on_dsn(dsn_env, env.queue_id, items[0].action)

@@ -301,3 +301,37 @@ def test_arbitrary_printable_values_round_trip_through_the_parser(sender, addres
     assert "smtp; " + re.sub(" {2,}", " ", reply).strip() == unescape(rcpt["Diagnostic-Code"])
     assert action == rcpt["Action"]
     msg.get_payload()[0].get_content()
+
+
+LARGE = ORIGINAL + (b"y" * 998 + b"\r\n") * 1000  # about 1 MB
+
+
+def test_an_original_over_the_size_limit_returns_its_header_section_only():
+    """Backscatter (Postfix bounce_size_limit): with size_limit, a larger original comes back as
+    text/rfc822-headers even with RET=FULL; one within the limit comes back whole."""
+    big = parse(dsn(original=LARGE, size_limit=50_000))
+    assert "text/rfc822-headers" == big.get_payload()[2].get_content_type()
+    assert b"yyyy" not in dsn(original=LARGE, size_limit=50_000)
+    assert len(dsn(original=LARGE, size_limit=50_000)) < 50_000
+    small = parse(dsn(original=ORIGINAL, size_limit=50_000))
+    assert "message/rfc822" == small.get_payload()[2].get_content_type()
+
+
+def test_a_header_section_over_the_limit_is_cut_at_a_line_end():
+    """A header section larger than size_limit is cut at the last CRLF within it: whole lines only."""
+    many = b"".join(b"X-Pad-%d: %s\r\n" % (i, b"p" * 60) for i in range(2000)) + b"\r\nbody\r\n"
+    raw = dsn(original=many, size_limit=1000)
+    third = raw[raw.index(b"Content-Type: text/rfc822-headers"):]
+    section = third.split(b"\r\n\r\n", 1)[1].split(b"\r\n\r\n--", 1)[0] + b"\r\n"
+    assert (True, True) == (0 < len(section) <= 1000, section.startswith(b"X-Pad-0: ppp"))
+    assert all(re.fullmatch(rb"X-Pad-\d+: p{60}", line) for line in section.splitlines())
+
+
+@pytest.mark.parametrize("action", ["delivered", "relayed", "expanded"])
+def test_success_notices_carry_the_header_section_only_whatever_ret_says(action):
+    """A success or relayed notice (NOTIFY=SUCCESS) returns headers only, also with RET=FULL and no limit:
+    otherwise anyone could make the relay mail a whole message to an address of their choosing."""
+    ok = DsnRecipient("bob@example.net", action, "2.0.0")
+    msg = parse(dsn(recipients=[ok], ret="FULL"))
+    assert "text/rfc822-headers" == msg.get_payload()[2].get_content_type()
+    assert b"See you at noon" not in dsn(recipients=[ok], ret="FULL")

@@ -93,6 +93,7 @@ def build_dsn(
     now_ts: float,
     queue_id: str,
     message_id: str,
+    size_limit: int = 0,
 ) -> bytes:
     """The DSN to ``sender`` about ``recipients`` of the message ``original``, as bytes with CRLF line ends.
 
@@ -104,7 +105,13 @@ def build_dsn(
     queue ID; ``message_id`` the DSN's own Message-ID without angle brackets (``id@host``).
 
     The subject follows the most serious action: any ``failed`` gives a bounce, else any ``delayed`` a
-    delay warning, else a success report. Raises ValueError for no recipients, an unknown action, a bad
+    delay warning, else a success report.
+
+    Backscatter (Postfix ``bounce_size_limit``): a success report (``delivered``, ``relayed``, ``expanded``)
+    returns the header section only, whatever ``ret`` says; with ``size_limit`` > 0 (bytes) an original
+    larger than that returns its header section only ("when truncating a large message, don't damage the
+    MIME structure", as Postfix does), and a header section larger than that is cut at the last line end
+    within the limit. Raises ValueError for no recipients, an unknown action, a bad
     status code, an empty (null) sender, an unknown ``ret``, or a control character in an address or name.
     """
     if not recipients:
@@ -124,11 +131,16 @@ def build_dsn(
     kind = "failed" if "failed" in actions else "delayed" if "delayed" in actions else "success"
 
     body = _crlf(original)
+    if kind == "success" or (size_limit > 0 and len(body) > size_limit):
+        ret_u = "HDRS"  # nothing of the content goes back to whoever the sender claims to be
     if ret_u == "HDRS":
         end = -2 if body.startswith(b"\r\n") else body.find(b"\r\n\r\n")  # -2: no header lines at all
         headers = body if end == -1 else body[: end + 2]
         if headers and not headers.endswith(b"\r\n"):
             headers += b"\r\n"
+        if size_limit > 0 and len(headers) > size_limit:
+            cut = headers.rfind(b"\r\n", 0, size_limit)
+            headers = headers[: cut + 2] if cut >= 0 else b""
         third_type, third_desc, third_body = "text/rfc822-headers", "Original message header section", headers
     else:
         third_type, third_desc, third_body = "message/rfc822", "Original message", body
