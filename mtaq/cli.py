@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from mtaq.config import load_config, parse_hostport
+from mtaq.core.text import EscapingWriter
 from mtaq.errors import ConfigError, MtaqError
 from mtaq.logs import configure_logging
 
@@ -82,6 +83,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command not in ("queue", "log"):
+        return _main(args)
+    # Human output of what clients sent (addresses, HELO names, replies): every control, format and line-
+    # separator character is escaped on the way to the terminal (mtaq.core.text), JSON lines included.
+    saved = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = EscapingWriter(sys.stdout), EscapingWriter(sys.stderr)
+    try:
+        return _main(args)
+    finally:
+        sys.stdout, sys.stderr = saved
+
+
+def _main(args: argparse.Namespace) -> int:
     try:
         if args.command == "serve":
             return _serve(args)

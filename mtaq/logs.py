@@ -13,6 +13,8 @@ from typing import Any
 import msgspec
 import structlog
 
+from mtaq.core.text import escape_value
+
 __all__ = ["configure_logging", "get_logger"]
 
 
@@ -23,6 +25,7 @@ def configure_logging(fmt: str = "console", *, stream: Any = None, shard: int | 
     """
     stream = stream or sys.stderr
     processors: list[Any] = [
+        _escape_event,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
@@ -46,6 +49,16 @@ def configure_logging(fmt: str = "console", *, stream: Any = None, shard: int | 
         logger_factory=structlog.WriteLoggerFactory(stream),
         cache_logger_on_first_use=True,
     )
+
+
+def _escape_event(_logger: Any, _name: str, event: Any) -> Any:
+    """Escape control, format and line-separator characters in every string value (mtaq.core.text): a
+    client's HELO name or address can neither drive the terminal showing the log nor forge a line of it,
+    in JSON (whose encoder leaves C1 controls, U+2028 and bidi controls raw) as on the console."""
+    for k, v in event.items():
+        if not isinstance(v, int | float | bool | None):
+            event[k] = escape_value(v)
+    return event
 
 
 def _fallback(obj: Any) -> Any:
