@@ -22,7 +22,11 @@ class Relay:
             self.config = str(tmp / "mtaq.toml")
             (tmp / "mtaq.toml").write_text(config)
         self.sink = start_sink(self.maildir, str(tmp / "sink.log"), extra=list(sink_args))
-        self.daemon: Proc = self.start()
+        try:
+            self.daemon: Proc = self.start()
+        except BaseException:
+            self.sink.kill9()  # the daemon did not start: the fixture never sees this relay to close it
+            raise
 
     def start(self, port: int | None = None) -> Proc:
         self.daemon = start_daemon(self.spool, self.sink.port, str(self.tmp / "daemon.log"), port=port, config=self.config)
