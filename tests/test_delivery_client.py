@@ -43,13 +43,31 @@ async def with_server(handler, fn, **smtp_kw):
 BODY = b"Subject: t\r\n\r\nhi\r\n"
 
 
-def test_a_2xx_that_is_not_the_final_reply_is_never_delivered():
-    """RCPT answered 252 is not an acceptance of the message: deferred (4.5.0), and no DATA was sent."""
-    h = Recorder(lambda a: "252 2.1.5 Cannot VRFY user, but will accept message")
+class OddTwoHundreds(Recorder):
+    """A next hop that answers RCPT 252 (keeping the recipient) and the end of DATA with ``data_reply``."""
 
-    replies = asyncio.run(with_server(h, lambda c: c.send("a@x.org", ["b@y.org"], BODY)))
-    assert ["deferred"] == [classify(r.code) for r in replies]
-    assert [] == h.messages
+    def __init__(self, data_reply: str) -> None:
+        super().__init__()
+        self.data_reply = data_reply
+
+    async def handle_RCPT(self, server, session, envelope, address, opts):
+        envelope.rcpt_tos.append(address)
+        return "252 2.1.5 Cannot VRFY user, but will accept message"
+
+    async def handle_DATA(self, server, session, envelope):
+        self.messages.append((envelope.mail_from, list(envelope.rcpt_tos)))
+        return self.data_reply
+
+
+def test_every_2xx_to_rcpt_and_to_the_end_of_data_is_delivered():
+    """RFC 5321 §4.2.1: a 2yz reply is positive completion. RCPT answered 252 is an accepted recipient, and
+    a final reply of 251/252/299 to the end of DATA delivers it (Postfix's smtp client takes any 2xx);
+    before, anything but 250 counted as 451 and the message was sent again and again."""
+    for data_reply in ("250 2.0.0 Ok", "251 2.0.0 Ok, forwarded", "252 2.0.0 queued", "299 2.0.0 fine"):
+        h = OddTwoHundreds(data_reply)
+        replies = asyncio.run(with_server(h, lambda c: c.send("a@x.org", ["b@y.org"], BODY)))
+        assert (["delivered"], [("a@x.org", ["b@y.org"])]) == ([classify(r.code) for r in replies], h.messages)
+        assert int(data_reply[:3]) == replies[0].code
 
 
 def test_mixed_rcpt_replies_map_to_each_recipient():

@@ -68,8 +68,8 @@ def _dsn_options(params: Sequence[tuple[str, str]], keys: tuple[str, ...]) -> li
 def _refusal(exc: aiosmtplib.SMTPResponseException) -> Reply:
     """The reply in an exception aiosmtplib raised because it was not the expected one.
 
-    Only 4xx and 5xx are refusals; anything else here (a 252 to RCPT, a 2xx to MAIL or to DATA where 354 was
-    due) is not a final acceptance, so it counts as a temporary failure and never as delivered.
+    Only 4xx and 5xx are refusals; anything else here (a 2xx to MAIL or to DATA where 354 was due, a 3xx
+    where none belongs) is not a final acceptance, so it counts as a temporary failure and never as delivered.
     """
     if 400 <= exc.code < 600:
         return split_enhanced(exc.code, exc.message)
@@ -297,7 +297,10 @@ class RelayConnection:
                     await c.rcpt(rcpt, options=ropts[i], encoding=enc)
                     accepted.append(i)
                 except aiosmtplib.SMTPResponseException as exc:
-                    replies[i] = _refusal(exc)
+                    if 200 <= exc.code < 300:  # aiosmtplib takes 250 and 251 only; every 2xx accepts (§4.2.1)
+                        accepted.append(i)
+                    else:
+                        replies[i] = _refusal(exc)
             if not accepted:
                 await self._reset(c)
                 return fill(Reply(450, "4.0.0", "no recipient accepted"))
@@ -366,7 +369,7 @@ async def _data(c: aiosmtplib.SMTP, body: bytes, timeout_s: float) -> aiosmtplib
 
     The connection is used by one delivery at a time (its pool marks it busy), so the content and the
     reply read after it cannot interleave with another command. Raises SMTPDataError for a reply other than
-    354 or 250, SMTPServerDisconnected or SMTPTimeoutError (the connection is then closed).
+    354 or 2xx, SMTPServerDisconnected or SMTPTimeoutError (the connection is then closed).
     """
     start = await c.execute_command(b"DATA")
     if start.code != 354:
@@ -380,7 +383,7 @@ async def _data(c: aiosmtplib.SMTP, body: bytes, timeout_s: float) -> aiosmtplib
     except (aiosmtplib.SMTPServerDisconnected, aiosmtplib.SMTPTimeoutError):
         c.close()
         raise
-    if resp.code != 250:
+    if not 200 <= resp.code < 300:  # every 2xx is positive completion (RFC 5321 §4.2.1), not just 250
         raise aiosmtplib.SMTPDataError(resp.code, resp.message)
     return resp
 
