@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from mtaq.core.checkpoint import Checkpoint
+from mtaq.core.checkpoint import Checkpoint, restore_runners
 from mtaq.core.frame import SEGMENT_HEADER_BYTES, Problem, scan_segment
 from mtaq.core.parking import QueueCounts
 from mtaq.core.records import PARKED, DeliveryRecord, EnvelopeRecord, FinishRecord, Outcome, Pos, StartRecord
@@ -116,10 +116,13 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
     res.checkpoint = why
     if cp is not None:
         scan_from = clamp(min(cp.suffix, cp.head))
-        runners = [clamp(p) for p in cp.runners[:n]]
-        runners += [min(runners, default=scan_from)] * (n - len(runners))
-        garbage = [{g for g in gs if g >= runners[k]} for k, gs in enumerate(cp.garbage[:n])]
-        garbage += [set() for _ in range(n - len(garbage))]
+        # The number of runners may have changed (retry_intervals_s): each runner takes over those that read
+        # its envelopes before, from the earliest of their positions (core.checkpoint.restore_runners).
+        restored = restore_runners(tuple(clamp(p) for p in cp.runners), cp.garbage, n)
+        runners, garbage = restored.positions, restored.garbage
+        if restored.rescan_from is not None and restored.rescan_from < scan_from:
+            scan_from = restored.rescan_from  # the STARTs of what the runners further ahead had started
+            logger.info("runners_merged", runners_before=len(cp.runners), runners=n, scan_from=str(scan_from))
         # Counts and parked envelopes as of head; what came after head is replayed below.
         replay_from = clamp(cp.head)
         queue.counts = QueueCounts.restore(cp.counts)

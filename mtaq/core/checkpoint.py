@@ -29,7 +29,8 @@ import msgspec
 
 from mtaq.core.records import Pos
 
-__all__ = ["CHECKPOINT_MAGIC", "Checkpoint", "CheckpointError", "decode_checkpoint", "encode_checkpoint"]
+__all__ = ["CHECKPOINT_MAGIC", "Checkpoint", "CheckpointError", "RestoredRunners", "decode_checkpoint",
+           "encode_checkpoint", "restore_runners"]
 
 CHECKPOINT_MAGIC = b"MTAQCKP1"
 _HDR = struct.Struct("<8sII")
@@ -53,6 +54,51 @@ class Checkpoint(msgspec.Struct, frozen=True, array_like=True):
 
 _ENC = msgspec.msgpack.Encoder()
 _DEC = msgspec.msgpack.Decoder(Checkpoint)
+
+
+class RestoredRunners(msgspec.Struct, frozen=True):
+    """Where each of ``n`` runners starts after a restart, and what it must skip.
+
+    ``positions[k]`` and ``garbage[k]`` for runner k; ``rescan_from``: when a runner took over runners
+    that stood at different positions, the earliest of them. Recovery must then read the log from there
+    (not only from the working suffix) and add to ``garbage[k]`` every envelope at or after
+    ``positions[k]`` that a START names: the runner that stood further ahead had started those.
+    """
+
+    positions: list[Pos]
+    garbage: list[set[Pos]]
+    rescan_from: Pos | None
+
+
+def restore_runners(positions: tuple[Pos, ...], garbage: tuple[tuple[Pos, ...], ...], n: int) -> RestoredRunners:
+    """The start of ``n`` runners from a checkpoint's ``positions`` and ``garbage``, taken with as many
+    runners as ``positions`` has (``retry_intervals_s`` may have changed between the runs).
+
+    Runner k reads the envelopes whose ``runner`` r has ``min(r, n - 1) == k``; with ``m`` runners before,
+    runner ``min(r, m - 1)`` read them. So new runner k took over old runner ``min(k, m - 1)``, and the last
+    new runner also every old runner after it. A runner with one predecessor starts where it stood, with
+    its garbage (a new runner beyond the old count: where the old last runner, which read its envelopes,
+    stood). A runner with several starts at the earliest of their positions (nothing behind it is left
+    unread), with their garbage merged, and :attr:`RestoredRunners.rescan_from` set so that recovery finds
+    the envelopes the others had already started (nothing is offered twice). Raises ValueError when
+    ``positions`` is empty or ``n`` < 1.
+    """
+    m = len(positions)
+    if m == 0 or n < 1:
+        raise ValueError(f"restore_runners: {m} positions, {n} runners")
+    out_pos: list[Pos] = []
+    out_garbage: list[set[Pos]] = []
+    rescan: Pos | None = None
+    for k in range(n):
+        first = min(k, m - 1)
+        sources = range(first, m) if k == n - 1 else range(first, first + 1)
+        pos = min(positions[j] for j in sources)
+        merged = {g for j in sources if j < len(garbage) for g in garbage[j] if g >= pos}
+        if len({positions[j] for j in sources}) > 1:
+            rescan = pos if rescan is None else min(rescan, pos)
+        out_pos.append(pos)
+        out_garbage.append(merged)
+    return RestoredRunners(out_pos, out_garbage, rescan)
 
 
 def encode_checkpoint(cp: Checkpoint) -> bytes:
