@@ -9,7 +9,11 @@ in ``Log.decoded`` for the others (one runner per retry interval reads every env
 append-only and their numbers never reused, so the bytes at a position never change while it is read.
 
 A frame that does not check out in the middle of a segment is reported once through ``on_corrupt`` and
-passed over to the next good frame (found by :func:`scan_segment`); it is never silently skipped.
+passed over to the next good frame (found by :func:`scan_segment`); it is never silently skipped. That holds
+for the frames a cursor steps over too: it moves past a frame only after the frame's checksum, which covers
+its length field, confirmed that length (a flipped bit in the length of a DATA frame would otherwise send
+the cursor past the end of the file or into a body, skipping envelopes unreported). Frames confirmed by
+one cursor are remembered a while in ``Log.confirmed`` for the others.
 """
 
 from __future__ import annotations
@@ -17,15 +21,24 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Literal
 
-from mtaq.core.frame import FRAME_HEADER_BYTES, SEGMENT_HEADER_BYTES, Frame, Problem, decode_frame, scan_segment
+from mtaq.core.frame import (
+    FRAME_HEADER_BYTES,
+    RECORD_BYTES_MAX,
+    SEGMENT_HEADER_BYTES,
+    Frame,
+    Problem,
+    decode_frame,
+    scan_segment,
+)
 from mtaq.core.records import PayloadError, Pos, Record, RecordType, decode_payload
 from mtaq.errors import CorruptRecord
 from mtaq.storage.log import Log
 
-__all__ = ["CHUNK_BYTES", "DECODED_MAX", "LogCursor"]
+__all__ = ["CHUNK_BYTES", "CONFIRMED_MAX", "DECODED_MAX", "LogCursor"]
 
 CHUNK_BYTES = 256 * 1024
 DECODED_MAX = 4096  # records decoded by one cursor and kept (Log.decoded) for the others
+CONFIRMED_MAX = 65536  # frame positions checksummed by one cursor and kept (Log.confirmed) for the others
 
 
 class LogCursor:
@@ -77,6 +90,23 @@ class LogCursor:
             return decode_payload(res.rtype, res.payload)
         except PayloadError as exc:
             raise CorruptRecord(f"segment {pos.segment} offset {pos.offset}: {exc}") from exc
+
+    def _confirmed(self, pos: Pos, length: int) -> bool:
+        """True when the frame at ``pos`` with header length ``length`` checks out (checksum over its header,
+        length included, and its payload), so that ``pos + 12 + length`` is really the next frame."""
+        shared = self.log.confirmed
+        if pos in shared:
+            return True
+        raw = self._bytes(pos, FRAME_HEADER_BYTES + length) if length <= RECORD_BYTES_MAX else None
+        if raw is None:
+            return False
+        _f, salt = self.log._file(pos.segment)
+        if not isinstance(decode_frame(raw, 0, salt), Frame):
+            return False
+        if len(shared) >= CONFIRMED_MAX:
+            del shared[next(iter(shared))]  # the oldest
+        shared[pos] = None
+        return True
 
     def _next_segment(self) -> bool:
         later = [n for n in self.log.segments() if n > self.pos.segment]
@@ -139,6 +169,9 @@ class LogCursor:
                 except CorruptRecord as exc:
                     self._resync(str(exc))
                     continue
+            if not self._confirmed(self.pos, length):
+                self._resync("frame does not check out (its length cannot be trusted)")
+                continue
             self.pos = Pos(seg, self.pos.offset + FRAME_HEADER_BYTES + length)
         return None
 

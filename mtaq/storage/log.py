@@ -150,6 +150,7 @@ class Log:
         # Told how long each commit() that had to wait waited, in seconds (metrics; must be cheap).
         self.on_commit_seconds: Callable[[float], None] | None = None
         self.decoded: dict[Pos, Record] = {}  # records the cursors decoded lately (mtaq.storage.cursor)
+        self.confirmed: dict[Pos, None] = {}  # frames a cursor checksummed before stepping over them lately
         self._free = 0  # free_bytes(): the last statvfs answer, when, and bytes_appended then
         self._free_at: float | None = None
         self._free_base = 0
