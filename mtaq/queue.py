@@ -4,9 +4,11 @@ What waits for an fsync and what does not (seed 001, GUIDE §3):
 
 * receiving: DATA + ENVELOPE, then ``commit`` - the 250 comes after;
 * delivery outcomes: DELIVERY, then ``commit`` - a recipient counts as done only after;
-* START, FINISH, replacement envelopes and DSNs: appended, not waited for (book-keeping). The log is
-  ordered and fsync covers a whole prefix, so a DSN appended before the conclusion that caused it is
-  durable whenever that conclusion is; if both are lost, recovery concludes the attempt again.
+* START, FINISH, replacement envelopes and DSNs: appended, not waited for (book-keeping). An fsync covers a
+  whole prefix, but a power cut before it can keep a later page and lose an earlier one (out-of-order
+  write-back), so a conclusion can survive while the DSNs or the DATA copy appended just before it did
+  not. Recovery therefore trusts a conclusion only when it is known durable or no unsynced hole lies within
+  its attempt; otherwise it concludes the attempt again from the original envelope (mtaq.recovery).
 
 A replacement envelope gets a fresh copy of the DATA record, so that mail deferred for days never pins an
 old segment (reclamation deletes a prefix of segments).

@@ -11,8 +11,13 @@ is accepted at once. Then :func:`recover`:
    - every START whose attempt was not concluded (no replacement envelope or FINISH names it), with the
      outcomes of its DELIVERY records;
    - the envelopes ahead of each runner that a START already made garbage, which the runner must skip;
+   It first learns how far the log is known to be durable (the checkpoint's head, the ``durable`` field of
+   every ENVELOPE and START, the envelopes STARTs name): damage before that point is corruption, after it
+   (with records after it) an unsynced hole. A conclusion written after a hole that lies within its own
+   attempt is not trusted (the hole may have held its DATA copy or its DSNs): the attempt stays open, and
+   what that conclusion left is ended (docs/log_format.md, "Durable end, holes ...");
 3. concludes each interrupted attempt like a delivery worker would: DSNs for durable failures, then a
-   FINISH or a replacement envelope. A recipient without a durable DELIVERY record has an *unknown*
+   FINISH or a replacement envelope; DATA that cannot be copied forward bounces what is left (554 5.3.0). A recipient without a durable DELIVERY record has an *unknown*
    outcome (GUIDE I4): it is logged as such and retried at once by the runner for new mail.
 
 Running it again after a crash in the middle loses nothing: it only appends records that a second run
@@ -68,6 +73,18 @@ def _read_envelope(log: Any, pos: Pos) -> EnvelopeRecord | None:
     return rec if isinstance(rec, EnvelopeRecord) else None
 
 
+def _end_envelope(queue: Queue, pos: Pos, env: EnvelopeRecord, *, counted: bool) -> None:
+    """End the live envelope at ``pos`` without an attempt: START and FINISH. ``counted``: it is in the
+    queue's counts (replayed), which then lose it."""
+    log = queue.log
+    start_pos, _ = log.append(StartRecord(queue_id=env.queue_id, envelope=pos, ts=queue.clock(), runner=env.runner))
+    log.append(FinishRecord(queue_id=env.queue_id, start=start_pos, ts=queue.clock()))
+    queue.parked.remove(pos)
+    if counted:
+        queue.counts.started(env)
+        queue.counts.concluded(None)
+
+
 async def move_aside(log: Any, spool: str, p: Problem, logger: Any) -> None:
     """Copy a damaged region into ``SPOOL/corrupt`` and report it: an error for corruption, a warning for
     an unsynced hole. A region already moved aside by an earlier start is reported once more, quietly."""
@@ -111,8 +128,6 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
     since_start = queue.counts.by_state.copy()
     cp: Checkpoint | None
     cp, why = read_checkpoint(log.fs, spool)
-    # Everything before the checkpoint's head was durable when it was written: damage there is corruption.
-    durable_hint = cp.head if cp is not None else None
     res.checkpoint = why
     if cp is not None:
         scan_from = clamp(min(cp.suffix, cp.head))
@@ -145,6 +160,14 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
     holes: list[Problem] = []
     unreadable: dict[Pos, EnvelopeRecord] = {}  # envelopes whose DATA lies in an unsynced hole
     started: set[Pos] = set()
+    dsns: dict[str, list[tuple[Pos, EnvelopeRecord]]] = {}  # DSN envelopes by the queue ID they are about
+    dropped: dict[Pos, tuple[EnvelopeRecord, bool, str]] = {}  # envelopes to end: (envelope, counted, why)
+
+    # Pass 1: read the working suffix, and learn how far the log is known to have been fsync'd. Every
+    # ENVELOPE and START carries the durable end when it was appended, and a START names an envelope that
+    # was durable (runners offer nothing else); the checkpoint's head was fsync'd before it was written.
+    scans: list[tuple[int, Any, bool]] = []
+    durable_known = cp.head if cp is not None else Pos(0, 0)
     for seg in report.segments:
         if seg < scan_from.segment:
             continue
@@ -153,8 +176,22 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
             buf = await asyncio.to_thread(log.read_segment, seg)
             res.bytes += len(buf)
             scan = await asyncio.to_thread(scan_segment, seg, buf, skip_data=True)
+        scans.append((seg, scan, seg in report.unsealed or not scan.sealed))
+        for _pos, rec in scan.records:
+            if isinstance(rec, EnvelopeRecord | StartRecord) and rec.durable is not None and rec.durable > durable_known:
+                durable_known = rec.durable
+            if isinstance(rec, StartRecord) and rec.envelope >= durable_known:
+                durable_known = Pos(rec.envelope.segment, rec.envelope.offset + 1)
+        await asyncio.sleep(0)  # let SMTP clients in between segments
+
+    last_record = max((sc.records[-1][0] for _s, sc, _u in scans if sc.records), default=Pos(0, 0))
+
+    def hole_between(a: Pos, b: Pos) -> bool:
+        return any(a < Pos(h.segment, h.offset) < b for h in holes)
+
+    # Pass 2: classify damage, and fold the records.
+    for _seg, scan, unsealed in scans:
         res.segments += 1
-        unsealed = seg in report.unsealed or not scan.sealed
         for p in scan.problems:
             if p.kind == "torn-tail" and not scan.sealed:
                 res.repaired.append(p)
@@ -162,10 +199,12 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
                 continue
             known = aside.get((p.segment, p.offset))
             if (known is not None and known.kind == "unsynced-hole") or (
-                unsealed and durable_hint is not None and Pos(p.segment, p.offset) >= durable_hint
+                known is None and durable_known <= Pos(p.segment, p.offset) < last_record and (unsealed or cp is not None)
             ):
-                # Written at the crash after the last known durable point: bytes that never reached the disk,
-                # with later writes that did. Not damage; kept aside the same way, and reported as what it is.
+                # Bytes after the last point known to be durable that never reached the disk, with later writes
+                # that did (a disk writes back out of order): not damage; kept aside the same way, and reported
+                # as what it is. Before that point the same bytes were fsync'd: corruption. (With no record
+                # after it, it is no hole either: a torn end, or damage, reported as corruption.)
                 p = Problem("unsynced-hole", p.segment, p.offset, p.end, p.reason)
                 res.holes.append(p)
                 holes.append(p)
@@ -178,11 +217,28 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
             if pos < scan_from:
                 continue
             res.records += 1
+            if isinstance(rec, EnvelopeRecord | FinishRecord):
+                x = rec.replaces if isinstance(rec, EnvelopeRecord) else rec.start
+                if x is not None and x in open_attempts and pos >= durable_known and hole_between(x, pos):
+                    # A conclusion written after a hole that lies within its attempt: the hole may have held
+                    # what the conclusion stands on (the DATA copy of a replacement, the DSNs queued before
+                    # it). Not a conclusion: the attempt stays open and is concluded again below from the
+                    # original envelope and DATA, and what the block left (this replacement, its DSNs) ends.
+                    qid = open_attempts[x].start.queue_id
+                    for dpos, denv in dsns.get(qid, []):
+                        if x < dpos < pos and dpos not in started:
+                            dropped[dpos] = (denv, dpos >= replay_from, "dsn_dropped")
+                    if isinstance(rec, EnvelopeRecord):
+                        dropped[pos] = (rec, False, "replacement_dropped")
+                    logger.warning("conclusion_distrusted", queue_id=qid, start=str(x), conclusion=str(pos),
+                                   reason="an unsynced hole lies within the attempt; concluded again")
+                    continue
             if pos >= replay_from:
                 queue.counts.replay(rec, lambda p: _read_envelope(log, p))
             if isinstance(rec, StartRecord):
                 open_attempts[pos] = _Open(rec)
                 started.add(rec.envelope)
+                dropped.pop(rec.envelope, None)
                 k = min(rec.runner, n - 1)
                 if k >= 0 and rec.envelope >= runners[k]:
                     garbage[k].add(rec.envelope)
@@ -199,6 +255,8 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
                     open_attempts.pop(rec.replaces, None)
                 if pos >= replay_from and rec.runner == PARKED:
                     parked_after[pos] = rec
+                if rec.bounce_of and rec.replaces is None:
+                    dsns.setdefault(rec.bounce_of, []).append((pos, rec))
                 d = rec.data
                 if any(h.segment == d.segment and h.offset <= d.offset < h.end for h in holes):
                     unreadable[pos] = rec
@@ -207,21 +265,54 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
         await asyncio.sleep(0)  # let SMTP clients in between segments
     for ppos in parked_before:
         if ppos not in unparked and ppos < replay_from:
-            penv = _read_envelope(log, ppos)
-            if penv is not None and penv.runner == PARKED:
+            try:
+                penv = log.read(ppos)
+            except (CorruptRecord, OSError) as exc:
+                logger.error("parked_unreadable", envelope=str(ppos), error=str(exc),
+                             action="not offered; the damage is in SPOOL/corrupt once a reader passes it")
+                continue
+            if isinstance(penv, EnvelopeRecord) and penv.runner == PARKED:
                 queue.parked.add(ppos, penv)
     for ppos, penv in parked_after.items():
-        queue.parked.add(ppos, penv)
+        if ppos not in dropped:
+            queue.parked.add(ppos, penv)
+    for pos, env in unreadable.items():
+        if pos in started or pos in dropped:
+            continue
+        if env.generation == 0 and not env.bounce_of:
+            # Its DATA was written after the last point known durable and never reached the disk, so no fsync
+            # covered it and the client never had a 250 (it will send again): end it quietly.
+            dropped[pos] = (env, pos >= replay_from, "unacknowledged_dropped")
+        elif env.bounce_of or (env.replaces is not None and env.replaces in open_attempts):
+            # A DSN or a replacement whose DATA never reached the disk: the attempt that wrote it is concluded
+            # again (above: a hole lies within it), which queues its content anew.
+            dropped[pos] = (env, pos >= replay_from and env.replaces is None,
+                            "dsn_dropped" if env.bounce_of else "replacement_dropped")
     killpoints.hit("recovery.before_conclude")
+    for pos, (env, counted, why) in sorted(dropped.items()):
+        _end_envelope(queue, pos, env, counted=counted)
+        k = min(env.runner, n - 1)
+        if k >= 0 and pos >= runners[k]:
+            garbage[k].add(pos)
+        reason = ("its data never reached the disk before the crash; no 250 was sent for it"
+                  if why == "unacknowledged_dropped" else
+                  "written after an unsynced hole within its attempt; the attempt is concluded again")
+        logger.warning(why, queue_id=env.queue_id, envelope=str(pos), reason=reason)
     for start_pos, o in sorted(open_attempts.items()):
+        read: Any
         try:
-            env = log.read(o.start.envelope)
-        except CorruptRecord as exc:
-            logger.error("corrupt_envelope", queue_id=o.start.queue_id, start=str(start_pos), error=str(exc))
+            read = log.read(o.start.envelope)
+        except (CorruptRecord, OSError) as exc:
+            read = exc
+        if not isinstance(read, EnvelopeRecord):
+            # Nothing to conclude from: the envelope the START names cannot be read. End the attempt, so that
+            # it does not hold the working suffix forever, and say which message it was.
+            log.append(FinishRecord(queue_id=o.start.queue_id, start=start_pos, ts=queue.clock()))
+            logger.error("corrupt_envelope", queue_id=o.start.queue_id, start=str(start_pos),
+                         error=str(read) if isinstance(read, Exception) else "not an envelope",
+                         action="attempt ended; the message cannot be read (see SPOOL/corrupt)")
             continue
-        if not isinstance(env, EnvelopeRecord):
-            logger.error("corrupt_envelope", queue_id=o.start.queue_id, start=str(start_pos), error="not an envelope")
-            continue
+        env = read
         attempt = Attempt(env, o.start.envelope, start_pos, dict(o.outcomes), o.remote_dsn)
         queue.working.attempts[start_pos] = attempt
         if o.start.admin:
@@ -242,27 +333,19 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
         try:
             c, _ = queue.conclude(attempt)
         except CorruptRecord as exc:
-            queue.working.concluded(start_pos)
-            logger.error("corrupt_message", queue_id=env.queue_id, error=str(exc))
-            continue
+            # The DATA to copy forward does not check out: bounce what is left, as a delivery worker does
+            # (554 5.3.0, a DSN without the content), instead of leaving the message neither live nor ended.
+            logger.error("corrupt_message", queue_id=env.queue_id, error=str(exc), action="bounced")
+            for r in env.recipients:
+                if r.index not in attempt.outcomes or attempt.outcomes[r.index].status == "deferred":
+                    attempt.outcomes[r.index] = Outcome(index=r.index, status="failed", code=554, enhanced="5.3.0",
+                                                        text=f"message data unreadable in queue: {exc}")
+            c, _ = queue.conclude(attempt, b"")
         res.concluded += 1
         if isinstance(c.record, EnvelopeRecord):
             logger.info("attempt_concluded", queue_id=env.queue_id, recipients_left=len(c.record.recipients))
         else:
             logger.info("removed", queue_id=env.queue_id)
-    for pos, env in sorted(unreadable.items()):
-        if pos in started:
-            continue
-        # Its DATA was written after the last durable point and never reached the disk, so no fsync covered
-        # it and the client never had a 250 (it will send again): end it quietly instead of bouncing it.
-        attempt = queue.start(pos, env)
-        log.append(FinishRecord(queue_id=env.queue_id, start=attempt.start_pos, ts=queue.clock()))
-        queue.working.concluded(attempt.start_pos)
-        k = min(env.runner, n - 1)
-        if k >= 0 and pos >= runners[k]:
-            garbage[k].add(pos)
-        logger.warning("unacknowledged_dropped", queue_id=env.queue_id, envelope=str(pos),
-                       reason="its data never reached the disk before the crash; no 250 was sent for it")
     await log.sync()
     res.runners, res.garbage = runners, garbage
     res.seconds = time.monotonic() - t0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 
+import msgspec
 import pytest
 
 from mtaq.core.frame import scan_segment
@@ -27,6 +28,7 @@ def write_messages(d: str, n: int, *, segment_bytes_max: int = 1 << 20) -> tuple
         p, _ = log.append(data)
         e = env(f"Q{i}", p)
         q, _ = log.append(e)
+        e = msgspec.structs.replace(e, durable=log.durable_end)  # as the log stamped it
         out += [(p, data), (q, e)]
     asyncio.run(log.sync())
     seg = log.current_segment

@@ -117,6 +117,8 @@ class EnvelopeRecord(msgspec.Struct, frozen=True, array_like=True, tag=int(Recor
     ``runner`` is :data:`PARKED` (-1) for an envelope no runner reads: mail on hold (``held``, until an
     administrator releases it) or delayed by the client (RFC 4865 FUTURERELEASE; due at ``not_before_ts``).
     Parked envelopes are tracked by position (and kept in checkpoints), so they never block a runner.
+    ``durable`` is the log's durable end when the record was appended (stamped by the log): every byte
+    before it had been fsync'd, which recovery uses to tell damage from an unsynced hole.
     """
 
     queue_id: str
@@ -136,6 +138,7 @@ class EnvelopeRecord(msgspec.Struct, frozen=True, array_like=True, tag=int(Recor
     warned: bool = False
     bounce_of: str = ""
     held: bool = False
+    durable: Pos | None = None
 
 
 class StartRecord(msgspec.Struct, frozen=True, array_like=True, tag=int(RecordType.START)):
@@ -145,6 +148,7 @@ class StartRecord(msgspec.Struct, frozen=True, array_like=True, tag=int(RecordTy
     ``admin`` names the administrator's operation when this is not a delivery attempt but an admin action
     on the message (``delete``, ``hold``, ``release``, ``flush``, ``bounce``): the action is then concluded
     like an attempt, by a FINISH or a replacement envelope, and the log is its audit trail.
+    ``durable``: as in :class:`EnvelopeRecord` (stamped by the log).
     """
 
     queue_id: str
@@ -152,6 +156,7 @@ class StartRecord(msgspec.Struct, frozen=True, array_like=True, tag=int(RecordTy
     ts: float
     runner: int = 0
     admin: str = ""
+    durable: Pos | None = None
 
 
 class DeliveryRecord(msgspec.Struct, frozen=True, array_like=True, tag=int(RecordType.DELIVERY)):

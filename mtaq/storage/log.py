@@ -31,6 +31,8 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import msgspec
+
 from mtaq.core.frame import (
     FRAME_HEADER_BYTES,
     SEGMENT_HEADER_BYTES,
@@ -47,7 +49,16 @@ from mtaq.core.frame import (
     salvage_segment_header,
     scan_segment,
 )
-from mtaq.core.records import PayloadError, Pos, Record, SealRecord, decode_payload, encode_payload
+from mtaq.core.records import (
+    EnvelopeRecord,
+    PayloadError,
+    Pos,
+    Record,
+    SealRecord,
+    StartRecord,
+    decode_payload,
+    encode_payload,
+)
 from mtaq.errors import CorruptRecord, StorageError, StorageFatal, StorageFull
 from mtaq.storage.fs import File, FileSystem
 from mtaq.testing import killpoints
@@ -316,6 +327,10 @@ class Log:
         """
         if self._failed is not None:
             raise self._failed
+        if isinstance(record, EnvelopeRecord | StartRecord) and record.durable is None and self._durable_end.segment:
+            # Book-keeping that rides on records written anyway: where the fsync'd prefix ended when this was
+            # appended. Recovery takes the largest such claim as a floor of the durable end (docs/log_format.md).
+            record = msgspec.structs.replace(record, durable=self._durable_end)
         rtype, payload = encode_payload(record)
         size = FRAME_HEADER_BYTES + len(payload)
         try:
