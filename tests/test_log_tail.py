@@ -122,3 +122,19 @@ def test_segment_created_but_header_not_durable_is_removed(tmp_path):
     assert written == recs
     assert not os.path.exists(segment_path(d, seg + 1))
     assert seg + 2 == report.new_segment  # numbers are never reused
+
+
+def test_zeroed_header_with_good_frames_after_it_is_not_removed(tmp_path):
+    """Issue 12.6: the newest segment's header page zeroed (lost in an out-of-order write-back, or a
+    zeroed sector) while the records after it are on disk: the segment is kept, the header reported as
+    damage, and every record read back; before, Log.open unlinked the whole segment."""
+    d = str(tmp_path)
+    out, seg = write_messages(d, 5)
+    path = os.path.join(d, f"{seg:012d}.seg")
+    raw = bytearray(open(path, "rb").read())
+    raw[:32] = bytes(32)
+    open(path, "wb").write(bytes(raw))
+    recs, report = reopen_records(d)
+    assert [r for _, r in out] == [r for _, r in recs]
+    assert [] == [p for p in report.repaired if p.offset == 0]
+    assert [(seg, 0, 32, "corrupt")] == [(p.segment, p.offset, p.end, p.kind) for p in report.scans[seg].problems]

@@ -300,8 +300,9 @@ def scan_segment(segment: int, buf: bytes, *, decode: bool = True, skip_data: bo
 
     With ``decode=False`` only the framing is checked and ``records`` stays empty (cheap verification);
     with ``skip_data=True`` DATA frames are checksummed but neither decoded nor listed (recovery).
-    A header that does not decode: a short or zero-filled one is a torn tail (a crash right after the file
-    was created; ``header`` is None). Any other damage is a ``corrupt`` problem over the header's bytes;
+    A header that does not decode: a short or zero-filled one with no good frame after it is a torn tail (a
+    crash right after the file was created; ``header`` is None). Any other damage, a zero-filled header
+    with good frames after it included, is a ``corrupt`` problem over the header's bytes;
     the salt is then recovered from the records (:func:`salvage_segment_header`) and every good record is
     read as usual. Only when no record vouches for a salt is the whole segment one problem (``header`` None).
     """
@@ -311,7 +312,10 @@ def scan_segment(segment: int, buf: bytes, *, decode: bool = True, skip_data: bo
     except HeaderError as exc:
         # A short or zero-filled header: the file's first write never reached the disk (torn).
         torn = len(buf) < SEGMENT_HEADER_BYTES or not any(buf[:SEGMENT_HEADER_BYTES])
-        salvaged = None if torn else salvage_segment_header(segment, buf)
+        # A zero-filled header with good frames after it is no torn file: the header's page was lost (or
+        # zeroed) while later ones survived. Its records are kept like those behind any damaged header.
+        later = len(buf) > SEGMENT_HEADER_BYTES and any(buf[SEGMENT_HEADER_BYTES:])
+        salvaged = salvage_segment_header(segment, buf) if later else None
         if salvaged is None:
             scan.problems.append(Problem("torn-tail" if torn else "corrupt", segment, 0, len(buf), str(exc)))
             return scan
