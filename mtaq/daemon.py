@@ -43,10 +43,10 @@ from mtaq.logs import configure_logging, get_logger
 from mtaq.metrics import Metrics
 from mtaq.queue import Queue, set_queue_id_shard
 from mtaq.recovery import move_aside, recover
-from mtaq.runners import Declined, Dispatcher, Runner
+from mtaq.runners import RUNNER_READ_RETRY_S, Declined, Dispatcher, Runner
 from mtaq.storage.archive import ArchiveError, SegmentArchive
 from mtaq.storage.checkpoint import write_checkpoint
-from mtaq.storage.fs import OsFileSystem
+from mtaq.storage.fs import FileSystem, OsFileSystem
 from mtaq.storage.log import Log, segment_path
 from mtaq.testing import killpoints, powercut
 from mtaq.workers import shard_count, shard_dir, supervise
@@ -63,9 +63,11 @@ _STATUS_OF = {"delivered": "sent", "deferred": "deferred", "failed": "bounced"}
 class Daemon:
     """The running relay: one log, one SMTP listener, the runners, ``delivery_concurrency`` workers."""
 
-    def __init__(self, cfg: Config, *, clock: Callable[[], float] = time.time, reuse_port: bool = False) -> None:
+    def __init__(self, cfg: Config, *, clock: Callable[[], float] = time.time, reuse_port: bool = False,
+                 fs: FileSystem | None = None) -> None:
         self.cfg = cfg
         self.clock = clock
+        self._fs_given = fs  # tests pass a failing one; else the real file system (or MTAQ_TEST_FS)
         self.reuse_port = reuse_port  # one of several worker processes sharing the port (mtaq.workers)
         self.log = get_logger()
         self.router = Router(cfg)
@@ -106,6 +108,9 @@ class Daemon:
         # Let the 451 replies reach the clients, then exit without touching the disk again.
         asyncio.get_running_loop().call_later(0.2, os._exit, EXIT_FSYNC_FAILED)
 
+    def _on_runner_read_error(self, exc: StorageError) -> None:
+        self.log.error("runner_read_failed", error=str(exc), action=f"retried in {RUNNER_READ_RETRY_S} s")
+
     def _on_corrupt(self, p: Problem) -> None:
         """A runner passed over damage: move it aside (in a thread; the runner goes on) and report it."""
         task = asyncio.get_running_loop().create_task(move_aside(self.queue.log, self.cfg.spool_dir, p, self.log))
@@ -116,7 +121,7 @@ class Daemon:
         cfg = self.cfg
         t_start = time.monotonic()
         # MTAQ_TEST_FS (tests only) selects a file system that can simulate a power cut; unset: the real one.
-        self.fs = powercut.from_env(cfg.spool_dir) or OsFileSystem()
+        self.fs = self._fs_given or powercut.from_env(cfg.spool_dir) or OsFileSystem()
         if cfg.archive_dir:
             self.archive = SegmentArchive(self.fs, cfg.archive_dir, compress=cfg.archive_compress,
                                           retention_s=cfg.archive_retention_s, clock=self.clock)
@@ -188,6 +193,7 @@ class Daemon:
                 runners=self.policy.runners,
                 clock=self.clock,
                 on_corrupt=self._on_corrupt,
+                on_read_error=self._on_runner_read_error,
             )
             for k in range(self.policy.runners)
         ]
@@ -235,8 +241,10 @@ class Daemon:
             try:
                 body = q.read_body(env)
                 problem = ""
-            except (CorruptRecord, StorageError) as exc:
-                body, problem = None, str(exc)
+            except CorruptRecord as exc:
+                body, problem = None, str(exc)  # damaged for good: bounced (554 5.3.0) with a DSN
+            except StorageError as exc:
+                body, problem = None, f"temporary: {exc}"  # EIO, EMFILE, ENOMEM: deferred, tried again
             try:
                 attempt = q.start(offer.pos, env)  # same step as take(): the runner position stays truthful
             except StorageFatal:
@@ -301,7 +309,12 @@ class Daemon:
                           reply=f"{f.reply.code} {f.reply.enhanced} {f.reply.text}",
                           recipients=[rcpts[i].address for i in f.positions], action="next host")
 
-        if body is None:
+        if body is None and problem.startswith("temporary: "):
+            # Only a checksum failure may bounce; a read that failed for a reason that can pass defers.
+            self.log.error("message_read_failed", queue_id=env.queue_id, error=problem, action="deferred")
+            reply = Reply(451, "4.3.0", f"message data could not be read from the queue: {problem}")
+            await record(Batch("none", [(i, reply) for i in range(len(rcpts))]))
+        elif body is None:
             self.log.error("corrupt_message", queue_id=env.queue_id, error=problem)
             reply = Reply(554, "5.3.0", f"message data unreadable in queue: {problem}")
             await record(Batch("none", [(i, reply) for i in range(len(rcpts))]))

@@ -38,7 +38,7 @@ from mtaq.core.records import (
     StartRecord,
 )
 from mtaq.core.state import Attempt, Conclusion, DsnItem, RetryPolicy, WorkingSet, conclude, format_reply
-from mtaq.errors import CorruptRecord, QueueBusy, StorageFull
+from mtaq.errors import CorruptRecord, QueueBusy, StorageError, StorageFull
 from mtaq.storage.log import Log
 
 __all__ = ["Queue", "new_queue_id", "set_queue_id_shard"]
@@ -294,9 +294,15 @@ class Queue:
         rec = c.record
         if isinstance(rec, EnvelopeRecord):
             if body is None:
-                body = self.read_body(env)
-            data_pos, _ = self.log.append(DataRecord(queue_id=env.queue_id, body=body))
-            rec = msgspec.structs.replace(rec, data=data_pos)
+                try:
+                    body = self.read_body(env)
+                except StorageError:
+                    body = None  # EIO, EMFILE: not copied forward this time; the replacement names the old DATA
+            if body is not None:
+                data_pos, _ = self.log.append(DataRecord(queue_id=env.queue_id, body=body))
+                rec = msgspec.structs.replace(rec, data=data_pos)
+            else:
+                rec = msgspec.structs.replace(rec, data=env.data)
             c = Conclusion(rec, c.failed, c.delayed, c.succeeded, c.expired)
         pos, _ = self.log.append(rec)
         self.working.concluded(attempt.start_pos)
@@ -312,7 +318,7 @@ class Queue:
     def _body_or_empty(self, env: EnvelopeRecord) -> bytes:
         try:
             return self.read_body(env)
-        except CorruptRecord:
+        except (CorruptRecord, StorageError):
             return b""
 
     def _queue_dsn(self, env: EnvelopeRecord, items: tuple[DsnItem, ...], original: bytes, now: float) -> None:

@@ -28,13 +28,15 @@ from dataclasses import dataclass
 
 from mtaq.core.frame import Problem
 from mtaq.core.records import EnvelopeRecord, Pos, RecordType
+from mtaq.errors import StorageError
 from mtaq.storage.cursor import LogCursor
 from mtaq.storage.log import Log
 
-__all__ = ["Dispatcher", "Offer", "Runner"]
+__all__ = ["RUNNER_READ_RETRY_S", "Dispatcher", "Offer", "Runner"]
 
 _SCAN_BUDGET = 512  # frames a runner reads before it lets other tasks run
 _DECLINED_RETRY_S = 1.0
+RUNNER_READ_RETRY_S = 1.0  # after a read error that can pass (EMFILE, EIO, ENOMEM): the runner tries again
 
 
 class Declined(Exception):
@@ -129,6 +131,7 @@ class Runner:
         runners: int,
         clock: Callable[[], float] = time.time,
         on_corrupt: Callable[[Problem], None] | None = None,
+        on_read_error: Callable[[StorageError], None] | None = None,
     ) -> None:
         self.k = k
         self.log = log
@@ -141,6 +144,7 @@ class Runner:
         self._poke = asyncio.Event()
         self._flush = False
         self.offered = 0
+        self.on_read_error = on_read_error or (lambda exc: None)
 
     @property
     def position(self) -> Pos:
@@ -162,7 +166,14 @@ class Runner:
         budget = _SCAN_BUDGET
         while True:
             end = self.log.durable_end
-            found = self.cursor.peek(end, self._mine, max_frames=_SCAN_BUDGET)
+            try:
+                found = self.cursor.peek(end, self._mine, max_frames=_SCAN_BUDGET)
+            except StorageError as exc:
+                # Out of file descriptors, an I/O error: the runner must not die (the daemon would exit and
+                # restart into the same state). It keeps its position and reads again a little later.
+                self.on_read_error(exc)
+                await asyncio.sleep(RUNNER_READ_RETRY_S)
+                continue
             if found is False:
                 await asyncio.sleep(0)  # a long stretch of other records: let other tasks run
                 continue

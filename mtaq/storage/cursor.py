@@ -31,7 +31,7 @@ from mtaq.core.frame import (
     scan_segment,
 )
 from mtaq.core.records import PayloadError, Pos, Record, RecordType, decode_payload
-from mtaq.errors import CorruptRecord
+from mtaq.errors import CorruptRecord, StorageError
 from mtaq.storage.log import Log
 
 __all__ = ["CHUNK_BYTES", "CONFIRMED_MAX", "DECODED_MAX", "LogCursor"]
@@ -129,6 +129,18 @@ class LogCursor:
             self.pos = Pos(seg, self.pos.offset + 1)
 
     def peek(
+        self, end: Pos, want: Callable[[int], bool], *, max_frames: int | None = None
+    ) -> tuple[Pos, Record] | Literal[False] | None:
+        """See :meth:`_peek`; an I/O error other than a missing (reclaimed) segment raises StorageError
+        (EMFILE, EIO: it can pass), and the cursor stays where it was."""
+        try:
+            return self._peek(end, want, max_frames=max_frames)
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            raise StorageError(f"reading the log at {self.pos}: {exc.strerror or exc}") from exc
+
+    def _peek(
         self, end: Pos, want: Callable[[int], bool], *, max_frames: int | None = None
     ) -> tuple[Pos, Record] | Literal[False] | None:
         """The next record whose type ``want`` accepts, before ``end``; the cursor stops *at* it.

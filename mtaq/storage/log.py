@@ -28,6 +28,7 @@ import errno
 import os
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -35,6 +36,7 @@ import msgspec
 
 from mtaq.core.frame import (
     FRAME_HEADER_BYTES,
+    RECORD_BYTES_MAX,
     SEGMENT_HEADER_BYTES,
     BadFrame,
     Frame,
@@ -63,7 +65,9 @@ from mtaq.errors import CorruptRecord, StorageError, StorageFatal, StorageFull
 from mtaq.storage.fs import File, FileSystem
 from mtaq.testing import killpoints
 
-__all__ = ["FREE_BYTES_TTL_S", "Log", "LogStats", "OpenReport", "list_segments", "scan_log", "segment_path"]
+FILES_OPEN_MAX = 64  # segment files kept open for reading (besides those being written)
+
+__all__ = ["FILES_OPEN_MAX", "FREE_BYTES_TTL_S", "Log", "LogStats", "OpenReport", "list_segments", "scan_log", "segment_path"]
 
 _SUFFIX = ".seg"
 FREE_BYTES_TTL_S = 0.25  # how old the free-space figure of Log.free_bytes may be, in seconds
@@ -162,6 +166,8 @@ class Log:
         self.on_commit_seconds: Callable[[float], None] | None = None
         self.decoded: dict[Pos, Record] = {}  # records the cursors decoded lately (mtaq.storage.cursor)
         self.confirmed: dict[Pos, None] = {}  # frames a cursor checksummed before stepping over them lately
+        self.files_open_max = FILES_OPEN_MAX
+        self._readers: OrderedDict[int, None] = OrderedDict()  # segments opened for reading, oldest first
         self._free = 0  # free_bytes(): the last statvfs answer, when, and bytes_appended then
         self._free_at: float | None = None
         self._free_base = 0
@@ -258,6 +264,7 @@ class Log:
             self._cur.append(encode_frame(int(rtype), payload, self._cur_salt))
             self._cur_sealed = True
             self._dirty[self._cur_no] = self._cur
+        self._readers[self._cur_no] = None  # from now on only read: closed when least recently used
         self._new_segment(self._cur_no + 1)
 
     # ----------------------------------------------------------------------------------------- appending
@@ -309,6 +316,7 @@ class Log:
                 f = self._files.pop(n, None)
                 if f is not None:
                     f.close()
+                self._readers.pop(n, None)
                 self._salts.pop(n, None)
                 self.fs.unlink(segment_path(self.directory, n))
                 gone.append(n)
@@ -456,20 +464,42 @@ class Log:
         return self.fs.read_file(segment_path(self.directory, number))
 
     def _file(self, number: int) -> tuple[File, int]:
+        """The open file of segment ``number`` and its salt. Files of segments read lately stay open, at most
+        ``files_open_max`` of them besides those being written (least recently used closed first), so that
+        a long-held message or a slow runner cannot run the process out of file descriptors. Raises
+        OSError (FileNotFoundError for a reclaimed segment), CorruptRecord for a header beyond salvage."""
         f = self._files.get(number)
-        if f is None:
-            f = self.fs.open(segment_path(self.directory, number))
-            try:
-                self._salts[number] = decode_segment_header(f.pread(0, SEGMENT_HEADER_BYTES)).salt
-            except HeaderError as exc:
-                # Damaged header: the salt can still come back from the records (rare; reads the file once).
-                salvaged = salvage_segment_header(number, f.pread(0, f.size()))
-                if salvaged is None:
-                    f.close()
-                    raise CorruptRecord(f"segment {number}: {exc}") from exc
-                self._salts[number] = salvaged.salt
-            self._files[number] = f
+        if f is not None:
+            if number in self._readers:
+                self._readers.move_to_end(number)
+            return f, self._salts[number]
+        self._close_readers(self.files_open_max - 1)
+        f = self.fs.open(segment_path(self.directory, number))
+        try:
+            self._salts[number] = decode_segment_header(f.pread(0, SEGMENT_HEADER_BYTES)).salt
+        except HeaderError as exc:
+            # Damaged header: the salt can still come back from the records (rare; reads the file once).
+            salvaged = salvage_segment_header(number, f.pread(0, f.size()))
+            if salvaged is None:
+                f.close()
+                raise CorruptRecord(f"segment {number}: {exc}") from exc
+            self._salts[number] = salvaged.salt
+        self._files[number] = f
+        self._readers[number] = None
         return f, self._salts[number]
+
+    def _close_readers(self, keep: int) -> None:
+        """Close the least recently read segment files (never the one being written, nor one waiting for
+        its fsync) until at most ``keep`` are open for reading."""
+        for n in list(self._readers):
+            if len(self._readers) <= max(0, keep):
+                break
+            if n == self._cur_no or n in self._dirty:
+                continue
+            del self._readers[n]
+            f = self._files.pop(n, None)
+            if f is not None:
+                f.close()
 
     def free_bytes(self) -> int:
         """Bytes free on the device holding the log. Raises StorageError if it cannot be read.
@@ -490,10 +520,7 @@ class Log:
     def read_bytes(self, segment: int, offset: int, length: int) -> bytes:
         """``length`` raw bytes of segment ``segment`` from ``offset`` (fewer at its end), whatever its
         header holds (this is how damaged regions are copied aside). Raises OSError."""
-        f = self._files.get(segment)
-        if f is not None:
-            return f.pread(offset, length)
-        f = self.fs.open(segment_path(self.directory, segment))
+        f = self.fs.open(segment_path(self.directory, segment))  # its own: it runs in a thread
         try:
             return f.pread(offset, length)
         finally:
@@ -507,6 +534,10 @@ class Log:
             if len(head) < FRAME_HEADER_BYTES:
                 raise CorruptRecord(f"segment {pos.segment} offset {pos.offset}: beyond end of segment")
             length = int.from_bytes(head[4:8], "little")
+            if length > RECORD_BYTES_MAX or pos.offset + FRAME_HEADER_BYTES + length > f.size():
+                # A damaged length field: never allocate what it claims (up to 4 GiB).
+                raise CorruptRecord(f"segment {pos.segment} offset {pos.offset}: frame length {length} runs past "
+                                    "the end of the segment")
             buf = head + f.pread(pos.offset + FRAME_HEADER_BYTES, length)
         except FileNotFoundError as exc:
             raise CorruptRecord(f"segment {pos.segment} is missing") from exc
@@ -540,6 +571,7 @@ class Log:
         except OSError as exc:
             raise _wrap_oserror(exc, f"repairing segment {scan.segment}") from exc
         old = self._files.pop(scan.segment, None)
+        self._readers.pop(scan.segment, None)
         if old is not None:
             old.close()
 

@@ -33,6 +33,11 @@ class _FaultyFile:
             raise OSError(errno.EIO, "Input/output error")
         self._inner.fsync()
 
+    def pread(self, offset: int, n: int) -> bytes:
+        if self._fs.fail_pread is not None:
+            raise OSError(self._fs.fail_pread, "injected read failure")
+        return self._inner.pread(offset, n)
+
     def append(self, data: bytes) -> int:
         if self._fs.fail_append is not None:
             raise OSError(self._fs.fail_append, "injected failure")
@@ -41,8 +46,9 @@ class _FaultyFile:
 
 class FaultyFileSystem(OsFileSystem):
     """Set ``fail_fsync = True``, ``fail_append = errno.ENOSPC`` or ``fail_create = errno.ENOSPC`` (creating a
-    file, e.g. the next segment) to make the next calls fail, and
-    ``fsync_delay_s`` to make every fsync that slow."""
+    file, e.g. the next segment) to make the next calls fail, ``fail_open = errno.EMFILE`` (opening an
+    existing file) or ``fail_pread = errno.EIO`` (reading), and ``fsync_delay_s`` to make every fsync that
+    slow. ``opened`` counts the files opened."""
 
     def __init__(self) -> None:
         self.fsync_delay_s = 0.0
@@ -50,8 +56,14 @@ class FaultyFileSystem(OsFileSystem):
         self.fail_fsync = False
         self.fail_append: int | None = None
         self.fail_create: int | None = None
+        self.fail_open: int | None = None
+        self.fail_pread: int | None = None
+        self.opened = 0
 
     def open(self, path: str, *, create: bool = False) -> File:
         if create and self.fail_create is not None:
             raise OSError(self.fail_create, "injected failure creating a file")
+        if not create and self.fail_open is not None:
+            raise OSError(self.fail_open, "injected failure opening a file")
+        self.opened += 1
         return _FaultyFile(super().open(path, create=create), self)
