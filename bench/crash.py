@@ -14,7 +14,9 @@ A cycle is a crash of the daemon and its restart on the same spool and port:
   the end of its slice, the harness kills it;
 * unless ``--no-power-cut``, every crash is also a power cut: the daemon runs with
   ``MTAQ_TEST_FS=powercut`` and, once it is dead, :func:`mtaq.testing.powercut.cut` drops every write it
-  never fsync'd (``kill -9`` alone keeps them in the page cache and would hide a missing fsync).
+  never fsync'd (``kill -9`` alone keeps them in the page cache and would hide a missing fsync); with
+  ``--reorder`` it keeps a random subset of the unsynced 4 KiB pages instead, as a disk's out-of-order
+  write-back does, so that a later record can survive an earlier one.
 
 ``--break-fsync`` is the negative control: the same run with fsync turned into a no-op
 (``MTAQ_TEST_FS=powercut-nofsync``); it must report lost mail, or the harness proves nothing.
@@ -148,7 +150,7 @@ def _close(s: smtplib.SMTP | None) -> None:
         pass
 
 
-def client(port: int, work: list[tuple[str, bytes]], next_index: itertools.count[int], tally: Tally) -> None:
+def client(port: int, work: list[tuple[str, bytes, str]], next_index: itertools.count[int], tally: Tally) -> None:
     """One SMTP session: take the next message, send it until acknowledged (or MAX_TRIES), repeat."""
     s: smtplib.SMTP | None = None
     try:
@@ -156,7 +158,7 @@ def client(port: int, work: list[tuple[str, bytes]], next_index: itertools.count
             i = next(next_index)
             if i >= len(work):
                 break
-            mid, data = work[i]
+            mid, data, rcpt = work[i]
             acked = False
             for _ in range(MAX_TRIES):
                 if s is None:
@@ -168,7 +170,7 @@ def client(port: int, work: list[tuple[str, bytes]], next_index: itertools.count
                 try:
                     c, _ = s.mail(SENDER)
                     if c == 250:
-                        c, _ = s.rcpt(RECIPIENT)
+                        c, _ = s.rcpt(rcpt)
                         if c in (250, 251):
                             with tally.cond:
                                 tally.submissions[mid] += 1
@@ -220,6 +222,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="plain kill -9 only: keep writes that were never fsync'd (they survive in the page cache)")
     ap.add_argument("--break-fsync", action="store_true",
                     help="negative control: fsync is a no-op (MTAQ_TEST_FS=powercut-nofsync); must report loss")
+    ap.add_argument("--reorder", action="store_true",
+                    help="power cuts keep a random subset of the unsynced 4 KiB pages (out-of-order write-back) "
+                         "instead of cutting each file at its last fsync")
+    ap.add_argument("--defer-fraction", type=float, default=0.0, metavar="F",
+                    help="this fraction of the messages is deferred once by the sink and retried after 1 s")
+    ap.add_argument("--vary-config", action="store_true",
+                    help="restart with a different retry_intervals_s, segment_bytes_max and checkpoint_interval_s "
+                         "each time (nothing may be lost or offered twice by the change)")
     ap.add_argument("--concurrency", type=int, default=20)
     ap.add_argument("--seed", type=int, default=None, help="default: random (printed)")
     ap.add_argument("--keep", metavar="DIR", help="work in DIR (must not hold a spool yet) and keep it")
@@ -256,7 +266,10 @@ def main(argv: list[str] | None = None) -> int:
     work = []
     for i in range(n):
         mid = f"<crash.{seed}.{i}@mtaq.test>"
-        work.append((mid, build_message(i, mid, rng.randint(200, 4000))))
+        # --defer-fraction: the sink defers this message's recipient once, so that it is concluded with a
+        # replacement envelope and a DATA copy and retried (what an out-of-order power cut can split).
+        rcpt = f"defer-{i}@sink.test" if rng.random() < args.defer_fraction else RECIPIENT
+        work.append((mid, build_message(i, mid, rng.randint(200, 4000)), rcpt))
     # One kill point in each of K equal slices of the middle 90% of the messages finished.
     k = args.cycles
     kill_at = [int(n * (0.05 + 0.9 * (j + rng.random()) / k)) for j in range(k)] if k else []
@@ -271,18 +284,42 @@ def main(argv: list[str] | None = None) -> int:
     fs_mode = "" if args.no_power_cut else ("powercut-nofsync" if args.break_fsync else "powercut")
     result: dict[str, object] = {}
     broken: list[str] = []
+    configs_used: Counter[str] = Counter()
     try:
-        sink = start_sink(maildir, sink_log)
-        config = None
-        if args.segment_bytes or args.workers > 1:
-            config = os.path.join(work_dir, "mtaq.toml")
-            with open(config, "w") as f:
-                if args.segment_bytes:
-                    f.write(f"segment_bytes_max = {args.segment_bytes}\n")
-                if args.workers > 1:
-                    f.write(f"workers = {args.workers}\n")
+        sink = start_sink(maildir, sink_log,
+                          extra=["--defer-rcpt", "^defer-", "--defer-count", "1"] if args.defer_fraction else ())
+
+        def write_config() -> str | None:
+            """The daemon's config for its next start; with --vary-config, picked anew at every restart."""
+            lines = []
+            intervals = [1.0] if args.defer_fraction else None
+            seg = args.segment_bytes
+            if args.vary_config:
+                # What an administrator may change between runs (issue 12.3): retry intervals added and
+                # removed (runners merged and split), the segment size, the checkpoint interval.
+                intervals = rng.choice([[1.0], [1.0, 2.0], [1.0, 2.0, 3.0], [2.0, 1.0]])
+                seg = rng.choice([65536, 131072, 1 << 20])
+                lines.append(f"checkpoint_interval_s = {rng.choice([0.2, 1.0, 5.0])}")
+            if intervals:
+                lines.append(f"retry_intervals_s = {intervals}")
+            if seg:
+                lines.append(f"segment_bytes_max = {seg}")
+            if args.workers > 1:
+                lines.append(f"workers = {args.workers}")
+            if not lines:
+                return None
+            configs_used[" ".join(lines)] += 1
+            path = os.path.join(work_dir, "mtaq.toml")
+            with open(path, "w") as f:
+                f.write("\n".join(lines) + "\n")
+            return path
+
+        config = write_config()
 
         def spawn(kill_point: str | None) -> Proc:
+            nonlocal config
+            if args.vary_config and cut_totals["starts"]:
+                config = write_config()
             cut_totals["starts"] += 1
             env = {"MTAQ_TEST_FS": fs_mode} if fs_mode else {}
             if kill_point:
@@ -293,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
             """The crash itself: SIGKILL (if it is not dead already), then the power cut."""
             proc.kill9()
             if fs_mode:
-                cut_totals.update(powercut.cut(spool))
+                cut_totals.update(powercut.cut(spool, reorder=rng if args.reorder else None))
 
         port = free_port()
         daemon = spawn(None)
@@ -332,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
                         # It died at its point before it was seen listening (a crash during recovery).
                         self_killed[point] += 1
                         if fs_mode:
-                            cut_totals.update(powercut.cut(spool))
+                            cut_totals.update(powercut.cut(spool, reorder=rng if args.reorder else None))
                         kills_done += 1
                         restarts.append(time.time())
                         point = None
@@ -410,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
             broken.append(f"{len(recs)} recovery_complete events for {starts} starts")
 
         lost_ids = sorted(acked - delivered.keys())
-        truncated = truncated_copies(maildir, dict(work))
+        truncated = truncated_copies(maildir, {mid: data for mid, data, _r in work})
         dup_ids = sorted(m for m, c in delivered.items() if c > 1)
         unknown_qids = {e.get("queue_id") for e in events if e.get("event") == "outcome_unknown"}
         dup_unexplained = [m for m in dup_ids if tally.submissions[m] == 1 and m in tally.acked
@@ -435,6 +472,8 @@ def main(argv: list[str] | None = None) -> int:
             "cycles": kills_done,
             "self_killed_at": dict(sorted(self_killed.items())),
             "power_cut": fs_mode or "off",
+            "reorder": bool(args.reorder),
+            "configs": len(configs_used) if args.vary_config else 0,
             "workers": args.workers,
             "power_cut_bytes_dropped": cut_totals["bytes_dropped"],
             "power_cut_files_removed": cut_totals["files_removed"],

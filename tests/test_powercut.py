@@ -30,7 +30,36 @@ def test_cut_keeps_fsynced_bytes_drops_the_rest_and_forgets_undurable_files(tmp_
     assert b"durable" == (tmp_path / "log" / "a").read_bytes()
     assert not (tmp_path / "log" / "b").exists()
     assert b"checkpoint" == (tmp_path / "ck").read_bytes()
-    assert {"files_removed": 1, "files_cut": 1, "bytes_dropped": len(b" lost") + len(b"never durable")} == out
+    assert {"files_removed": 1, "files_cut": 1, "bytes_dropped": len(b" lost") + len(b"never durable"),
+            "pages_kept": 0} == out
+    assert out == {**cut(spool), "files_removed": 1, "files_cut": 1, "bytes_dropped": 18}  # a second cut: nothing
+
+
+def test_reordered_cut_keeps_some_unsynced_pages_whole_zeroes_the_others_and_they_stay(tmp_path):
+    """With reorder, each unsynced 4 KiB page survives whole or is zeros (the file ends after the last
+    surviving page); the fsync'd prefix is untouched; what survived is durable for the next cut."""
+    import random
+
+    spool = str(tmp_path)
+    fs = PowerCutFileSystem(spool)
+    f = fs.open(str(tmp_path / "seg"), create=True)
+    f.append(b"D" * 5000)
+    f.fsync()
+    fs.fsync_dir(spool)
+    pages = [bytes([65 + i]) * 4096 for i in range(8)]
+    f.append(b"".join(pages)[: 8 * 4096 - 5000])  # the file now ends on a page boundary (8 pages)
+    out = cut(spool, reorder=random.Random(4))
+    raw = (tmp_path / "seg").read_bytes()
+    assert raw[:5000] == b"D" * 5000
+    appended = b"".join(pages)[: 8 * 4096 - 5000]
+    assert 0 < out["pages_kept"] and len(raw) % 4096 == 0 and len(raw) > 5000
+    for i in range(1, len(raw) // 4096):
+        lo = max(5000, i * 4096)  # page 1 holds the end of the fsync'd prefix too
+        got, new = raw[lo:(i + 1) * 4096], appended[lo - 5000:(i + 1) * 4096 - 5000]
+        assert got in (new, bytes(len(new))), i
+    assert raw[-1] != 0  # the file ends with a page that survived
+    assert 0 == cut(spool, reorder=random.Random(5))["bytes_dropped"]
+    assert raw == (tmp_path / "seg").read_bytes()
 
 
 def test_negative_control_file_system_makes_nothing_durable(tmp_path):

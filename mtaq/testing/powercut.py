@@ -10,9 +10,15 @@ the daemon, the harness calls :func:`cut`, which undoes what a power cut would h
 * a file whose directory entry was never made durable by a directory fsync is removed;
 * every other file is cut back to its size at its last fsync (0 if it was never fsync'd).
 
+With ``reorder`` (a :class:`random.Random`), the cut is what a disk's out-of-order write-back leaves: of
+the unsynced bytes of a file, each 4 KiB page (``PAGE_BYTES``, aligned to the file) independently either
+reached the disk whole or not at all; pages that did not are zeros where a later page survived, and the
+file ends after the last page that survived (or at its last fsync). That is how an earlier record can be
+lost while a later one survives (ALICE, OSDI 2014).
+
 Not simulated: an unlink or a rename whose directory fsync never came is not undone (the old contents are
-gone), and written-but-unsynced data is always dropped, never garbled (the in-process crash file system,
-:mod:`mtaq.testing.crashfs`, covers garbling and reordering).
+gone), and written-but-unsynced data is never garbled (the in-process crash file system,
+:mod:`mtaq.testing.crashfs`, covers garbling).
 
 ``MTAQ_TEST_FS=powercut-nofsync`` is the negative control: fsync and directory fsync do nothing and are
 not recorded, as if durability were broken; a harness run with it must find acknowledged mail lost.
@@ -23,13 +29,15 @@ Nothing here is used unless the environment variable is set (tests and ``bench/c
 from __future__ import annotations
 
 import os
+import random
 import threading
 
 from mtaq.storage.fs import File, FileSystem, OsFileSystem
 
-__all__ = ["LEDGER_NAME", "PowerCutFileSystem", "cut", "from_env"]
+__all__ = ["LEDGER_NAME", "PAGE_BYTES", "PowerCutFileSystem", "cut", "from_env"]
 
 LEDGER_NAME = ".powercut-ledger"
+PAGE_BYTES = 4096
 ENV = "MTAQ_TEST_FS"
 
 
@@ -58,8 +66,9 @@ class _LedgerFile:
     def fsync(self) -> None:
         if not self._fs.fsync_works:
             return
+        size = self._inner.size()  # what this fsync covers for sure (appends can land while it runs)
         self._inner.fsync()
-        self._fs._record("F", self.path, str(self._inner.size()))
+        self._fs._record("F", self.path, str(size))
 
     def close(self) -> None:
         self._inner.close()
@@ -109,13 +118,35 @@ def from_env(spool: str) -> FileSystem | None:
     return PowerCutFileSystem(spool, fsync_works=mode == "powercut")
 
 
-def cut(spool: str) -> dict[str, int]:
+def _reorder_cut(path: str, keep: int, size: int, rng: random.Random) -> tuple[int, int]:
+    """Keep each unsynced 4 KiB page of ``path`` (bytes ``keep``..``size``) with probability 1/2, zero the
+    others, end the file after the last kept page; returns (bytes dropped, pages kept)."""
+    first = keep // PAGE_BYTES
+    last = (size - 1) // PAGE_BYTES
+    kept = [i for i in range(first, last + 1) if rng.random() < 0.5]
+    new_size = min(size, (kept[-1] + 1) * PAGE_BYTES) if kept else keep
+    with open(path, "r+b") as f:
+        for i in range(first, last + 1):
+            if i in kept:
+                continue
+            start, end = max(keep, i * PAGE_BYTES), min(new_size, (i + 1) * PAGE_BYTES)
+            if start < end:
+                f.seek(start)
+                f.write(bytes(end - start))
+        f.truncate(new_size)
+    dropped = (size - new_size) + sum(max(0, min(new_size, (i + 1) * PAGE_BYTES) - max(keep, i * PAGE_BYTES))
+                                      for i in range(first, last + 1) if i not in kept)
+    return dropped, len(kept)
+
+
+def cut(spool: str, *, reorder: random.Random | None = None) -> dict[str, int]:
     """Apply a power cut to ``spool`` after the daemon was killed; returns what it undid.
 
-    Returns ``{"files_removed": n, "files_cut": n, "bytes_dropped": n}``. Every regular file under the
-    spool (the ledger excepted) is judged by the ledger: removed if its directory was fsync'd without it
-    (or never fsync'd at all), else cut back to its last fsync'd size. Shard directories (``shard-k``) are
-    cut by their own ledgers.
+    Returns ``{"files_removed": n, "files_cut": n, "bytes_dropped": n, "pages_kept": n}``. Every regular file
+    under the spool (the ledger excepted) is judged by the ledger: removed if its directory was fsync'd
+    without it (or never fsync'd at all), else cut back to its last fsync'd size, or, with ``reorder``,
+    left with a random subset of its unsynced pages (see the module docstring). Shard directories
+    (``shard-k``) are cut by their own ledgers.
     """
     synced: dict[str, int] = {}
     listing: dict[str, set[str]] = {}
@@ -137,14 +168,15 @@ def cut(spool: str) -> dict[str, int]:
                 synced[dst] = synced.pop(src)
             else:
                 synced.pop(dst, None)
-    out = {"files_removed": 0, "files_cut": 0, "bytes_dropped": 0}
+    out = {"files_removed": 0, "files_cut": 0, "bytes_dropped": 0, "pages_kept": 0}
+    after: list[str] = []  # files left: what the cut leaves is what the disk holds from now on
     root = os.path.abspath(spool)
     for dirpath, dirs, files in os.walk(root):
         if dirpath == root:
             # The shards of a sharded spool (mtaq.workers) keep their own ledgers: each is cut by its own.
             for d in [d for d in dirs if d.startswith("shard-") and d[6:].isdigit()]:
                 dirs.remove(d)
-                for k, v in cut(os.path.join(root, d)).items():
+                for k, v in cut(os.path.join(root, d), reorder=reorder).items():
                     out[k] += v
         for name in files:
             p = os.path.join(dirpath, name)
@@ -157,8 +189,22 @@ def cut(spool: str) -> dict[str, int]:
                 out["bytes_dropped"] += size
                 continue
             keep = synced.get(p, 0)
+            after.append(p)
             if size > keep:
-                os.truncate(p, keep)
                 out["files_cut"] += 1
-                out["bytes_dropped"] += size - keep
+                if reorder is not None:
+                    dropped, pages = _reorder_cut(p, keep, size, reorder)
+                    out["bytes_dropped"] += dropped
+                    out["pages_kept"] += pages
+                else:
+                    os.truncate(p, keep)
+                    out["bytes_dropped"] += size - keep
+    # After the cut, what survived is on the disk: a later cut must not take away the unsynced pages this
+    # one kept, which the next start read and built on.
+    with open(path, "a", encoding="utf-8") as f:
+        for p in after:
+            if os.path.exists(p):
+                f.write(f"F\t{p}\t{os.path.getsize(p)}\n")
+        for d in sorted({os.path.dirname(p) for p in after}):
+            f.write("\t".join(["D", d, *sorted(os.listdir(d))]) + "\n")
     return out
