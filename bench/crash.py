@@ -38,7 +38,10 @@ kills the daemon and runs ``mtaq log verify`` on the spool. Checks:
   cut-off or altered body). Must be 0.
 * ``duplicated``: IDs delivered more than once. Allowed (in flight at a kill, or resent by the client).
 * ``unacked_delivered``: delivered IDs that were never acknowledged. Allowed.
-* ``verify_ok``: ``mtaq log verify`` exited 0.
+* ``verify_ok``: ``mtaq log verify`` exited 0 (with ``--media-damage`` it names the damage and exits 1).
+* ``lost_in_reported_damage``, ``media_damage``, ``media_damage_unreported`` (``--media-damage``): messages
+  whose records were in damaged bytes that the daemon reported (excused from ``lost``), the faults applied,
+  and faults that cost a message without being reported (must be 0).
 * ``recovery_seconds_max``: the largest ``seconds`` of the daemon's ``recovery_complete`` events after the
   restarts; ``restart_to_recovered_s_max`` is the wall time from spawning the restarted process to that
   event (interpreter start and log open included).
@@ -72,7 +75,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from mtaq.testing import killpoints, powercut
+from mtaq.testing import killpoints, media, powercut
 from mtaq.testing.procs import (
     Proc,
     event_time,
@@ -230,6 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vary-config", action="store_true",
                     help="restart with a different retry_intervals_s, segment_bytes_max and checkpoint_interval_s "
                          "each time (nothing may be lost or offered twice by the change)")
+    ap.add_argument("--media-damage", type=float, default=0.0, metavar="P",
+                    help="after this fraction of the crashes, flip a bit or zero a sector in a sealed segment or "
+                         "the checkpoint (mtaq.testing.media); a lost message is excused only if it was in the "
+                         "damaged bytes and the damage was reported")
     ap.add_argument("--concurrency", type=int, default=20)
     ap.add_argument("--seed", type=int, default=None, help="default: random (printed)")
     ap.add_argument("--keep", metavar="DIR", help="work in DIR (must not hold a spool yet) and keep it")
@@ -285,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, object] = {}
     broken: list[str] = []
     configs_used: Counter[str] = Counter()
+    damages: list[media.Damage] = []
     try:
         sink = start_sink(maildir, sink_log,
                           extra=["--defer-rcpt", "^defer-", "--defer-count", "1"] if args.defer_fraction else ())
@@ -327,10 +335,15 @@ def main(argv: list[str] | None = None) -> int:
             return start_daemon(spool, sink.port, daemon_log, port=port, config=config, env=env)
 
         def crash(proc: Proc) -> None:
-            """The crash itself: SIGKILL (if it is not dead already), then the power cut."""
+            """The crash itself: SIGKILL (if it is not dead already), then the power cut, then (with
+            --media-damage) a bit flip or a zeroed sector in a sealed segment or the checkpoint."""
             proc.kill9()
             if fs_mode:
                 cut_totals.update(powercut.cut(spool, reorder=rng if args.reorder else None))
+            if args.media_damage and rng.random() < args.media_damage:
+                d = media.damage(spool, rng)
+                if d is not None:
+                    damages.append(d)
 
         port = free_port()
         daemon = spawn(None)
@@ -447,6 +460,22 @@ def main(argv: list[str] | None = None) -> int:
             broken.append(f"{len(recs)} recovery_complete events for {starts} starts")
 
         lost_ids = sorted(acked - delivered.keys())
+        # --media-damage: a message whose records were in damaged bytes may be lost, but only if the damage
+        # was reported (corrupt_record over those bytes, or an error naming its queue ID) and, where its
+        # envelope survived, bounced. Anything else lost is lost.
+        reported_events = [e for e in events if e.get("event") in (
+            "corrupt_record", "corrupt_record_known", "corrupt_message", "corrupt_envelope", "parked_unreadable")]
+
+        def reported(d: media.Damage) -> bool:
+            return any((e.get("segment") == d.segment and e.get("offset", 0) < d.end and d.start < e.get("end", 0))
+                       or e.get("queue_id") in d.queue_ids for e in reported_events)
+
+        excusable = {q for d in damages if reported(d) for q in d.queue_ids}
+        lost_damaged = [m for m in lost_ids if queue_id_of(tally.acked[m]) in excusable]
+        unreported = [d for d in damages if not reported(d)
+                      and any(queue_id_of(tally.acked[m]) in d.queue_ids for m in lost_ids)]
+        lost_ids = [m for m in lost_ids if m not in lost_damaged]
+        dsn_ids = dsn_message_ids(maildir)
         truncated = truncated_copies(maildir, {mid: data for mid, data, _r in work})
         dup_ids = sorted(m for m, c in delivered.items() if c > 1)
         unknown_qids = {e.get("queue_id") for e in events if e.get("event") == "outcome_unknown"}
@@ -454,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
                            and queue_id_of(tally.acked[m]) not in unknown_qids]
         unacked_delivered = sorted(m for m in delivered if m not in acked)
         sent_ids = {w[0] for w in work}
-        stray = [m for m in delivered if m not in sent_ids]
+        stray = [m for m in delivered if m not in sent_ids and m not in dsn_ids]
         if stray:
             broken.append(f"{len(stray)} delivered Message-IDs were never sent, e.g. {stray[:3]}")
         result = {
@@ -462,6 +491,9 @@ def main(argv: list[str] | None = None) -> int:
             "acknowledged": len(acked),
             "delivered_unique": len(delivered),
             "lost": len(lost_ids),
+            "lost_in_reported_damage": len(lost_damaged),
+            "media_damage": [f"{d.kind} {os.path.basename(d.path)}:{d.start}" for d in damages],
+            "media_damage_unreported": len(unreported),
             "truncated": len(truncated),
             "duplicated": len(dup_ids),
             "duplicated_resubmitted": sum(1 for m in dup_ids if tally.submissions[m] > 1),
@@ -508,8 +540,25 @@ def main(argv: list[str] | None = None) -> int:
         if not args.keep:
             shutil.rmtree(work_dir, ignore_errors=True)
     print(json.dumps(result), flush=True)
-    ok = result.get("lost") == 0 and result.get("truncated") == 0 and result.get("verify_ok") is True and not broken
+    # With media damage the log is damaged on purpose: verify must name it (exit 1); what counts is that
+    # every damage that cost a message was reported.
+    log_ok = result.get("verify_ok") is True or (bool(damages) and result.get("media_damage_unreported") == 0)
+    ok = result.get("lost") == 0 and result.get("truncated") == 0 and log_ok and not broken
     return 0 if ok else 1
+
+
+def dsn_message_ids(maildir: str) -> set[str]:
+    """Message-IDs of the DSNs in the Maildir (sent from the null sender: ``Return-Path: <>``)."""
+    out = set()
+    for sub in ("new", "cur"):
+        d = os.path.join(maildir, sub)
+        for name in os.listdir(d) if os.path.isdir(d) else []:
+            with open(os.path.join(d, name), "rb") as f:
+                head = f.read(8192).split(b"\r\n\r\n", 1)[0].split(b"\r\n")
+            if any(line.lower() == b"return-path: <>" for line in head):
+                out |= {line.split(b":", 1)[1].strip().decode(errors="replace") for line in head
+                        if line.lower().startswith(b"message-id:")}
+    return out
 
 
 def truncated_copies(maildir: str, sent: dict[str, bytes]) -> list[str]:
@@ -527,7 +576,10 @@ def truncated_copies(maildir: str, sent: dict[str, bytes]) -> list[str]:
             with open(os.path.join(d, name), "rb") as f:
                 content = f.read()
             mid = ""
-            for line in content.split(b"\r\n\r\n", 1)[0].split(b"\r\n"):
+            head = content.split(b"\r\n\r\n", 1)[0].split(b"\r\n")
+            if any(line.lower() == b"return-path: <>" for line in head):
+                continue  # a DSN mtaq sent (a bounce of damaged data): not one of the client's messages
+            for line in head:
                 if line.lower().startswith(b"message-id:"):
                     mid = line.split(b":", 1)[1].strip().decode(errors="replace")
                     break
