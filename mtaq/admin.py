@@ -218,6 +218,7 @@ class AdminService:
         r = self.runners[min(k, len(self.runners) - 1)]
         if e.pos >= r.position:
             r.garbage.add(e.pos)
+            r.poke()  # it may be waiting for exactly this envelope to come due
 
     def flush_all(self) -> None:
         """``postqueue -f``: every runner offers all its envelopes now (the parked ones are not touched)."""

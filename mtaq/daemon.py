@@ -53,6 +53,7 @@ from mtaq.workers import shard_count, shard_dir, supervise
 
 __all__ = ["Daemon", "serve"]
 
+PARKED_COPIES_MAX = 1000  # parked envelopes copied forward per checkpoint (each: its DATA and envelope)
 GC_THRESHOLDS = (20_000, 20, 20)  # gc.set_threshold: collect the young generation every 20,000 allocations
 EXIT_FSYNC_FAILED = 75
 EXIT_SOFTWARE = 70  # an unexpected exception in a daemon task: crash, recovery will pick up
@@ -69,6 +70,7 @@ class Daemon:
         self.clock = clock
         self._fs_given = fs  # tests pass a failing one; else the real file system (or MTAQ_TEST_FS)
         self.reuse_port = reuse_port  # one of several worker processes sharing the port (mtaq.workers)
+        self._copy_failed: set[Pos] = set()  # parked envelopes whose DATA could not be copied forward
         self.log = get_logger()
         self.router = Router(cfg)
         self.throttle = Throttle(
@@ -387,6 +389,7 @@ class Daemon:
     async def checkpoint(self) -> None:
         """Take the restart positions, fsync the log, write the checkpoint, delete wholly-garbage segments."""
         qlog, working = self.queue.log, self.queue.working
+        self._copy_parked_forward()
         head = qlog.end
         positions = tuple(r.position for r in self.runners)
         garbage = tuple(tuple(sorted(r.garbage)) for r in self.runners)
@@ -409,6 +412,34 @@ class Daemon:
         if gone:
             self.reclaimed += len(gone)
             self.log.info("segments_reclaimed", segments=gone, garbage_end=str(true_garbage_end))
+
+    def _copy_parked_forward(self) -> None:
+        """Copy held and delayed envelopes that alone keep old segments from being reclaimed to the log's
+        end (issue 12.9), at most ``PARKED_COPIES_MAX`` per checkpoint, oldest first: disk use stays bounded
+        by the traffic of a few checkpoint intervals, however long mail stays on hold. Each copy rewrites
+        the message once (its DATA and envelope); a message is copied again only when reclamation reaches it
+        again."""
+        q = self.queue
+        qlog, parked = q.log, q.parked
+        if not parked.entries:
+            return
+        head = qlog.end
+        positions = [r.position for r in self.runners]
+        pinned_below = min((*positions, q.working.earliest_envelope() or head, head)).segment - 1
+        old = sorted(p for p in parked.entries
+                     if p.segment < pinned_below and p not in self._copy_failed)[:PARKED_COPIES_MAX]
+        for pos in old:
+            try:
+                env = qlog.read(pos)
+                if not isinstance(env, EnvelopeRecord):
+                    raise CorruptRecord(f"{pos} is not an envelope")
+                q.copy_forward(pos, env)
+            except CorruptRecord as exc:
+                self._copy_failed.add(pos)  # reported once; it keeps its segments (and shows in queue list)
+                self.log.error("parked_copy_failed", envelope=str(pos), error=str(exc), action="left where it is")
+            except StorageError as exc:
+                self.log.error("parked_copy_failed", envelope=str(pos), error=str(exc), action="tried again later")
+                return
 
     def _reclaim_soon(self, limit: int) -> None:
         """Archive, then delete, the segments below ``limit`` in a background task (one at a time)."""

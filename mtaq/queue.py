@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 import msgspec
 
 from mtaq.core.dsn import DsnRecipient, build_dsn
-from mtaq.core.parking import ADMIN_ACTIONS, ADMIN_BOUNCE, Parked, QueueCounts, admin_conclusion
+from mtaq.core.parking import ADMIN_ACTIONS, ADMIN_BOUNCE, COPY_FORWARD, Parked, QueueCounts, admin_conclusion
 from mtaq.core.records import (
     PARKED,
     DataRecord,
@@ -229,6 +229,17 @@ class Queue:
         attempt = self.start(envelope_pos, env, admin=action)
         self.revoked.add(envelope_pos)
         return self.finish_admin(attempt, action, release_ts=release_ts)
+
+    def copy_forward(self, envelope_pos: Pos, env: EnvelopeRecord) -> Pos:
+        """Copy the parked envelope at ``envelope_pos`` and its DATA to the end of the log, unchanged (held
+        stays held, a delayed one keeps its due time; counts do not change): START(admin="copy") and a
+        replacement, appended as book-keeping. Returns the new envelope's position. Raises CorruptRecord
+        (the DATA does not check out; the message stays where it is), StorageError."""
+        self.read_body(env)  # before the START: damaged data is reported by the caller, not half-copied
+        attempt = self.start(envelope_pos, env, admin=COPY_FORWARD)
+        self.revoked.add(envelope_pos)
+        _rec, pos, _lsn = self.finish_admin(attempt, COPY_FORWARD)
+        return pos
 
     def finish_admin(
         self, attempt: Attempt, action: str, *, release_ts: float | None = None

@@ -192,7 +192,7 @@ class Runner:
                     budget = _SCAN_BUDGET
                     await asyncio.sleep(0)
                 continue
-            while not self._flush and (wait := env.not_before_ts - self.clock()) > 0:
+            while not self._flush and pos not in self.garbage and (wait := env.not_before_ts - self.clock()) > 0:
                 self.waiting_until = env.not_before_ts
                 self._poke.clear()
                 try:
@@ -200,6 +200,12 @@ class Runner:
                 except TimeoutError:
                     pass
             self.waiting_until = None
+            if pos in self.garbage:
+                # Started meanwhile by an administrator's action (held, deleted, ...): not waited for any
+                # longer, or this runner's position would keep every later segment for up to an interval.
+                self.garbage.discard(pos)
+                self.cursor.skip()
+                continue
             try:
                 await self.dispatcher.offer(self.k, pos, env)
             except Declined:

@@ -29,7 +29,7 @@ import msgspec
 
 from mtaq.core.records import PARKED, EnvelopeRecord, FinishRecord, Pos, Record, StartRecord
 
-__all__ = ["ADMIN_ACTIONS", "ADMIN_BOUNCE", "STATES", "Parked", "QueueCounts", "admin_conclusion", "state_of"]
+__all__ = ["ADMIN_ACTIONS", "ADMIN_BOUNCE", "COPY_FORWARD", "STATES", "Parked", "QueueCounts", "admin_conclusion", "state_of"]
 
 STATES = ("incoming", "active", "deferred", "delayed", "held")
 
@@ -135,6 +135,10 @@ class Parked:
 
 
 ADMIN_ACTIONS = ("delete", "hold", "release", "flush", "bounce", "delay")
+# Not an administrator's: the daemon's own copy of a parked (held or delayed) envelope to the log's end,
+# unchanged but for its generation, so that mail parked for days never pins old segments (seed 001: data
+# copied forward). Written like an admin action (START with admin="copy", then the replacement).
+COPY_FORWARD = "copy"
 
 
 def admin_conclusion(
@@ -145,13 +149,16 @@ def admin_conclusion(
     ``delete``: FINISH (the message is gone, no DSN; Postfix ``postsuper -d``). ``hold``: a replacement
     that is parked and held (``postsuper -h``). ``release``: a replacement for the new-mail runner, due now
     (``postsuper -H``). ``flush``: the same for deferred or delayed mail (``postqueue -i``). ``delay``: a
-    replacement parked until ``release_ts`` (UTC seconds; the admin API's delayed delivery). ``bounce`` is
+    replacement parked until ``release_ts`` (UTC seconds; the admin API's delayed delivery). ``copy``
+    (:data:`COPY_FORWARD`): the same parked envelope, one generation later. ``bounce`` is
     concluded like a delivery attempt whose recipients all failed (see :data:`ADMIN_BOUNCE`), by the caller.
     The replacement keeps the DATA reference; the caller copies the data forward. Raises ValueError for
     an unknown action.
     """
     if action == "delete":
         return FinishRecord(queue_id=env.queue_id, start=start_pos, ts=now_ts)
+    if action == COPY_FORWARD:
+        return msgspec.structs.replace(env, generation=env.generation + 1, replaces=start_pos)
     if action == "delay":
         if release_ts is None:
             raise ValueError("delay needs a release time")

@@ -335,7 +335,8 @@ class Log:
         """
         if self._failed is not None:
             raise self._failed
-        if isinstance(record, EnvelopeRecord | StartRecord) and record.durable is None and self._durable_end.segment:
+        if (isinstance(record, EnvelopeRecord | StartRecord) and self._durable_end.segment
+                and record.durable != self._durable_end):  # a replacement carries its predecessor's: renewed
             # Book-keeping that rides on records written anyway: where the fsync'd prefix ended when this was
             # appended. Recovery takes the largest such claim as a floor of the durable end (docs/log_format.md).
             record = msgspec.structs.replace(record, durable=self._durable_end)
