@@ -85,7 +85,7 @@ def _end_envelope(queue: Queue, pos: Pos, env: EnvelopeRecord, *, counted: bool)
         queue.counts.concluded(None)
 
 
-async def move_aside(log: Any, spool: str, p: Problem, logger: Any) -> None:
+async def move_aside(log: Any, spool: str, p: Problem, logger: Any, *, epoch_segment: int = 0) -> None:
     """Copy a damaged region into ``SPOOL/corrupt`` and report it: an error for corruption, a warning for
     an unsynced hole. A region already moved aside by an earlier start is reported once more, quietly."""
     hole = p.kind == "unsynced-hole"
@@ -93,7 +93,7 @@ async def move_aside(log: Any, spool: str, p: Problem, logger: Any) -> None:
     fields = {"segment": p.segment, "offset": p.offset, "end": p.end, "kind": p.kind, "reason": p.reason}
     try:
         raw = await asyncio.to_thread(log.read_bytes, p.segment, p.offset, p.end - p.offset)
-        path, new = await asyncio.to_thread(quarantine, log.fs, spool, p, raw)
+        path, new = await asyncio.to_thread(quarantine, log.fs, spool, p, raw, epoch_segment=epoch_segment)
     except OSError as exc:
         logger.error(event, **fields, moved_to=None, copy_error=str(exc))
         return
@@ -162,6 +162,7 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
     started: set[Pos] = set()
     dsns: dict[str, list[tuple[Pos, EnvelopeRecord]]] = {}  # DSN envelopes by the queue ID they are about
     dropped: dict[Pos, tuple[EnvelopeRecord, bool, str]] = {}  # envelopes to end: (envelope, counted, why)
+    replacements: dict[Pos, list[Pos]] = {}  # START -> the replacement envelopes that conclude it
 
     # Pass 1: read the working suffix, and learn how far the log is known to have been fsync'd. Every
     # ENVELOPE and START carries the durable end when it was appended, and a START names an envelope that
@@ -186,8 +187,11 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
 
     last_record = max((sc.records[-1][0] for _s, sc, _u in scans if sc.records), default=Pos(0, 0))
 
+    hole_epoch: dict[tuple[int, int], Pos] = {}
+
     def hole_between(a: Pos, b: Pos) -> bool:
-        return any(a < Pos(h.segment, h.offset) < b for h in holes)
+        """A hole lies between ``a`` and ``b``, and ``b`` was written before that hole was known."""
+        return any(a < Pos(h.segment, h.offset) < b < hole_epoch[(h.segment, h.offset)] for h in holes)
 
     # Pass 2: classify damage, and fold the records.
     for _seg, scan, unsealed in scans:
@@ -208,9 +212,13 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
                 p = Problem("unsynced-hole", p.segment, p.offset, p.end, p.reason)
                 res.holes.append(p)
                 holes.append(p)
+                # Records from the segment this start appends to (or the one of the start that found it)
+                # on were written knowing of the hole: their conclusions stand on nothing in it.
+                hole_epoch[(p.segment, p.offset)] = Pos(known.epoch_segment if known and known.epoch_segment
+                                                        else report.new_segment, 0)
             else:
                 res.corrupt.append(p)
-            await move_aside(log, spool, p, logger)
+            await move_aside(log, spool, p, logger, epoch_segment=report.new_segment)
         if scan.header is not None and (scan.torn_tail is not None or not scan.sealed):
             await asyncio.to_thread(log.repair_segment, scan)
         for pos, rec in scan.records:
@@ -219,7 +227,7 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
             res.records += 1
             if isinstance(rec, EnvelopeRecord | FinishRecord):
                 x = rec.replaces if isinstance(rec, EnvelopeRecord) else rec.start
-                if x is not None and x in open_attempts and pos >= durable_known and hole_between(x, pos):
+                if x is not None and x in open_attempts and hole_between(x, pos):
                     # A conclusion written after a hole that lies within its attempt: the hole may have held
                     # what the conclusion stands on (the DATA copy of a replacement, the DSNs queued before
                     # it). Not a conclusion: the attempt stays open and is concluded again below from the
@@ -253,6 +261,7 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
             elif isinstance(rec, EnvelopeRecord):
                 if rec.replaces is not None:
                     open_attempts.pop(rec.replaces, None)
+                    replacements.setdefault(rec.replaces, []).append(pos)
                 if pos >= replay_from and rec.runner == PARKED:
                     parked_after[pos] = rec
                 if rec.bounce_of and rec.replaces is None:
@@ -283,21 +292,14 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
             # Its DATA was written after the last point known durable and never reached the disk, so no fsync
             # covered it and the client never had a 250 (it will send again): end it quietly.
             dropped[pos] = (env, pos >= replay_from, "unacknowledged_dropped")
-        elif env.bounce_of or (env.replaces is not None and env.replaces in open_attempts):
+        elif env.bounce_of or (env.replaces is not None and (
+                env.replaces in open_attempts
+                or any(r != pos and r not in unreadable for r in replacements.get(env.replaces, [])))):
             # A DSN or a replacement whose DATA never reached the disk: the attempt that wrote it is concluded
-            # again (above: a hole lies within it), which queues its content anew.
-            dropped[pos] = (env, pos >= replay_from and env.replaces is None,
-                            "dsn_dropped" if env.bounce_of else "replacement_dropped")
+            # again (above: a hole lies within it), or an earlier start already did so, which queues its
+            # content anew.
+            dropped[pos] = (env, pos >= replay_from, "dsn_dropped" if env.bounce_of else "replacement_dropped")
     killpoints.hit("recovery.before_conclude")
-    for pos, (env, counted, why) in sorted(dropped.items()):
-        _end_envelope(queue, pos, env, counted=counted)
-        k = min(env.runner, n - 1)
-        if k >= 0 and pos >= runners[k]:
-            garbage[k].add(pos)
-        reason = ("its data never reached the disk before the crash; no 250 was sent for it"
-                  if why == "unacknowledged_dropped" else
-                  "written after an unsynced hole within its attempt; the attempt is concluded again")
-        logger.warning(why, queue_id=env.queue_id, envelope=str(pos), reason=reason)
     for start_pos, o in sorted(open_attempts.items()):
         read: Any
         try:
@@ -346,6 +348,18 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
             logger.info("attempt_concluded", queue_id=env.queue_id, recipients_left=len(c.record.recipients))
         else:
             logger.info("removed", queue_id=env.queue_id)
+    # What the attempts concluded again replaces must be durable before it is ended: under out-of-order
+    # write-back a crash could otherwise keep the ending and lose the new conclusion.
+    await log.sync()
+    for pos, (env, counted, why) in sorted(dropped.items()):
+        _end_envelope(queue, pos, env, counted=counted)
+        k = min(env.runner, n - 1)
+        if k >= 0 and pos >= runners[k]:
+            garbage[k].add(pos)
+        reason = ("its data never reached the disk before the crash; no 250 was sent for it"
+                  if why == "unacknowledged_dropped" else
+                  "written after an unsynced hole within its attempt; the attempt is concluded again")
+        logger.warning(why, queue_id=env.queue_id, envelope=str(pos), reason=reason)
     await log.sync()
     res.runners, res.garbage = runners, garbage
     res.seconds = time.monotonic() - t0

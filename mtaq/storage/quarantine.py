@@ -5,7 +5,7 @@ over. Its bytes, from where the damage starts to where good data resumes, are co
 ``SPOOL/corrupt/`` as two files named after its place in the log::
 
     SEGMENT-OFFSET.bin    the damaged bytes, exactly as found
-    SEGMENT-OFFSET.json   {"segment", "offset", "end", "bytes", "kind", "reason", "found_utc"}
+    SEGMENT-OFFSET.json   {"segment", "offset", "end", "bytes", "kind", "reason", "found_utc", "epoch_segment"}
 
 The segment itself is left as it is (the log is append-only; rewriting it in place could damage its good
 neighbours on a torn write) and readers go on passing over the damaged region to the next good frame; the
@@ -43,6 +43,9 @@ class QuarantineEntry(msgspec.Struct, kw_only=True):
     kind: str
     reason: str
     found_utc: str
+    # The segment the start that found it began appending to: records from there on were written after
+    # the damage was known (recovery trusts conclusions written then; older segments decode as 0).
+    epoch_segment: int = 0
 
 
 def _stem(segment: int, offset: int) -> str:
@@ -62,7 +65,9 @@ def _write_durably(fs: FileSystem, path: str, data: bytes) -> None:
     fs.rename(tmp, path)
 
 
-def quarantine(fs: FileSystem, spool: str, problem: Problem, raw: bytes, *, now: float | None = None) -> tuple[str, bool]:
+def quarantine(
+    fs: FileSystem, spool: str, problem: Problem, raw: bytes, *, now: float | None = None, epoch_segment: int = 0
+) -> tuple[str, bool]:
     """Copy the damaged bytes ``raw`` of ``problem`` into ``SPOOL/corrupt``; idempotent.
 
     Returns ``(path of the .bin copy, True if written now / False if it was there already)``. Raises
@@ -85,6 +90,7 @@ def quarantine(fs: FileSystem, spool: str, problem: Problem, raw: bytes, *, now:
         kind=problem.kind,
         reason=problem.reason,
         found_utc=when.strftime("%Y-%m-%dT%H:%M:%SZ"),
+        epoch_segment=epoch_segment,
     )
     _write_durably(fs, stem + ".json", msgspec.json.encode(entry))
     fs.fsync_dir(d)
