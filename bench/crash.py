@@ -481,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
         unknown_qids = {e.get("queue_id") for e in events if e.get("event") == "outcome_unknown"}
         dup_unexplained = [m for m in dup_ids if tally.submissions[m] == 1 and m in tally.acked
                            and queue_id_of(tally.acked[m]) not in unknown_qids]
-        unacked_delivered = sorted(m for m in delivered if m not in acked)
+        unacked_delivered = sorted(m for m in delivered if m not in acked and m not in dsn_message_ids(maildir))
         sent_ids = {w[0] for w in work}
         stray = [m for m in delivered if m not in sent_ids and m not in dsn_ids]
         if stray:
@@ -555,7 +555,7 @@ def dsn_message_ids(maildir: str) -> set[str]:
         for name in os.listdir(d) if os.path.isdir(d) else []:
             with open(os.path.join(d, name), "rb") as f:
                 head = f.read(8192).split(b"\r\n\r\n", 1)[0].split(b"\r\n")
-            if any(line.lower() == b"return-path: <>" for line in head):
+            if any(line.lower() in (b"return-path: <>", b"return-path: <<>>") for line in head):
                 out |= {line.split(b":", 1)[1].strip().decode(errors="replace") for line in head
                         if line.lower().startswith(b"message-id:")}
     return out
@@ -577,7 +577,7 @@ def truncated_copies(maildir: str, sent: dict[str, bytes]) -> list[str]:
                 content = f.read()
             mid = ""
             head = content.split(b"\r\n\r\n", 1)[0].split(b"\r\n")
-            if any(line.lower() == b"return-path: <>" for line in head):
+            if any(line.lower() in (b"return-path: <>", b"return-path: <<>>") for line in head):
                 continue  # a DSN mtaq sent (a bounce of damaged data): not one of the client's messages
             for line in head:
                 if line.lower().startswith(b"message-id:"):
