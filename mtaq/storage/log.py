@@ -476,6 +476,10 @@ class Log:
             return f, self._salts[number]
         self._close_readers(self.files_open_max - 1)
         f = self.fs.open(segment_path(self.directory, number))
+        if number in self._salts:  # reopened after the LRU closed it: the salt is known (no second salvage)
+            self._files[number] = f
+            self._readers[number] = None
+            return f, self._salts[number]
         try:
             self._salts[number] = decode_segment_header(f.pread(0, SEGMENT_HEADER_BYTES)).salt
         except HeaderError as exc:
