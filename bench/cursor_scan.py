@@ -19,7 +19,7 @@ import time
 
 from mtaq.core.records import Pos, RecordType
 from mtaq.core.state import RetryPolicy
-from mtaq.queue import Queue
+from mtaq.queue.store import Queue
 from mtaq.storage.cursor import LogCursor
 from mtaq.storage.fs import OsFileSystem
 from mtaq.storage.log import Log, list_segments

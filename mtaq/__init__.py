@@ -1,9 +1,10 @@
 """mtaq: a crash-only, log-structured mail queue daemon (SMTP relay).
 
 The public pieces: the record types and codec (:mod:`mtaq.core`), the log (:mod:`mtaq.storage.log`),
-the queue (:mod:`mtaq.queue`) and the command line (:mod:`mtaq.cli`).
+the queue (:mod:`mtaq.queue.store`) and the command line (:mod:`mtaq.cli`).
 """
 
+from mtaq.core.errors import ConfigError, CorruptRecord, MtaqError, StorageError, StorageFatal, StorageFull
 from mtaq.core.records import (
     DataRecord,
     DeliveryRecord,
@@ -15,7 +16,6 @@ from mtaq.core.records import (
     SealRecord,
     StartRecord,
 )
-from mtaq.errors import ConfigError, CorruptRecord, MtaqError, StorageError, StorageFatal, StorageFull
 
 __all__ = [
     "ConfigError",

@@ -2,7 +2,7 @@
 
 ``mtaq serve``, ``mtaq sink``, ``mtaq log dump``, ``mtaq log verify``, ``mtaq passwd``, ``mtaq analyze``
 (delivery statistics on Spark; needs the ``spark`` extra, imported only when that command runs), ``mtaq queue
-...`` (mtaq/queuecli.py). Errors are one line on stderr with a non-zero exit status: 2 for bad usage or
+...`` (mtaq/admin/cli.py). Errors are one line on stderr with a non-zero exit status: 2 for bad usage or
 configuration, 1 for a log that does not verify or a ``queue`` command that failed.
 """
 
@@ -16,8 +16,8 @@ import sys
 from collections.abc import Sequence
 
 from mtaq.config import load_config, parse_hostport
+from mtaq.core.errors import ConfigError, MtaqError
 from mtaq.core.text import EscapingWriter
-from mtaq.errors import ConfigError, MtaqError
 from mtaq.logs import configure_logging
 
 __all__ = ["main"]
@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     v = lsub.add_parser("verify", help="check every checksum and link; exit 0 when sound")
     v.add_argument("--spool", metavar="DIR", default="./spool")
 
-    from mtaq.queuecli import add_queue_parser
+    from mtaq.admin.cli import add_queue_parser
 
     add_queue_parser(sub)
     from mtaq.analytics.command import add_arguments
@@ -102,7 +102,7 @@ def _main(args: argparse.Namespace) -> int:
         if args.command == "sink":
             return _sink(args)
         if args.command == "queue":
-            from mtaq.queuecli import run_queue
+            from mtaq.admin.cli import run_queue
 
             return run_queue(args)
         if args.command == "passwd":
@@ -112,10 +112,10 @@ def _main(args: argparse.Namespace) -> int:
 
             return run(args)
         if args.command == "log":
-            from mtaq.logtools import dump, verify
-            from mtaq.workers import log_dirs
+            from mtaq.daemon.workers import log_dirs
+            from mtaq.storage.logtools import dump, verify
 
-            shards = log_dirs(args.spool)  # one log per shard (mtaq.workers); just SPOOL/log with one worker
+            shards = log_dirs(args.spool)  # one log per shard (mtaq.daemon.workers); just SPOOL/log with one worker
             for _k, log_dir in shards:
                 if not os.path.isdir(log_dir):
                     raise ConfigError(f"no queue log at {log_dir}")
@@ -151,7 +151,7 @@ def _serve(args: argparse.Namespace) -> int:
     }
     cfg = load_config(args.config, overrides)
     configure_logging(cfg.log_format)
-    from mtaq.daemon import serve
+    from mtaq.daemon.process import serve
 
     try:
         return serve(cfg)
@@ -195,7 +195,7 @@ def _sink(args: argparse.Namespace) -> int:
         host, port = parse_hostport(args.listen)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
-    from mtaq.sink import run_sink
+    from mtaq.testing.sink import run_sink
 
     try:
         asyncio.run(run_sink(host, port, args.maildir, defer_rcpt=args.defer_rcpt, reject_rcpt=args.reject_rcpt,

@@ -14,9 +14,19 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from mtaq.errors import ConfigError
+from mtaq.core.errors import ConfigError
 
-__all__ = ["Config", "Relayhost", "is_loopback", "load_config", "parse_hostport", "parse_nameserver", "parse_relayhost"]
+__all__ = [
+    "Config",
+    "Relayhost",
+    "TransportSpec",
+    "is_loopback",
+    "load_config",
+    "parse_hostport",
+    "parse_nameserver",
+    "parse_relayhost",
+    "parse_transport_spec",
+]
 
 MiB = 1024 * 1024
 
@@ -69,7 +79,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # floor is never below 1.5 x message_size_limit_bytes (Postfix smtpd's rule), so deliveries can go on.
     queue_minfree_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
     delivery_concurrency: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 20
-    # Worker processes sharing the SMTP port, each with its own shard of the spool (mtaq.workers); never
+    # Worker processes sharing the SMTP port, each with its own shard of the spool (mtaq.daemon.workers); never
     # fewer than the shards already in the spool. delivery_concurrency is split among them.
     workers: Annotated[int, msgspec.Meta(ge=1, le=16)] = 1
     # Seconds to wait after the 1st, 2nd, ... deferred attempt; the last repeats (RFC 5321 §4.5.4.1).
@@ -88,7 +98,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     smtp_server_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0  # idle client, inbound
     stats_interval_s: Annotated[float, msgspec.Meta(ge=0)] = 60.0  # 0 disables the periodic stats event
     log_format: Literal["console", "json"] = "console"
-    # HTTP admin API and Prometheus /metrics (mtaq/admin_http.py): "HOST:PORT", "" disables it. Port 0 picks a
+    # HTTP admin API and Prometheus /metrics (mtaq/admin/http.py): "HOST:PORT", "" disables it. Port 0 picks a
     # free port (the real one is written to SPOOL/admin.json). Off loopback, admin_token is required.
     admin_listen: str = "127.0.0.1:2580"
     # Every request needs "Authorization: Bearer TOKEN": this token, or when "" the one generated at the
@@ -149,10 +159,8 @@ def load_config(path: str | None, overrides: dict[str, object]) -> Config:
         parse_relayhost(cfg.relayhost)
         for ns in cfg.dns_nameservers:
             parse_nameserver(ns, cfg.dns_port)
-        from mtaq.delivery.routing import parse_transport
-
         for domain, value in cfg.transport_map.items():
-            parse_transport(value, key=f"transport_map.{domain}")
+            parse_transport_spec(value, key=f"transport_map.{domain}")
         if cfg.admin_listen.strip():
             admin_host, _ = parse_hostport(cfg.admin_listen, key="admin_listen")
             if not cfg.admin_token and not is_loopback(admin_host):
@@ -224,6 +232,50 @@ def parse_relayhost(value: str, *, key: str = "relayhost", default_port: int = 2
     if not host.strip() or any(c.isspace() for c in host):
         raise ValueError(f"{key}: cannot parse {value!r} as a host")
     return Relayhost(host=host.rstrip(".").lower(), port=port, mx=not v.startswith("["))
+
+
+_STATUS = re.compile(r"^([245])\.(\d{1,3})\.(\d{1,3})(?:\s+|$)")
+
+
+class TransportSpec(msgspec.Struct, frozen=True):
+    """A ``transport_map`` value as written: ``kind`` smtp (``nexthop`` None: the recipient domain by MX),
+    ``discard`` or ``error``; for the last two ``code``/``status``/``text`` is the reply their recipients get
+    (an SMTP code, an RFC 3463 enhanced status code, the text)."""
+
+    kind: Literal["smtp", "discard", "error"]
+    nexthop: Relayhost | None = None
+    code: int | None = None
+    status: str | None = None
+    text: str = ""
+
+
+def parse_transport_spec(value: str, *, key: str = "transport_map", default_port: int = 25) -> TransportSpec:
+    """Postfix transport(5) syntax -> TransportSpec. Raises ValueError naming ``key`` for a value it cannot use.
+
+    ``discard`` and ``discard:text``; ``error:5.1.1 text``, ``error:text`` (5.0.0); ``smtp:NEXTHOP``,
+    ``relay:NEXTHOP``, ``smtp:`` or a bare ``NEXTHOP`` in relayhost syntax (``[host]:port``, ``host:port``).
+    """
+    v = value.strip()
+    kind, colon, rest = v.partition(":")
+    kind = kind.lower()
+    if kind == "discard":
+        return TransportSpec("discard", code=250, status="2.0.0", text=rest.strip() or "discarded by transport map")
+    if kind == "error":
+        m = _STATUS.match(rest.strip())
+        if m and m.group(1) == "2":
+            raise ValueError(f"{key}: error status {m.group(0).strip()} is not a failure (4.x.x or 5.x.x)")
+        status = f"{m.group(1)}.{m.group(2)}.{m.group(3)}" if m else "5.0.0"
+        text = (rest.strip()[m.end() :] if m else rest).strip() or "mail for this destination is refused"
+        return TransportSpec("error", code=550 if status[0] == "5" else 450, status=status, text=text)
+    if kind in ("smtp", "relay") and colon:
+        nexthop = rest
+    elif re.fullmatch(r"[a-z][a-z0-9-]*", kind) and colon and not rest[:1].isdigit() and not v.startswith("["):
+        raise ValueError(f"{key}: unknown transport {kind!r} in {value!r} (smtp, relay, discard or error)")
+    else:
+        nexthop = v
+    if not nexthop.strip():
+        return TransportSpec("smtp", None)
+    return TransportSpec("smtp", parse_relayhost(nexthop, key=key, default_port=default_port))
 
 
 def parse_nameserver(value: str, default_port: int = 53) -> tuple[str, int]:

@@ -21,7 +21,7 @@ __all__ = ["configure_logging", "get_logger"]
 def configure_logging(fmt: str = "console", *, stream: Any = None, shard: int | None = None) -> None:
     """Send events to ``stream`` (stderr) as JSON lines (``fmt="json"``) or for a terminal.
 
-    ``shard``: in a worker process of a sharded spool (mtaq.workers), every event gets a ``shard`` field.
+    ``shard``: in a worker process of a sharded spool (mtaq.daemon.workers), every event gets a ``shard`` field.
     """
     stream = stream or sys.stderr
     processors: list[Any] = [

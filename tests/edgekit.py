@@ -23,7 +23,7 @@ from mtaq.core.records import EnvelopeRecord
 from mtaq.core.state import RetryPolicy
 from mtaq.edge.policy import EdgePolicy
 from mtaq.edge.server import QueueHandler, start_server
-from mtaq.queue import Queue
+from mtaq.queue.store import Queue
 from mtaq.storage.fs import OsFileSystem
 from mtaq.storage.log import Log
 

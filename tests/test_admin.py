@@ -8,7 +8,7 @@ import re
 
 from test_runners import Harness, parse, run
 
-from mtaq.admin import offline_size, offline_view
+from mtaq.admin.service import offline_size, offline_view
 from mtaq.core.records import StartRecord
 from mtaq.core.view import Selector
 from mtaq.storage.fs import OsFileSystem

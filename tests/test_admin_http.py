@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from mtaq.admin_http import AdminHttp, ApiState, make_app
-from mtaq.admin_openapi import SPEC, dumps
-from mtaq.metrics import Metrics
+from mtaq.admin.http import AdminHttp, ApiState, make_app
+from mtaq.admin.metrics import Metrics
+from mtaq.admin.openapi import SPEC, dumps
 from mtaq.testing import procs
 from mtaq.testing.procs import maildir_message_ids
 
@@ -327,7 +327,7 @@ def test_queue_routes_answer_503_until_recovery_is_done_and_openapi_is_served(tm
 
 def test_openapi_document_describes_every_route_and_only_routes(tmp_path):
     """Every (method, path) of the application is in the OpenAPI document and vice versa; the copy in
-    docs/admin_api.openapi.json is the document (regenerate with python -m mtaq.admin_openapi)."""
+    docs/admin_api.openapi.json is the document (regenerate with python -m mtaq.admin.openapi)."""
     app = make_app(ApiState(Metrics({})))
     routes = {(r.method.lower(), r.resource.canonical) for r in app.router.routes() if r.resource is not None}
     documented = {(m, p) for p, ops in SPEC["paths"].items() for m in ops}

@@ -40,11 +40,11 @@ from mtaq.analytics.plain import plain_totals
 from mtaq.analytics.source import SourceError, batches, discover, plan_partitions
 from mtaq.config import load_config
 from mtaq.core.records import DataRecord, EnvelopeRecord, Recipient, StartRecord
-from mtaq.daemon import Daemon
-from mtaq.queue import new_queue_id
-from mtaq.sink import SinkHandler
+from mtaq.daemon.process import Daemon
+from mtaq.queue.store import new_queue_id
 from mtaq.storage.fs import OsFileSystem
 from mtaq.storage.log import Log
+from mtaq.testing.sink import SinkHandler
 
 T0 = dt.datetime(2025, 3, 1, 23, 10, tzinfo=dt.UTC).timestamp()
 HOUR23 = dt.datetime(2025, 3, 1, 23, 0)

@@ -12,7 +12,7 @@ PKG = pathlib.Path(__file__).resolve().parent.parent / "mtaq"
 
 def test_the_daemon_and_the_cli_never_import_pyspark():
     """Importing the daemon, the CLI and the archive loads neither pyspark nor pyarrow nor matplotlib."""
-    code = ("import sys, mtaq.daemon, mtaq.cli, mtaq.storage.archive; mtaq.cli.build_parser(); "
+    code = ("import sys, mtaq.daemon.process, mtaq.cli, mtaq.storage.archive; mtaq.cli.build_parser(); "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'pyspark', 'pyarrow', 'matplotlib', 'py4j'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert "[]" == out.stdout.strip()

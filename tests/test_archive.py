@@ -12,9 +12,9 @@ import structlog
 import zstandard
 
 from mtaq.config import load_config
+from mtaq.core.errors import ConfigError
 from mtaq.core.frame import SegmentHeader, encode_segment_header
-from mtaq.daemon import Daemon
-from mtaq.errors import ConfigError
+from mtaq.daemon.process import Daemon
 from mtaq.storage.archive import ArchiveError, SegmentArchive, archive_name
 from mtaq.storage.fs import OsFileSystem
 
@@ -85,10 +85,10 @@ def _send(port: int, n: int) -> None:
 
 
 def _run_daemon(tmp_path, archive_dir: str, body) -> None:
-    """The real Daemon in-process with a real aiosmtpd sink (mtaq.sink), 64 KiB segments, no timer checkpoints."""
+    """The real Daemon in-process with a real aiosmtpd sink (mtaq.testing.sink), 64 KiB segments, no timer checkpoints."""
     from aiosmtpd.smtp import SMTP
 
-    from mtaq.sink import SinkHandler
+    from mtaq.testing.sink import SinkHandler
 
     async def main() -> None:
         loop = asyncio.get_running_loop()

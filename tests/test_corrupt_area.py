@@ -15,13 +15,13 @@ from mtaq.core.checkpoint import Checkpoint
 from mtaq.core.frame import scan_segment
 from mtaq.core.records import DataRecord, EnvelopeRecord, FinishRecord, Pos, RecordType, StartRecord
 from mtaq.core.state import RetryPolicy
-from mtaq.logtools import verify
-from mtaq.queue import Queue
-from mtaq.recovery import recover
+from mtaq.queue.recovery import recover
+from mtaq.queue.store import Queue
 from mtaq.storage.checkpoint import write_checkpoint
 from mtaq.storage.cursor import LogCursor
 from mtaq.storage.fs import OsFileSystem
 from mtaq.storage.log import Log, list_segments, scan_log, segment_path
+from mtaq.storage.logtools import verify
 from mtaq.storage.quarantine import CORRUPT_DIR, list_quarantine
 
 LOG = structlog.get_logger("test")

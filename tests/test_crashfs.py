@@ -17,9 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from mtaq.core.errors import StorageError, StorageFatal
 from mtaq.core.frame import scan_segment
 from mtaq.core.records import FinishRecord, Pos
-from mtaq.errors import StorageError, StorageFatal
 from mtaq.storage.fs import OsFileSystem
 from mtaq.storage.log import Log, list_segments, segment_path
 from mtaq.testing.crashfs import CRASH_MODES, CrashFileSystem

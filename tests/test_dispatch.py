@@ -6,7 +6,7 @@ import asyncio
 
 from mtaq.core.frame import SEGMENT_HEADER_BYTES
 from mtaq.core.records import DataRecord, EnvelopeRecord, Pos, Recipient
-from mtaq.runners import Dispatcher, Runner
+from mtaq.queue.runners import Dispatcher, Runner
 from mtaq.storage.fs import OsFileSystem
 from mtaq.storage.log import Log
 

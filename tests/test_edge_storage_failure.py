@@ -12,7 +12,7 @@ import smtplib
 
 from mtaq.core.state import RetryPolicy
 from mtaq.edge.server import QueueHandler, start_server
-from mtaq.queue import Queue
+from mtaq.queue.store import Queue
 from mtaq.storage.log import Log
 from mtaq.testing.faults import FaultyFileSystem
 
@@ -136,8 +136,8 @@ def test_full_disk_when_creating_the_next_segment_answers_452_and_leaves_no_half
     (the log verifies), and once space is back the next message gets 250 in the new segment."""
     import os
 
-    from mtaq.logtools import verify
     from mtaq.storage.log import list_segments
+    from mtaq.storage.logtools import verify
 
     async def main():
         fs = FaultyFileSystem()

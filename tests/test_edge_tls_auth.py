@@ -21,9 +21,9 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from edgekit import HOST, codes, edge_relay, run_edge
 
+from mtaq.core.errors import ConfigError
 from mtaq.edge.auth import PasswordFile, hash_password
 from mtaq.edge.policy import EdgePolicy, parse_networks, server_tls_context
-from mtaq.errors import ConfigError
 
 USER, PASSWORD = "alice", "correct horse battery staple"
 

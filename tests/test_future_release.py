@@ -78,7 +78,7 @@ def test_admin_delay_parks_queued_mail_and_is_bounded_by_the_same_limit(tmp_path
 
     import pytest
 
-    from mtaq.admin import AdminError
+    from mtaq.admin.service import AdminError
 
     async def body(h: Harness) -> None:
         assert h.daemon is not None

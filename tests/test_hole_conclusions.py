@@ -22,7 +22,7 @@ from test_corrupt_area import start
 from mtaq.core.checkpoint import Checkpoint
 from mtaq.core.frame import scan_segment
 from mtaq.core.records import DataRecord, EnvelopeRecord, Outcome, Pos, StartRecord
-from mtaq.queue import Queue
+from mtaq.queue.store import Queue
 from mtaq.storage.checkpoint import write_checkpoint
 from mtaq.storage.fs import OsFileSystem
 from mtaq.storage.log import Log, scan_log, segment_path

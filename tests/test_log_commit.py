@@ -7,8 +7,8 @@ import errno
 
 import pytest
 
+from mtaq.core.errors import StorageFatal, StorageFull
 from mtaq.core.records import FinishRecord, Pos, StartRecord
-from mtaq.errors import StorageFatal, StorageFull
 from mtaq.storage.fs import OsFileSystem
 from mtaq.storage.log import Log, list_segments
 from mtaq.testing.faults import FaultyFileSystem

@@ -10,9 +10,9 @@ import pytest
 
 from mtaq.core.frame import scan_segment
 from mtaq.core.records import DataRecord, EnvelopeRecord, FinishRecord, Pos, Recipient, StartRecord
-from mtaq.logtools import verify
 from mtaq.storage.fs import OsFileSystem
 from mtaq.storage.log import Log, list_segments, segment_path
+from mtaq.storage.logtools import verify
 
 
 def env(qid: str, data: Pos) -> EnvelopeRecord:

@@ -8,7 +8,7 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from mtaq.metrics import Metrics
+from mtaq.admin.metrics import Metrics
 from mtaq.testing.procs import admin_token, admin_url
 
 

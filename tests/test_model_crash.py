@@ -30,11 +30,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from mtaq.core.checkpoint import Checkpoint
+from mtaq.core.errors import CorruptRecord
 from mtaq.core.records import EnvelopeRecord, Outcome, Pos, StartRecord
 from mtaq.core.state import RetryPolicy
-from mtaq.errors import CorruptRecord
-from mtaq.queue import Queue
-from mtaq.recovery import recover
+from mtaq.queue.recovery import recover
+from mtaq.queue.store import Queue
 from mtaq.storage.checkpoint import write_checkpoint
 from mtaq.storage.log import Log, scan_log
 from mtaq.testing.crashfs import CrashFileSystem

@@ -19,7 +19,7 @@ from test_runners import Harness
 
 from mtaq.config import load_config
 from mtaq.core.records import EnvelopeRecord
-from mtaq.daemon import Daemon
+from mtaq.daemon.process import Daemon
 from mtaq.storage.fs import OsFileSystem
 from mtaq.storage.log import Log, scan_log
 from mtaq.testing.faults import FaultyFileSystem

@@ -11,12 +11,12 @@ from mtaq.core.checkpoint import Checkpoint, CheckpointError, decode_checkpoint,
 from mtaq.core.frame import scan_segment
 from mtaq.core.records import EnvelopeRecord, FinishRecord, Outcome, Pos
 from mtaq.core.state import RetryPolicy
-from mtaq.logtools import verify
-from mtaq.queue import Queue
-from mtaq.recovery import recover
+from mtaq.queue.recovery import recover
+from mtaq.queue.store import Queue
 from mtaq.storage.checkpoint import CHECKPOINT_NAME, read_checkpoint, write_checkpoint
 from mtaq.storage.fs import OsFileSystem
 from mtaq.storage.log import Log, scan_log, segment_path
+from mtaq.storage.logtools import verify
 
 LOG = structlog.get_logger("test")
 

@@ -19,7 +19,7 @@ from aiosmtpd.smtp import SMTP
 
 from mtaq.config import load_config
 from mtaq.core.records import DataRecord, EnvelopeRecord, Recipient
-from mtaq.daemon import Daemon
+from mtaq.daemon.process import Daemon
 from mtaq.storage.fs import OsFileSystem
 from mtaq.storage.log import Log
 
@@ -293,7 +293,7 @@ def test_new_mail_is_not_blocked_by_ten_thousand_deferred_messages(tmp_path):
     delivered after a few dozen of them, not after all of them: runners share delivery fairly."""
 
     def prepare(h: Harness) -> None:
-        from mtaq.queue import new_queue_id
+        from mtaq.queue.store import new_queue_id
 
         log, _ = Log.open(OsFileSystem(), f"{h.spool}/log", segment_bytes_max=64 << 20)
         now = h.clock()

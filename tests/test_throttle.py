@@ -14,7 +14,7 @@ from test_runners import Harness, run
 
 from mtaq.core.state import RetryPolicy
 from mtaq.edge.server import QueueHandler, start_server
-from mtaq.queue import Queue
+from mtaq.queue.store import Queue
 from mtaq.storage.log import Log
 from mtaq.testing.faults import FaultyFileSystem
 

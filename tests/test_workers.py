@@ -1,4 +1,4 @@
-"""Several worker processes on one port, one spool shard each (mtaq.workers): every message delivered once,
+"""Several worker processes on one port, one spool shard each (mtaq.daemon.workers): every message delivered once,
 crash-only supervision, shards never stranded, queue IDs unique across shards, log tools over all shards."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-import mtaq.queue
-from mtaq.queue import new_queue_id, set_queue_id_shard
+import mtaq.queue.store
+from mtaq.daemon.workers import WORKERS_MAX, existing_shards, log_dirs, shard_count, shard_dir
+from mtaq.queue.store import new_queue_id, set_queue_id_shard
 from mtaq.testing.procs import Proc, log_problems, maildir_message_ids, read_events, start_daemon, start_sink
-from mtaq.workers import WORKERS_MAX, existing_shards, log_dirs, shard_count, shard_dir
 
 _B32 = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 
@@ -78,7 +78,7 @@ def test_shard_directories_and_how_many_workers_start(tmp_path: Path) -> None:
 
 def test_queue_ids_of_a_worker_carry_its_shard(monkeypatch: pytest.MonkeyPatch) -> None:
     """In worker k, every queue ID's low 4 bits are k: two workers can never make the same ID."""
-    monkeypatch.setattr(mtaq.queue, "_shard", -1)
+    monkeypatch.setattr(mtaq.queue.store, "_shard", -1)
     for shard in (0, 5, 15):
         set_queue_id_shard(shard)
         ids = [new_queue_id(1_700_000_000.0) for _ in range(50)]

@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from mtaq.errors import ConfigError
+from mtaq.core.errors import ConfigError
 
 __all__ = ["add_arguments", "parse_time", "run"]
 

@@ -43,11 +43,11 @@ from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
 from mtaq.analytics.datasource import PARTITION_BYTES_DEFAULT, register
+from mtaq.analytics.report import write_report
+from mtaq.analytics.tables import AGE_BUCKETS_MIN, DELAY_BUCKETS_S, Result, bucket_labels
 
 __all__ = ["AGE_BUCKETS_MIN", "DELAY_BUCKETS_S", "Options", "Result", "analyze", "spark_session"]
 
-AGE_BUCKETS_MIN = (5, 10, 20, 40, 80, 160, 320, 640, 1280)  # qshape's default buckets (minutes)
-DELAY_BUCKETS_S = (1, 10, 60, 600, 3600, 6 * 3600, 86400, 5 * 86400)
 REJECTED_NOTE = (
     "rejected is 0: mail refused at the SMTP door (4xx/5xx before DATA is queued) never reaches the queue "
     "log, which holds only accepted mail; count rejections from the daemon's SMTP logs instead."
@@ -67,15 +67,6 @@ class Options:
     plots: bool = True
     parquet_out: str | None = None  # where Spark writes the big tables (a shared URI on a cluster); None: OUT/tables
     progress: Callable[[str], None] = field(default=lambda msg: None)
-
-
-@dataclass
-class Result:
-    """The headline totals (``totals.json``) and every small table as lists of dicts (the report's input)."""
-
-    totals: dict[str, Any]
-    tables: dict[str, list[dict[str, Any]]]
-    seconds: float
 
 
 def spark_session(master: str | None = None, conf: Sequence[tuple[str, str]] = (), app: str = "mtaq analyze") -> SparkSession:
@@ -141,15 +132,6 @@ def _bucket_label(bounds: Sequence[int], unit: str, value: Column) -> Column:
     for b, label in reversed(labels):
         expr = F.when(value < b, F.lit(label)).otherwise(expr)
     return expr
-
-
-def bucket_labels(bounds: Sequence[int], unit: str) -> list[str]:
-    """Labels of the buckets ``_bucket_label`` assigns, in order."""
-    out, lo = [], 0
-    for b in bounds:
-        out.append(f"{lo}-{b}{unit}")
-        lo = b
-    return [*out, f">{bounds[-1]}{unit}"]
 
 
 def analyze(spark: SparkSession, opts: Options) -> Result:
@@ -430,7 +412,6 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
         json.dump(totals, f, indent=2, default=str)
         f.write("\n")
     say("writing the report")
-    from mtaq.analytics.report import write_report
 
     result = Result(totals, tables, time.monotonic() - t0)
     write_report(opts.out, result, top=opts.top, plots=opts.plots)

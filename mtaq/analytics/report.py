@@ -1,6 +1,6 @@
 """The human report of ``mtaq analyze``: ``OUT/report.md`` (Markdown) and PNG plots (matplotlib, Agg).
 
-Input is the :class:`mtaq.analytics.job.Result` (small tables already collected); nothing here touches
+Input is the :class:`mtaq.analytics.tables.Result` (small tables already collected); nothing here touches
 Spark. Sections follow ``pflogsumm``'s order (grand totals, per-day and per-hour traffic, host/domain
 summaries, senders and recipients, deferral and bounce detail), then what only the queue's own history
 shows: time to deliver, attempts per message, queue shape over time, outcome-unknown recipients, and the
@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from mtaq.analytics.job import Result
+from mtaq.analytics.tables import AGE_BUCKETS_MIN, DELAY_BUCKETS_S, Result, bucket_labels
 
 __all__ = ["markdown_table", "write_report"]
 
@@ -66,8 +65,6 @@ def _plots(out: str, result: Result) -> list[tuple[str, str]]:
         made.append(("traffic_hourly.png", "Traffic per hour"))
     delays = t.get("delays") or []
     if delays:
-        from mtaq.analytics.job import DELAY_BUCKETS_S, bucket_labels
-
         order = bucket_labels(DELAY_BUCKETS_S, "s")
         counts = {r["bucket"]: r["delivered"] for r in delays}
         fig, ax = plt.subplots(figsize=(8, 4))
@@ -106,8 +103,6 @@ def _plots(out: str, result: Result) -> list[tuple[str, str]]:
 
 def write_report(out: str, result: Result, *, top: int = 20, plots: bool = True) -> str:
     """Write ``out/report.md`` (and the PNGs it links); return its path."""
-    from mtaq.analytics.job import AGE_BUCKETS_MIN, bucket_labels
-
     os.makedirs(out, exist_ok=True)
     tt, t = result.totals, result.tables
     made = _plots(out, result) if plots else []

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import ipaddress
 import random
-import re
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Literal, TypeVar
@@ -42,13 +41,12 @@ import dns.nameserver
 import dns.rdatatype
 import dns.resolver
 
-from mtaq.config import Config, Relayhost, parse_nameserver, parse_relayhost
+from mtaq.config import Config, Relayhost, parse_nameserver, parse_relayhost, parse_transport_spec
 from mtaq.delivery.relay import Reply, TlsLevel
 
 __all__ = ["Candidate", "Dns", "Route", "RouteFailure", "Router", "domain_of", "lookup", "parse_transport"]
 
 V = TypeVar("V")
-_STATUS = re.compile(r"^([245])\.(\d{1,3})\.(\d{1,3})(?:\s+|$)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,31 +62,14 @@ class Transport:
 def parse_transport(value: str, *, key: str = "transport_map", default_port: int = 25) -> Transport:
     """A ``transport_map`` value -> Transport. Raises ValueError naming ``key`` for a value it cannot use.
 
-    ``discard`` and ``discard:text``; ``error:5.1.1 text``, ``error:text`` (5.0.0); ``smtp:NEXTHOP``,
-    ``relay:NEXTHOP``, ``smtp:`` or a bare ``NEXTHOP`` in relayhost syntax (``[host]:port``, ``host:port``).
+    The syntax is parsed by :func:`mtaq.config.parse_transport_spec` (where the configuration is validated);
+    this adds the replies of ``discard`` and ``error``.
     """
-    v = value.strip()
-    kind, colon, rest = v.partition(":")
-    kind = kind.lower()
-    if kind == "discard":
-        text = rest.strip() or "discarded by transport map"
-        return Transport("discard", reply=Reply(250, "2.0.0", text))
-    if kind == "error":
-        m = _STATUS.match(rest.strip())
-        if m and m.group(1) == "2":
-            raise ValueError(f"{key}: error status {m.group(0).strip()} is not a failure (4.x.x or 5.x.x)")
-        status = f"{m.group(1)}.{m.group(2)}.{m.group(3)}" if m else "5.0.0"
-        text = (rest.strip()[m.end() :] if m else rest).strip() or "mail for this destination is refused"
-        return Transport("error", reply=Reply(550 if status[0] == "5" else 450, status, text))
-    if kind in ("smtp", "relay") and colon:
-        nexthop = rest
-    elif re.fullmatch(r"[a-z][a-z0-9-]*", kind) and colon and not rest[:1].isdigit() and not v.startswith("["):
-        raise ValueError(f"{key}: unknown transport {kind!r} in {value!r} (smtp, relay, discard or error)")
-    else:
-        nexthop = v
-    if not nexthop.strip():
-        return Transport("smtp", None)
-    return Transport("smtp", parse_relayhost(nexthop, key=key, default_port=default_port))
+    spec = parse_transport_spec(value, key=key, default_port=default_port)
+    if spec.kind == "smtp":
+        return Transport("smtp", spec.nexthop)
+    assert spec.code is not None and spec.status is not None
+    return Transport(spec.kind, reply=Reply(spec.code, spec.status, spec.text))
 
 
 def lookup(table: Mapping[str, V], domain: str) -> V | None:

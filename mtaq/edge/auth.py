@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import bcrypt
 
-from mtaq.errors import ConfigError
+from mtaq.core.errors import ConfigError
 
 __all__ = ["PASSWORD_MAX_BYTES", "PasswordFile", "hash_password", "valid_user"]
 

@@ -26,8 +26,8 @@ import ssl
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from mtaq.core.errors import ConfigError
 from mtaq.edge.auth import PasswordFile
-from mtaq.errors import ConfigError
 
 if TYPE_CHECKING:
     from mtaq.config import Config

@@ -16,13 +16,13 @@ from typing import Any
 
 from aiosmtpd.smtp import SMTP, Envelope, Session
 
+from mtaq.core.errors import StorageError
 from mtaq.edge.limits import ConnectionGate
 from mtaq.edge.policy import EdgePolicy
 from mtaq.edge.smtp import MtaqSMTP
 from mtaq.edge.trace import protocol_name, received_header
-from mtaq.errors import StorageError
 from mtaq.logs import get_logger
-from mtaq.queue import Queue
+from mtaq.queue.store import Queue
 from mtaq.testing import killpoints
 
 __all__ = ["QueueHandler", "start_server"]
@@ -94,7 +94,7 @@ async def start_server(
 
     ``data_size_limit`` in bytes (SIZE, ``552 5.3.4``); ``timeout_s`` the idle time before ``421 4.4.2``;
     ``policy`` the relay control, limits, TLS and AUTH (default: :class:`EdgePolicy`'s safe defaults);
-    ``reuse_port``: SO_REUSEPORT, for several worker processes on one port (mtaq.workers).
+    ``reuse_port``: SO_REUSEPORT, for several worker processes on one port (mtaq.daemon.workers).
     All connections of the listener share one :class:`ConnectionGate`. Raises OSError if it cannot listen.
     """
     loop = asyncio.get_running_loop()

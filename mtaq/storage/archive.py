@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from mtaq.core.errors import MtaqError
 from mtaq.core.frame import (
     SEGMENT_HEADER_BYTES,
     HeaderError,
@@ -34,7 +35,6 @@ from mtaq.core.frame import (
     decode_segment_header,
     salvage_segment_header,
 )
-from mtaq.errors import MtaqError
 from mtaq.storage.fs import File, FileSystem
 
 __all__ = ["ARCHIVE_NAME", "ArchiveError", "Archived", "SegmentArchive", "archive_name"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Literal
 
+from mtaq.core.errors import CorruptRecord, StorageError
 from mtaq.core.frame import (
     FRAME_HEADER_BYTES,
     RECORD_BYTES_MAX,
@@ -31,7 +32,6 @@ from mtaq.core.frame import (
     scan_segment,
 )
 from mtaq.core.records import PayloadError, Pos, Record, RecordType, decode_payload
-from mtaq.errors import CorruptRecord, StorageError
 from mtaq.storage.log import Log
 
 __all__ = ["CHUNK_BYTES", "CONFIRMED_MAX", "DECODED_MAX", "LogCursor"]

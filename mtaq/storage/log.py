@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from mtaq.core.errors import CorruptRecord, StorageError, StorageFatal, StorageFull
 from mtaq.core.frame import (
     FRAME_HEADER_BYTES,
     RECORD_BYTES_MAX,
@@ -61,7 +62,6 @@ from mtaq.core.records import (
     decode_payload,
     encode_payload,
 )
-from mtaq.errors import CorruptRecord, StorageError, StorageFatal, StorageFull
 from mtaq.storage.fs import File, FileSystem
 from mtaq.testing import killpoints
 

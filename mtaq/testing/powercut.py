@@ -173,7 +173,7 @@ def cut(spool: str, *, reorder: random.Random | None = None) -> dict[str, int]:
     root = os.path.abspath(spool)
     for dirpath, dirs, files in os.walk(root):
         if dirpath == root:
-            # The shards of a sharded spool (mtaq.workers) keep their own ledgers: each is cut by its own.
+            # The shards of a sharded spool (mtaq.daemon.workers) keep their own ledgers: each is cut by its own.
             for d in [d for d in dirs if d.startswith("shard-") and d[6:].isdigit()]:
                 dirs.remove(d)
                 for k, v in cut(os.path.join(root, d), reorder=reorder).items():

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 
 from mtaq.core.records import DataRecord, EnvelopeRecord, Pos, Recipient
-from mtaq.queue import new_queue_id
+from mtaq.queue.store import new_queue_id
 from mtaq.storage.fs import OsFileSystem
 from mtaq.storage.log import Log
 

@@ -1,6 +1,6 @@
 """``mtaq queue``: list, size, show, delete, hold, release, flush, bounce (Postfix mailq / postsuper style).
 
-The commands talk to the running daemon through its admin HTTP API (:mod:`mtaq.admin_http`), found through
+The commands talk to the running daemon through its admin HTTP API (:mod:`mtaq.admin.http`), found through
 ``SPOOL/admin.json`` (or ``--url``), with the stdlib's urllib. When the daemon is down (no admin.json, its
 pid gone, or nothing listening), ``list``, ``size`` and ``show`` read the spool directly and say so on
 stderr; the actions then fail: the queue is changed only by the daemon, through its log.
@@ -25,10 +25,10 @@ from typing import Any, TextIO
 
 import msgspec
 
-from mtaq.admin import format_time
+from mtaq.admin.service import format_time
 from mtaq.core.duration import parse_duration
+from mtaq.core.errors import MtaqError
 from mtaq.core.parking import ADMIN_ACTIONS
-from mtaq.errors import MtaqError
 
 __all__ = ["add_queue_parser", "format_mailq", "run_queue"]
 
@@ -152,7 +152,7 @@ def _settings(args: argparse.Namespace) -> tuple[str, str]:
     spool = spool or "./spool"
     token = token or os.environ.get("MTAQ_ADMIN_TOKEN", "")
     if not token:  # the token the daemon generated at its first start
-        from mtaq.admin_http import read_spool_token
+        from mtaq.admin.http import read_spool_token
 
         try:
             token = read_spool_token(spool)
@@ -237,7 +237,7 @@ def run_queue(args: argparse.Namespace, out: TextIO | None = None) -> int:
     except Offline as off:
         _need_log(spool)
         _offline_note(off.why, spool)
-        from mtaq import admin
+        from mtaq.admin import service as admin
 
         if cmd == "list":
             position, mails = _offline_list(spool, args, older)
@@ -280,7 +280,7 @@ def _filter_query(args: argparse.Namespace, older: float | None) -> dict[str, An
 
 
 def _offline_list(spool: str, args: argparse.Namespace, older: float | None) -> tuple[str, list[dict[str, Any]]]:
-    from mtaq.admin import offline_view
+    from mtaq.admin.service import offline_view
     from mtaq.core.view import Selector
 
     view = offline_view(spool)

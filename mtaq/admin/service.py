@@ -28,13 +28,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mtaq.core.checkpoint import Checkpoint
+from mtaq.core.errors import CorruptRecord, MtaqError, StorageError
 from mtaq.core.frame import scan_segment
 from mtaq.core.parking import ADMIN_ACTIONS, QueueCounts
 from mtaq.core.records import PARKED, DataRecord, EnvelopeRecord, Pos, RecordType
 from mtaq.core.view import Entry, QueueView, Selector
-from mtaq.errors import CorruptRecord, MtaqError, StorageError
-from mtaq.queue import Queue
-from mtaq.runners import Runner
+from mtaq.queue.runners import Runner
+from mtaq.queue.store import Queue
 from mtaq.storage.checkpoint import read_checkpoint
 from mtaq.storage.cursor import LogCursor
 from mtaq.storage.fs import OsFileSystem

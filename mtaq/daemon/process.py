@@ -25,31 +25,31 @@ from typing import Any
 
 import msgspec
 
-from mtaq.admin import AdminService
-from mtaq.admin_http import AdminHttp, ApiState, spool_token
+from mtaq.admin.http import AdminHttp, ApiState, spool_token
+from mtaq.admin.metrics import Metrics
+from mtaq.admin.service import AdminService
 from mtaq.config import Config, parse_hostport
 from mtaq.core.checkpoint import Checkpoint
+from mtaq.core.errors import CorruptRecord, StorageError, StorageFatal
 from mtaq.core.frame import Problem
 from mtaq.core.records import EnvelopeRecord, Outcome, Pos
 from mtaq.core.state import Attempt, RetryPolicy, format_reply
+from mtaq.daemon.workers import shard_count, shard_dir, supervise
 from mtaq.delivery.relay import Reply, classify
 from mtaq.delivery.routing import Router
 from mtaq.delivery.throttle import DomainLimit, Throttle
 from mtaq.delivery.transport import Batch, ConnectionPool, HopFailure, deliver
 from mtaq.edge.policy import EdgePolicy
 from mtaq.edge.server import QueueHandler, start_server
-from mtaq.errors import CorruptRecord, StorageError, StorageFatal
 from mtaq.logs import configure_logging, get_logger
-from mtaq.metrics import Metrics
-from mtaq.queue import Queue, set_queue_id_shard
-from mtaq.recovery import move_aside, recover
-from mtaq.runners import RUNNER_READ_RETRY_S, Declined, Dispatcher, Runner
+from mtaq.queue.recovery import move_aside, recover
+from mtaq.queue.runners import RUNNER_READ_RETRY_S, Declined, Dispatcher, Runner
+from mtaq.queue.store import Queue, set_queue_id_shard
 from mtaq.storage.archive import ArchiveError, SegmentArchive
 from mtaq.storage.checkpoint import write_checkpoint
 from mtaq.storage.fs import FileSystem, OsFileSystem
 from mtaq.storage.log import Log, segment_path
 from mtaq.testing import killpoints, powercut
-from mtaq.workers import shard_count, shard_dir, supervise
 
 __all__ = ["Daemon", "serve"]
 
@@ -69,7 +69,7 @@ class Daemon:
         self.cfg = cfg
         self.clock = clock
         self._fs_given = fs  # tests pass a failing one; else the real file system (or MTAQ_TEST_FS)
-        self.reuse_port = reuse_port  # one of several worker processes sharing the port (mtaq.workers)
+        self.reuse_port = reuse_port  # one of several worker processes sharing the port (mtaq.daemon.workers)
         self._copy_failed: set[Pos] = set()  # parked envelopes whose DATA could not be copied forward
         self.log = get_logger()
         self.router = Router(cfg)
@@ -552,7 +552,7 @@ def _run_worker(cfg: Config, shard: int, n: int) -> None:
 
 def serve(cfg: Config) -> int:
     """Run the daemon until the process is killed; with ``workers`` > 1 (or a spool that has shards), run
-    one worker process per shard under a supervisor (:mod:`mtaq.workers`) and return the exit status of
+    one worker process per shard under a supervisor (:mod:`mtaq.daemon.workers`) and return the exit status of
     the first worker that ended (the others are killed: crash-only). Raises ValueError (too many shards)."""
     n = shard_count(cfg.spool_dir, cfg.workers)
     if n > 1 and parse_hostport(cfg.listen)[1] == 0:

@@ -1,8 +1,8 @@
-"""The OpenAPI 3.1 description of the admin HTTP API (:mod:`mtaq.admin_http`), written by hand.
+"""The OpenAPI 3.1 description of the admin HTTP API (:mod:`mtaq.admin.http`), written by hand.
 
 It is served at ``GET /openapi.json`` and kept as ``docs/admin_api.openapi.json``; a test checks that every
 route of the application is described here and every path here is a route, and that the docs file equals
-this document. Regenerate the file with ``python -m mtaq.admin_openapi > docs/admin_api.openapi.json``.
+this document. Regenerate the file with ``python -m mtaq.admin.openapi > docs/admin_api.openapi.json``.
 """
 
 from __future__ import annotations

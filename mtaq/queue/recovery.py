@@ -32,12 +32,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mtaq.core.checkpoint import Checkpoint, restore_runners
+from mtaq.core.errors import CorruptRecord
 from mtaq.core.frame import SEGMENT_HEADER_BYTES, Problem, scan_segment
 from mtaq.core.parking import QueueCounts
 from mtaq.core.records import PARKED, DeliveryRecord, EnvelopeRecord, FinishRecord, Outcome, Pos, StartRecord
 from mtaq.core.state import Attempt
-from mtaq.errors import CorruptRecord
-from mtaq.queue import Queue
+from mtaq.queue.store import Queue
 from mtaq.storage.checkpoint import read_checkpoint
 from mtaq.storage.log import OpenReport
 from mtaq.storage.quarantine import list_quarantine, quarantine

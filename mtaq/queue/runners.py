@@ -26,9 +26,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from mtaq.core.errors import StorageError
 from mtaq.core.frame import Problem
 from mtaq.core.records import EnvelopeRecord, Pos, RecordType
-from mtaq.errors import StorageError
 from mtaq.storage.cursor import LogCursor
 from mtaq.storage.log import Log
 

@@ -8,7 +8,7 @@ What waits for an fsync and what does not (seed 001, GUIDE §3):
   whole prefix, but a power cut before it can keep a later page and lose an earlier one (out-of-order
   write-back), so a conclusion can survive while the DSNs or the DATA copy appended just before it did
   not. Recovery therefore trusts a conclusion only when it is known durable or no unsynced hole lies within
-  its attempt; otherwise it concludes the attempt again from the original envelope (mtaq.recovery).
+  its attempt; otherwise it concludes the attempt again from the original envelope (mtaq.queue.recovery).
 
 A replacement envelope gets a fresh copy of the DATA record, so that mail deferred for days never pins an
 old segment (reclamation deletes a prefix of segments).
@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 import msgspec
 
 from mtaq.core.dsn import DsnRecipient, build_dsn
+from mtaq.core.errors import CorruptRecord, QueueBusy, StorageError, StorageFull
 from mtaq.core.parking import ADMIN_ACTIONS, ADMIN_BOUNCE, COPY_FORWARD, Parked, QueueCounts, admin_conclusion
 from mtaq.core.records import (
     PARKED,
@@ -38,7 +39,6 @@ from mtaq.core.records import (
     StartRecord,
 )
 from mtaq.core.state import Attempt, Conclusion, DsnItem, RetryPolicy, WorkingSet, conclude, format_reply
-from mtaq.errors import CorruptRecord, QueueBusy, StorageError, StorageFull
 from mtaq.storage.log import Log
 
 __all__ = ["Queue", "new_queue_id", "set_queue_id_shard"]
@@ -49,7 +49,7 @@ _shard = -1
 
 
 def set_queue_id_shard(shard: int) -> None:
-    """In worker ``shard`` (0..15) of a sharded spool (mtaq.workers): the low 4 bits of every queue ID are
+    """In worker ``shard`` (0..15) of a sharded spool (mtaq.daemon.workers): the low 4 bits of every queue ID are
     ``shard``, so that IDs made by different worker processes can never be equal."""
     global _shard
     if not 0 <= shard < 16:

@@ -45,7 +45,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from mtaq.queue import Queue
+    from mtaq.queue.store import Queue
 
 __all__ = ["COMMIT_BUCKETS_S", "CONTENT_TYPE", "DELIVERY_BUCKETS_S", "Buckets", "Metrics"]
 

@@ -2,7 +2,7 @@
 
 Routes follow Apache James WebAdmin's mail-queue routes (``/mailQueues``...), on one queue named ``spool``:
 mtaq has one log, and a message's state (incoming, active, deferred, delayed, held) is a filter, not a
-queue. The OpenAPI 3 description is :data:`mtaq.admin_openapi.SPEC` (``GET /openapi.json``).
+queue. The OpenAPI 3 description is :data:`mtaq.admin.openapi.SPEC` (``GET /openapi.json``).
 
 What must always hold:
 
@@ -18,7 +18,7 @@ What must always hold:
 * it listens from the start (metrics during recovery) but queue routes answer 503 until recovery is done;
 * every error is JSON ``{"statusCode", "type", "message"}`` (James style): 400 bad input (the message names
   the parameter), 401, 404 unknown queue, queue ID or route, 405, 500 when the log cannot be written;
-* actions go through :class:`~mtaq.admin.AdminService` (durable log records, consistent selection);
+* actions go through :class:`~mtaq.admin.service.AdminService` (durable log records, consistent selection);
 * ``SPOOL/admin.json`` (``{"url", "pid"}``) is written atomically (rename; not fsync'd: it is a hint for
   ``mtaq queue``, rewritten at every start) once the API listens.
 """
@@ -37,12 +37,12 @@ import msgspec
 from aiohttp import web
 from multidict import MultiMapping
 
-from mtaq.admin import AdminError, AdminService
+from mtaq.admin.metrics import CONTENT_TYPE, Metrics
+from mtaq.admin.service import AdminError, AdminService
 from mtaq.core.duration import parse_duration
+from mtaq.core.errors import StorageError
 from mtaq.core.parking import ADMIN_ACTIONS
 from mtaq.core.view import Selector
-from mtaq.errors import StorageError
-from mtaq.metrics import CONTENT_TYPE, Metrics
 
 __all__ = ["ADMIN_JSON", "ADMIN_TOKEN", "QUEUE_NAME", "AdminHttp", "ApiError", "ApiState", "make_app",
            "read_spool_token", "selector_from_query", "spool_token"]
@@ -336,7 +336,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def openapi(request: web.Request) -> web.Response:
     """``GET /openapi.json``: the OpenAPI 3 description of this API."""
-    from mtaq.admin_openapi import SPEC
+    from mtaq.admin.openapi import SPEC
 
     return _json(SPEC)
 
@@ -425,7 +425,7 @@ ROUTES: tuple[tuple[str, str, Callable[[web.Request], Awaitable[web.Response]]],
 
 
 def make_app(state: ApiState) -> web.Application:
-    """The aiohttp application (routes in :data:`ROUTES`, described in :mod:`mtaq.admin_openapi`)."""
+    """The aiohttp application (routes in :data:`ROUTES`, described in :mod:`mtaq.admin.openapi`)."""
     app = web.Application(middlewares=[_errors, _same_origin, _auth], client_max_size=_BODY_BYTES_MAX)
     app[_STATE] = state
     for method, path, handler in ROUTES:

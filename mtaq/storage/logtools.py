@@ -72,7 +72,7 @@ def _line(pos: Pos, rec: Record) -> str:
 def dump(log_dir: str, *, as_json: bool, out: IO[str], shard: int | None = None) -> int:
     """Print one line per record (and one per problem); exit status 0.
 
-    ``shard`` (a sharded spool, mtaq.workers): a ``# shard k: DIR`` line first, and a ``shard`` field in JSON.
+    ``shard`` (a sharded spool, mtaq.daemon.workers): a ``# shard k: DIR`` line first, and a ``shard`` field in JSON.
     """
     extra = {} if shard is None else {"shard": shard}
     if shard is not None and not as_json:
