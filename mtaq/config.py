@@ -91,6 +91,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     delay_warning_time_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # 0: no delay DSNs
     # Postfix bounce_size_limit: a DSN returns a larger original as its header section only (0: no limit).
     bounce_size_limit_bytes: Annotated[int, msgspec.Meta(ge=0)] = 50_000
+    # A message being received is kept in memory up to this many bytes, the rest in an unnamed temporary file
+    # in the spool, then copied into the log in pieces: memory per SMTP session is bounded by this, not by
+    # message_size_limit_bytes (issue 13.4).
+    receive_buffer_bytes: Annotated[int, msgspec.Meta(ge=4096, le=64 * MiB)] = 256 * 1024
     checkpoint_interval_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 5.0
     # An attempt still running after this long is abandoned and its message due again (visibility timeout).
     delivery_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 900.0

@@ -45,7 +45,7 @@ ALLOWED: dict[str, set[str]] = {
     "storage": {"core"},  # the only file-system code
     "queue": {"core", "storage"},  # the queue over the log: store, runners, recovery
     "delivery": {"core", "config", "logs"},
-    "edge": {"core", "queue", "config", "logs"},
+    "edge": {"core", "storage", "queue", "config", "logs"},
     "admin": {"core", "storage", "queue", "config", "logs"},
     "analytics": {"core"},  # never imported by the daemon (tests/test_analytics_boundaries.py)
     "testing": {"core", "storage", "queue", "logs"},

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import struct
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from mtaq.core.records import (
@@ -57,6 +58,8 @@ __all__ = [
     "encode_frame",
     "encode_record",
     "encode_segment_header",
+    "frame_crc",
+    "frame_head",
     "salvage_segment_header",
     "scan_segment",
 ]
@@ -178,6 +181,21 @@ def encode_frame(rtype: int, payload: bytes, salt: int) -> bytes:
     head = struct.pack("<HBBI", FRAME_MAGIC, rtype, 0, len(payload))
     crc = zlib.crc32(payload, zlib.crc32(head, salt))
     return head + struct.pack("<I", crc) + payload
+
+
+def frame_head(rtype: int, length: int) -> bytes:
+    """The first 8 bytes of a frame header (magic, type, flags, payload length); the CRC follows them."""
+    if length > RECORD_BYTES_MAX:
+        raise ValueError(f"record payload {length} bytes exceeds {RECORD_BYTES_MAX}")
+    return struct.pack("<HBBI", FRAME_MAGIC, rtype, 0, length)
+
+
+def frame_crc(head: bytes, pieces: Iterable[bytes | memoryview], salt: int) -> int:
+    """The frame checksum of a payload given in ``pieces`` (the same value :func:`encode_frame` writes)."""
+    crc = zlib.crc32(head, salt)
+    for piece in pieces:
+        crc = zlib.crc32(piece, crc)
+    return crc
 
 
 def encode_record(record: Record, salt: int) -> bytes:

@@ -40,6 +40,7 @@ __all__ = [
     "SealRecord",
     "StartRecord",
     "decode_payload",
+    "encode_data_prefix",
     "encode_payload",
 ]
 
@@ -220,6 +221,25 @@ def encode_payload(record: Record) -> tuple[RecordType, bytes]:
     # msgspec encodes a tagged array_like struct as [tag, *fields]; strip nothing - keep the tag as a
     # redundant self-check so a payload decoded under the wrong type byte fails loudly.
     return rtype, _ENCODER.encode(record)
+
+
+def encode_data_prefix(queue_id: str, body_bytes: int) -> bytes:
+    """The msgpack payload of ``DataRecord(queue_id, body)`` up to where the body's bytes begin, for a body
+    of ``body_bytes`` bytes: ``prefix + body == encode_payload(DataRecord(queue_id, body))[1]``, byte for
+    byte (msgpack bin 8/16/32, the smallest that fits, as msgspec writes it). Lets a body be framed in
+    pieces without holding it whole (issue 13.4). Raises ValueError for a body of 4 GiB or more.
+    """
+    empty = _ENCODER.encode(DataRecord(queue_id=queue_id, body=b""))
+    assert empty.endswith(b"\xc4\x00"), "DataRecord must end with its body"
+    if body_bytes < 0x100:
+        head = bytes((0xC4, body_bytes))
+    elif body_bytes < 0x10000:
+        head = b"\xc5" + body_bytes.to_bytes(2, "big")
+    elif body_bytes < 0x100000000:
+        head = b"\xc6" + body_bytes.to_bytes(4, "big")
+    else:
+        raise ValueError(f"body of {body_bytes} bytes is too large for one record")
+    return empty[:-2] + head
 
 
 def decode_payload(rtype: int, payload: bytes | memoryview) -> Record:

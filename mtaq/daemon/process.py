@@ -134,6 +134,7 @@ class Daemon:
         self.queue.messages_max = cfg.queue_messages_max
         self.queue.commit_backlog_max = cfg.commit_backlog_max
         self.queue.bounce_size_limit_bytes = cfg.bounce_size_limit_bytes
+        self.queue.body_memory_bytes = cfg.receive_buffer_bytes
         self.queue.minfree_bytes = max(cfg.queue_minfree_bytes, cfg.message_size_limit_bytes * 3 // 2)
         self.queue.on_dsn = self._on_dsn
         self.metrics.queue = self.queue

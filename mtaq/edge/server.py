@@ -23,6 +23,7 @@ from mtaq.edge.smtp import MtaqSMTP
 from mtaq.edge.trace import protocol_name, received_header
 from mtaq.logs import get_logger
 from mtaq.queue.store import Queue
+from mtaq.storage.spill import BodyBuffer
 from mtaq.testing import killpoints
 
 __all__ = ["QueueHandler", "start_server"]
@@ -47,7 +48,13 @@ class QueueHandler:
             recipients=envelope.rcpt_tos,
             when_ts=self.queue.clock(),
         )
-        body = trace + (envelope.original_content or b"")
+        content = envelope.original_content or b""
+        body: bytes | BodyBuffer
+        if isinstance(content, BodyBuffer):  # a large message, partly in a temporary file (issue 13.4)
+            content.head = trace
+            body = content
+        else:
+            body = trace + content
         mail_params = [_param(o) for o in envelope.mail_options]
         ret, envid = getattr(envelope, "dsn_ret", None), getattr(envelope, "dsn_envid", None)
         if ret:
@@ -118,6 +125,7 @@ async def start_server(
             tls_context=pol.tls_context,
             policy=pol,
             gate=gate,
+            body_buffer=handler.queue.new_body,
             loop=loop,
         )
 

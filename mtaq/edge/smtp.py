@@ -54,7 +54,7 @@ import collections
 import datetime as dt
 import re
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 from aiosmtpd.smtp import MISSING, SMTP, AuthResult, Envelope, LoginPassword, TLSSetupException, syntax
@@ -64,6 +64,7 @@ from mtaq.edge.limits import ConnectionGate
 from mtaq.edge.policy import EdgePolicy, address_problem
 from mtaq.edge.replies import enhance, reply_code
 from mtaq.logs import get_logger
+from mtaq.storage.spill import BodyBuffer
 
 __all__ = ["DsnEnvelope", "DsnParams", "DsnSyntaxError", "MtaqSMTP", "decode_xtext", "encode_xtext",
            "parse_mail_dsn", "parse_rcpt_dsn"]
@@ -266,7 +267,13 @@ class MtaqSMTP(FastPathMixin, SMTP):
     """
 
     def __init__(
-        self, handler: Any, *args: Any, policy: EdgePolicy | None = None, gate: ConnectionGate | None = None, **kwargs: Any
+        self,
+        handler: Any,
+        *args: Any,
+        policy: EdgePolicy | None = None,
+        gate: ConnectionGate | None = None,
+        body_buffer: Callable[[], BodyBuffer] | None = None,
+        **kwargs: Any,
     ) -> None:
         # aiosmtpd keeps the per-command line limits in a class attribute, shared by every connection (and
         # grown on each EHLO); give each connection its own.
@@ -280,6 +287,9 @@ class MtaqSMTP(FastPathMixin, SMTP):
         self._closing = False  # a 421 went out: say nothing more
         self._admitted = False  # holds a place in the gate
         self._refusal: str | None = None  # why the gate refused this connection
+        # Where a message's lines go while DATA is read: a BodyBuffer (memory bounded, the rest in a temporary
+        # file; the handler gets it as envelope.content when the message was large) or, with None, a list.
+        self._body_buffer = body_buffer
         super().__init__(handler, *args, **kwargs)
 
     def _create_envelope(self) -> DsnEnvelope:
@@ -590,9 +600,13 @@ class MtaqSMTP(FastPathMixin, SMTP):
             if hang_up:
                 self._hang_up()
             return
-        envelope.content = envelope.original_content = content
+        envelope.content = envelope.original_content = content  # type: ignore[assignment]
         self._reset_timeout()  # the handler's wait for the fsync is not the client's idleness
-        status = await self._call_handler_hook("DATA") if "DATA" in self._handle_hooks else MISSING
+        try:
+            status = await self._call_handler_hook("DATA") if "DATA" in self._handle_hooks else MISSING
+        finally:
+            if isinstance(content, BodyBuffer):
+                content.close()
         self._set_post_data_state()  # type: ignore[no-untyped-call]
         self._verb = "DATA"
         try:
@@ -600,9 +614,10 @@ class MtaqSMTP(FastPathMixin, SMTP):
         finally:
             self._verb = None
 
-    async def _read_data(self) -> tuple[bytes, str | None, bool]:
+    async def _read_data(self) -> tuple[bytes | BodyBuffer, str | None, bool]:
         """``(content, None, False)``, or ``(b"", reply, hang_up)`` for a refused message; reads up to
-        ``CRLF . CRLF``.
+        ``CRLF . CRLF``. ``content`` is bytes, or the :class:`BodyBuffer` of a message that outgrew the
+        buffer's memory (the caller closes it).
 
         Lines are split on CRLF only; a leading dot is removed from each (RFC 5321 §4.5.2). A bare CR or LF
         is refused or, under ``normalize``, replaced by CRLF after that (so no dot is removed after one).
@@ -612,6 +627,20 @@ class MtaqSMTP(FastPathMixin, SMTP):
         limit = self.data_size_limit or 0
         normalize = self.policy.bare_newline == "normalize"
         kept: list[bytes] = []
+        buf = self._body_buffer() if self._body_buffer is not None else None
+        try:
+            result = await self._read_lines(reader, limit, normalize, kept, buf)
+        except BaseException:
+            if buf is not None:
+                buf.close()
+            raise
+        if buf is not None and result[0] is not buf:
+            buf.close()  # refused, or small enough to be handed on as bytes
+        return result
+
+    async def _read_lines(
+        self, reader: asyncio.StreamReader, limit: int, normalize: bool, kept: list[bytes], buf: BodyBuffer | None
+    ) -> tuple[bytes | BodyBuffer, str | None, bool]:
         size = 0
         bare: str | None = None
         too_long = too_big = False
@@ -640,9 +669,15 @@ class MtaqSMTP(FastPathMixin, SMTP):
             if limit and size > limit:
                 too_big = True
             if too_long or too_big or (bare is not None and not normalize):
-                kept.clear()  # refused: keep nothing
+                if buf is not None:
+                    buf.discard()  # refused: keep nothing
+                kept.clear()
                 continue
-            kept.append(_NEWLINES.sub(b"\r\n", line) if normalize and bare is not None else line)
+            out = _NEWLINES.sub(b"\r\n", line) if normalize and bare is not None else line
+            if buf is not None:
+                buf.write(out)
+            else:
+                kept.append(out)
         if not ended_ok:
             # The connection went away before the final dot: a message without its end is never queued.
             raise asyncio.CancelledError
@@ -654,6 +689,10 @@ class MtaqSMTP(FastPathMixin, SMTP):
             return b"", "552 5.3.4 Error: message size exceeds fixed maximum message size", False
         if too_long:
             return b"", f"500 5.5.2 Error: line too long (RFC 5321 §4.5.3.1.6: {TEXT_LINE_MAX} octets)", False
+        if buf is not None:
+            if buf.spilled:
+                return buf, None, False
+            return buf.getvalue(), None, False
         return b"".join(kept), None, False
 
     def _take_params(self, arg: str | None, keyword: str, ours: Collection[str]) -> tuple[str, list[str]] | None:

@@ -17,6 +17,7 @@ old segment (reclamation deletes a prefix of segments).
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import socket
 import time
@@ -40,6 +41,7 @@ from mtaq.core.records import (
 )
 from mtaq.core.state import Attempt, Conclusion, DsnItem, RetryPolicy, WorkingSet, conclude, format_reply
 from mtaq.storage.log import Log
+from mtaq.storage.spill import MEMORY_BYTES, BodyBuffer
 
 __all__ = ["Queue", "new_queue_id", "set_queue_id_shard"]
 
@@ -74,6 +76,13 @@ def new_queue_id(now_ts: float | None = None) -> str:
     return "".join(reversed(out))
 
 
+def _wrap_buffer_error(exc: OSError) -> StorageError:
+    """A failed write or read of a body's temporary file: 452 4.3.1 when the disk is full, else 451 4.3.0."""
+    if exc.errno == errno.ENOSPC:
+        return StorageFull(f"temporary body file: {exc}")
+    return StorageError(f"temporary body file: {exc}")
+
+
 def _param(params: Sequence[tuple[str, str]], key: str) -> str | None:
     for k, v in params:
         if k.upper() == key:
@@ -106,6 +115,9 @@ class Queue:
         # A DSN returns at most this much of the original, else its header section only (0: no limit).
         self.bounce_size_limit_bytes = 50_000
         self.settling = 0  # received messages waiting for their covering fsync (the group commit backlog)
+        # A body being received is kept in memory up to this many bytes, then in an unnamed temporary file
+        # in the log's directory, and copied into the log in pieces (issue 13.4; see new_body).
+        self.body_memory_bytes = MEMORY_BYTES
         self.counts = QueueCounts()  # messages by state (mtaq queue size)
         self.parked = Parked()  # held and delayed envelopes, which no runner reads
         # Envelopes an administrator's action started while a runner or the parked scheduler may still offer
@@ -120,7 +132,7 @@ class Queue:
         self,
         sender: str,
         recipients: Sequence[str],
-        body: bytes,
+        body: bytes | BodyBuffer,
         *,
         mail_params: Sequence[tuple[str, str]] = (),
         rcpt_params: Sequence[Sequence[tuple[str, str]]] | None = None,
@@ -130,6 +142,9 @@ class Queue:
     ) -> EnvelopeRecord:
         """Append a new message and return its envelope once it is durable (the caller may then say 250).
 
+        ``body`` is the message as bytes, or a :class:`~mtaq.storage.spill.BodyBuffer` (from
+        :meth:`new_body`) that is copied into the log in pieces, never whole in memory (issue 13.4); the
+        caller closes the buffer.
         ``not_before_ts`` (UTC seconds) delays the first attempt (RFC 4865 FUTURERELEASE): the envelope is
         then parked until that time instead of going to the runner for new mail.
 
@@ -143,7 +158,10 @@ class Queue:
             raise QueueBusy(f"{self.settling} messages wait for an fsync (commit_backlog_max)")
         if self.messages_max and self.counts.total() >= self.messages_max:
             raise StorageFull(f"the queue holds {self.counts.total()} messages (queue_messages_max)")
-        if self.minfree_bytes and self.log.free_bytes() < self.minfree_bytes + len(body):
+        if isinstance(body, BodyBuffer) and body.failure is not None:
+            raise _wrap_buffer_error(body.failure)
+        size = body.size if isinstance(body, BodyBuffer) else len(body)
+        if self.minfree_bytes and self.log.free_bytes() < self.minfree_bytes + size:
             raise StorageFull(f"spool free space below queue_minfree_bytes ({self.minfree_bytes} bytes)")
         env, pos, lsn = self._append_message(
             sender, recipients, body, mail_params, rcpt_params, client, helo, not_before_ts=not_before_ts
@@ -151,11 +169,16 @@ class Queue:
         await asyncio.shield(self._settle(env, pos, lsn))
         return env
 
+    def new_body(self) -> BodyBuffer:
+        """A buffer for one message being received (give it to :meth:`receive`, then close it): memory
+        per receiving session is bounded by :attr:`body_memory_bytes`, not by the message size."""
+        return BodyBuffer(self.log.directory, memory_bytes=self.body_memory_bytes)
+
     def _append_message(
         self,
         sender: str,
         recipients: Sequence[str],
-        body: bytes,
+        body: bytes | BodyBuffer,
         mail_params: Sequence[tuple[str, str]] = (),
         rcpt_params: Sequence[Sequence[tuple[str, str]]] | None = None,
         client: str = "",
@@ -166,7 +189,17 @@ class Queue:
         now = self.clock()
         delayed = not_before_ts is not None and not_before_ts > now
         qid = new_queue_id(now)
-        data_pos, _ = self.log.append(DataRecord(queue_id=qid, body=body))
+        if isinstance(body, BodyBuffer) and body.spilled:
+            size = body.size
+            try:
+                data_pos, _ = self.log.append_data(qid, body.pieces, size)
+            except OSError as exc:  # the temporary file could not be read back: nothing was appended
+                raise _wrap_buffer_error(exc) from exc
+        else:
+            if isinstance(body, BodyBuffer):
+                body = body.getvalue()
+            size = len(body)
+            data_pos, _ = self.log.append(DataRecord(queue_id=qid, body=body))
         rps = rcpt_params or [()] * len(recipients)
         env = EnvelopeRecord(
             queue_id=qid,
@@ -179,7 +212,7 @@ class Queue:
                 for i, (a, p) in enumerate(zip(recipients, rps, strict=True))
             ),
             data=data_pos,
-            size=len(body),
+            size=size,
             mail_params=tuple(mail_params),
             client=client,
             helo=helo,

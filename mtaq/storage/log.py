@@ -29,7 +29,7 @@ import os
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import msgspec
@@ -49,6 +49,8 @@ from mtaq.core.frame import (
     decode_segment_header,
     encode_frame,
     encode_segment_header,
+    frame_crc,
+    frame_head,
     salvage_segment_header,
     scan_segment,
 )
@@ -57,9 +59,11 @@ from mtaq.core.records import (
     PayloadError,
     Pos,
     Record,
+    RecordType,
     SealRecord,
     StartRecord,
     decode_payload,
+    encode_data_prefix,
     encode_payload,
 )
 from mtaq.storage.fs import File, FileSystem
@@ -127,6 +131,11 @@ def _make_durable_dirs(fs: FileSystem, directory: str) -> None:
     for d in reversed(missing):
         fs.makedirs(d)
         fs.fsync_dir(os.path.dirname(d))
+
+
+def _chain(first: bytes, rest: Iterable[bytes]) -> Iterator[bytes]:
+    yield first
+    yield from rest
 
 
 def _wrap_oserror(exc: OSError, what: str) -> StorageError:
@@ -350,6 +359,59 @@ class Log:
                 self._roll()
             frame = encode_frame(int(rtype), payload, self._cur_salt)
             offset = self._cur.append(frame)
+        except OSError as exc:
+            raise _wrap_oserror(exc, f"appending to segment {self._cur_no}") from exc
+        self._cur_records += 1
+        self._dirty[self._cur_no] = self._cur
+        self._end = Pos(self._cur_no, offset + size)
+        self._appended_lsn += 1
+        self.stats.records_appended += 1
+        self.stats.bytes_appended += size
+        return Pos(self._cur_no, offset), self._appended_lsn
+
+    def append_data(self, queue_id: str, body: Callable[[], Iterable[bytes]], body_bytes: int) -> tuple[Pos, int]:
+        """Append ``DataRecord(queue_id, body)`` from a body given in pieces, never holding it whole.
+
+        ``body()`` is called twice (the checksum, then the copy) and must give the same ``body_bytes`` bytes
+        both times. The frame is byte for byte the one :meth:`append` writes for the same record, so readers
+        see no difference. Same return value, durability and errors as :meth:`append`; ValueError if the
+        pieces do not add up to ``body_bytes``. Nothing of the record is left in the log after an error.
+        """
+        prefix = encode_data_prefix(queue_id, body_bytes)
+        return self._append_pieces(int(RecordType.DATA), len(prefix) + body_bytes, lambda: _chain(prefix, body()))
+
+    def _append_pieces(self, rtype: int, length: int, pieces: Callable[[], Iterator[bytes]]) -> tuple[Pos, int]:
+        if self._failed is not None:
+            raise self._failed
+        head = frame_head(rtype, length)
+        size = FRAME_HEADER_BYTES + length
+        try:
+            assert self._cur is not None
+            if self._cur_sealed or (self._cur_records > 0 and self._cur.size() + size > self.segment_bytes_max):
+                self._roll()
+            seen = 0
+
+            def counted() -> Iterator[bytes]:
+                nonlocal seen
+                for piece in pieces():
+                    seen += len(piece)
+                    yield piece
+
+            crc = frame_crc(head, counted(), self._cur_salt)
+            if seen != length:
+                raise ValueError(f"record pieces are {seen} bytes, not {length}")
+            start = self._cur.size()
+            offset = self._cur.append(head + crc.to_bytes(4, "little"))
+            try:
+                written = 0
+                for piece in pieces():
+                    self._cur.append(piece)
+                    written += len(piece)
+                if written != length:
+                    raise ValueError(f"record pieces changed: {written} bytes, not {length}")
+            except BaseException:
+                self._cur.truncate(start)  # no half record left behind
+                raise
         except OSError as exc:
             raise _wrap_oserror(exc, f"appending to segment {self._cur_no}") from exc
         self._cur_records += 1
