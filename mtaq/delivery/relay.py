@@ -230,8 +230,8 @@ class RelayConnection:
         return f"{version} verified"
 
     async def _authenticate(self, c: aiosmtplib.SMTP) -> None:
-        """AUTH (RFC 4954) with the hop's credentials when the server offers it; PLAIN, LOGIN or CRAM-MD5 as
-        aiosmtplib chooses. Never without TLS unless ``allow_plaintext_auth`` (the password would cross the
+        """AUTH (RFC 4954) with the hop's credentials when the server offers it: one try with CRAM-MD5
+        (RFC 2195), else PLAIN (RFC 4616), else LOGIN. Never without TLS unless ``allow_plaintext_auth`` (the password would cross the
         network readable). Raises HopUnusable ``454 4.7.0`` (no TLS, no common mechanism) or _AuthFailed
         with the server's code (Postfix: ``SASL authentication failed; server … said: 535 …``). No text
         raised here contains the password or user name."""
@@ -241,8 +241,21 @@ class RelayConnection:
         if not self.tls_version and not self.security.allow_plaintext_auth:
             raise HopUnusable(Reply(454, "4.7.0", f"SASL authentication failed; cannot authenticate to server "
                                                   f"{self.name}: no TLS session (smtp_sasl_allow_plaintext = false)"))
+        offered = c.server_auth_methods
+        mechanism = next((m for m in ("cram-md5", "plain", "login") if m in offered), None)
+        if mechanism is None:
+            raise HopUnusable(Reply(454, "4.7.0", f"SASL authentication failed; cannot authenticate to server "
+                                                  f"{self.name}: no mechanism available (offered: "
+                                                  f"{' '.join(offered)[:200] or 'none'})"))
         try:
-            await c.login(cred.username, cred.password)
+            # One mechanism, one try (aiosmtplib's login() would try each in turn: two or three failures
+            # counted against the account per attempt). CRAM-MD5 first: it never sends the password.
+            if mechanism == "cram-md5":
+                await c.auth_crammd5(cred.username, cred.password)
+            elif mechanism == "plain":
+                await c.auth_plain(cred.username, cred.password)
+            else:
+                await c.auth_login(cred.username, cred.password)
         except aiosmtplib.SMTPResponseException as exc:
             said = " ".join(exc.message.split())
             raise _AuthFailed(Reply(454, "4.7.0", f"SASL authentication failed; server {self.name} said: "
