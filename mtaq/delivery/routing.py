@@ -5,7 +5,8 @@ For one recipient, :meth:`Router.route` decides *where* without any I/O, in Post
 1. ``transport_map`` (Postfix transport(5)): the exact domain, then each parent domain written with a
    leading dot (``.example.org`` matches ``a.b.example.org``, not ``example.org``), then ``*``. Values:
    ``[host]:port`` / ``smtp:[host]:port`` (that host, no MX lookup), ``host:port`` / ``smtp:host`` (the MX
-   records of ``host``), ``smtp:`` (the recipient domain by MX), ``discard[:text]`` (counted as delivered,
+   records of ``host``), ``smtp:`` (the recipient domain by MX), ``smtps:NEXTHOP`` (as ``smtp:``, with TLS
+   from the first byte, RFC 8314), ``discard[:text]`` (counted as delivered,
    nothing sent), ``error:5.1.1 text`` (that reply; 5.x.x bounces, 4.x.x defers);
 2. ``relayhost`` when set;
 3. the recipient domain: its MX records (an address literal ``[192.0.2.1]`` is used as it is).
@@ -21,9 +22,10 @@ that end routing for the whole destination become a :class:`RouteFailure` carryi
 A single MX host without addresses (or whose lookup fails) is skipped with a temporary reason (4.4.4 or
 4.4.3), so that the next host is tried; when none is left, the caller defers with the last reason.
 
-The STARTTLS policy of a destination is looked up in ``tls_policy_map`` by the next-hop destination as
-written (``[10.0.0.5]:25``, ``example.org``), then by the recipient domain (exact, ``.parent``, ``*``),
-else ``smtp_tls_security_level``.
+The TLS policy of a destination (``none``, ``may``, ``encrypt``, ``verify``, ``secure``) is looked up in
+``tls_policy_map`` by the next-hop destination as written (``[10.0.0.5]:25``, ``example.org``), then by the
+recipient domain (exact, ``.parent``, ``*``), else ``smtp_tls_security_level``; :meth:`Route.tls_match` gives
+the names a certificate must carry at ``verify``/``secure``.
 """
 
 from __future__ import annotations
