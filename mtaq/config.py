@@ -62,8 +62,30 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     commit_backlog_max: Annotated[int, msgspec.Meta(ge=0)] = 0
     # Outbound STARTTLS (Postfix smtp_tls_security_level): "may" (opportunistic, certificate not verified),
     # "encrypt" (defer 4.7.4/4.7.5 without TLS), "none". Per destination in tls_policy_map.
-    smtp_tls_security_level: Literal["none", "may", "encrypt"] = "may"
-    tls_policy_map: dict[str, Literal["none", "may", "encrypt"]] = msgspec.field(default_factory=dict)
+    # "verify" (RFC 6125: a trusted chain and the server's host name: the MX host name, or the name in
+    # brackets) and "secure" (a trusted chain and the next-hop destination: the name in brackets, or the
+    # domain and its subdomains) defer 4.7.5 on failure (Postfix's levels; mtaq.delivery.tlsverify).
+    smtp_tls_security_level: Literal["none", "may", "encrypt", "verify", "secure"] = "may"
+    tls_policy_map: dict[str, Literal["none", "may", "encrypt", "verify", "secure"]] = msgspec.field(
+        default_factory=dict
+    )
+    # Trust anchors for verify/secure: a PEM file of CA certificates; "" uses the system's CA store.
+    smtp_tls_CAfile: str = ""
+    # TLS from the first byte (RFC 8314 implicit TLS, port 465) for every SMTP next hop (Postfix
+    # smtp_tls_wrappermode); per destination, write "smtps:[host]:465" in transport_map instead.
+    smtp_tls_wrappermode: bool = False
+    # Outbound AUTH (RFC 4954; Postfix smtp_sasl_auth_enable, smtp_sasl_password_maps): "KEY user:password"
+    # lines, KEY a next hop as written ("[smtp.example.com]:587") or, with
+    # smtp_sender_dependent_authentication, a sender "@example.org" / "user@example.org". The file must not
+    # be readable by group or other (mtaq.delivery.sasl).
+    smtp_sasl_auth_enable: bool = False
+    smtp_sasl_password_file: str = ""
+    smtp_sender_dependent_authentication: bool = False
+    # AUTH over a connection without TLS (the password in the clear, base64); Postfix noplaintext's opposite.
+    smtp_sasl_allow_plaintext: bool = False
+    # After a 5xx to AUTH, mail for that next hop and user is deferred without connecting for this long
+    # (no lock-out of the account by retries).
+    smtp_sasl_auth_failure_hold_s: Annotated[float, msgspec.Meta(ge=0)] = 300.0
     # DNS for MX routing: [] means /etc/resolv.conf; entries "IP" or "IP:PORT" / "[IPv6]:PORT".
     dns_nameservers: list[str] = msgspec.field(default_factory=list)
     dns_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 53
@@ -251,13 +273,16 @@ class TransportSpec(msgspec.Struct, frozen=True):
     code: int | None = None
     status: str | None = None
     text: str = ""
+    wrapper: bool = False  # "smtps:": TLS from the first byte (RFC 8314 implicit TLS)
 
 
 def parse_transport_spec(value: str, *, key: str = "transport_map", default_port: int = 25) -> TransportSpec:
     """Postfix transport(5) syntax -> TransportSpec. Raises ValueError naming ``key`` for a value it cannot use.
 
     ``discard`` and ``discard:text``; ``error:5.1.1 text``, ``error:text`` (5.0.0); ``smtp:NEXTHOP``,
-    ``relay:NEXTHOP``, ``smtp:`` or a bare ``NEXTHOP`` in relayhost syntax (``[host]:port``, ``host:port``).
+    ``relay:NEXTHOP``, ``smtp:`` or a bare ``NEXTHOP`` in relayhost syntax (``[host]:port``, ``host:port``);
+    ``smtps:NEXTHOP`` is ``smtp`` with TLS from the first byte (RFC 8314 §3.3, Postfix's ``smtps`` service
+    with ``smtp_tls_wrappermode = yes``).
     """
     v = value.strip()
     kind, colon, rest = v.partition(":")
@@ -271,15 +296,16 @@ def parse_transport_spec(value: str, *, key: str = "transport_map", default_port
         status = f"{m.group(1)}.{m.group(2)}.{m.group(3)}" if m else "5.0.0"
         text = (rest.strip()[m.end() :] if m else rest).strip() or "mail for this destination is refused"
         return TransportSpec("error", code=550 if status[0] == "5" else 450, status=status, text=text)
-    if kind in ("smtp", "relay") and colon:
+    if kind in ("smtp", "relay", "smtps") and colon:
         nexthop = rest
     elif re.fullmatch(r"[a-z][a-z0-9-]*", kind) and colon and not rest[:1].isdigit() and not v.startswith("["):
-        raise ValueError(f"{key}: unknown transport {kind!r} in {value!r} (smtp, relay, discard or error)")
+        raise ValueError(f"{key}: unknown transport {kind!r} in {value!r} (smtp, smtps, relay, discard or error)")
     else:
         nexthop = v
+    wrapper = kind == "smtps" and bool(colon)
     if not nexthop.strip():
-        return TransportSpec("smtp", None)
-    return TransportSpec("smtp", parse_relayhost(nexthop, key=key, default_port=default_port))
+        return TransportSpec("smtp", None, wrapper=wrapper)
+    return TransportSpec("smtp", parse_relayhost(nexthop, key=key, default_port=default_port), wrapper=wrapper)
 
 
 def parse_nameserver(value: str, default_port: int = 53) -> tuple[str, int]:

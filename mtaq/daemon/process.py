@@ -37,6 +37,7 @@ from mtaq.core.state import Attempt, RetryPolicy, format_reply
 from mtaq.daemon.workers import shard_count, shard_dir, supervise
 from mtaq.delivery.relay import Reply, classify
 from mtaq.delivery.routing import Router
+from mtaq.delivery.sasl import SaslClient
 from mtaq.delivery.throttle import DomainLimit, Throttle
 from mtaq.delivery.transport import Batch, ConnectionPool, HopFailure, deliver
 from mtaq.edge.policy import EdgePolicy
@@ -79,6 +80,7 @@ class Daemon:
         )
         self.pools: list[ConnectionPool] = []
         self.edge = EdgePolicy.from_config(cfg)  # reads the TLS and password files; ConfigError if bad
+        self.sasl = SaslClient.from_config(cfg)  # outbound AUTH credentials; ConfigError if bad or readable
         self.counts = {"delivered": 0, "deferred": 0, "failed": 0}
         self.metrics = Metrics(self.counts, domains_max=cfg.metrics_domains_max)
         self.http: AdminHttp | None = None  # the admin API (admin_listen), listening from the start
@@ -311,6 +313,10 @@ class Daemon:
             self.log.info("hop_failed", queue_id=env.queue_id, relay=f.relay, dsn=f.reply.enhanced,
                           reply=f"{f.reply.code} {f.reply.enhanced} {f.reply.text}",
                           recipients=[rcpts[i].address for i in f.positions], action="next host")
+            if f.sasl_code:  # AUTH refused (the user name, never the password)
+                self.log.warning("sasl_auth_failed", queue_id=env.queue_id, relay=f.relay, code=f.sasl_code,
+                                 sasl_username=f.sasl_username, reply=f"{f.reply.code} {f.reply.enhanced} {f.reply.text}",
+                                 action="held" if f.sasl_code >= 500 else "next host")
 
         if body is None and problem.startswith("temporary: "):
             # Only a checksum failure may bounce; a read that failed for a reason that can pass defers.
@@ -335,6 +341,7 @@ class Daemon:
                         record=record,
                         on_hop_failure=hop_failed,
                         throttle=self.throttle,
+                        sasl=self.sasl,
                     )
             except TimeoutError:
                 # The visibility timeout (CassieQ): the attempt is abandoned; recipients without a durable

@@ -10,13 +10,17 @@ Third-party exceptions are converted here and only here (httpcore's ``map_except
 
 from __future__ import annotations
 
+import asyncio
 import re
+import socket
 import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import aiosmtplib
+
+from mtaq.delivery.security import HopSecurity, cert_names_match, verified_context
 
 __all__ = ["HopUnusable", "RelayConnection", "Reply", "TlsLevel", "classify", "split_enhanced", "wire_content"]
 
@@ -85,7 +89,8 @@ def classify(code: int) -> str:
     return "deferred"
 
 
-TlsLevel = Literal["none", "may", "encrypt"]
+TlsLevel = Literal["none", "may", "encrypt", "verify", "secure"]
+_MANDATORY = ("encrypt", "verify", "secure")  # no plaintext fallback at these levels
 
 
 class HopUnusable(Exception):
@@ -98,6 +103,24 @@ class HopUnusable(Exception):
 
 class _TlsFailed(Exception):
     """STARTTLS was refused or its handshake failed (the connection is unusable)."""
+
+
+class _AuthFailed(HopUnusable):
+    """The server refused AUTH (RFC 4954 §6): ``code`` is its reply code (535, 454, ...)."""
+
+    def __init__(self, reply: Reply, code: int) -> None:
+        super().__init__(reply)
+        self.code = code
+
+
+def _cert_failure(exc: BaseException) -> ssl.SSLCertVerificationError | None:
+    """The certificate verification error behind ``exc`` (aiosmtplib wraps the one of implicit TLS)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ssl.SSLCertVerificationError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 async def _hello(c: aiosmtplib.SMTP) -> None:
@@ -123,14 +146,22 @@ class RelayConnection:
 
     ``address`` is what is connected to (an IP address or a name for the system resolver), ``hostname`` the
     name it was found under (an MX host name; used for SNI and in ``name``, Postfix's ``relay=`` form
-    ``host[address]:port``). ``tls`` is the STARTTLS policy (RFC 3207; Postfix's security levels):
+    ``host[address]:port``). ``tls`` is the TLS policy (RFC 3207; Postfix's security levels):
 
     * ``may``: STARTTLS when the server offers it, certificate not verified; a refused STARTTLS or a failed
       handshake falls back to a new plaintext connection (as Postfix does);
     * ``encrypt``: the same, but no plaintext: not offered -> ``450 4.7.4 TLS is required, but was not
       offered by host …``; refused or failed -> ``450 4.7.5 Cannot start TLS: …`` (Postfix's wording and
       codes, RFC 3463 X.7.4 "security features not supported", X.7.5 "cryptographic failure");
+    * ``verify`` / ``secure``: as ``encrypt``, and the certificate chain must end at a trusted CA
+      (``450 4.7.5 Server certificate not trusted: …`` otherwise) and name ``security.match`` (RFC 6125;
+      ``450 4.7.5 Server certificate not verified: …``); the ``tls`` label is then ``TLSv1.3 verified``;
     * ``none``: never STARTTLS.
+
+    ``security`` (:class:`~mtaq.delivery.security.HopSecurity`) adds implicit TLS (RFC 8314, port 465: TLS
+    before the greeting; levels below ``encrypt`` count as ``encrypt`` there, as no plaintext is possible)
+    and AUTH credentials (RFC 4954, after the last EHLO; a refusal is ``454 4.7.0 SASL authentication
+    failed; server … said: 535 …`` and ``auth_failure`` holds the server's code).
     """
 
     def __init__(
@@ -142,6 +173,7 @@ class RelayConnection:
         timeout_s: float,
         hostname: str | None = None,
         tls: TlsLevel = "may",
+        security: HopSecurity | None = None,
     ) -> None:
         self.address = address
         self.port = port
@@ -149,6 +181,8 @@ class RelayConnection:
         self.helo_name = helo_name
         self.timeout_s = timeout_s
         self.tls: TlsLevel = tls
+        self.security = security or HopSecurity()
+        self.auth_failure = 0  # the server's reply code when AUTH was refused in the last send, else 0
         self._client: aiosmtplib.SMTP | None = None
         self.remote_dsn = False  # whether the next hop offered DSN in the last transaction
         self.tls_version = ""  # e.g. "TLSv1.3" while the connection is encrypted, "" in plaintext
@@ -158,41 +192,132 @@ class RelayConnection:
         """``host[address]:port``, like Postfix's ``relay=``."""
         return f"{self.hostname}[{self.address}]:{self.port}"
 
-    async def _open(self, tls: TlsLevel) -> aiosmtplib.SMTP:
-        """Connect, read the greeting, EHLO (HELO if EHLO is refused) and, by ``tls``, STARTTLS + EHLO again.
+    def _context(self, tls: TlsLevel) -> ssl.SSLContext:
+        if tls in ("verify", "secure"):
+            return verified_context(self.security.ca_file)
+        return _opportunistic_context()
 
-        Raises HopUnusable (TLS required but not offered), _TlsFailed (STARTTLS refused or the handshake
-        failed), or aiosmtplib/OS errors when the host cannot be reached or greets with an error.
-        """
-        c = aiosmtplib.SMTP(
-            hostname=self.address,
-            port=self.port,
-            local_hostname=self.helo_name,
-            timeout=self.timeout_s,
-            start_tls=False,  # STARTTLS is driven here, by policy
-        )
+    async def _socket(self) -> socket.socket:
+        """A TCP connection to ``address``:``port`` (for implicit TLS, so that SNI names ``hostname``)."""
+        loop = asyncio.get_running_loop()
+        infos = await loop.getaddrinfo(self.address, self.port, type=socket.SOCK_STREAM)
+        if not infos:
+            raise OSError(f"no address for {self.address}")
+        family, kind, proto, _, addr = infos[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setblocking(False)
         try:
-            await c.connect()
+            async with asyncio.timeout(self.timeout_s):
+                await loop.sock_connect(sock, addr)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def _peer(self, c: aiosmtplib.SMTP, tls: TlsLevel) -> str:
+        """The ``tls`` label of an encrypted connection after checking the certificate's names at
+        ``verify``/``secure`` (RFC 6125; the chain was checked in the handshake). Raises HopUnusable
+        ``4.7.5 Server certificate not verified`` when no name matches (Postfix's wording)."""
+        ssl_obj = c.get_transport_info("ssl_object")
+        version = (ssl_obj.version() if ssl_obj is not None else None) or "TLS"
+        if tls not in ("verify", "secure"):
+            return version  # encrypted, certificate not checked (Postfix: "Untrusted"/"Anonymous")
+        cert = ssl_obj.getpeercert() if ssl_obj is not None else None
+        if not cert or not cert_names_match(cert, self.security.match):
+            names = ", ".join(self.security.match) or "(none)"
+            raise HopUnusable(Reply(450, "4.7.5", f"Server certificate not verified: host {self.name}: "
+                                                  f"the certificate names none of {names}"))
+        return f"{version} verified"
+
+    async def _authenticate(self, c: aiosmtplib.SMTP) -> None:
+        """AUTH (RFC 4954) with the hop's credentials when the server offers it: one try with CRAM-MD5
+        (RFC 2195), else PLAIN (RFC 4616), else LOGIN. Never without TLS unless ``allow_plaintext_auth`` (the password would cross the
+        network readable). Raises HopUnusable ``454 4.7.0`` (no TLS, no common mechanism) or _AuthFailed
+        with the server's code (Postfix: ``SASL authentication failed; server … said: 535 …``). No text
+        raised here contains the password or user name."""
+        cred = self.security.credentials
+        if cred is None or not c.supports_extension("auth"):
+            return  # Postfix: a server that does not offer AUTH gets the mail without it
+        if not self.tls_version and not self.security.allow_plaintext_auth:
+            raise HopUnusable(Reply(454, "4.7.0", f"SASL authentication failed; cannot authenticate to server "
+                                                  f"{self.name}: no TLS session (smtp_sasl_allow_plaintext = false)"))
+        offered = c.server_auth_methods
+        mechanism = next((m for m in ("cram-md5", "plain", "login") if m in offered), None)
+        if mechanism is None:
+            raise HopUnusable(Reply(454, "4.7.0", f"SASL authentication failed; cannot authenticate to server "
+                                                  f"{self.name}: no mechanism available (offered: "
+                                                  f"{' '.join(offered)[:200] or 'none'})"))
+        try:
+            # One mechanism, one try (aiosmtplib's login() would try each in turn: two or three failures
+            # counted against the account per attempt). CRAM-MD5 first: it never sends the password.
+            if mechanism == "cram-md5":
+                await c.auth_crammd5(cred.username, cred.password)
+            elif mechanism == "plain":
+                await c.auth_plain(cred.username, cred.password)
+            else:
+                await c.auth_login(cred.username, cred.password)
+        except aiosmtplib.SMTPResponseException as exc:
+            said = " ".join(exc.message.split())
+            raise _AuthFailed(Reply(454, "4.7.0", f"SASL authentication failed; server {self.name} said: "
+                                                  f"{exc.code} {said}".strip()), exc.code) from None
+        except aiosmtplib.SMTPException as exc:
+            raise HopUnusable(Reply(454, "4.7.0", f"SASL authentication failed; cannot authenticate to server "
+                                                  f"{self.name}: {_why(exc)}")) from None
+
+    async def _open(self, tls: TlsLevel) -> aiosmtplib.SMTP:
+        """Connect, read the greeting, EHLO (HELO if EHLO is refused), by ``tls`` STARTTLS + EHLO again, then
+        AUTH when the hop has credentials. With ``security.wrapper`` TLS starts before the greeting (RFC 8314
+        §3.3, implicit TLS) and is never dropped.
+
+        Raises HopUnusable (TLS required but not offered, certificate name mismatch, AUTH refused),
+        _TlsFailed (STARTTLS refused or the handshake failed), or aiosmtplib/OS errors when the host cannot
+        be reached or greets with an error.
+        """
+        wrapped = self.security.wrapper
+        sock = await self._socket() if wrapped else None
+        if sock is not None:
+            c = aiosmtplib.SMTP(hostname=self.hostname, sock=sock, local_hostname=self.helo_name,
+                                timeout=self.timeout_s, use_tls=True, start_tls=False, tls_context=self._context(tls))
+        else:
+            c = aiosmtplib.SMTP(
+                hostname=self.address,
+                port=self.port,
+                local_hostname=self.helo_name,
+                timeout=self.timeout_s,
+                start_tls=False,  # STARTTLS is driven here, by policy
+            )
+        try:
+            try:
+                await c.connect()
+            except (aiosmtplib.SMTPException, OSError) as exc:
+                if wrapped and isinstance(exc.__cause__ or exc, ssl.SSLError):
+                    raise _TlsFailed(exc) from exc
+                raise
+            if wrapped:
+                self.tls_version = self._peer(c, tls)
             await _hello(c)
-            if tls != "none" and c.supports_extension("starttls"):
+            if not wrapped and tls != "none" and c.supports_extension("starttls"):
                 try:
-                    await c.starttls(server_hostname=self.hostname, tls_context=_opportunistic_context())
+                    await c.starttls(server_hostname=self.hostname, tls_context=self._context(tls))
                     await _hello(c)  # RFC 3207 §4.2: forget what the server said before TLS
                 except (aiosmtplib.SMTPException, OSError, ssl.SSLError) as exc:
                     raise _TlsFailed(exc) from exc
-                ssl_obj = c.get_transport_info("ssl_object")
-                self.tls_version = (ssl_obj.version() if ssl_obj is not None else None) or "TLS"
-            elif tls == "encrypt":
+                self.tls_version = self._peer(c, tls)
+            elif not wrapped and tls in _MANDATORY:
                 raise HopUnusable(Reply(450, "4.7.4", f"TLS is required, but was not offered by host {self.name}"))
+            await self._authenticate(c)
         except BaseException:
             c.close()
+            if sock is not None:
+                sock.close()
             raise
         return c
 
     async def _connected(self) -> aiosmtplib.SMTP:
-        """The open connection, or a new one (greeting, EHLO and, by policy, STARTTLS done).
+        """The open connection, or a new one (greeting, EHLO, by policy STARTTLS, AUTH done).
 
-        Raises HopUnusable for a TLS policy failure; aiosmtplib or OS errors when the host cannot be reached
+        Raises HopUnusable for a TLS or AUTH failure (``4.7.5 Server certificate not trusted`` when the chain
+        does not verify at ``verify``/``secure``); aiosmtplib or OS errors when the host cannot be reached
         or greets with an error.
         """
         c = self._client
@@ -204,9 +329,17 @@ class RelayConnection:
             c = await self._open(self.tls)
         except _TlsFailed as exc:
             self.tls_version = ""
-            if self.tls == "encrypt":
-                raise HopUnusable(Reply(450, "4.7.5", f"Cannot start TLS: {_why(exc.__cause__ or exc)}")) from exc
+            cause = exc.__cause__ or exc
+            if self.tls in _MANDATORY or self.security.wrapper:
+                bad = _cert_failure(cause)
+                if bad is not None:
+                    why = bad.verify_message or _why(bad)
+                    raise HopUnusable(Reply(450, "4.7.5", f"Server certificate not trusted: host {self.name}: {why}")) from None
+                raise HopUnusable(Reply(450, "4.7.5", f"Cannot start TLS: {_why(cause)}")) from None
             c = await self._open("none")  # opportunistic: a plaintext session rather than no mail
+        except HopUnusable:
+            self.tls_version = ""
+            raise
         self._client = c
         return c
 
@@ -246,6 +379,7 @@ class RelayConnection:
         def fill(reply: Reply) -> list[Reply]:
             return [r if r is not None else reply for r in replies]
 
+        self.auth_failure = 0
         asked = any(k.upper() == "SMTPUTF8" for k, _ in mail_params)
         utf8_headers = asked and not _header_section(body).isascii()
         for fresh in (False, True):
@@ -254,6 +388,8 @@ class RelayConnection:
                 c = await self._connected()
             except HopUnusable as exc:
                 self._drop()
+                if isinstance(exc, _AuthFailed):
+                    self.auth_failure = exc.code
                 return fill(exc.reply)
             except (aiosmtplib.SMTPException, OSError, ssl.SSLError) as exc:
                 self._drop()

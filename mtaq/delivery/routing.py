@@ -5,7 +5,8 @@ For one recipient, :meth:`Router.route` decides *where* without any I/O, in Post
 1. ``transport_map`` (Postfix transport(5)): the exact domain, then each parent domain written with a
    leading dot (``.example.org`` matches ``a.b.example.org``, not ``example.org``), then ``*``. Values:
    ``[host]:port`` / ``smtp:[host]:port`` (that host, no MX lookup), ``host:port`` / ``smtp:host`` (the MX
-   records of ``host``), ``smtp:`` (the recipient domain by MX), ``discard[:text]`` (counted as delivered,
+   records of ``host``), ``smtp:`` (the recipient domain by MX), ``smtps:NEXTHOP`` (as ``smtp:``, with TLS
+   from the first byte, RFC 8314), ``discard[:text]`` (counted as delivered,
    nothing sent), ``error:5.1.1 text`` (that reply; 5.x.x bounces, 4.x.x defers);
 2. ``relayhost`` when set;
 3. the recipient domain: its MX records (an address literal ``[192.0.2.1]`` is used as it is).
@@ -21,9 +22,10 @@ that end routing for the whole destination become a :class:`RouteFailure` carryi
 A single MX host without addresses (or whose lookup fails) is skipped with a temporary reason (4.4.4 or
 4.4.3), so that the next host is tried; when none is left, the caller defers with the last reason.
 
-The STARTTLS policy of a destination is looked up in ``tls_policy_map`` by the next-hop destination as
-written (``[10.0.0.5]:25``, ``example.org``), then by the recipient domain (exact, ``.parent``, ``*``),
-else ``smtp_tls_security_level``.
+The TLS policy of a destination (``none``, ``may``, ``encrypt``, ``verify``, ``secure``) is looked up in
+``tls_policy_map`` by the next-hop destination as written (``[10.0.0.5]:25``, ``example.org``), then by the
+recipient domain (exact, ``.parent``, ``*``), else ``smtp_tls_security_level``; :meth:`Route.tls_match` gives
+the names a certificate must carry at ``verify``/``secure``.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class Transport:
     kind: Literal["smtp", "discard", "error"]
     nexthop: Relayhost | None = None
     reply: Reply | None = None
+    wrapper: bool = False  # smtps: implicit TLS (RFC 8314)
 
 
 def parse_transport(value: str, *, key: str = "transport_map", default_port: int = 25) -> Transport:
@@ -67,7 +70,7 @@ def parse_transport(value: str, *, key: str = "transport_map", default_port: int
     """
     spec = parse_transport_spec(value, key=key, default_port=default_port)
     if spec.kind == "smtp":
-        return Transport("smtp", spec.nexthop)
+        return Transport("smtp", spec.nexthop, wrapper=spec.wrapper)
     assert spec.code is not None and spec.status is not None
     return Transport(spec.kind, reply=Reply(spec.code, spec.status, spec.text))
 
@@ -96,7 +99,8 @@ class Route:
     """Where a recipient goes; equal routes share one transaction (Postfix's per-destination delivery).
 
     ``kind`` smtp: ``host`` and ``port``; ``mx`` True means look up the MX records of ``host``. ``reply`` is
-    the fixed reply of discard/error routes. ``tls`` is the STARTTLS policy.
+    the fixed reply of discard/error routes. ``tls`` is the TLS policy; ``wrapper`` True means TLS from
+    the first byte (RFC 8314 implicit TLS: an ``smtps:`` transport or ``smtp_tls_wrappermode``).
     """
 
     kind: Literal["smtp", "discard", "error"]
@@ -105,6 +109,18 @@ class Route:
     mx: bool = False
     tls: TlsLevel = "may"
     reply: Reply | None = None
+    wrapper: bool = False
+
+    def tls_match(self, hostname: str) -> tuple[str, ...]:
+        """The names a certificate must carry (RFC 6125): at ``verify`` the host connected to
+        (``hostname``: the MX host name, or the name in brackets); at ``secure`` the next-hop destination
+        (the name in brackets; for MX routes the domain and any name under it, Postfix ``nexthop,
+        dot-nexthop``); () at the other levels."""
+        if self.tls == "verify":
+            return (hostname,)
+        if self.tls == "secure":
+            return (self.host, "." + self.host) if self.mx else (self.host,)
+        return ()
 
     def __str__(self) -> str:
         if self.kind != "smtp":
@@ -218,6 +234,8 @@ class Router:
         }
         self.tls_default: TlsLevel = cfg.smtp_tls_security_level
         self.tls_policy: dict[str, TlsLevel] = {k.strip().lower(): v for k, v in cfg.tls_policy_map.items()}
+        self.tls_ca_file = cfg.smtp_tls_CAfile
+        self.wrappermode = cfg.smtp_tls_wrappermode
         self.addresses_max = cfg.smtp_mx_addresses_max
         self.rng = rng or random.Random()
         self.dns = dns_client or Dns(
@@ -253,7 +271,8 @@ class Router:
                 nexthop = Relayhost(host=literal, port=self.smtp_port, mx=False)
             else:
                 nexthop = Relayhost(host=domain, port=self.smtp_port, mx=True)
-        return Route("smtp", nexthop.host, nexthop.port, nexthop.mx, self._tls(nexthop, domain))
+        wrapper = self.wrappermode or (t is not None and t.wrapper)
+        return Route("smtp", nexthop.host, nexthop.port, nexthop.mx, self._tls(nexthop, domain), wrapper=wrapper)
 
     async def candidates(self, route: Route) -> AsyncIterator[Candidate | Reply]:
         """The addresses to try for ``route``, best first, at most ``smtp_mx_addresses_max``.

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 from mtaq.delivery.relay import RelayConnection, Reply, TlsLevel
 from mtaq.delivery.routing import Candidate, Route, RouteFailure, Router
+from mtaq.delivery.sasl import SaslClient, nexthop_keys
+from mtaq.delivery.security import Credentials, HopSecurity
 from mtaq.delivery.throttle import Throttle
 
 __all__ = ["Batch", "ConnectionPool", "HopFailure", "deliver"]
@@ -49,11 +51,17 @@ class Batch:
 
 @dataclass(frozen=True, slots=True)
 class HopFailure:
-    """A host that was tried (or skipped) for ``positions`` and answered 4xx or could not be used."""
+    """A host that was tried (or skipped) for ``positions`` and answered 4xx or could not be used.
+
+    ``sasl_code`` is the server's reply code when it refused AUTH (0 otherwise), ``sasl_username`` the user
+    name that was refused (never the password).
+    """
 
     relay: str
     positions: tuple[int, ...]
     reply: Reply
+    sasl_code: int = 0
+    sasl_username: str = ""
 
 
 @dataclass(slots=True)
@@ -72,19 +80,22 @@ class ConnectionPool:
     idle_s: float
     max_conns: int = 8
     clock: Callable[[], float] = time.monotonic
-    _entries: dict[tuple[str, int, str, str], _Entry] = field(default_factory=dict)
+    _entries: dict[tuple[str, int, str, str, HopSecurity], _Entry] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, cand: Candidate, tls: TlsLevel) -> RelayConnection:
-        """The cached connection for ``cand`` with policy ``tls``, or a new (not yet open) one; marked busy."""
-        key = (cand.address, cand.port, cand.hostname, tls)
+    def get(self, cand: Candidate, tls: TlsLevel, security: HopSecurity | None = None) -> RelayConnection:
+        """The cached connection for ``cand`` with policy ``tls`` and ``security`` (implicit TLS, names to
+        verify, credentials: a connection authenticated as one user is never used for another), or a new
+        (not yet open) one; marked busy."""
+        security = security or HopSecurity()
+        key = (cand.address, cand.port, cand.hostname, tls, security)
         e = self._entries.pop(key, None)
         if e is None:
             e = _Entry(
                 RelayConnection(cand.address, cand.port, hostname=cand.hostname, helo_name=self.helo_name,
-                                timeout_s=self.timeout_s, tls=tls),
+                                timeout_s=self.timeout_s, tls=tls, security=security),
                 self.clock(),
             )
         e.busy = True
@@ -131,12 +142,15 @@ async def deliver(
     record: Callable[[Batch], Awaitable[None]],
     on_hop_failure: Callable[[HopFailure], None] = lambda f: None,
     throttle: Throttle | None = None,
+    sasl: SaslClient | None = None,
 ) -> None:
     """Deliver ``body`` to ``recipients``; every position gets exactly one final reply through ``record``.
 
     ``record`` is awaited for each batch (the caller makes it durable there). ``on_hop_failure`` hears of
     each host that was given up on for some recipients before the next one was tried. ``throttle`` holds
     a slot of each recipient domain of a group while it is delivered (per-domain concurrency and rate).
+    ``sasl`` gives the credentials of each destination (by ``sender`` and next hop; RFC 4954); credentials
+    held after a 5xx to AUTH defer the group without connecting (:mod:`mtaq.delivery.sasl`).
     """
     params = list(rcpt_params) if rcpt_params is not None else [()] * len(recipients)
     groups: dict[Route, list[int]] = {}
@@ -149,11 +163,11 @@ async def deliver(
             continue
         if throttle is None:
             await _deliver_group(router, pool, route, positions, sender, recipients, params, body, mail_params,
-                                 record, on_hop_failure)
+                                 record, on_hop_failure, sasl)
             continue
         async with throttle.slots(recipients[i].rpartition("@")[2] for i in positions):
             await _deliver_group(router, pool, route, positions, sender, recipients, params, body, mail_params,
-                                 record, on_hop_failure)
+                                 record, on_hop_failure, sasl)
 
 
 async def _deliver_group(
@@ -168,10 +182,19 @@ async def _deliver_group(
     mail_params: Sequence[tuple[str, str]],
     record: Callable[[Batch], Awaitable[None]],
     on_hop_failure: Callable[[HopFailure], None],
+    sasl: SaslClient | None = None,
 ) -> None:
     pending = list(positions)
     last: dict[int, Reply] = {}
     last_relay, last_dsn = "none", False
+    cred: Credentials | None = None
+    if sasl is not None:
+        cred = sasl.credentials(sender, nexthop_keys(route.host, route.port, route.mx))
+    held = sasl.held(cred) if sasl is not None and cred is not None else None
+    if held is not None:
+        on_hop_failure(HopFailure("none", tuple(pending), held))
+        await record(Batch("none", [(i, held) for i in pending]))
+        return
     try:
         async for cand in router.candidates(route):
             if isinstance(cand, Reply):
@@ -179,7 +202,14 @@ async def _deliver_group(
                     last[i] = cand
                 on_hop_failure(HopFailure("none", tuple(pending), cand))
                 continue
-            conn = pool.get(cand, route.tls)
+            security = HopSecurity(
+                wrapper=route.wrapper,
+                match=route.tls_match(cand.hostname),
+                ca_file=router.tls_ca_file,
+                credentials=cred,
+                allow_plaintext_auth=sasl is not None and sasl.allow_plaintext,
+            )
+            conn = pool.get(cand, route.tls, security)
             try:
                 replies = await conn.send(
                     sender,
@@ -203,8 +233,15 @@ async def _deliver_group(
                 last[i] = r
             if not pending:
                 return
+            refused = conn.auth_failure
             for reply in {r for _, r in retry}:
-                on_hop_failure(HopFailure(conn.name, tuple(i for i, r in retry if r == reply), reply))
+                on_hop_failure(HopFailure(conn.name, tuple(i for i, r in retry if r == reply), reply,
+                                          sasl_code=refused, sasl_username=cred.username if cred and refused else ""))
+            if refused >= 500 and sasl is not None and cred is not None:
+                # RFC 4954 §6: 535 and other 5xx mean these credentials will not do; every further try (the
+                # next MX, the next message) counts against the account: hold them, try no other host.
+                sasl.failed(cred, retry[0][1])
+                break
     except RouteFailure as exc:
         if not last:
             await record(Batch("none", [(i, exc.reply) for i in pending]))
