@@ -440,3 +440,15 @@ def test_cache_keys_are_safe_file_names(tmp_path):
     assert c.load("a.test") is None and [] == c.keys()
     c.save("a.test", b"{}")
     assert b"{}" == c.load("a.test") and ["a.test.json"] == c.keys()
+
+
+def test_from_config(tmp_path, cas):
+    from mtaq.config import Config
+    from mtaq.delivery.dane import DnssecResolver
+
+    cfg = Config(dns_nameservers=["127.0.0.1:5300"], mta_sts=True, mta_sts_ca_file=cas[2], mta_sts_timeout_s=2.0,
+                 smtp_dns_support_level="dnssec", dnssec_trusted_resolvers=["127.0.0.1:5300"])
+    sts = MtaSts.from_config(cfg, CacheDir(str(tmp_path)))
+    assert ([("127.0.0.1", 5300)], 2.0) == (sts.nameservers, sts.timeout_s)
+    r = DnssecResolver.from_config(cfg)
+    assert ([("127.0.0.1", 5300)], {("127.0.0.1", 5300)}) == (r.nameservers, r.trusted)

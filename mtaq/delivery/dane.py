@@ -66,6 +66,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.x509.oid import NameOID
 
+from mtaq.config import Config, parse_nameserver
 from mtaq.delivery.relay import Reply
 
 __all__ = [
@@ -148,6 +149,16 @@ class DnssecResolver:
         self.trusted = {(ip, int(port)) for ip, port in trusted}
         self.timeout_s = timeout_s
         self._resolver: dns.asyncresolver.Resolver | None = None
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> DnssecResolver:
+        """The resolver of ``dns_nameservers`` (else /etc/resolv.conf), the AD bit believed from
+        ``dnssec_trusted_resolvers``. Delivery should use DANE only when ``smtp_dns_support_level`` is dnssec."""
+        return cls(
+            [parse_nameserver(ns, cfg.dns_port) for ns in cfg.dns_nameservers],
+            [parse_nameserver(ns, cfg.dns_port, key="dnssec_trusted_resolvers") for ns in cfg.dnssec_trusted_resolvers],
+            timeout_s=cfg.dns_timeout_s,
+        )
 
     def _get(self) -> dns.asyncresolver.Resolver:
         if self._resolver is None:

@@ -53,6 +53,7 @@ import dns.name
 import dns.nameserver
 import dns.resolver
 
+from mtaq.config import Config, parse_nameserver
 from mtaq.delivery.relay import Reply
 from mtaq.logs import get_logger
 
@@ -308,6 +309,17 @@ class MtaSts:
         self._locks: dict[str, asyncio.Lock] = {}
         self._dns: dns.asyncresolver.Resolver | None = None
         self.log = get_logger()
+
+    @classmethod
+    def from_config(cls, cfg: Config, store: PolicyStore) -> MtaSts:
+        """``dns_nameservers``, ``mta_sts_timeout_s``, ``mta_sts_ca_file``; ``store`` is
+        ``CacheDir(os.path.join(cfg.spool_dir, "mta-sts"))`` in the daemon. Use only when ``cfg.mta_sts``."""
+        return cls(
+            store,
+            nameservers=[parse_nameserver(ns, cfg.dns_port) for ns in cfg.dns_nameservers],
+            timeout_s=cfg.mta_sts_timeout_s,
+            ca_file=cfg.mta_sts_ca_file,
+        )
 
     def _resolver(self) -> dns.asyncresolver.Resolver:
         if self._dns is None:
