@@ -39,7 +39,7 @@ from mtaq.storage.fs import OsFileSystem
 from mtaq.testing.dnsserver import ZoneServer
 
 DOMAINS = ["enforce.test", "testing.test", "none.test", "rotate.test", "big.test", "bad.test", "redirect.test",
-           "html.test", "untrusted.test", "notxt.test", "down.test"]
+           "html.test", "untrusted.test", "notxt.test", "down.test", "wrongname.test"]
 
 ENFORCE = "version: STSv1\nmode: enforce\nmx: mx1.enforce.test\nmx: *.backup.enforce.test\nmax_age: 86400\n"
 
@@ -87,7 +87,7 @@ class Site:
 def server_context(cas) -> ssl.SSLContext:
     good, bad, _ = cas
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    good.issue_cert(*[f"mta-sts.{d}" for d in DOMAINS if d != "untrusted.test"]).configure_cert(ctx)
+    good.issue_cert(*[f"mta-sts.{d}" for d in DOMAINS if d not in ("untrusted.test", "wrongname.test")]).configure_cert(ctx)
     other = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     bad.issue_cert("mta-sts.untrusted.test").configure_cert(other)
 
@@ -292,16 +292,20 @@ def test_untrusted_certificate_is_not_taken(zs, cas, tmp_path):
     served under a name the certificate does not carry is refused the same way."""
     site = Site()
     site.pages["mta-sts.untrusted.test"] = page(ENFORCE)
+    site.pages["mta-sts.wrongname.test"] = page(ENFORCE)
 
     async def go():
         async with https(cas, site) as port:
             sts = client(zs, cas, port, str(tmp_path / "c"))
             with pytest.raises(StsError, match=r"(?i)certificate"):
                 await sts.fetch("untrusted.test")
-            return await sts.policy("untrusted.test")
+            with pytest.raises(StsError, match=r"(?i)hostname|certificate"):
+                await sts.fetch("wrongname.test")  # trusted CA, but the certificate does not name this host
+            return [await sts.policy("untrusted.test"), await sts.policy("wrongname.test")]
 
-    assert run(go()) is None
-    assert not (tmp_path / "c" / "untrusted.test.json").exists()
+    assert [None, None] == run(go())
+    assert not (tmp_path / "c").exists()
+    assert 0 == sum(site.hits.values())  # nothing was sent over either connection
 
 
 @pytest.mark.parametrize(("domain", "served", "why"), [

@@ -19,8 +19,11 @@ insecure. :meth:`DnssecResolver.tlsa` turns the ``_PORT._tcp.HOST`` TLSA lookup 
 * ``defer``: the lookup failed (SERVFAIL, which is what a validating resolver answers for *bogus* data,
   timeout, ...): the host must not be used now, RFC 7672 §2.2.1; ``reply`` is ``451 4.7.5``.
 
-RFC 7672 §2.2.2: TLSA records are only looked up for an MX host whose address records were secure
-(:meth:`DnssecResolver.is_secure` with A/AAAA); else DANE does not apply to it.
+DANE applies to an MX host only when the MX RRset of the destination and the host's address records were
+secure (RFC 7672 §2.2.1-2.2.2; Exim's rule too): an attacker who forges an insecure MX or A answer chooses the
+host, and with it the TLSA records. Check both with :meth:`DnssecResolver.is_secure` (``MX`` of the domain,
+``A``/``AAAA`` of the host) before :meth:`DnssecResolver.tlsa`; the MX lookup of
+:mod:`~mtaq.delivery.routing` does not say whether its answer was secure.
 
 **Check.** :func:`check_chain` matches the peer's chain (DER certificates, leaf first) with the records:
 selector 0 (whole certificate) or 1 (SubjectPublicKeyInfo), matching type 0 (exact), 1 (SHA-256), 2
@@ -37,8 +40,8 @@ public accessor: it uses ``get_unverified_chain()`` (public in 3.13), else the p
 (``getpeercert(binary_form=True)``), which is enough for DANE-EE(3) but not for DANE-TA(2) (a TA record then
 only matches a self-issued leaf).
 
-**What delivery should do** (RFC 7672 §2.2, Postfix ``smtp_tls_security_level = dane``): per MX host whose
-addresses were secure, ``policy = await resolver.tlsa(host, port)``; ``defer`` -> skip the host with
+**What delivery should do** (RFC 7672 §2.2, Postfix ``smtp_tls_security_level = dane``): per MX host of a
+secure MX RRset whose addresses were secure, ``policy = await resolver.tlsa(host, port)``; ``defer`` -> skip the host with
 ``policy.reply``; ``dane`` -> STARTTLS required (not offered: ``4.7.4``), SNI = the MX host name, the
 handshake with ``CERT_NONE`` (the check is ours), then ``check_chain(peer_chain(ssl_object), policy.records,
 names=[host])``; not ``ok`` -> quit and skip the host with ``451 4.7.5`` and ``match.reason``; ``encrypt`` ->

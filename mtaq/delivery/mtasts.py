@@ -258,6 +258,7 @@ class _DnsResolver(aiohttp.abc.AbstractResolver):
 
     async def resolve(self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET) -> list[aiohttp.abc.ResolveResult]:
         out: list[aiohttp.abc.ResolveResult] = []
+        failure: OSError | None = None
         kinds = [("A", socket.AF_INET), ("AAAA", socket.AF_INET6)]
         for rdtype, fam in kinds:
             if family not in (socket.AF_UNSPEC, fam):
@@ -266,15 +267,16 @@ class _DnsResolver(aiohttp.abc.AbstractResolver):
                 ans = await self.resolver.resolve(host, rdtype, search=False)
             except (dns.resolver.NoAnswer, dns.resolver.NXDOMAIN):
                 continue
-            except dns.exception.DNSException as exc:
-                raise OSError(f"{host}: {exc}") from exc
+            except dns.exception.DNSException as exc:  # the other family may still answer
+                failure = OSError(f"{host} {rdtype}: {' '.join(str(exc).split())}")
+                continue
             out += [
                 {"hostname": host, "host": r.address, "port": port, "family": fam, "proto": 0,
                  "flags": socket.AI_NUMERICHOST}
                 for r in ans
             ]
         if not out:
-            raise OSError(f"{host}: no address records")
+            raise failure or OSError(f"{host}: no address records")
         return out
 
     async def close(self) -> None:
