@@ -155,6 +155,19 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     archive_dir: str = ""
     archive_compress: Literal["none", "zstd"] = "none"
     archive_retention_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # delete archives older than this; 0: keep
+    # --- DANE (RFC 7672) and MTA-STS (RFC 8461): mtaq.delivery.dane, mtaq.delivery.mtasts. NOT USED BY DELIVERY
+    # YET (the modules exist and are tested; the delivery path does not call them). --------------------------
+    # Postfix smtp_dns_support_level: "dnssec" asks the resolver for DNSSEC (DO+AD) and believes its AD bit
+    # (from the resolvers below only); DANE needs it. "enabled": plain DNS; "disabled" is accepted for Postfix
+    # compatibility and means the same as "enabled" here (mtaq routes by MX).
+    smtp_dns_support_level: Literal["disabled", "enabled", "dnssec"] = "enabled"
+    # Resolvers ("IP" or "IP:PORT", port dns_port) whose AD bit is believed: validating resolvers reached over
+    # a path nobody can tamper with (loopback). An answer from any other server counts as insecure.
+    dnssec_trusted_resolvers: list[str] = msgspec.field(default_factory=list)
+    # MTA-STS: fetch and cache (SPOOL/mta-sts/) recipient domains' policies; enforce restricts MX hosts.
+    mta_sts: bool = False
+    mta_sts_ca_file: str = ""  # PEM CA bundle for the policy's HTTPS certificate; "" : the system store
+    mta_sts_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=300)] = 10.0  # TXT lookup, and the policy fetch
 
     def hostname(self) -> str:
         return self.myhostname or socket.getfqdn()
@@ -185,6 +198,8 @@ def load_config(path: str | None, overrides: dict[str, object]) -> Config:
         parse_relayhost(cfg.relayhost)
         for ns in cfg.dns_nameservers:
             parse_nameserver(ns, cfg.dns_port)
+        for ns in cfg.dnssec_trusted_resolvers:
+            parse_nameserver(ns, cfg.dns_port, key="dnssec_trusted_resolvers")
         for domain, value in cfg.transport_map.items():
             parse_transport_spec(value, key=f"transport_map.{domain}")
         if cfg.admin_listen.strip():
@@ -308,7 +323,7 @@ def parse_transport_spec(value: str, *, key: str = "transport_map", default_port
     return TransportSpec("smtp", parse_relayhost(nexthop, key=key, default_port=default_port), wrapper=wrapper)
 
 
-def parse_nameserver(value: str, default_port: int = 53) -> tuple[str, int]:
+def parse_nameserver(value: str, default_port: int = 53, *, key: str = "dns_nameservers") -> tuple[str, int]:
     """A ``dns_nameservers`` entry, ``IP``, ``IP:PORT`` or ``[IPv6]:PORT`` -> (ip, port).
 
     Raises ValueError naming the key when it is not an IP address (a resolver needs no resolver).
@@ -317,9 +332,9 @@ def parse_nameserver(value: str, default_port: int = 53) -> tuple[str, int]:
     if v.count(":") > 1 and not v.startswith("["):
         host, port = v, default_port  # a bare IPv6 address
     else:
-        host, port = parse_hostport(v, default_port=default_port, key="dns_nameservers")
+        host, port = parse_hostport(v, default_port=default_port, key=key)
     try:
         ipaddress.ip_address(host)
     except ValueError:
-        raise ValueError(f"dns_nameservers: {value!r} is not an IP address") from None
+        raise ValueError(f"{key}: {value!r} is not an IP address") from None
     return host, port

@@ -5,6 +5,11 @@ rules of an authoritative server (RFC 1034 §4.3.2, simplified): a name in the z
 asked type -> those records; a name in the zone without them -> NOERROR and no answer; a name not in the zone
 -> NXDOMAIN; a name outside the zone -> REFUSED. ``servfail`` names get SERVFAIL, ``silent`` names get no
 answer at all (the resolver times out). Nothing here is used by the daemon itself.
+
+For DNSSEC tests it can play a validating resolver: answers about ``secure`` names (and their negative
+answers) carry the AD bit when the query asked for it with DO or AD (RFC 6840 §5.7-5.8); nothing is signed.
+A bogus answer is what a validating resolver turns into SERVFAIL (``servfail``). Zone records of any type
+dnspython parses are served (TLSA, TXT, ...). ``flags`` lists (header flags, EDNS flags) of every query.
 """
 
 from __future__ import annotations
@@ -50,13 +55,16 @@ class ZoneServer:
         *,
         servfail: Iterable[str] = (),
         silent: Iterable[str] = (),
+        secure: Iterable[str] = (),
     ) -> None:
         self.origin = dns.name.from_text(origin)
         text = _HEAD.format(origin=self.origin.to_text()) + records
         self.zone = dns.zone.from_text(text, origin=self.origin, relativize=False)
         self.servfail = {dns.name.from_text(n, self.origin) for n in servfail}
         self.silent = {dns.name.from_text(n, self.origin) for n in silent}
+        self.secure = {dns.name.from_text(n, self.origin) for n in secure}
         self.queries: list[tuple[str, str]] = []
+        self.flags: list[tuple[int, int]] = []
         self._udp: socketserver.UDPServer | None = None
         self._tcp: socketserver.TCPServer | None = None
         self.port = 0
@@ -72,6 +80,7 @@ class ZoneServer:
         question = q.question[0]
         name, rdtype = question.name, question.rdtype
         self.queries.append((name.to_text(), dns.rdatatype.to_text(rdtype)))
+        self.flags.append((int(q.flags), int(q.ednsflags)))
         if name in self.silent:
             return None
         if name in self.servfail:
@@ -86,6 +95,8 @@ class ZoneServer:
                 rds = node.get_rdataset(dns.rdataclass.IN, rdtype)
                 if rds is not None:
                     resp.answer.append(dns.rrset.from_rdata_list(name, rds.ttl, list(rds)))
+            if name in self.secure and (q.flags & dns.flags.AD or q.ednsflags & dns.flags.DO):
+                resp.flags |= dns.flags.AD
         return resp.to_wire()
 
     def start(self) -> ZoneServer:
