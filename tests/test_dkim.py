@@ -170,13 +170,15 @@ def test_unsafe_weak_or_unusable_key_files_are_refused_with_one_line_naming_the_
         load_key("example.test", "bad selector", key_file)
 
 
-def test_serve_exits_2_with_one_line_when_a_key_file_is_readable_by_others(tmp_path):
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_serve_exits_2_with_one_line_when_a_key_file_is_readable_by_others(tmp_path, workers):
+    """With one process and with several workers (checked before any worker starts)."""
     key_file, _ = keygen(tmp_path, "example.test", "s1")
     os.chmod(key_file, 0o644)
     cfg = tmp_path / "mtaq.toml"
     cfg.write_text(f'[dkim_keys."example.test"]\nselector = "s1"\nkey_file = "{key_file}"\n')
-    out = mtaq("serve", "--config", str(cfg), "--spool", str(tmp_path / "spool"), "--listen", "127.0.0.1:0",
-               "--admin-listen", "")
+    out = mtaq("serve", "--config", str(cfg), "--spool", str(tmp_path / "spool"), "--listen", "127.0.0.1:2",
+               "--admin-listen", "", "--workers", workers)
     assert 2 == out.returncode
     assert [f'mtaq: dkim_keys."example.test".key_file: {key_file} has mode 0644: it must be readable only by the '
             "daemon (chmod 600)"] == out.stderr.splitlines()

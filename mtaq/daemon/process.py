@@ -564,6 +564,7 @@ def serve(cfg: Config) -> int:
     if n == 1:
         _run_loop(Daemon(cfg))
         return 0
+    Signer.from_config(cfg)  # the DKIM keys are checked before any worker starts: a bad one exits 2, not 70
     log = get_logger()
 
     def on_exit(shard: int, status: int) -> None:
