@@ -1,6 +1,6 @@
 """The ``mtaq`` command line (argparse).
 
-``mtaq serve``, ``mtaq sink``, ``mtaq log dump``, ``mtaq log verify``, ``mtaq passwd``, ``mtaq analyze``
+``mtaq serve``, ``mtaq sink``, ``mtaq dkim keygen``, ``mtaq log dump``, ``mtaq log verify``, ``mtaq passwd``, ``mtaq analyze``
 (delivery statistics on Spark; needs the ``spark`` extra, imported only when that command runs), ``mtaq queue
 ...`` (mtaq/admin/cli.py). Errors are one line on stderr with a non-zero exit status: 2 for bad usage or
 configuration, 1 for a log that does not verify or a ``queue`` command that failed.
@@ -63,6 +63,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=12, choices=range(4, 32), metavar="4..31",
                    help="bcrypt cost (default 12)")
 
+    p = sub.add_parser("dkim", help="DKIM signing keys (RFC 6376)")
+    dsub = p.add_subparsers(dest="dkim_command", required=True)
+    k = dsub.add_parser("keygen", help="write a new private key (mode 0600) and print its DNS TXT record")
+    k.add_argument("domain", help="the signing domain (d=), the domain of the From: addresses")
+    k.add_argument("selector", help="the selector (s=): the record is SELECTOR._domainkey.DOMAIN")
+    k.add_argument("--type", choices=("rsa", "ed25519"), default="rsa", help="key type (default rsa)")
+    k.add_argument("--bits", type=int, default=2048, metavar="N", help="RSA key size, 2048..8192 (default 2048)")
+    k.add_argument("--out", metavar="FILE", help="private key file (default DOMAIN.SELECTOR.key.pem); never overwritten")
+
     p = sub.add_parser("log", help="inspect the queue log")
     lsub = p.add_subparsers(dest="log_command", required=True)
     d = lsub.add_parser("dump", help="one line per record")
@@ -107,6 +116,8 @@ def _main(args: argparse.Namespace) -> int:
             return run_queue(args)
         if args.command == "passwd":
             return _passwd(args)
+        if args.command == "dkim":
+            return _dkim_keygen(args)
         if args.command == "analyze":
             from mtaq.analytics.command import run
 
@@ -186,6 +197,33 @@ def _passwd(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise ConfigError(f"passwd: {exc}") from exc
     print(f"{args.user}:{hashed}")
+    return 0
+
+
+def _dkim_keygen(args: argparse.Namespace) -> int:
+    """Write a new DKIM private key (PEM, mode 0600, never over an existing file) and print the zone file line
+    of its TXT record on stdout (key material never goes to the terminal)."""
+    from mtaq.edge.dkim import generate_key, normalize_domain, txt_record, valid_selector
+
+    domain = normalize_domain(args.domain)
+    if domain is None:
+        raise ConfigError(f"dkim keygen: {args.domain!r} is not a domain name")
+    if not valid_selector(args.selector):
+        raise ConfigError(f"dkim keygen: {args.selector!r} is not a selector (RFC 6376 §3.1)")
+    try:
+        pem, value = generate_key(args.type, args.bits)
+    except ValueError as exc:
+        raise ConfigError(f"dkim keygen: {exc}") from exc
+    out = args.out or f"{domain}.{args.selector}.key.pem"
+    try:
+        fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise ConfigError(f"dkim keygen: {out}: {exc.strerror}") from exc
+    with os.fdopen(fd, "wb") as f:
+        os.fchmod(fd, 0o600)  # whatever the umask
+        f.write(pem)
+    print(f"; private key in {out} (mode 0600): dkim_keys.\"{domain}\" selector = \"{args.selector}\"", file=sys.stderr)
+    print(txt_record(domain, args.selector, value))
     return 0
 
 

@@ -18,6 +18,7 @@ from mtaq.core.errors import ConfigError
 
 __all__ = [
     "Config",
+    "DkimKeyConfig",
     "Relayhost",
     "TransportSpec",
     "is_loopback",
@@ -36,6 +37,13 @@ class DestinationLimit(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
 
     concurrency: Annotated[int, msgspec.Meta(ge=1, le=10000)] = 20
     rate_per_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # deliveries started per second; 0: no limit
+
+
+class DkimKeyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The DKIM signing key of one From: domain (``[dkim_keys."example.org"]``; mtaq.edge.dkim)."""
+
+    selector: str  # s=: the key's DNS record is SELECTOR._domainkey.DOMAIN (RFC 6376 §3.6.2.1)
+    key_file: str  # PEM private key, RSA >= 2048 bits or Ed25519, mode 0600 (checked at start)
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -168,6 +176,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     mta_sts: bool = False
     mta_sts_ca_file: str = ""  # PEM CA bundle for the policy's HTTPS certificate; "" : the system store
     mta_sts_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=300)] = 10.0  # TXT lookup, and the policy fetch
+    # DKIM signing (RFC 6376) by the domain of the From: header (or its closest parent with a key); mail of
+    # other domains is relayed unsigned. DSNs are signed with the key of myhostname's domain, if any.
+    dkim_keys: dict[str, DkimKeyConfig] = msgspec.field(default_factory=dict)
 
     def hostname(self) -> str:
         return self.myhostname or socket.getfqdn()

@@ -40,6 +40,7 @@ from mtaq.delivery.routing import Router
 from mtaq.delivery.sasl import SaslClient
 from mtaq.delivery.throttle import DomainLimit, Throttle
 from mtaq.delivery.transport import Batch, ConnectionPool, HopFailure, deliver
+from mtaq.edge.dkim import Signer
 from mtaq.edge.policy import EdgePolicy
 from mtaq.edge.server import QueueHandler, start_server
 from mtaq.logs import configure_logging, get_logger
@@ -81,6 +82,7 @@ class Daemon:
         self.pools: list[ConnectionPool] = []
         self.edge = EdgePolicy.from_config(cfg)  # reads the TLS and password files; ConfigError if bad
         self.sasl = SaslClient.from_config(cfg)  # outbound AUTH credentials; ConfigError if bad or readable
+        self.signer = Signer.from_config(cfg)  # reads the DKIM keys; ConfigError if one is unsafe or bad
         self.counts = {"delivered": 0, "deferred": 0, "failed": 0}
         self.metrics = Metrics(self.counts, domains_max=cfg.metrics_domains_max)
         self.http: AdminHttp | None = None  # the admin API (admin_listen), listening from the start
@@ -139,6 +141,7 @@ class Daemon:
         self.queue.body_memory_bytes = cfg.receive_buffer_bytes
         self.queue.minfree_bytes = max(cfg.queue_minfree_bytes, cfg.message_size_limit_bytes * 3 // 2)
         self.queue.on_dsn = self._on_dsn
+        self.queue.sign = self.signer.sign  # DSNs are DKIM-signed too (with the key of myhostname's domain)
         self.metrics.queue = self.queue
         qlog.on_commit_seconds = self.metrics.commit_latency.observe
         if cfg.admin_listen.strip():
@@ -149,7 +152,7 @@ class Daemon:
             await self.http.start()  # before SMTP: once SMTP listens, admin.json is there; 503 until recovered
         host, port = parse_hostport(cfg.listen)
         self.server = await start_server(
-            QueueHandler(self.queue),
+            QueueHandler(self.queue, self.signer),
             host,
             port,
             hostname=cfg.hostname(),
@@ -568,6 +571,7 @@ def serve(cfg: Config) -> int:
     if n == 1:
         _run_loop(Daemon(cfg))
         return 0
+    Signer.from_config(cfg)  # the DKIM keys are checked before any worker starts: a bad one exits 2, not 70
     log = get_logger()
 
     def on_exit(shard: int, status: int) -> None:

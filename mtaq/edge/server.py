@@ -2,8 +2,9 @@
 
 RFC 5321 §6.1: after ``250`` to DATA the message is ours and must not be lost. The reply is therefore sent
 only after the DATA and ENVELOPE records are covered by an fsync (group commit). The body appended is the
-message as received with one ``Received:`` header in front (RFC 5321 §4.4, :mod:`mtaq.edge.trace`): the
-log holds exactly what is relayed. The ``queued`` event and
+message as received with one ``Received:`` header in front (RFC 5321 §4.4, :mod:`mtaq.edge.trace`), and
+above it a ``DKIM-Signature:`` when the From: domain has a key (:mod:`mtaq.edge.dkim`): the log holds
+exactly what is relayed. The ``queued`` event and
 the scheduling happen in :meth:`Queue.receive` once the message is durable, whether or not the client is
 still there to hear the 250. A storage failure is
 answered ``451 4.3.0`` (``452 4.3.1`` when the spool is full) and the message is not acknowledged.
@@ -17,6 +18,7 @@ from typing import Any
 from aiosmtpd.smtp import SMTP, Envelope, Session
 
 from mtaq.core.errors import StorageError
+from mtaq.edge.dkim import Signer
 from mtaq.edge.limits import ConnectionGate
 from mtaq.edge.policy import EdgePolicy
 from mtaq.edge.smtp import MtaqSMTP
@@ -32,8 +34,9 @@ __all__ = ["QueueHandler", "start_server"]
 class QueueHandler:
     """aiosmtpd handler: ``handle_DATA`` queues the message and answers once it is durable."""
 
-    def __init__(self, queue: Queue) -> None:
+    def __init__(self, queue: Queue, signer: Signer | None = None) -> None:
         self.queue = queue
+        self.signer = signer  # DKIM (mtaq.edge.dkim); None or no keys: nothing is signed
         self.log = get_logger()
 
     async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
@@ -49,6 +52,8 @@ class QueueHandler:
             when_ts=self.queue.clock(),
         )
         content = envelope.original_content or b""
+        if self.signer:  # RFC 6376: the DKIM-Signature field on top, the (unsigned) Received field below it
+            trace = await self.signer.signature_of(content) + trace
         body: bytes | BodyBuffer
         if isinstance(content, BodyBuffer):  # a large message, partly in a temporary file (issue 13.4)
             content.head = trace

@@ -127,6 +127,9 @@ class Queue:
         self.on_durable: Callable[[EnvelopeRecord, Pos], None] = lambda env, pos: None
         # Called for each DSN queued: (dsn envelope, original queue ID, kind).
         self.on_dsn: Callable[[EnvelopeRecord, str, str], None] = lambda env, qid, kind: None
+        # Returns a DSN this queue generated as it is to be relayed: the daemon gives DKIM signing here
+        # (mtaq.edge.dkim, RFC 6376; the queue does not import the edge). Must not raise.
+        self.sign: Callable[[bytes], bytes] = lambda message: message
 
     async def receive(
         self,
@@ -393,5 +396,6 @@ class Queue:
             message_id=f"{qid}@{self.reporting_mta}",
             size_limit=self.bounce_size_limit_bytes,
         )
+        msg = self.sign(msg)
         dsn_env, _pos, _lsn = self._append_message("", [env.sender], msg, bounce_of=env.queue_id)
         self.on_dsn(dsn_env, env.queue_id, items[0].action)
