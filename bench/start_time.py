@@ -33,8 +33,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mtaq.testing.prefill import prefill_deferred  # noqa: E402
-from mtaq.testing.procs import free_port  # noqa: E402
+from mtaq.testing.prefill import prefill_deferred
+from mtaq.testing.procs import free_port
 
 MSG = b"From: a@example.org\r\nSubject: probe\r\nMessage-ID: <probe@example.org>\r\n\r\n" + (b"x" * 76 + b"\r\n") * 26
 
