@@ -73,8 +73,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # "verify" (RFC 6125: a trusted chain and the server's host name: the MX host name, or the name in
     # brackets) and "secure" (a trusted chain and the next-hop destination: the name in brackets, or the
     # domain and its subdomains) defer 4.7.5 on failure (Postfix's levels; mtaq.delivery.tlsverify).
-    smtp_tls_security_level: Literal["none", "may", "encrypt", "verify", "secure"] = "may"
-    tls_policy_map: dict[str, Literal["none", "may", "encrypt", "verify", "secure"]] = msgspec.field(
+    smtp_tls_security_level: Literal["none", "may", "encrypt", "dane", "verify", "secure"] = "may"
+    tls_policy_map: dict[str, Literal["none", "may", "encrypt", "dane", "verify", "secure"]] = msgspec.field(
         default_factory=dict
     )
     # Trust anchors for verify/secure: a PEM file of CA certificates; "" uses the system's CA store.
@@ -213,6 +213,13 @@ def load_config(path: str | None, overrides: dict[str, object]) -> Config:
             parse_nameserver(ns, cfg.dns_port, key="dnssec_trusted_resolvers")
         for domain, value in cfg.transport_map.items():
             parse_transport_spec(value, key=f"transport_map.{domain}")
+        if cfg.smtp_dns_support_level != "dnssec":
+            if cfg.smtp_tls_security_level == "dane":
+                raise ValueError('smtp_tls_security_level: "dane" needs smtp_dns_support_level = "dnssec" '
+                                 "(and a validating resolver in dnssec_trusted_resolvers)")
+            for domain, level in cfg.tls_policy_map.items():
+                if level == "dane":
+                    raise ValueError(f'tls_policy_map.{domain}: "dane" needs smtp_dns_support_level = "dnssec"')
         if cfg.admin_listen.strip():
             admin_host, _ = parse_hostport(cfg.admin_listen, key="admin_listen")
             if not cfg.admin_token and not is_loopback(admin_host):

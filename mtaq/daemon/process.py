@@ -35,6 +35,9 @@ from mtaq.core.frame import Problem
 from mtaq.core.records import EnvelopeRecord, Outcome, Pos
 from mtaq.core.state import Attempt, RetryPolicy, format_reply
 from mtaq.daemon.workers import shard_count, shard_dir, supervise
+from mtaq.delivery.dane import DnssecResolver
+from mtaq.delivery.mtasts import MtaSts
+from mtaq.delivery.peers import PeerPolicy
 from mtaq.delivery.relay import Reply, classify
 from mtaq.delivery.routing import Router
 from mtaq.delivery.sasl import SaslClient
@@ -48,6 +51,7 @@ from mtaq.queue.recovery import move_aside, recover
 from mtaq.queue.runners import RUNNER_READ_RETRY_S, Declined, Dispatcher, Runner
 from mtaq.queue.store import Queue, set_queue_id_shard
 from mtaq.storage.archive import ArchiveError, SegmentArchive
+from mtaq.storage.cachefile import CacheDir
 from mtaq.storage.checkpoint import write_checkpoint
 from mtaq.storage.fs import FileSystem, OsFileSystem
 from mtaq.storage.log import Log, segment_path
@@ -83,6 +87,7 @@ class Daemon:
         self.edge = EdgePolicy.from_config(cfg)  # reads the TLS and password files; ConfigError if bad
         self.sasl = SaslClient.from_config(cfg)  # outbound AUTH credentials; ConfigError if bad or readable
         self.signer = Signer.from_config(cfg)  # reads the DKIM keys; ConfigError if one is unsafe or bad
+        self.peers = self._peer_policy(cfg)  # DANE and MTA-STS, when configured
         self.counts = {"delivered": 0, "deferred": 0, "failed": 0}
         self.metrics = Metrics(self.counts, domains_max=cfg.metrics_domains_max)
         self.http: AdminHttp | None = None  # the admin API (admin_listen), listening from the start
@@ -105,6 +110,16 @@ class Daemon:
         self.log.info(
             "queued", queue_id=env.queue_id, sender=env.sender, size=env.size, nrcpt=len(env.recipients), client=env.client
         )
+
+    def _peer_policy(self, cfg: Config) -> PeerPolicy | None:
+        """DANE (level ``dane`` anywhere, with ``smtp_dns_support_level = dnssec``) and MTA-STS (``mta_sts``,
+        policies cached in ``SPOOL/mta-sts``); None when neither is configured."""
+        dane_used = cfg.smtp_tls_security_level == "dane" or "dane" in cfg.tls_policy_map.values()
+        if not dane_used and not cfg.mta_sts:
+            return None
+        dane = DnssecResolver.from_config(cfg) if dane_used and cfg.smtp_dns_support_level == "dnssec" else None
+        sts = MtaSts.from_config(cfg, CacheDir(os.path.join(cfg.spool_dir, "mta-sts"))) if cfg.mta_sts else None
+        return PeerPolicy(dane=dane, sts=sts, report=lambda event, fields: self.log.warning(event, **fields))
 
     def _on_dsn(self, env: EnvelopeRecord, original: str, kind: str) -> None:
         self.log.info("dsn_queued", queue_id=env.queue_id, dsn_for=original, action=kind, recipient=env.recipients[0].address)
@@ -345,6 +360,7 @@ class Daemon:
                         on_hop_failure=hop_failed,
                         throttle=self.throttle,
                         sasl=self.sasl,
+                        peers=self.peers,
                     )
             except TimeoutError:
                 # The visibility timeout (CassieQ): the attempt is abandoned; recipients without a durable

@@ -70,7 +70,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.x509.oid import NameOID
 
 from mtaq.config import Config, parse_nameserver
-from mtaq.delivery.relay import Reply
+from mtaq.delivery.reply import Reply
 
 __all__ = [
     "DANE_EE",

@@ -54,7 +54,7 @@ import dns.nameserver
 import dns.resolver
 
 from mtaq.config import Config, parse_nameserver
-from mtaq.delivery.relay import Reply
+from mtaq.delivery.reply import Reply
 from mtaq.logs import get_logger
 
 __all__ = [

@@ -15,25 +15,17 @@ import re
 import socket
 import ssl
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Literal
 
 import aiosmtplib
 
+from mtaq.delivery.dane import check_chain, peer_chain
+from mtaq.delivery.reply import Reply
 from mtaq.delivery.security import HopSecurity, cert_names_match, verified_context
 
 __all__ = ["HopUnusable", "RelayConnection", "Reply", "TlsLevel", "classify", "split_enhanced", "wire_content"]
 
 _ENHANCED = re.compile(r"^([245])\.(\d{1,3})\.(\d{1,3})\s+")
-
-
-@dataclass(frozen=True, slots=True)
-class Reply:
-    """A final reply for one recipient: code, enhanced status code ("" if none given) and text."""
-
-    code: int
-    enhanced: str
-    text: str
 
 
 def split_enhanced(code: int, message: str) -> Reply:
@@ -89,7 +81,7 @@ def classify(code: int) -> str:
     return "deferred"
 
 
-TlsLevel = Literal["none", "may", "encrypt", "verify", "secure"]
+TlsLevel = Literal["none", "may", "encrypt", "dane", "verify", "secure"]
 _MANDATORY = ("encrypt", "verify", "secure")  # no plaintext fallback at these levels
 
 
@@ -220,6 +212,15 @@ class RelayConnection:
         ``4.7.5 Server certificate not verified`` when no name matches (Postfix's wording)."""
         ssl_obj = c.get_transport_info("ssl_object")
         version = (ssl_obj.version() if ssl_obj is not None else None) or "TLS"
+        if self.security.tlsa:
+            # DANE (RFC 7672 §3): the chain the server sent must match a TLSA record; PKIX trust is not asked.
+            chain = peer_chain(ssl_obj)[0] if ssl_obj is not None else []
+            refs = self.security.match or (self.hostname,)
+            found = check_chain(chain, self.security.tlsa, names=refs)
+            if not found.ok:
+                raise HopUnusable(Reply(450, "4.7.5", f"Server certificate not trusted: host {self.name}: "
+                                                      f"DANE: {found.reason}"))
+            return f"{version} verified (DANE)"
         if tls not in ("verify", "secure"):
             return version  # encrypted, certificate not checked (Postfix: "Untrusted"/"Anonymous")
         cert = ssl_obj.getpeercert() if ssl_obj is not None else None

@@ -22,6 +22,8 @@ import ssl
 from dataclasses import dataclass, field
 from typing import Any
 
+from mtaq.delivery.dane import Tlsa
+
 __all__ = ["Credentials", "HopSecurity", "cert_names_match", "verified_context"]
 
 
@@ -45,7 +47,8 @@ class HopSecurity:
     ``smtp_tls_wrappermode``). ``match``: names the certificate must carry at ``verify``/``secure`` (a name
     starting with ``.`` matches any name under it). ``ca_file``: trust anchors ("" = system store).
     ``credentials``: AUTH (RFC 4954) after the last EHLO, when the server offers AUTH; never without TLS
-    unless ``allow_plaintext_auth``.
+    unless ``allow_plaintext_auth``. ``tlsa``: usable DANE-TA/DANE-EE records of the host (RFC 7672 §3):
+    TLS is required and the chain the server sends must match one of them, for the names in ``match``.
     """
 
     wrapper: bool = False
@@ -53,6 +56,7 @@ class HopSecurity:
     ca_file: str = ""
     credentials: Credentials | None = None
     allow_plaintext_auth: bool = False
+    tlsa: tuple[Tlsa, ...] = ()  # DANE (RFC 7672): the chain must match one of these (level encrypt)
 
 
 _CONTEXTS: dict[str, ssl.SSLContext] = {}

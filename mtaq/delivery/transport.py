@@ -25,6 +25,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
+from mtaq.delivery.dane import Tlsa
+from mtaq.delivery.peers import PeerPolicy
 from mtaq.delivery.relay import RelayConnection, Reply, TlsLevel
 from mtaq.delivery.routing import Candidate, Route, RouteFailure, Router
 from mtaq.delivery.sasl import SaslClient, nexthop_keys
@@ -143,6 +145,7 @@ async def deliver(
     on_hop_failure: Callable[[HopFailure], None] = lambda f: None,
     throttle: Throttle | None = None,
     sasl: SaslClient | None = None,
+    peers: PeerPolicy | None = None,
 ) -> None:
     """Deliver ``body`` to ``recipients``; every position gets exactly one final reply through ``record``.
 
@@ -150,7 +153,8 @@ async def deliver(
     each host that was given up on for some recipients before the next one was tried. ``throttle`` holds
     a slot of each recipient domain of a group while it is delivered (per-domain concurrency and rate).
     ``sasl`` gives the credentials of each destination (by ``sender`` and next hop; RFC 4954); credentials
-    held after a 5xx to AUTH defer the group without connecting (:mod:`mtaq.delivery.sasl`).
+    held after a 5xx to AUTH defer the group without connecting (:mod:`mtaq.delivery.sasl`). ``peers``
+    applies DANE and MTA-STS to each host (:mod:`mtaq.delivery.peers`); without it level ``dane`` is ``may``.
     """
     params = list(rcpt_params) if rcpt_params is not None else [()] * len(recipients)
     groups: dict[Route, list[int]] = {}
@@ -163,11 +167,11 @@ async def deliver(
             continue
         if throttle is None:
             await _deliver_group(router, pool, route, positions, sender, recipients, params, body, mail_params,
-                                 record, on_hop_failure, sasl)
+                                 record, on_hop_failure, sasl, peers)
             continue
         async with throttle.slots(recipients[i].rpartition("@")[2] for i in positions):
             await _deliver_group(router, pool, route, positions, sender, recipients, params, body, mail_params,
-                                 record, on_hop_failure, sasl)
+                                 record, on_hop_failure, sasl, peers)
 
 
 async def _deliver_group(
@@ -183,6 +187,7 @@ async def _deliver_group(
     record: Callable[[Batch], Awaitable[None]],
     on_hop_failure: Callable[[HopFailure], None],
     sasl: SaslClient | None = None,
+    peers: PeerPolicy | None = None,
 ) -> None:
     pending = list(positions)
     last: dict[int, Reply] = {}
@@ -196,20 +201,34 @@ async def _deliver_group(
         await record(Batch("none", [(i, held) for i in pending]))
         return
     try:
+        dest = await peers.destination(route) if peers is not None else None
         async for cand in router.candidates(route):
             if isinstance(cand, Reply):
                 for i in pending:
                     last[i] = cand
                 on_hop_failure(HopFailure("none", tuple(pending), cand))
                 continue
+            level: TlsLevel = "may" if route.tls == "dane" else route.tls
+            match = route.tls_match(cand.hostname)
+            tlsa: tuple[Tlsa, ...] = ()
+            if peers is not None and dest is not None:
+                verdict = await peers.for_host(route, dest, cand)
+                if isinstance(verdict, Reply):  # DANE lookup failed, or not an MTA-STS host: skip it
+                    for i in pending:
+                        last[i] = verdict
+                    on_hop_failure(HopFailure(f"{cand.hostname}[{cand.address}]:{cand.port}", tuple(pending), verdict))
+                    continue
+                level, tlsa = verdict.level, verdict.tlsa
+                match = verdict.match or (route.tls_match(cand.hostname) if level == route.tls else ())
             security = HopSecurity(
                 wrapper=route.wrapper,
-                match=route.tls_match(cand.hostname),
+                match=match,
                 ca_file=router.tls_ca_file,
                 credentials=cred,
                 allow_plaintext_auth=sasl is not None and sasl.allow_plaintext,
+                tlsa=tlsa,
             )
-            conn = pool.get(cand, route.tls, security)
+            conn = pool.get(cand, level, security)
             try:
                 replies = await conn.send(
                     sender,
