@@ -104,6 +104,9 @@ async def start_server(
         per_client_per_minute_max=pol.client_connections_per_minute_max,
         exempt=pol.in_mynetworks,
         clock=loop.time,
+        client_connections_max=pol.client_connections_max,
+        mynetworks_reserve=pol.mynetworks_reserve(),
+        auth_failures_per_minute_max=pol.auth_failures_per_minute_max,
     )
 
     def factory() -> Any:
