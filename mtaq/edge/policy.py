@@ -32,6 +32,7 @@ only reach ``relay_domains``.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import re
 import ssl
@@ -199,14 +200,20 @@ def address_problem(address: str, *, smtputf8: bool, null_ok: bool = False, send
     if domain_to_ascii(domain) is None:
         return (f"553 5.1.7 Error: sender domain {domain_to_show(domain)} is not a valid IDNA domain name" if is_sender
                 else f"553 5.1.2 Error: recipient domain {domain_to_show(domain)} is not a valid IDNA domain name")
-    try:
-        sendable = quote_address(address) == f"<{address}>"
-    except ValueError:
-        sendable = False
-    if not sendable:
+    if not _sendable(address):
         # What the delivery side (aiosmtplib) would refuse or rewrite would never leave as it was accepted.
         return f"553 {code} Error: {role} address cannot be relayed as written"
     return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _sendable(address: str) -> bool:
+    """Whether aiosmtplib's ``quote_address`` (what delivery puts on the MAIL/RCPT line) takes ``address``
+    as it is (cached: senders and recipients repeat, and ``email.utils.parseaddr`` is not cheap)."""
+    try:
+        return bool(quote_address(address) == f"<{address}>")
+    except ValueError:
+        return False
 
 
 def domain_to_show(domain: str) -> str:

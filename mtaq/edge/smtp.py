@@ -436,7 +436,8 @@ class MtaqSMTP(FastPathMixin, SMTP):
         except Exception:  # see _getaddr
             reply = "501 5.1.7 Bad sender address syntax" if sender else "501 5.1.3 Bad recipient address syntax"
         else:
-            bad = unsendable_character("".join(ch for ch in rest if ch > "\x7f" and not "\udc80" <= ch <= "\udcff"))
+            bad = None if rest.isascii() else unsendable_character(
+                "".join(ch for ch in rest if ch > "\x7f" and not "\udc80" <= ch <= "\udcff"))
             if bad is not None:
                 role, code = ("sender", "5.1.7") if sender else ("recipient", "5.1.3")
                 reply = f"553 {code} Error: {role} address contains an invisible or control character ({bad})"
