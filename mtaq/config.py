@@ -156,6 +156,16 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     smtp_server_errors_max: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 20
     # A bare CR or LF in DATA: "reject" (550 5.5.2 and disconnect) or "normalize" (made CRLF).
     smtp_bare_newline: Literal["reject", "normalize"] = "reject"
+    # Connections at once from one client IP, beyond which 421 4.7.0 (mynetworks exempt); 0: no limit.
+    smtpd_client_connection_count_limit: Annotated[int, msgspec.Meta(ge=0)] = 50
+    # Per cent of connections_max (rounded down) kept for clients in mynetworks.
+    smtpd_mynetworks_reserve_percent: Annotated[float, msgspec.Meta(ge=0, lt=100)] = 10.0
+    # NUL octets in DATA: "reject" (550 5.6.0 after the final dot; the session goes on) or "strip".
+    smtpd_forbid_nul: Literal["reject", "strip"] = "reject"
+    # Postfix smtpd_error_sleep_time: seconds before a failed AUTH is answered.
+    smtpd_error_sleep_time_s: Annotated[float, msgspec.Meta(ge=0, le=300)] = 1.0
+    # Failed AUTH attempts per client IP in any 60 s before AUTH gets 450 4.7.1 (mynetworks too); 0: no limit.
+    smtpd_client_auth_failure_rate_limit: Annotated[int, msgspec.Meta(ge=0)] = 10
     tls_cert_file: str = ""  # PEM certificate chain for STARTTLS ("" : no STARTTLS)
     tls_key_file: str = ""  # PEM private key for STARTTLS
     auth_password_file: str = ""  # "user:bcrypt-hash" lines (mtaq passwd); "" : no AUTH

@@ -4,6 +4,9 @@ The transaction is driven command by command (MAIL, RCPT per recipient, DATA) so
 its own final reply (RFC 5321 §3.3): a RCPT refusal is that recipient's reply; for the accepted ones the
 reply to the end of DATA is. 2xx -> delivered, 5xx -> failed, 4xx -> deferred; a lost connection or a
 timeout before the final reply -> deferred (RFC 1047: the remote may have taken it; we retry, at-least-once).
+An address aiosmtplib refuses to put on a command line (:func:`local_address_refusal`) is a permanent local
+refusal, decided before anything is sent: ``553 5.1.7`` for every recipient when it is the sender,
+``553 5.1.3`` for that recipient; a retry could never change it, so it bounces.
 
 Third-party exceptions are converted here and only here (httpcore's ``map_exceptions`` habit).
 """
@@ -18,12 +21,14 @@ from collections.abc import Sequence
 from typing import Literal
 
 import aiosmtplib
+from aiosmtplib.email import quote_address
 
 from mtaq.delivery.dane import check_chain, peer_chain
 from mtaq.delivery.reply import Reply
 from mtaq.delivery.security import HopSecurity, cert_names_match, verified_context
 
-__all__ = ["HopUnusable", "RelayConnection", "Reply", "TlsLevel", "classify", "split_enhanced", "wire_content"]
+__all__ = ["HopUnusable", "RelayConnection", "Reply", "TlsLevel", "classify", "local_address_refusal", "split_enhanced",
+           "wire_content"]
 
 _ENHANCED = re.compile(r"^([245])\.(\d{1,3})\.(\d{1,3})\s+")
 
@@ -70,6 +75,29 @@ def _refusal(exc: aiosmtplib.SMTPResponseException) -> Reply:
     if 400 <= exc.code < 600:
         return split_enhanced(exc.code, exc.message)
     return Reply(451, "4.5.0", f"unexpected reply {exc.code} {' '.join(exc.message.split())}".strip())
+
+
+def local_address_refusal(address: str, *, sender: bool) -> Reply | None:
+    """The permanent reply for an address aiosmtplib would refuse to send, or None when it can be sent.
+
+    aiosmtplib's ``quote_address`` raises ValueError for whitespace (Python's ``\\s``: NBSP, NEL, U+2028
+    ...) and ``<>"`` outside a quoted local part, before anything is sent; an address it would rewrite
+    (``email.utils.parseaddr`` drops what follows a comma) is refused too, so mail never goes to another
+    address than the one accepted. The null sender (``""`` or aiosmtpd's ``"<>"``) is fine.
+    Sender: ``553 5.1.7`` (bad sender mailbox syntax); recipient: ``553 5.1.3`` (RFC 3463 §3.2).
+    """
+    if sender and address in ("", "<>"):
+        return None
+    try:
+        sendable = quote_address(address) == f"<{address}>"
+        why = "would be rewritten"
+    except ValueError as exc:
+        sendable, why = False, str(exc)
+    if sendable:
+        return None
+    if sender:
+        return Reply(553, "5.1.7", f"sender address refused before sending ({why})")
+    return Reply(553, "5.1.3", f"recipient address refused before sending ({why})")
 
 
 def classify(code: int) -> str:
@@ -375,12 +403,20 @@ class RelayConnection:
         state) and defers what is left. A reused connection that turns out to be closed at MAIL is reopened
         once.
         """
-        replies: list[Reply | None] = [None] * len(recipients)
+        replies: list[Reply | None] = [local_address_refusal(r, sender=False) for r in recipients]
 
         def fill(reply: Reply) -> list[Reply]:
             return [r if r is not None else reply for r in replies]
 
         self.auth_failure = 0
+        refused_sender = local_address_refusal(sender, sender=True)
+        if refused_sender is not None:
+            return fill(refused_sender)
+        if all(r is not None for r in replies):
+            return fill(Reply(553, "5.1.3", "no recipient address can be sent"))  # never used: all refused
+        if sender == "<>":
+            sender = ""  # aiosmtpd keeps the null reverse-path as "<>"; aiosmtplib sends "" as MAIL FROM:<>
+
         asked = any(k.upper() == "SMTPUTF8" for k, _ in mail_params)
         utf8_headers = asked and not _header_section(body).isascii()
         for fresh in (False, True):
@@ -397,13 +433,14 @@ class RelayConnection:
                 return fill(Reply(421, "4.4.1", f"connect to {self.name}: {_why(exc)}"))
             self.remote_dsn = c.supports_extension("dsn")
             mopts = _dsn_options(mail_params, ("RET", "ENVID")) if self.remote_dsn else []
-            utf8 = asked or not sender.isascii() or not all(r.isascii() for r in recipients)
+            utf8 = asked or not sender.isascii() or not all(r.isascii() for r, ok in zip(recipients, replies, strict=True)
+                                                            if ok is None)
             if utf8 and not c.supports_extension("smtputf8"):
                 no_utf8 = Reply(553, "5.6.7", f"SMTPUTF8 is required, but was not offered by host {self.name}")
                 if not sender.isascii() or utf8_headers:
                     return fill(no_utf8)
                 for i, rcpt in enumerate(recipients):
-                    if not rcpt.isascii():
+                    if not rcpt.isascii() and replies[i] is None:
                         replies[i] = no_utf8
                 utf8 = False
             enc = "utf-8" if utf8 else "ascii"

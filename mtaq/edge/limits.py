@@ -5,11 +5,20 @@ admits the client (the caller must :meth:`release` once the connection is gone) 
 refused; the server then answers ``421 4.7.0`` and closes (RFC 5321 §3.8: 421 is the reply of a server
 that closes the channel). Like Postfix's anvil, the per-client rate counts the connections a client IP
 opened in the last 60 seconds (refused ones too, so hammering does not pay), and clients in ``mynetworks``
-are exempt from it (Postfix ``smtpd_client_event_limit_exceptions = $mynetworks``); the concurrency cap
-applies to everyone.
+are exempt from it (Postfix ``smtpd_client_event_limit_exceptions = $mynetworks``).
+
+Concurrency: at most ``connections_max`` connections in all; at most ``client_connections_max`` at once
+from one client IP (Postfix ``smtpd_client_connection_count_limit``; ``mynetworks`` exempt); and the last
+``mynetworks_reserve`` places are kept for clients in ``mynetworks``, so that clients outside it, however
+many connections they open, can never lock out the local network.
+
+The gate also counts failed AUTH attempts per client IP in the same 60-second window
+(:meth:`auth_failed`, :meth:`auth_blocked`): over ``auth_failures_per_minute_max`` the server refuses AUTH
+from that client for a while, whichever connection it comes on.
 
 Must always hold: ``active`` equals the admitted connections not yet released, and never exceeds
-``connections_max``; the memory per client is bounded by its limit.
+``connections_max``; ``active`` minus the admitted mynetworks connections never exceeds
+``connections_max - mynetworks_reserve``; the memory per client is bounded by its limit.
 """
 
 from __future__ import annotations
@@ -21,14 +30,17 @@ from collections.abc import Callable
 __all__ = ["RATE_WINDOW_S", "ConnectionGate"]
 
 RATE_WINDOW_S = 60.0
-"""The window of the per-client connection rate (seconds)."""
+"""The window of the per-client connection rate and of the AUTH failure rate (seconds)."""
 _PRUNE_AT = 10_000  # clients remembered before the idle ones are forgotten
 
 
 class ConnectionGate:
     """Concurrency and per-client rate limits; ``clock`` is monotonic seconds (injectable for tests).
 
-    ``per_client_per_minute_max`` 0 means no rate limit; ``exempt(ip)`` True means no rate limit for ``ip``.
+    ``per_client_per_minute_max`` 0 means no rate limit; ``exempt(ip)`` True means no per-client limit for
+    ``ip`` (rate and concurrency) and access to the reserved places. ``client_connections_max`` 0 means no
+    per-client concurrency limit; ``mynetworks_reserve`` places (connections) of ``connections_max`` are for
+    exempt clients only. ``auth_failures_per_minute_max`` 0 means no AUTH failure limit.
     """
 
     def __init__(
@@ -38,17 +50,28 @@ class ConnectionGate:
         per_client_per_minute_max: int,
         exempt: Callable[[str], bool] = lambda ip: False,
         clock: Callable[[], float] = time.monotonic,
+        client_connections_max: int = 0,
+        mynetworks_reserve: int = 0,
+        auth_failures_per_minute_max: int = 0,
     ) -> None:
         self.connections_max = connections_max
         self.per_client_max = per_client_per_minute_max
         self.exempt = exempt
         self.clock = clock
+        self.client_connections_max = client_connections_max
+        self.mynetworks_reserve = max(0, min(mynetworks_reserve, connections_max - 1))
+        self.auth_failures_max = auth_failures_per_minute_max
         self.active = 0
+        self.active_outside = 0  # admitted connections of clients not exempt
         self._recent: dict[str, deque[float]] = {}
+        self._per_client: dict[str, int] = {}  # admitted connections per client IP (not exempt), > 0 only
+        self._auth_failures: dict[str, deque[float]] = {}
 
     def admit(self, ip: str) -> str | None:
-        """Admit a connection from ``ip`` (None; call :meth:`release` later) or say why not (reply text)."""
-        if self.per_client_max and not self.exempt(ip):
+        """Admit a connection from ``ip`` (None; call :meth:`release` with the same ``ip`` later) or say why
+        not (the reply text after ``421 4.7.0 <hostname>``, Postfix's wording)."""
+        exempt = self.exempt(ip)
+        if self.per_client_max and not exempt:
             now = self.clock()
             if len(self._recent) > _PRUNE_AT:
                 self._prune(now)
@@ -60,12 +83,48 @@ class ConnectionGate:
                 return f"too many connections from {ip}"
         if self.active >= self.connections_max:
             return "too many connections"
+        if not exempt:
+            if self.client_connections_max and self._per_client.get(ip, 0) >= self.client_connections_max:
+                return f"too many connections from {ip}"
+            if self.active_outside >= self.connections_max - self.mynetworks_reserve:
+                return "too many connections"
+            self._per_client[ip] = self._per_client.get(ip, 0) + 1
+            self.active_outside += 1
         self.active += 1
         return None
 
-    def release(self) -> None:
-        """One admitted connection has ended."""
+    def release(self, ip: str | None = None) -> None:
+        """One admitted connection from ``ip`` has ended (``None``: from an exempt client, as before)."""
         self.active = max(0, self.active - 1)
+        if ip is not None and ip in self._per_client:
+            left = self._per_client[ip] - 1
+            if left > 0:
+                self._per_client[ip] = left
+            else:
+                del self._per_client[ip]
+            self.active_outside = max(0, self.active_outside - 1)
+
+    def auth_failed(self, ip: str) -> None:
+        """Count one failed AUTH attempt of ``ip`` (kept for :data:`RATE_WINDOW_S` seconds)."""
+        if not self.auth_failures_max:
+            return
+        now = self.clock()
+        if len(self._auth_failures) > _PRUNE_AT:
+            for old in [k for k, v in self._auth_failures.items() if not v or v[-1] <= now - RATE_WINDOW_S]:
+                del self._auth_failures[old]
+        self._auth_failures.setdefault(ip, deque(maxlen=self.auth_failures_max + 1)).append(now)
+
+    def auth_blocked(self, ip: str) -> bool:
+        """Whether ``ip`` has failed AUTH ``auth_failures_per_minute_max`` times in the last 60 seconds."""
+        if not self.auth_failures_max:
+            return False
+        seen = self._auth_failures.get(ip)
+        if not seen:
+            return False
+        now = self.clock()
+        while seen and seen[0] <= now - RATE_WINDOW_S:
+            seen.popleft()
+        return len(seen) >= self.auth_failures_max
 
     def _prune(self, now: float) -> None:
         for ip in [ip for ip, seen in self._recent.items() if not seen or seen[-1] <= now - RATE_WINDOW_S]:

@@ -14,17 +14,34 @@ malformed domain gets ``553 5.1.3`` (RFC 3463: bad destination mailbox address s
 without ``SMTPUTF8`` on MAIL gets ``553 5.6.7`` (RFC 6531 §3.5). The null reverse-path ``<>`` is a valid
 sender (RFC 5321 §4.5.5) and never a valid recipient.
 
+Nothing is accepted that the delivery side could not send (issue 13.7): an address with any other
+non-printing character (Unicode Cc, Cf, Zl, Zp, Co, Cn, and every space but U+0020 inside quotes: NBSP,
+NEL, U+2028, bidi controls, zero-width characters), or one that aiosmtplib's ``quote_address`` refuses or
+would rewrite, gets ``553 5.1.7`` as a sender and ``553 5.1.3`` as a recipient (RFC 5321 §4.1.2 Mailbox,
+RFC 6531 §3.3 for UTF-8). A domain that has no IDNA2008 A-label form (RFC 5890, 5891: e.g. U+212A KELVIN
+SIGN, which Python lower-cases to ``k``; an ``xn--`` label that does not decode) gets ``553 5.1.2`` as a
+recipient domain and ``553 5.1.7`` as a sender's.
+
+Domains are compared as A-labels (:func:`domain_to_ascii`): ASCII letters are lower-cased, any other label
+is converted with the ``idna`` package (no UTS 46 mapping: nothing is folded into something else), so
+``bücher.test`` and ``xn--bcher-kva.test`` are the same domain and ``banK.test`` (Kelvin) is no domain.
+
 Must always hold: nothing here re-routes; a client outside ``mynetworks`` that has not authenticated can
 only reach ``relay_domains``.
 """
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import re
 import ssl
+import unicodedata
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
+
+import idna
+from aiosmtplib.email import quote_address
 
 from mtaq.core.errors import ConfigError
 from mtaq.edge.auth import PasswordFile
@@ -38,6 +55,7 @@ __all__ = [
     "IPNetwork",
     "address_problem",
     "domain_of",
+    "domain_to_ascii",
     "parse_domains",
     "parse_networks",
     "server_tls_context",
@@ -54,12 +72,19 @@ CONTROL = "553 5.1.3 Error: address contains a control character"
 NOT_UTF8 = "553 5.1.3 Error: address is not valid UTF-8"
 NEEDS_SMTPUTF8 = "553 5.6.7 Error: non-ASCII address requires SMTPUTF8"
 
+# Unicode general categories no address may contain (RFC 5321 §4.1.2 allows printable US-ASCII only; RFC
+# 6531 §3.3 adds UTF-8 letters and symbols, not controls, format characters, separators or unassigned and
+# private-use code points). "Zs" is checked apart: U+0020 is allowed inside a quoted local part.
+_UNSENDABLE_CATEGORIES = frozenset({"Cc", "Cf", "Co", "Cn", "Cs", "Zl", "Zp"})
+_ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
+
 _LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 _DOMAIN_MAX = 255  # RFC 5321 §4.5.3.1.2, octets
 
 
 def domain_of(address: str) -> str | None:
-    """The domain of ``address`` (after its last ``@`` outside quotes), lower-cased; None if there is none.
+    """The domain of ``address`` (after its last ``@`` outside quotes), its ASCII letters lower-cased (only
+    those: ``str.lower`` would turn U+212A KELVIN SIGN into ``k``); None if there is none.
 
     ``address`` is an addr-spec as aiosmtpd parsed it, without angle brackets, e.g.
     ``'"a@b"@[192.0.2.1]'`` -> ``'[192.0.2.1]'``, ``'"a@b"'`` -> None, ``'b!a'`` -> None.
@@ -77,7 +102,7 @@ def domain_of(address: str) -> str | None:
             at = i
     if at < 0 or at == len(address) - 1:
         return None
-    return address[at + 1 :].lower()
+    return address[at + 1 :].translate(_ASCII_LOWER)
 
 
 def _valid_domain(domain: str, *, utf8: bool) -> bool:
@@ -106,11 +131,53 @@ def _valid_domain(domain: str, *, utf8: bool) -> bool:
     return True
 
 
-def address_problem(address: str, *, smtputf8: bool, null_ok: bool = False) -> str | None:
+def domain_to_ascii(domain: str) -> str | None:
+    """``domain`` as IDNA2008 A-labels (RFC 5890 §2.3.2.1, RFC 5891 §4), ASCII lower case; None if it has none.
+
+    ASCII labels are lower-cased (ASCII letters only); an ``xn--`` label must decode to a valid U-label;
+    any other label is converted by ``idna.alabel`` without UTS 46 mapping, so a label that is not already
+    in its IDNA2008 form (upper-case non-ASCII letters, U+212A KELVIN SIGN, symbols) has none. An address
+    literal (``[...]``) is returned lower-cased, unchecked.
+    """
+    if domain.startswith("["):
+        return domain.translate(_ASCII_LOWER)
+    out: list[str] = []
+    for label in domain.split("."):
+        low = label.translate(_ASCII_LOWER)
+        try:
+            if low.isascii():
+                if low.startswith("xn--"):
+                    idna.ulabel(low)
+                out.append(low)
+            else:
+                out.append(idna.alabel(low).decode("ascii"))
+        except (UnicodeError, ValueError):  # idna.IDNAError is a UnicodeError
+            return None
+    return ".".join(out)
+
+
+def unsendable_character(address: str) -> str | None:
+    """The first character of ``address`` no address may contain, as ``U+XXXX``, or None.
+
+    That is every code point of the Unicode categories Cc, Cf, Co, Cn, Cs, Zl and Zp, and every space
+    separator (Zs) but U+0020, which only a quoted local part may hold (RFC 5321 §4.1.2 ``qtextSMTP``).
+    """
+    for ch in address:
+        if " " < ch <= "~":
+            continue
+        category = unicodedata.category(ch)
+        if category in _UNSENDABLE_CATEGORIES or (category == "Zs" and ch != " "):
+            return f"U+{ord(ch):04X}"
+    return None
+
+
+def address_problem(address: str, *, smtputf8: bool, null_ok: bool = False, sender: bool | None = None) -> str | None:
     """The ``553`` reply for an address mtaq refuses, or None when it is acceptable.
 
-    ``address`` as aiosmtpd parsed it (``"<>"`` or ``""`` for the null path); ``null_ok`` for MAIL FROM.
-    Non-UTF-8 bytes reach here as surrogate escapes (aiosmtpd decodes with ``surrogateescape``).
+    ``address`` as aiosmtpd parsed it (``"<>"`` or ``""`` for the null path); ``null_ok`` for MAIL FROM;
+    ``sender`` (default: ``null_ok``) picks the enhanced codes of the checks of issue 13: ``5.1.7`` for a
+    sender, ``5.1.3`` / ``5.1.2`` for a recipient (RFC 3463 §3.2). Non-UTF-8 bytes reach here as surrogate
+    escapes (aiosmtpd decodes with ``surrogateescape``).
     """
     if address in ("", "<>"):
         return None if null_ok else NO_DOMAIN
@@ -120,12 +187,39 @@ def address_problem(address: str, *, smtputf8: bool, null_ok: bool = False) -> s
         return NOT_UTF8
     if not address.isascii() and not smtputf8:
         return NEEDS_SMTPUTF8
+    is_sender = null_ok if sender is None else sender
+    role, code = ("sender", "5.1.7") if is_sender else ("recipient", "5.1.3")
+    bad = unsendable_character(address)
+    if bad is not None:
+        return f"553 {code} Error: {role} address contains an invisible or control character ({bad})"
     domain = domain_of(address)
     if domain is None:
         return NO_DOMAIN
     if not _valid_domain(domain, utf8=smtputf8):
         return BAD_SYNTAX
+    if domain_to_ascii(domain) is None:
+        return (f"553 5.1.7 Error: sender domain {domain_to_show(domain)} is not a valid IDNA domain name" if is_sender
+                else f"553 5.1.2 Error: recipient domain {domain_to_show(domain)} is not a valid IDNA domain name")
+    if not _sendable(address):
+        # What the delivery side (aiosmtplib) would refuse or rewrite would never leave as it was accepted.
+        return f"553 {code} Error: {role} address cannot be relayed as written"
     return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _sendable(address: str) -> bool:
+    """Whether aiosmtplib's ``quote_address`` (what delivery puts on the MAIL/RCPT line) takes ``address``
+    as it is (cached: senders and recipients repeat, and ``email.utils.parseaddr`` is not cheap)."""
+    try:
+        return bool(quote_address(address) == f"<{address}>")
+    except ValueError:
+        return False
+
+
+def domain_to_show(domain: str) -> str:
+    """``domain`` for a reply line: printable ASCII kept, anything else as ``\\uXXXX`` (replies are text
+    the client may log; RFC 5321 §4.2 reply text is printable US-ASCII)."""
+    return "".join(ch if " " < ch <= "~" else f"\\u{ord(ch):04x}" for ch in domain)
 
 
 def parse_networks(values: list[str], key: str = "mynetworks") -> tuple[IPNetwork, ...]:
@@ -140,17 +234,20 @@ def parse_networks(values: list[str], key: str = "mynetworks") -> tuple[IPNetwor
 
 
 def parse_domains(values: list[str], key: str = "relay_domains") -> tuple[str, ...]:
-    """Domains, lower-cased, without a trailing dot; ``.example.org`` stands for its subdomains.
+    """Domains as IDNA A-labels (:func:`domain_to_ascii`), without a trailing dot; ``.example.org`` stands
+    for its subdomains. ``bücher.test`` is kept as ``xn--bcher-kva.test``.
 
-    Raises ConfigError naming ``key`` for anything that is not a domain name.
+    Raises ConfigError naming ``key`` for anything that is not a domain name or has no A-label form.
     """
     out: list[str] = []
     for v in values:
-        d = v.strip().lower().rstrip(".")
-        bare = d[1:] if d.startswith(".") else d
-        if not bare or not _valid_domain(bare, utf8=False) or bare.startswith("["):
-            raise ConfigError(f"{key}: {v!r} is not a domain name")
-        out.append(d)
+        d = v.strip().rstrip(".")
+        dot = "." if d.startswith(".") else ""
+        bare = d[1:] if dot else d
+        ace = domain_to_ascii(bare) if bare and not bare.startswith("[") else None
+        if ace is None or not _valid_domain(ace, utf8=False):
+            raise ConfigError(f"{key}: {v!r} is not a domain name (IDNA2008, RFC 5891)")
+        out.append(dot + ace)
     return tuple(out)
 
 
@@ -189,6 +286,14 @@ class EdgePolicy:
     tls_context: ssl.SSLContext | None = field(default=None, repr=False)
     passwords: PasswordFile | None = field(default=None, repr=False)
     delay_max_s: float = 7 * 86400.0  # RFC 4865 FUTURERELEASE: the longest delay a client may ask; 0: no limit
+    # Postfix smtpd_client_connection_count_limit: connections at once from one client IP (mynetworks
+    # exempt); 0: no limit.
+    client_connections_max: int = 50
+    # Per cent of connections_max (rounded down) that only mynetworks clients may use.
+    mynetworks_reserve_percent: float = 10.0
+    forbid_nul: Literal["reject", "strip"] = "reject"  # NUL octets in DATA: 550 5.6.0, or removed
+    error_sleep_s: float = 1.0  # Postfix smtpd_error_sleep_time: the wait before answering a failed AUTH
+    auth_failures_per_minute_max: int = 10  # failed AUTH per client IP in any 60 s before 450 4.7.1; 0: none
 
     @classmethod
     def from_config(cls, cfg: Config) -> EdgePolicy:
@@ -209,7 +314,16 @@ class EdgePolicy:
             tls_context=tls,
             passwords=passwords,
             delay_max_s=cfg.delay_max_s,
+            client_connections_max=cfg.smtpd_client_connection_count_limit,
+            mynetworks_reserve_percent=cfg.smtpd_mynetworks_reserve_percent,
+            forbid_nul=cfg.smtpd_forbid_nul,
+            error_sleep_s=cfg.smtpd_error_sleep_time_s,
+            auth_failures_per_minute_max=cfg.smtpd_client_auth_failure_rate_limit,
         )
+
+    def mynetworks_reserve(self) -> int:
+        """The connections (of ``connections_max``) kept for mynetworks clients: the percentage, rounded down."""
+        return int(self.connections_max * self.mynetworks_reserve_percent / 100)
 
     def in_mynetworks(self, ip: str) -> bool:
         """Whether the client address ``ip`` (text; IPv4-mapped IPv6 counts as IPv4) is in ``mynetworks``."""
@@ -222,7 +336,7 @@ class EdgePolicy:
         return any(addr.version == net.version and addr in net for net in self.mynetworks)
 
     def is_relay_domain(self, domain: str) -> bool:
-        """Whether mail to ``domain`` (lower case) is accepted from anyone."""
+        """Whether mail to ``domain`` (A-labels, lower case: :func:`domain_to_ascii`) is accepted from anyone."""
         for d in self.relay_domains:
             if d.startswith(".") and domain.endswith(d):
                 return True
@@ -237,6 +351,8 @@ class EdgePolicy:
             return problem
         domain = domain_of(address)
         assert domain is not None
-        if authenticated or self.in_mynetworks(client_ip) or self.is_relay_domain(domain):
+        ace = domain_to_ascii(domain)
+        assert ace is not None  # address_problem refuses a domain without one
+        if authenticated or self.in_mynetworks(client_ip) or self.is_relay_domain(ace):
             return None
         return f"554 5.7.1 <{address}>: Relay access denied"

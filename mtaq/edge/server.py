@@ -116,7 +116,14 @@ async def start_server(
         per_client_per_minute_max=pol.client_connections_per_minute_max,
         exempt=pol.in_mynetworks,
         clock=loop.time,
+        client_connections_max=pol.client_connections_max,
+        mynetworks_reserve=pol.mynetworks_reserve(),
+        auth_failures_per_minute_max=pol.auth_failures_per_minute_max,
     )
+
+    # Large bodies go to the queue's bounded buffer (issue 13.4); a handler without a queue gets bytes.
+    queue = getattr(handler, "queue", None)
+    body_buffer = queue.new_body if isinstance(queue, Queue) else None
 
     def factory() -> Any:
         return MtaqSMTP(
@@ -130,7 +137,7 @@ async def start_server(
             tls_context=pol.tls_context,
             policy=pol,
             gate=gate,
-            body_buffer=handler.queue.new_body,
+            body_buffer=body_buffer,
             loop=loop,
         )
 

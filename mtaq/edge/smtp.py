@@ -38,9 +38,20 @@ The same class is where the edge is made safe (the policy is :class:`~mtaq.edge.
   EHLO also offers PIPELINING, ENHANCEDSTATUSCODES and DSN; AUTH only with a password file and only after
   STARTTLS (aiosmtpd answers ``538 5.7.11`` before it).
 * **Limits**: connections over the :class:`~mtaq.edge.limits.ConnectionGate` get ``421 4.7.0`` instead of
-  the greeting; an idle client gets ``421 4.4.2`` (aiosmtpd just closed); after ``errors_max`` 5xx replies
-  the client gets ``421 4.7.0 ... too many errors`` (Postfix ``smtpd_hard_error_limit``). After any 421 the
-  connection is closed and nothing more is read (RFC 5321 §3.8).
+  the greeting (in all, per client IP, or outside the places kept for mynetworks); an idle client gets
+  ``421 4.4.2`` (aiosmtpd just closed); after ``errors_max`` errors (5xx replies, and exceptions, which are
+  answered ``451 4.3.0``) the client gets ``421 4.7.0 ... too many errors`` (Postfix
+  ``smtpd_hard_error_limit``). After any 421 the connection is closed and nothing more is read (RFC 5321
+  §3.8). An exception is logged with its traceback once per session, later ones as one line.
+* **Bad path syntax**: a MAIL or RCPT argument the address parser cannot even parse (``MAIL FROM:<``, on
+  which the email package raises) gets Postfix's ``501 5.1.7 Bad sender address syntax`` /
+  ``501 5.1.3 Bad recipient address syntax`` (RFC 5321 §4.1.2), an error like any other 5xx.
+* **NUL** octets in DATA: ``550 5.6.0 Error: message contains NUL characters`` after the final dot (the
+  session goes on), or with ``forbid_nul = "strip"`` they are removed.
+* **AUTH failures** are answered ``535 5.7.8`` only after ``error_sleep_s`` (Postfix
+  ``smtpd_error_sleep_time``), logged as ``auth_failed`` (client, user name escaped, mechanism) and counted
+  per client IP in the gate; over ``auth_failures_per_minute_max`` AUTH gets ``450 4.7.1 Error: too many
+  AUTH failures from <ip>`` (Postfix's anvil reply to its AUTH rate limit) and counts as an error.
 * **STARTTLS**: aiosmtpd discards what the client sent after ``STARTTLS`` in the clear before the handshake
   (RFC 3207 §4.2; the CVE-2011-0411 command injection), and starts a fresh session after it.
 """
@@ -59,9 +70,10 @@ from typing import Any
 
 from aiosmtpd.smtp import MISSING, SMTP, AuthResult, Envelope, LoginPassword, TLSSetupException, syntax
 
-from mtaq.edge.fastpath import FastPathMixin
+from mtaq.core.text import escape_text
+from mtaq.edge.fastpath import FastPathMixin, parse_address
 from mtaq.edge.limits import ConnectionGate
-from mtaq.edge.policy import EdgePolicy, address_problem
+from mtaq.edge.policy import EdgePolicy, address_problem, unsendable_character
 from mtaq.edge.replies import enhance, reply_code
 from mtaq.logs import get_logger
 from mtaq.storage.spill import BodyBuffer
@@ -290,6 +302,8 @@ class MtaqSMTP(FastPathMixin, SMTP):
         # Where a message's lines go while DATA is read: a BodyBuffer (memory bounded, the rest in a temporary
         # file; the handler gets it as envelope.content when the message was large) or, with None, a list.
         self._body_buffer = body_buffer
+        self._gate_ip = ""  # the client address the gate admitted
+        self._exceptions = 0  # exceptions that reached handle_exception in this connection
         super().__init__(handler, *args, **kwargs)
 
     def _create_envelope(self) -> DsnEnvelope:
@@ -315,13 +329,14 @@ class MtaqSMTP(FastPathMixin, SMTP):
             ip = str(peer[0]) if isinstance(peer, tuple) and peer else ""
             self._refusal = self.gate.admit(ip)
             self._admitted = self._refusal is None
+            self._gate_ip = ip
         super().connection_made(transport)
 
     def connection_lost(self, error: Exception | None) -> None:
         """aiosmtpd's, and the connection's place in the gate is given back."""
         if self._admitted and self.gate is not None:
             self._admitted = False
-            self.gate.release()
+            self.gate.release(self._gate_ip)
         super().connection_lost(error)
 
     async def _handle_client(self) -> None:
@@ -368,23 +383,79 @@ class MtaqSMTP(FastPathMixin, SMTP):
         code = reply_code(text)
         if code == 421:
             self._hang_up()
-        elif code >= 500:
+            return sent
+        if code >= 500:
             self._errors += 1
-            if self._errors >= self.policy.errors_max:
-                await super().push(f"421 4.7.0 {self.hostname} Error: too many errors")
-                self._hang_up()
+        # Also reached after an error counted elsewhere (an exception, an AUTH rate refusal) and its reply.
+        if self._errors >= self.policy.errors_max:
+            await super().push(f"421 4.7.0 {self.hostname} Error: too many errors")
+            self._hang_up()
         return sent
 
     async def handle_exception(self, error: Exception) -> str:
         """A failed TLS handshake is the client's business (one log line); any other exception is a bug:
-        logged, and the client gets ``451 4.3.0`` (try again later) rather than the exception's text."""
+        logged, and the client gets ``451 4.3.0`` (try again later) rather than the exception's text.
+
+        Each such exception counts toward ``errors_max`` (Postfix ``smtpd_hard_error_limit``), so a client
+        that can trigger one cannot do it for ever; the first of a session is logged with its traceback,
+        the later ones as one line each (``repeat`` counts them), so the log cannot be flooded with them."""
         if hasattr(self.event_handler, "handle_exception"):
             return await super().handle_exception(error)
         if isinstance(error, TLSSetupException):
             get_logger().warning("tls_handshake_failed", client=self.client_ip(), error=str(error.__cause__ or error))
             return "454 4.7.0 TLS not available due to temporary reason"
-        get_logger().exception("smtp_session_error", client=self.client_ip(), error=str(error))
+        if self._closing:
+            # After the 421: pipelined commands already buffered still run until the next real wait (the
+            # cancellation lands there); they are not answered, counted or logged again.
+            return "451 4.3.0 Error: internal error"
+        self._errors += 1
+        self._exceptions += 1
+        text = f"{type(error).__name__}: {error}"
+        if self._exceptions == 1:
+            get_logger().exception("smtp_session_error", client=self.client_ip(), error=text)
+        else:
+            get_logger().error("smtp_session_error", client=self.client_ip(), error=text, repeat=self._exceptions)
         return "451 4.3.0 Error: internal error"
+
+    def _getaddr(self, arg: str) -> tuple[str | None, str | None]:
+        """aiosmtpd's address parsing (the fast path's), with a parser crash taken as "does not parse"."""
+        try:
+            return super()._getaddr(arg)
+        except Exception:  # the email package's parser raises IndexError, AttributeError on some input
+            return None, None
+
+    async def _path_refused(self, arg: str | None, verb: str, keyword: str) -> bool:
+        """Answer and return True when the path in ``arg`` is refused before aiosmtpd parses it; False to go
+        on as usual. aiosmtpd's HELO and AUTH checks come first, as they would.
+
+        * The address parser crashes on it (``<``: IndexError, ``<a@[``: AttributeError): Postfix's
+          ``501 5.1.7 Bad sender address syntax`` / ``501 5.1.3 Bad recipient address syntax`` (RFC 5321
+          §4.1.2).
+        * It holds a non-ASCII character no address may contain (:func:`unsendable_character`): the parser
+          would drop some of them as white space (``<a@exam\u00a0ple.net>`` becomes ``a@example.net``), so
+          the line as sent is checked: ``553 5.1.7`` / ``553 5.1.3``. ASCII controls are left to the
+          address checks (``553 5.1.3``), surrogate escapes (not UTF-8) too.
+        """
+        rest = self._strip_command_keyword(keyword, arg) if arg is not None else None
+        if not rest:
+            return False
+        sender = verb == "MAIL"
+        reply: str | None = None
+        try:
+            parse_address(rest, self.local_part_limit or 0)
+        except Exception:  # see _getaddr
+            reply = "501 5.1.7 Bad sender address syntax" if sender else "501 5.1.3 Bad recipient address syntax"
+        else:
+            bad = None if rest.isascii() else unsendable_character(
+                "".join(ch for ch in rest if ch > "\x7f" and not "\udc80" <= ch <= "\udcff"))
+            if bad is not None:
+                role, code = ("sender", "5.1.7") if sender else ("recipient", "5.1.3")
+                reply = f"553 {code} Error: {role} address contains an invisible or control character ({bad})"
+        if reply is None:
+            return False
+        if not (await self.check_helo_needed() or await self.check_auth_needed(verb)):
+            await self.push(reply)
+        return True
 
     async def _call_handler_hook(self, command: str, *args: Any) -> Any:
         """The policy first (MAIL: address checks; RCPT: count, address checks, relay control), then the
@@ -394,7 +465,7 @@ class MtaqSMTP(FastPathMixin, SMTP):
             address = str(args[0])
             smtputf8 = bool(envelope.smtp_utf8)
             if command == "MAIL":
-                problem = address_problem(address, smtputf8=smtputf8, null_ok=True)
+                problem = address_problem(address, smtputf8=smtputf8, null_ok=True, sender=True)
                 if problem is not None:
                     return problem
             else:
@@ -463,6 +534,15 @@ class MtaqSMTP(FastPathMixin, SMTP):
         if self.envelope is not None and self.envelope.mail_from:
             await self.push("503 5.5.1 Error: MAIL transaction in progress")  # RFC 4954 §4
             return
+        ip = self.client_ip()
+        session = self.session
+        if (arg and self._tls_protocol and session is not None and session.extended_smtp
+                and not session.authenticated and self.gate is not None and self.gate.auth_blocked(ip)):
+            # Postfix's anvil reply to smtpd_client_auth_rate_limit, for failures here; counts as an error.
+            get_logger().warning("auth_rate_limited", client=ip, limit=self.policy.auth_failures_per_minute_max)
+            self._errors += 1
+            await self.push(f"450 4.7.1 Error: too many AUTH failures from {ip}")
+            return
         await super().smtp_AUTH(arg)
 
     async def auth_PLAIN(self, _: SMTP, args: list[str]) -> AuthResult:
@@ -476,8 +556,9 @@ class MtaqSMTP(FastPathMixin, SMTP):
             return AuthResult(success=False, handled=True)
         authzid, user, password = parts
         if authzid and authzid != user:
+            await self._auth_failed(user, "PLAIN")
             return AuthResult(success=False, handled=False)  # no authorisation as someone else: 535 5.7.8
-        return await self._check_password(user, password)
+        return await self._check_password(user, password, "PLAIN")
 
     async def auth_LOGIN(self, _: SMTP, args: list[str]) -> AuthResult:
         """SASL LOGIN (draft-murchison-sasl-login): user name, then password, each base64."""
@@ -487,7 +568,7 @@ class MtaqSMTP(FastPathMixin, SMTP):
         password = await self.challenge_auth("Password:")
         if not isinstance(password, bytes):
             return AuthResult(success=False, handled=True)
-        return await self._check_password(user, password)
+        return await self._check_password(user, password, "LOGIN")
 
     async def _initial_response(self, text: str) -> bytes | None:
         """Decode an RFC 4954 §4 initial response (``=`` is empty); None after answering ``501``."""
@@ -499,15 +580,29 @@ class MtaqSMTP(FastPathMixin, SMTP):
             await self.push("501 5.5.2 Error: cannot decode base64")
             return None
 
-    async def _check_password(self, user: bytes, password: bytes) -> AuthResult:
-        """Check against the password file in a thread (bcrypt is slow on purpose). Failure: 535 5.7.8."""
+    async def _check_password(self, user: bytes, password: bytes, mechanism: str) -> AuthResult:
+        """Check against the password file in a thread (bcrypt is slow on purpose). Failure: 535 5.7.8,
+        after :meth:`_auth_failed`."""
         passwords = self.policy.passwords
         assert passwords is not None
         name = user.decode("utf-8", "replace")
         ok = await asyncio.to_thread(passwords.verify, name, password)
         if ok:
             return AuthResult(success=True, auth_data=LoginPassword(user, b""))
+        await self._auth_failed(user, mechanism)
         return AuthResult(success=False, handled=False)
+
+    async def _auth_failed(self, user: bytes, mechanism: str) -> None:
+        """A failed AUTH: log ``auth_failed`` (client IP, the user name escaped and cut at 256 characters,
+        the mechanism), count it in the gate, and wait ``error_sleep_s`` seconds before the reply (Postfix
+        ``smtpd_error_sleep_time``: a brute-force client gets one guess per that time per connection)."""
+        ip = self.client_ip()
+        get_logger().warning("auth_failed", client=ip, user=escape_text(user.decode("utf-8", "replace")[:256]),
+                             mechanism=mechanism)
+        if self.gate is not None:
+            self.gate.auth_failed(ip)
+        if self.policy.error_sleep_s > 0:
+            await asyncio.sleep(self.policy.error_sleep_s)
 
     @syntax("MAIL FROM: <address>", extended=" [SP <mail-parameters>]")
     async def smtp_MAIL(self, arg: str | None) -> None:
@@ -519,6 +614,8 @@ class MtaqSMTP(FastPathMixin, SMTP):
             self._verb = None
 
     async def _mail(self, arg: str | None) -> None:
+        if await self._path_refused(arg, "MAIL", "FROM:"):
+            return
         split = self._take_params(arg, "FROM:", _MAIL_KEYWORDS)
         if split is None:
             await super().smtp_MAIL(arg)
@@ -554,6 +651,8 @@ class MtaqSMTP(FastPathMixin, SMTP):
             self._verb = None
 
     async def _rcpt(self, arg: str | None) -> None:
+        if await self._path_refused(arg, "RCPT", "TO:"):
+            return
         split = self._take_params(arg, "TO:", _RCPT_KEYWORDS)
         if split is None:
             await self._rcpt_aligned(arg, ())
@@ -641,6 +740,8 @@ class MtaqSMTP(FastPathMixin, SMTP):
     async def _read_lines(
         self, reader: asyncio.StreamReader, limit: int, normalize: bool, kept: list[bytes], buf: BodyBuffer | None
     ) -> tuple[bytes | BodyBuffer, str | None, bool]:
+        strip_nul = self.policy.forbid_nul == "strip"
+        nul = False
         size = 0
         bare: str | None = None
         too_long = too_big = False
@@ -662,13 +763,17 @@ class MtaqSMTP(FastPathMixin, SMTP):
                 bare = "<CR>" if lf < 0 or 0 <= cr < lf else "<LF>"
             if not partial and line.startswith(b"."):
                 line = line[1:]  # dot transparency
+            if b"\x00" in line:
+                nul = True
+                if strip_nul:
+                    line = line.replace(b"\x00", b"")
             if not ended or partial or len(line) > TEXT_LINE_MAX:
                 too_long = True
             partial = not ended
             size += len(line)
             if limit and size > limit:
                 too_big = True
-            if too_long or too_big or (bare is not None and not normalize):
+            if too_long or too_big or (bare is not None and not normalize) or (nul and not strip_nul):
                 if buf is not None:
                     buf.discard()  # refused: keep nothing
                 kept.clear()
@@ -689,6 +794,8 @@ class MtaqSMTP(FastPathMixin, SMTP):
             return b"", "552 5.3.4 Error: message size exceeds fixed maximum message size", False
         if too_long:
             return b"", f"500 5.5.2 Error: line too long (RFC 5321 §4.5.3.1.6: {TEXT_LINE_MAX} octets)", False
+        if nul and not strip_nul:
+            return b"", "550 5.6.0 Error: message contains NUL characters", False
         if buf is not None:
             if buf.spilled:
                 return buf, None, False
