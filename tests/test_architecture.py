@@ -48,7 +48,7 @@ ALLOWED: dict[str, set[str]] = {
     "edge": {"core", "storage", "queue", "config", "logs"},
     "admin": {"core", "storage", "queue", "config", "logs"},
     "analytics": {"core"},  # never imported by the daemon (tests/test_analytics_boundaries.py)
-    "testing": {"core", "storage", "queue", "logs"},
+    "testing": {"core", "storage", "queue", "config", "logs"},
     "daemon": {"core", "storage", "queue", "config", "logs", "delivery", "edge", "admin", "testing"},
     "cli": {"core", "storage", "config", "logs", "edge", "admin", "analytics", "testing", "daemon"},
     "__init__": {"core"},

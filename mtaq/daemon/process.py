@@ -18,16 +18,15 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import importlib
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from mtaq.admin.http import AdminHttp, ApiState, spool_token
 from mtaq.admin.metrics import Metrics
-from mtaq.admin.service import AdminService
 from mtaq.config import Config, parse_hostport
 from mtaq.core.checkpoint import Checkpoint
 from mtaq.core.errors import CorruptRecord, StorageError, StorageFatal
@@ -35,9 +34,6 @@ from mtaq.core.frame import Problem
 from mtaq.core.records import EnvelopeRecord, Outcome, Pos
 from mtaq.core.state import Attempt, RetryPolicy, format_reply
 from mtaq.daemon.workers import shard_count, shard_dir, supervise
-from mtaq.delivery.dane import DnssecResolver
-from mtaq.delivery.mtasts import MtaSts
-from mtaq.delivery.peers import PeerPolicy
 from mtaq.delivery.relay import Reply, classify
 from mtaq.delivery.routing import Router
 from mtaq.delivery.sasl import SaslClient
@@ -51,11 +47,14 @@ from mtaq.queue.recovery import move_aside, recover
 from mtaq.queue.runners import RUNNER_READ_RETRY_S, Declined, Dispatcher, Runner
 from mtaq.queue.store import Queue, set_queue_id_shard
 from mtaq.storage.archive import ArchiveError, SegmentArchive
-from mtaq.storage.cachefile import CacheDir
 from mtaq.storage.checkpoint import write_checkpoint
 from mtaq.storage.fs import FileSystem, OsFileSystem
 from mtaq.storage.log import Log, segment_path
 from mtaq.testing import killpoints, powercut
+
+if TYPE_CHECKING:  # imported when needed, not before the first 250 (issue 15.6)
+    from mtaq.admin.http import AdminHttp
+    from mtaq.delivery.peers import PeerPolicy
 
 __all__ = ["Daemon", "serve"]
 
@@ -117,6 +116,11 @@ class Daemon:
         dane_used = cfg.smtp_tls_security_level == "dane" or "dane" in cfg.tls_policy_map.values()
         if not dane_used and not cfg.mta_sts:
             return None
+        from mtaq.delivery.dane import DnssecResolver
+        from mtaq.delivery.mtasts import MtaSts
+        from mtaq.delivery.peers import PeerPolicy
+        from mtaq.storage.cachefile import CacheDir
+
         dane = DnssecResolver.from_config(cfg) if dane_used and cfg.smtp_dns_support_level == "dnssec" else None
         sts = MtaSts.from_config(cfg, CacheDir(os.path.join(cfg.spool_dir, "mta-sts"))) if cfg.mta_sts else None
         return PeerPolicy(dane=dane, sts=sts, report=lambda event, fields: self.log.warning(event, **fields))
@@ -159,12 +163,6 @@ class Daemon:
         self.queue.sign = self.signer.sign  # DSNs are DKIM-signed too (with the key of myhostname's domain)
         self.metrics.queue = self.queue
         qlog.on_commit_seconds = self.metrics.commit_latency.observe
-        if cfg.admin_listen.strip():
-            admin_host, admin_port = parse_hostport(cfg.admin_listen, key="admin_listen")
-            token = cfg.admin_token or spool_token(cfg.spool_dir)
-            self.http = AdminHttp(ApiState(self.metrics, token=token, log=self.log, hosts=tuple(cfg.admin_hosts)),
-                                  admin_host, admin_port, cfg.spool_dir)
-            await self.http.start()  # before SMTP: once SMTP listens, admin.json is there; 503 until recovered
         host, port = parse_hostport(cfg.listen)
         self.server = await start_server(
             QueueHandler(self.queue, self.signer),
@@ -176,6 +174,16 @@ class Daemon:
             policy=self.edge,
             reuse_port=self.reuse_port,
         )
+        if cfg.admin_listen.strip():
+            # After SMTP listens, and imported in a thread: aiohttp costs the first 250 nothing (issue 15.6).
+            # admin.json is written once the API listens; the API answers 503 until recovery is done.
+            http = await asyncio.to_thread(importlib.import_module, "mtaq.admin.http")
+            admin_host, admin_port = parse_hostport(cfg.admin_listen, key="admin_listen")
+            token = cfg.admin_token or http.spool_token(cfg.spool_dir)
+            self.http = http.AdminHttp(http.ApiState(self.metrics, token=token, log=self.log,
+                                                     hosts=tuple(cfg.admin_hosts)),
+                                       admin_host, admin_port, cfg.spool_dir)
+            await self.http.start()
         self.log.info(
             "listening",
             listen=cfg.listen,
@@ -220,6 +228,8 @@ class Daemon:
             )
             for k in range(self.policy.runners)
         ]
+        from mtaq.admin.service import AdminService
+
         self.admin = AdminService(self.queue, self.runners, self.clock, cfg.spool_dir, delay_max_s=cfg.delay_max_s)
         if self.http is not None:
             self.http.state.admin = self.admin

@@ -23,7 +23,6 @@ from typing import Literal
 import aiosmtplib
 from aiosmtplib.email import quote_address
 
-from mtaq.delivery.dane import check_chain, peer_chain
 from mtaq.delivery.reply import Reply
 from mtaq.delivery.security import HopSecurity, cert_names_match, verified_context
 
@@ -242,6 +241,8 @@ class RelayConnection:
         version = (ssl_obj.version() if ssl_obj is not None else None) or "TLS"
         if self.security.tlsa:
             # DANE (RFC 7672 §3): the chain the server sent must match a TLSA record; PKIX trust is not asked.
+            from mtaq.delivery.dane import check_chain, peer_chain  # dnspython, cryptography: only for DANE
+
             chain = peer_chain(ssl_obj)[0] if ssl_obj is not None else []
             refs = self.security.match or (self.hostname,)
             found = check_chain(chain, self.security.tlsa, names=refs)

@@ -34,17 +34,14 @@ import ipaddress
 import random
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import Literal, TypeVar
-
-import dns.asyncresolver
-import dns.exception
-import dns.name
-import dns.nameserver
-import dns.rdatatype
-import dns.resolver
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 from mtaq.config import Config, Relayhost, parse_nameserver, parse_relayhost, parse_transport_spec
 from mtaq.delivery.relay import Reply, TlsLevel
+
+if TYPE_CHECKING:  # dnspython is imported at the first lookup: a relayhost never needs it (issue 15.6)
+    import dns.asyncresolver
+    import dns.resolver
 
 __all__ = ["Candidate", "Dns", "Route", "RouteFailure", "Router", "domain_of", "lookup", "parse_transport"]
 
@@ -159,6 +156,10 @@ class Dns:
 
     def _get(self, what: str) -> dns.asyncresolver.Resolver:
         if self._resolver is None:
+            import dns.asyncresolver
+            import dns.exception
+            import dns.nameserver
+
             try:
                 r = dns.asyncresolver.Resolver(configure=not self.nameservers)
             except dns.exception.DNSException as exc:  # no /etc/resolv.conf, or nothing in it
@@ -172,6 +173,10 @@ class Dns:
 
     async def _query(self, name: str, rdtype: str) -> dns.resolver.Answer | None:
         """The answer, None when the name exists without records of that type; raises RouteFailure."""
+        import dns.exception
+        import dns.name
+        import dns.resolver
+
         what = f"Name service error for name={name} type={rdtype}"
         try:
             qname = dns.name.from_unicode(name) if not name.isascii() else dns.name.from_text(name)

@@ -20,9 +20,10 @@ from __future__ import annotations
 import ipaddress
 import ssl
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mtaq.delivery.dane import Tlsa
+if TYPE_CHECKING:
+    from mtaq.delivery.dane import Tlsa
 
 __all__ = ["Credentials", "HopSecurity", "cert_names_match", "verified_context"]
 

@@ -24,14 +24,17 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from mtaq.delivery.dane import Tlsa
-from mtaq.delivery.peers import PeerPolicy
 from mtaq.delivery.relay import RelayConnection, Reply, TlsLevel
 from mtaq.delivery.routing import Candidate, Route, RouteFailure, Router
 from mtaq.delivery.sasl import SaslClient, nexthop_keys
 from mtaq.delivery.security import Credentials, HopSecurity
 from mtaq.delivery.throttle import Throttle
+
+if TYPE_CHECKING:  # DANE and MTA-STS pull in dnspython, aiohttp and cryptography: only when configured
+    from mtaq.delivery.dane import Tlsa
+    from mtaq.delivery.peers import PeerPolicy
 
 __all__ = ["Batch", "ConnectionPool", "HopFailure", "deliver"]
 

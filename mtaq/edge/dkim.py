@@ -37,10 +37,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-import dkim
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ed25519, rsa
-
 from mtaq.config import Config
 from mtaq.core.errors import ConfigError
 from mtaq.logs import get_logger
@@ -68,7 +64,19 @@ _SIGN = frozenset({
     b"from", b"reply-to", b"subject", b"date", b"to", b"cc", b"in-reply-to", b"references", b"message-id",
     b"mime-version", b"content-type", b"content-transfer-encoding",
 })
-_NEVER = frozenset(dkim.DKIM.SHOULD_NOT)  # Received, Return-Path, Bcc, Resent-Bcc, DKIM-Signature, ...
+# dkimpy's SHOULD_NOT list (Received, Return-Path, Bcc, Resent-Bcc, DKIM-Signature, ...), taken at the first use:
+# dkimpy and cryptography are imported only when a key is configured (start time, issue 15.6).
+_NEVER: frozenset[bytes] = frozenset()
+
+
+def _never() -> frozenset[bytes]:
+    global _NEVER
+    if not _NEVER:
+        import dkim
+
+        _NEVER = frozenset(dkim.DKIM.SHOULD_NOT)
+    return _NEVER
+
 _OVERSIGN = (b"from",)
 _DOMAIN = re.compile(r"(?=.{1,253}$)[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?(?:\.[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?)*")
 _SELECTOR = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
@@ -118,6 +126,10 @@ def load_key(domain: str, selector: str, key_file: str) -> DkimKey:
     (RFC 8301 §3.2) or Ed25519 (RFC 8463), and sign a test message with dkimpy. Raises ConfigError with a
     one-line message naming the key (never the key material).
     """
+    import dkim
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519, rsa
+
     d = normalize_domain(domain)
     if d is None:
         raise ConfigError(f'dkim_keys."{domain}": not a domain name')
@@ -169,6 +181,8 @@ def load_key(domain: str, selector: str, key_file: str) -> DkimKey:
 
 
 def _dkimpy_sign(key: DkimKey, message: bytes, include: list[bytes]) -> bytes:
+    import dkim
+
     sig: bytes = dkim.sign(
         message,
         key.selector.encode("ascii"),
@@ -209,7 +223,7 @@ def headers_to_sign(head: bytes) -> list[bytes]:
     names: list[bytes] = []
     for name, _ in _fields(head):
         n = name.lower()
-        if n in _NEVER:
+        if n in _never():
             continue
         if n in _SIGN or n.startswith((b"resent-", b"list-")):
             names.append(n)
@@ -269,6 +283,8 @@ class Signer:
         dkimpy could not sign it: then a ``dkim_sign_failed`` event is logged). ``key``: the one
         :meth:`wants` chose, if already known. Costs one pass over the message (relaxed body hash, RFC 6376
         §3.7) and one private-key operation."""
+        import dkim
+
         head = header_section(message)
         if key is None:
             key = self.wants(head)
@@ -317,6 +333,9 @@ def generate_key(kind: Literal["rsa", "ed25519"] = "rsa", bits: int = RSA_BITS_M
     """A new private key as PKCS#8 PEM, and the value of its DNS TXT record (RFC 6376 §3.6.1,
     ``v=DKIM1; k=rsa; p=...``; RFC 8463 §4.2 for ``k=ed25519``). ``bits`` (RSA only): 2048 to 8192.
     Raises ValueError for a size out of range."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519, rsa
+
     if kind == "ed25519":
         ek = ed25519.Ed25519PrivateKey.generate()
         pem = ek.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
