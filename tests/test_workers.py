@@ -18,7 +18,7 @@ import pytest
 import mtaq.queue.store
 from mtaq.daemon.workers import WORKERS_MAX, existing_shards, log_dirs, shard_count, shard_dir
 from mtaq.queue.store import new_queue_id, set_queue_id_shard
-from mtaq.testing.procs import Proc, log_problems, maildir_message_ids, read_events, start_daemon, start_sink
+from mtaq.testing.procs import Proc, free_port, log_problems, maildir_message_ids, read_events, start_daemon, start_sink
 
 _B32 = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 
@@ -200,3 +200,22 @@ def test_several_workers_need_a_fixed_port(tmp_path: Path) -> None:
     assert 2 == res.returncode
     assert "workers: 2 workers need a fixed listen port" in res.stderr
     assert 1 == len(res.stderr.strip().splitlines())
+
+
+@pytest.mark.parametrize("config", ["sasl", "auth"])
+def test_a_bad_secret_file_stops_serve_before_any_worker_starts(tmp_path, config):
+    """With workers = 2, an outbound password file or an inbound TLS/password setting that cannot be used is
+    reported as with one process: exit 2 and one line naming the key (it was exit 70 and a traceback from
+    inside a worker)."""
+    pw = tmp_path / "pw"
+    pw.write_text("[smtp.example.com]:587 user:secret\n")
+    pw.chmod(0o640)
+    if config == "sasl":
+        text, key = f'smtp_sasl_auth_enable = true\nsmtp_sasl_password_file = "{pw}"\n', "smtp_sasl_password_file"
+    else:
+        text, key = f'auth_password_file = "{pw}"\n', "auth_password_file"
+    (tmp_path / "c.toml").write_text(text)
+    out = _mtaq("serve", "--config", str(tmp_path / "c.toml"), "--spool", str(tmp_path / "spool"),
+                  "--listen", f"127.0.0.1:{free_port()}", "--admin-listen", "", "--workers", "2")
+    assert (2, 1) == (out.returncode, len(out.stderr.strip().splitlines())), out.stderr
+    assert key in out.stderr and "Traceback" not in out.stderr

@@ -597,7 +597,11 @@ def serve(cfg: Config) -> int:
     if n == 1:
         _run_loop(Daemon(cfg))
         return 0
-    Signer.from_config(cfg)  # the DKIM keys are checked before any worker starts: a bad one exits 2, not 70
+    # Every file the workers read at start is checked before any of them starts: a bad one exits 2 with one
+    # line, not 70 from inside a worker (TLS certificate and password files, outbound credentials, DKIM keys).
+    EdgePolicy.from_config(cfg)
+    SaslClient.from_config(cfg)
+    Signer.from_config(cfg)
     log = get_logger()
 
     def on_exit(shard: int, status: int) -> None:
