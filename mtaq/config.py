@@ -72,7 +72,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # "encrypt" (defer 4.7.4/4.7.5 without TLS), "none". Per destination in tls_policy_map.
     # "verify" (RFC 6125: a trusted chain and the server's host name: the MX host name, or the name in
     # brackets) and "secure" (a trusted chain and the next-hop destination: the name in brackets, or the
-    # domain and its subdomains) defer 4.7.5 on failure (Postfix's levels; mtaq.delivery.tlsverify).
+    # domain and its subdomains) defer 4.7.5 on failure (Postfix's levels; mtaq.delivery.security).
     smtp_tls_security_level: Literal["none", "may", "encrypt", "dane", "verify", "secure"] = "may"
     tls_policy_map: dict[str, Literal["none", "may", "encrypt", "dane", "verify", "secure"]] = msgspec.field(
         default_factory=dict

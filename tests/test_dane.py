@@ -272,3 +272,53 @@ def test_config_keys(tmp_path):
     p.write_text('dnssec_trusted_resolvers = ["resolver.example"]\n')
     with pytest.raises(ConfigError, match="dnssec_trusted_resolvers"):
         load_config(str(p), {})
+
+
+# ------------------------------------------------------------------------ issuers must be CAs (review)
+def test_dane_ta_refuses_a_leaf_signed_by_an_end_entity_certificate_of_the_anchor_ca():
+    """Found by review: anyone with an ordinary (CA:FALSE) certificate from the CA a domain publishes as
+    DANE-TA could sign a certificate for the domain's MX host, and it matched. Issuers must be CAs (RFC 5280
+    §4.2.1.9) allowed to sign certificates (keyCertSign) within their path length; the real chain still
+    matches."""
+    import hashlib
+
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = dt.datetime.now(dt.UTC)
+
+    def cert(subject, key, issuer, ikey, *, ca, path_length=None, san=None, key_cert_sign=None):
+        b = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+             .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+             .public_key(key.public_key()).serial_number(x509.random_serial_number())
+             .not_valid_before(now - dt.timedelta(days=1)).not_valid_after(now + dt.timedelta(days=30))
+             .add_extension(x509.BasicConstraints(ca=ca, path_length=path_length), critical=True))
+        if san:
+            b = b.add_extension(x509.SubjectAlternativeName([x509.DNSName(san)]), critical=False)
+        if key_cert_sign is not None:
+            b = b.add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
+                                              data_encipherment=False, key_agreement=False, key_cert_sign=key_cert_sign,
+                                              crl_sign=False, encipher_only=False, decipher_only=False), critical=True)
+        return b.sign(ikey, hashes.SHA256())
+
+    def der(c):
+        return c.public_bytes(serialization.Encoding.DER)
+
+    ca_key, mid_key, atk_key, leaf_key = (ec.generate_private_key(ec.SECP256R1()) for _ in range(4))
+    ca = cert("Shared CA", ca_key, "Shared CA", ca_key, ca=True, path_length=0)
+    spki = ca.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    record = Tlsa(2, 1, 1, hashlib.sha256(spki).digest())
+    names = ["mx.victim.test", "victim.test"]
+    real = cert("mx.victim.test", leaf_key, "Shared CA", ca_key, ca=False, san="mx.victim.test")
+    assert check_chain([der(real), der(ca)], [record], names=names).ok
+    attacker = cert("attacker.test", atk_key, "Shared CA", ca_key, ca=False, san="attacker.test")
+    forged = cert("mx.victim.test", leaf_key, "attacker.test", atk_key, ca=False, san="mx.victim.test")
+    assert not check_chain([der(forged), der(attacker), der(ca)], [record], names=names).ok
+    no_sign = cert("attacker.test", atk_key, "Shared CA", ca_key, ca=True, key_cert_sign=False)
+    forged2 = cert("mx.victim.test", leaf_key, "attacker.test", atk_key, ca=False, san="mx.victim.test")
+    assert not check_chain([der(forged2), der(no_sign), der(ca)], [record], names=names).ok
+    # pathLen 0 on the anchor: an intermediate CA under it may not issue the leaf
+    mid = cert("Sub CA", mid_key, "Shared CA", ca_key, ca=True)
+    deep = cert("mx.victim.test", leaf_key, "Sub CA", mid_key, ca=False, san="mx.victim.test")
+    assert not check_chain([der(deep), der(mid), der(ca)], [record], names=names).ok

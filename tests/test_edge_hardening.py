@@ -351,3 +351,26 @@ def test_an_idn_relay_domain_matches_in_u_label_and_a_label_form_both_ways(tmp_p
     for bad in (f"ban{KELVIN}.test", "xn--zz.test"):
         with pytest.raises(ConfigError, match="relay_domains"):
             EdgePolicy.from_config(Config(relay_domains=[bad]))
+
+
+def test_parallel_guesses_cannot_exceed_the_auth_failure_limit(tmp_path, cert):  # noqa: F811
+    """Found by review: the limit was checked when AUTH started and counted after the password check, so
+    twelve connections each got a guess checked against a limit of 3. A check in flight now counts until it
+    succeeds. A password file at the production cost (``mtaq passwd``'s default rounds), so the checks overlap."""
+    import concurrent.futures as cf
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "mtaq.cli", "passwd", USER], input=PASSWORD + "\n",
+                         capture_output=True, text=True, timeout=60, check=True)
+    (tmp_path / "passwd").write_text(out.stdout)
+    pol = policy(cert, str(tmp_path / "passwd"), mynetworks=OUTSIDE, error_sleep_s=0.2,
+                 auth_failures_per_minute_max=3)
+    with run_edge(tmp_path, pol) as edge:
+        sessions = [auth_session(edge.port, cert[0]) for _ in range(12)]
+        with cf.ThreadPoolExecutor(12) as ex:
+            replies = list(ex.map(lambda i: sessions[i].command(f"AUTH PLAIN {plain(USER, f'guess{i}')}"), range(12)))
+        for s in sessions:
+            s.sock.close()
+    checked = sum(r.startswith("535") for r in replies)
+    assert checked <= 3 and all(r.startswith(("535", "450 4.7.1")) for r in replies), replies

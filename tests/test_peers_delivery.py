@@ -51,7 +51,7 @@ def pki(tmp_path_factory):
     leaves = {
         "dane": untrusted.issue_cert("mx.good.test", "mx.bad.test", "mx.plain.test", "mx.bogus.test"),
         "sts": trusted.issue_cert("mx.sts.test", "mx.stst.test"),
-        "sts-untrusted": untrusted.issue_cert("mx.stsbad.test"),
+        "sts-untrusted": untrusted.issue_cert("mx.stsbad.test", "mx.stspkix.test"),
     }
     for kind, leaf in leaves.items():
         leaf.cert_chain_pems[0].write_to_path(str(d / f"{kind}.crt"))
@@ -83,8 +83,11 @@ def zone(pki, hops) -> str:
         "sts IN MX 5 mx2.sts", "sts IN MX 10 mx.sts", "mx.sts IN A 127.0.0.1", "mx2.sts IN A 127.0.0.1",
         "stst IN MX 10 mx2.stst", "mx2.stst IN A 127.0.0.1",
         "stsbad IN MX 10 mx.stsbad", "mx.stsbad IN A 127.0.0.1",
+        # enforce policy and only unusable (PKIX-EE) TLSA records: MTA-STS must still demand verified TLS
+        "stspkix IN MX 10 mx.stspkix", "mx.stspkix IN A 127.0.0.1",
+        f"_{hops['sts-untrusted'].port}._tcp.mx.stspkix IN TLSA 1 1 1 {pki['sts-untrusted-spki']}",
     ]
-    for d in ("sts", "stst", "stsbad"):
+    for d in ("sts", "stst", "stsbad", "stspkix"):
         lines += [f"mta-sts.{d} IN A 127.0.0.1", f'_mta-sts.{d} IN TXT "v=STSv1; id=1;"']
     return "\n".join(lines) + "\n"
 
@@ -93,7 +96,8 @@ def zone(pki, hops) -> str:
 def zs(pki, hops):
     dp = hops["dane"].port
     secure = ["good", "mx.good", f"_{dp}._tcp.mx.good", "bad", "mx.bad", f"_{dp}._tcp.mx.bad",
-              "mx.plain", f"_{dp}._tcp.mx.plain", "bogus", "mx.bogus"]
+              "mx.plain", f"_{dp}._tcp.mx.plain", "bogus", "mx.bogus",
+              "stspkix", "mx.stspkix", f"_{hops['sts-untrusted'].port}._tcp.mx.stspkix"]
     with ZoneServer(zone(pki, hops), origin="test.", secure=secure, servfail=[f"_{dp}._tcp.mx.bogus"]) as z:
         yield z
 
@@ -102,6 +106,7 @@ POLICIES = {
     "mta-sts.sts.test": "version: STSv1\nmode: enforce\nmx: mx.sts.test\nmax_age: 86400\n",
     "mta-sts.stst.test": "version: STSv1\nmode: testing\nmx: mx.stst.test\nmax_age: 86400\n",
     "mta-sts.stsbad.test": "version: STSv1\nmode: enforce\nmx: mx.stsbad.test\nmax_age: 86400\n",
+    "mta-sts.stspkix.test": "version: STSv1\nmode: enforce\nmx: mx.stspkix.test\nmax_age: 86400\n",
 }
 
 
@@ -170,8 +175,9 @@ async def _policy_site():
     return handle
 
 
-def sts_case(zs, hops, pki, tmp_path, rcpt: str, hop: str):
-    cfg = cfg_for(zs, hops[hop].port, mta_sts=True, smtp_tls_CAfile=pki["trusted_ca"])
+def sts_case(zs, hops, pki, tmp_path, rcpt: str, hop: str, *, dane: bool = False):
+    more = {"smtp_tls_security_level": "dane", "smtp_dns_support_level": "dnssec"} if dane else {}
+    cfg = cfg_for(zs, hops[hop].port, mta_sts=True, smtp_tls_CAfile=pki["trusted_ca"], **more)
     reports: list[tuple[str, dict]] = []
 
     async def go():
@@ -186,7 +192,8 @@ def sts_case(zs, hops, pki, tmp_path, rcpt: str, hop: str):
         try:
             sts = MtaSts(CacheDir(str(tmp_path / "mta-sts")), nameservers=[("127.0.0.1", zs.port)], timeout_s=5,
                          ca_file=pki["trusted_ca"], port=runner.addresses[0][1])
-            peers = PeerPolicy(sts=sts, report=lambda ev, f: reports.append((ev, f)))
+            peers = PeerPolicy(sts=sts, dane=DnssecResolver.from_config(cfg) if dane else None,
+                               report=lambda ev, f: reports.append((ev, f)))
             return await run_delivery(cfg, peers, rcpt)
         finally:
             await runner.cleanup()
@@ -244,3 +251,33 @@ def test_the_daemon_delivers_with_dane_end_to_end(zs, hops, tmp_path):
         assert done and done[0].get("tls", "").endswith("verified (DANE)"), done
     finally:
         d.kill9()
+
+
+def test_unusable_tlsa_records_do_not_switch_mta_sts_off(zs, hops, pki, tmp_path):
+    """Found by review: at level dane, a host with only unusable (PKIX-EE) TLSA records got plain encrypt and
+    MTA-STS was never asked, so an enforce domain's mail went over unverified TLS. Only usable records take
+    precedence; here the enforce policy still demands a trusted certificate, which this host lacks."""
+    batches, _, _ = sts_case(zs, hops, pki, tmp_path, "bob@stspkix.test", "sts-untrusted", dane=True)
+    (reply,) = [r for b in batches for _, r in b.items]
+    assert (450, "4.7.5") == (reply.code, reply.enhanced) and "not trusted" in reply.text, reply
+
+
+def test_a_failed_dnssec_lookup_defers_instead_of_dropping_dane(zs, hops):
+    """Found by review: a timeout on the DNSSEC (DO) query for the MX RRset counted as "insecure", so DANE
+    was dropped to may and STARTTLS could be stripped. Now the host is not used: 451 4.7.5. The router's own
+    lookups still work (they go to the zone server); the validating resolver does not answer."""
+    import socket
+
+    silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    silent.bind(("127.0.0.1", 0))  # a resolver that never answers
+    try:
+        cfg = cfg_for(zs, hops["dane"].port, smtp_tls_security_level="dane", smtp_dns_support_level="dnssec")
+        dead = ("127.0.0.1", silent.getsockname()[1])
+        peers = PeerPolicy(dane=DnssecResolver([dead], [dead], timeout_s=0.5))
+        before = len(hops["dane"].messages)
+        batches, _ = asyncio.run(run_delivery(cfg, peers, "bob@good.test"))
+    finally:
+        silent.close()
+    (reply,) = [r for b in batches for _, r in b.items]
+    assert (451, "4.7.5") == (reply.code, reply.enhanced), reply
+    assert before == len(hops["dane"].messages)

@@ -16,12 +16,13 @@ import sys
 
 import pytest
 
-from mtaq.core.errors import StorageError, StorageFull
+from mtaq.core.errors import StorageError, StorageFatal, StorageFull
 from mtaq.core.frame import encode_record, scan_segment
 from mtaq.core.records import DataRecord, encode_data_prefix, encode_payload
 from mtaq.storage.fs import OsFileSystem
 from mtaq.storage.log import Log, segment_path
 from mtaq.storage.spill import BodyBuffer
+from mtaq.testing.faults import FaultyFileSystem
 from mtaq.testing.procs import peak_rss_kib
 
 MiB = 1024 * 1024
@@ -69,34 +70,83 @@ def test_append_data_writes_the_frame_a_whole_append_writes(tmp_path):
 
 
 class _FailingPieces:
-    """Gives the body on the checksum pass, then fails part way through the copy (as a read error would)."""
+    """Gives the body on the checksum pass, then fails part way through the copy: ``exc`` raised by the
+    source (a temporary file that cannot be read back), or ``then`` called (to make the log's disk fail)."""
 
-    def __init__(self, body: bytes, exc: Exception) -> None:
-        self.body, self.exc, self.passes = body, exc, 0
+    def __init__(self, body: bytes, exc: Exception | None = None, then=None) -> None:
+        self.body, self.exc, self.then, self.passes = body, exc, then, 0
 
-    def __iter__(self):
+    def __call__(self):
         self.passes += 1
         yield self.body[:1000]
         if self.passes == 2:
-            raise self.exc
+            if self.exc is not None:
+                raise self.exc
+            self.then()
         yield self.body[1000:]
 
 
-@pytest.mark.parametrize("exc,raised", [(OSError(errno.EIO, "read error"), StorageError),
-                                        (OSError(errno.ENOSPC, "full"), StorageFull)])
-def test_a_copy_that_fails_leaves_nothing_of_the_record(tmp_path, exc, raised):
-    log = _open_log(tmp_path)
+def _faulty_log(tmp_path):
+    fs = FaultyFileSystem()
+    log, _ = Log.open(fs, str(tmp_path / "log"), segment_bytes_max=64 * MiB)
     log.append(DataRecord("Q0", b"before"))
-    end = log.end
-    pieces = _FailingPieces(b"z" * 5000, exc)
+    return fs, log
 
-    with pytest.raises(raised):
-        log.append_data("Q1", lambda: iter(pieces), 5000)
-    assert end == log.end
-    size = OsFileSystem().open(segment_path(log.directory, end.segment)).size()
-    assert end.offset == size  # truncated back: no half frame
+
+def _file_size(log: Log, segment: int) -> int:
+    return OsFileSystem().open(segment_path(log.directory, segment)).size()
+
+
+@pytest.mark.parametrize("errno_", [errno.EIO, errno.ENOSPC])
+def test_a_source_that_cannot_be_read_leaves_nothing_and_says_so(tmp_path, errno_):
+    """The temporary file fails on the copy pass: its OSError comes out as it is (the queue answers 451/452),
+    and the half frame is truncated away: the next record lands where this one would have."""
+    _, log = _faulty_log(tmp_path)
+    end = log.end
+    with pytest.raises(OSError) as info:
+        log.append_data("Q1", _FailingPieces(b"z" * 5000, OSError(errno_, "read back")), 5000)
+    assert errno_ == info.value.errno and not isinstance(info.value, StorageError)
+    assert (end, end.offset) == (log.end, _file_size(log, end.segment))
     pos, _ = log.append(DataRecord("Q2", b"after"))
     assert pos == end and DataRecord("Q2", b"after") == log.read(pos)
+    log.close()
+
+
+@pytest.mark.parametrize("errno_,raised", [(errno.ENOSPC, StorageFull), (errno.EIO, StorageError)])
+def test_the_log_disk_failing_mid_copy_leaves_nothing_of_the_record(tmp_path, errno_, raised):
+    fs, log = _faulty_log(tmp_path)
+    end = log.end
+
+    def disk_fails() -> None:
+        fs.fail_append = errno_
+
+    with pytest.raises(raised):
+        log.append_data("Q1", _FailingPieces(b"z" * 5000, then=disk_fails), 5000)
+    fs.fail_append = None
+    assert (end, end.offset) == (log.end, _file_size(log, end.segment))
+    pos, _ = log.append(DataRecord("Q2", b"after"))
+    assert pos == end and DataRecord("Q2", b"after") == log.read(pos)
+    log.close()
+
+
+def test_a_half_frame_that_cannot_be_truncated_stops_the_log(tmp_path):
+    """Found by review: with the truncate failing too, a half frame stayed inside the segment and later
+    records (acknowledged ones) were appended after it, to be reported as corruption at the next start.
+    Now the log fails like after a failed fsync: nothing more is appended; recovery re-reads the disk."""
+    fs, log = _faulty_log(tmp_path)
+    fatal = []
+    log.on_fatal.append(fatal.append)
+
+    def disk_fails() -> None:
+        fs.fail_append = errno.EIO
+        fs.fail_truncate = errno.EIO
+
+    with pytest.raises(StorageError):
+        log.append_data("Q1", _FailingPieces(b"z" * 5000, then=disk_fails), 5000)
+    fs.fail_append = fs.fail_truncate = None
+    assert isinstance(log.failed, StorageFatal) and [log.failed] == fatal
+    with pytest.raises(StorageFatal):
+        log.append(DataRecord("Q2", b"after"))
     log.close()
 
 

@@ -204,11 +204,18 @@ class DnssecResolver:
         return bool(self.nameservers) and all((ip, int(port)) in self.trusted for ip, port in self.nameservers)
 
     async def is_secure(self, name: str, rdtype: str) -> bool:
-        """Whether the answer for ``name``/``rdtype`` (positive or negative) is secure; False on failure."""
+        """Whether the answer for ``name``/``rdtype`` (positive or negative) is secure; False on failure
+        (for deciding whether DANE applies use :meth:`secure`, which tells failure apart)."""
         try:
             return (await self.lookup(name, rdtype)).secure
         except DaneLookupError:
             return False
+
+    async def secure(self, name: str, rdtype: str) -> bool:
+        """Whether the answer for ``name``/``rdtype`` is secure. Raises DaneLookupError when there is no
+        answer: a failed lookup is not "insecure" (RFC 7672 §2.1.1: that would let whoever can drop the
+        DNSSEC queries turn DANE off)."""
+        return (await self.lookup(name, rdtype)).secure
 
     async def tlsa(self, host: str, port: int = 25) -> DanePolicy:
         """The DANE policy of MX host ``host`` on ``port`` (see the module text)."""
@@ -309,6 +316,24 @@ def _in_dates(cert: x509.Certificate, now: dt.datetime) -> bool:
     return cert.not_valid_before_utc <= now <= cert.not_valid_after_utc
 
 
+def _may_issue(cert: x509.Certificate, below: int) -> bool:
+    """Whether ``cert`` may sign a certificate that has ``below`` intermediate CA certificates under it
+    down to the leaf (RFC 5280 §4.2.1.9, §4.2.1.3): basicConstraints cA TRUE, keyCertSign when keyUsage is
+    present, and pathLenConstraint >= ``below``. Without this, anyone holding an ordinary certificate from
+    a DANE-TA anchor's CA could sign a certificate for any MX host (found by review)."""
+    try:
+        bc = cert.extensions.get_extension_for_class(x509.BasicConstraints).value
+    except x509.ExtensionNotFound:
+        return False
+    if not bc.ca or (bc.path_length is not None and below > bc.path_length):
+        return False
+    try:
+        ku = cert.extensions.get_extension_for_class(x509.KeyUsage).value
+    except x509.ExtensionNotFound:
+        return True
+    return bool(ku.key_cert_sign)
+
+
 def _path_to(certs: list[x509.Certificate | None], target: int) -> list[int] | None:
     """Indexes from the leaf (0) to ``target``, each signed by the next; None when there is no such path.
 
@@ -329,6 +354,8 @@ def _path_to(certs: list[x509.Certificate | None], target: int) -> list[int] | N
                 cur.verify_directly_issued_by(cand)
             except (ValueError, TypeError, InvalidSignature):
                 continue
+            if not _may_issue(cand, len(path) - 1):
+                continue  # an end-entity certificate (or a CA beyond its path length) signs nothing we accept
             nxt = j
             break
         if nxt is None:

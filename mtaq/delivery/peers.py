@@ -10,11 +10,14 @@ what the connection must prove, as a :class:`HostTls`, or why the host must be s
   ``_PORT._tcp.HOST`` decide: usable DANE-TA/DANE-EE records -> TLS required and the certificate chain
   must match one of them (RFC 7672 §3; the names checked at DANE-TA are the host name and, for an MX route,
   the destination domain, §3.2.2); only unusable records -> ``encrypt``; none or not secure -> ``may``;
-  a failed lookup (SERVFAIL: what a validator says of bogus data) -> the host is skipped (``4.7.5``);
+  a failed lookup of the TLSA records, or of the MX RRset's or the host's security (SERVFAIL: what a
+  validator says of bogus data; a timeout) -> the host is skipped (``451 4.7.5``), never treated as
+  "insecure" (that would let whoever can drop DNSSEC queries switch DANE off, RFC 7672 §2.1.1);
 * MTA-STS ``enforce``: only the MX hosts the policy lists are used (``451 4.7.0`` for the others) and
   their TLS must verify: trusted chain and the MX host name (RFC 8461 §4.2), i.e. at least ``verify``;
   ``testing``: nothing changes, a host the policy does not list is reported (``mta_sts_report``);
-  DANE, when it applies to a host, takes precedence over MTA-STS (RFC 8461 §2).
+  usable TLSA records of a host take precedence over MTA-STS (RFC 8461 §2); a host with only unusable
+  records still gets what MTA-STS demands.
 
 Lookups never raise: a failed MTA-STS lookup means no policy (or the cached one, :mod:`mtaq.delivery.mtasts`).
 """
@@ -24,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from mtaq.delivery.dane import DnssecResolver, Tlsa
+from mtaq.delivery.dane import DaneLookupError, DnssecResolver, Tlsa
 from mtaq.delivery.mtasts import MtaSts, StsPolicy, outcome
 from mtaq.delivery.relay import Reply, TlsLevel
 from mtaq.delivery.routing import Candidate, Route
@@ -53,6 +56,7 @@ class DestinationTls:
 
     sts: StsPolicy | None = None
     mx_secure: bool = False
+    failure: Reply | None = None  # the DNSSEC lookup of the MX RRset failed: no host is used (level dane)
     hosts: dict[tuple[str, int], HostTls | Reply] = field(default_factory=dict)
 
 
@@ -76,10 +80,13 @@ class PeerPolicy:
         sts = None
         if self.sts is not None and route.mx:
             sts = await self.sts.policy(route.host)
-        mx_secure = False
+        mx_secure, failure = False, None
         if self.dane is not None and route.tls == "dane" and route.mx:
-            mx_secure = await self.dane.is_secure(route.host, "MX")
-        return DestinationTls(sts, mx_secure)
+            try:
+                mx_secure = await self.dane.secure(route.host, "MX")
+            except DaneLookupError as exc:
+                failure = Reply(451, "4.7.5", f"MX lookup error for {route.host} (DNSSEC): {exc}")
+        return DestinationTls(sts, mx_secure, failure)
 
     async def for_host(self, route: Route, dest: DestinationTls, cand: Candidate) -> HostTls | Reply:
         """What a connection to ``cand`` must prove, or the reply for skipping it."""
@@ -93,9 +100,9 @@ class PeerPolicy:
         level: TlsLevel = route.tls
         if level == "dane":
             dane = await self._dane(route, dest, cand)
-            if dane is not None:
-                return dane
-            level = "may"
+            if isinstance(dane, Reply) or (dane is not None and dane.tlsa):
+                return dane  # skipped, or authenticated by TLSA records: DANE first (RFC 8461 §2)
+            level = dane.level if dane is not None else "may"  # encrypt (unusable records) or may; MTA-STS next
         if dest.sts is None:
             return HostTls(level)
         verdict = outcome(dest.sts, cand.hostname, route.host)
@@ -111,10 +118,16 @@ class PeerPolicy:
 
     async def _dane(self, route: Route, dest: DestinationTls, cand: Candidate) -> HostTls | Reply | None:
         """DANE's verdict for ``cand`` (None: DANE does not apply; use the rest of the policy)."""
+        if dest.failure is not None:
+            return dest.failure
         if self.dane is None or (route.mx and not dest.mx_secure) or cand.hostname == cand.address:
             return None
-        if not await self.dane.is_secure(cand.hostname, "AAAA" if ":" in cand.address else "A"):
-            return None
+        rdtype = "AAAA" if ":" in cand.address else "A"
+        try:
+            if not await self.dane.secure(cand.hostname, rdtype):
+                return None
+        except DaneLookupError as exc:  # not "insecure": a failed lookup must not switch DANE off
+            return Reply(451, "4.7.5", f"address lookup error for {cand.hostname} (DNSSEC): {exc}")
         policy = await self.dane.tlsa(cand.hostname, cand.port)
         if policy.status == "defer":
             assert policy.reply is not None

@@ -66,6 +66,7 @@ class ConnectionGate:
         self._recent: dict[str, deque[float]] = {}
         self._per_client: dict[str, int] = {}  # admitted connections per client IP (not exempt), > 0 only
         self._auth_failures: dict[str, deque[float]] = {}
+        self._auth_checking: dict[str, int] = {}  # password checks running, per client (auth_begin)
 
     def admit(self, ip: str) -> str | None:
         """Admit a connection from ``ip`` (None; call :meth:`release` with the same ``ip`` later) or say why
@@ -115,16 +116,34 @@ class ConnectionGate:
         self._auth_failures.setdefault(ip, deque(maxlen=self.auth_failures_max + 1)).append(now)
 
     def auth_blocked(self, ip: str) -> bool:
-        """Whether ``ip`` has failed AUTH ``auth_failures_per_minute_max`` times in the last 60 seconds."""
+        """Whether ``ip``'s failed AUTH attempts in the last 60 seconds, plus the password checks of ``ip``
+        still running, reach ``auth_failures_per_minute_max`` (a guess in flight counts as a failure until it
+        succeeds: parallel connections cannot each get a guess checked past the limit)."""
         if not self.auth_failures_max:
             return False
         seen = self._auth_failures.get(ip)
-        if not seen:
-            return False
         now = self.clock()
         while seen and seen[0] <= now - RATE_WINDOW_S:
             seen.popleft()
-        return len(seen) >= self.auth_failures_max
+        return len(seen or ()) + self._auth_checking.get(ip, 0) >= self.auth_failures_max
+
+    def auth_begin(self, ip: str) -> bool:
+        """Reserve a password check for ``ip``; False (nothing reserved) when :meth:`auth_blocked`. Every
+        True is followed by one :meth:`auth_end`."""
+        if not self.auth_failures_max:
+            return True
+        if self.auth_blocked(ip):
+            return False
+        self._auth_checking[ip] = self._auth_checking.get(ip, 0) + 1
+        return True
+
+    def auth_end(self, ip: str) -> None:
+        """The password check reserved by :meth:`auth_begin` is over (its failure, if any, was counted)."""
+        left = self._auth_checking.get(ip, 0) - 1
+        if left > 0:
+            self._auth_checking[ip] = left
+        else:
+            self._auth_checking.pop(ip, None)
 
     def _prune(self, now: float) -> None:
         for ip in [ip for ip, seen in self._recent.items() if not seen or seen[-1] <= now - RATE_WINDOW_S]:

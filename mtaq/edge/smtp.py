@@ -353,8 +353,17 @@ class MtaqSMTP(FastPathMixin, SMTP):
         super()._timeout_cb()  # type: ignore[no-untyped-call]
 
     def _hang_up(self) -> None:
-        """Close after a 421: nothing more is read or answered (pipelined commands are dropped)."""
+        """Close after a 421: nothing more is read or answered (pipelined commands are dropped).
+
+        What the client pipelined and is already buffered is thrown away here: a DATA sent behind commands that
+        led to the 421 must never reach the queue (the client was told 421 and will send it again: a
+        duplicate). :meth:`smtp_DATA` checks ``_closing`` too, before reading and before queueing."""
         self._closing = True
+        reader = getattr(self, "_reader", None)
+        if isinstance(reader, asyncio.StreamReader):
+            buffered = getattr(reader, "_buffer", None)  # asyncio keeps no public way to drop buffered bytes
+            if isinstance(buffered, bytearray):
+                buffered.clear()
         if self.transport is not None:
             self.transport.close()
         if self._handler_coroutine is not None:
@@ -586,20 +595,34 @@ class MtaqSMTP(FastPathMixin, SMTP):
         passwords = self.policy.passwords
         assert passwords is not None
         name = user.decode("utf-8", "replace")
-        ok = await asyncio.to_thread(passwords.verify, name, password)
+        ip = self.client_ip()
+        if self.gate is not None and not self.gate.auth_begin(ip):
+            # Over the limit counting the checks still running on the client's other connections (found by
+            # review: parallel connections each got a guess checked). Postfix's anvil reply; an error.
+            get_logger().warning("auth_rate_limited", client=ip, limit=self.policy.auth_failures_per_minute_max)
+            self._errors += 1
+            await self.push(f"450 4.7.1 Error: too many AUTH failures from {ip}")
+            return AuthResult(success=False, handled=True)
+        try:
+            ok = await asyncio.to_thread(passwords.verify, name, password)
+            if not ok and self.gate is not None:
+                self.gate.auth_failed(ip)  # counted before the reservation ends: never a gap to slip through
+        finally:
+            if self.gate is not None:
+                self.gate.auth_end(ip)
         if ok:
             return AuthResult(success=True, auth_data=LoginPassword(user, b""))
-        await self._auth_failed(user, mechanism)
+        await self._auth_failed(user, mechanism, counted=True)
         return AuthResult(success=False, handled=False)
 
-    async def _auth_failed(self, user: bytes, mechanism: str) -> None:
+    async def _auth_failed(self, user: bytes, mechanism: str, *, counted: bool = False) -> None:
         """A failed AUTH: log ``auth_failed`` (client IP, the user name escaped and cut at 256 characters,
         the mechanism), count it in the gate, and wait ``error_sleep_s`` seconds before the reply (Postfix
         ``smtpd_error_sleep_time``: a brute-force client gets one guess per that time per connection)."""
         ip = self.client_ip()
         get_logger().warning("auth_failed", client=ip, user=escape_text(user.decode("utf-8", "replace")[:256]),
                              mechanism=mechanism)
-        if self.gate is not None:
+        if self.gate is not None and not counted:
             self.gate.auth_failed(ip)
         if self.policy.error_sleep_s > 0:
             await asyncio.sleep(self.policy.error_sleep_s)
@@ -682,6 +705,8 @@ class MtaqSMTP(FastPathMixin, SMTP):
     async def smtp_DATA(self, arg: str) -> None:
         """Read the message (see the module docstring for what is refused), then the handler's
         ``handle_DATA`` decides the reply. RFC 5321 §4.1.1.4, §4.5.2 (dot transparency)."""
+        if self._closing:  # a 421 went out: a pipelined DATA is never read, let alone queued
+            raise asyncio.CancelledError
         if await self.check_helo_needed() or await self.check_auth_needed("DATA"):
             return
         envelope = self._dsn_envelope()
@@ -699,6 +724,10 @@ class MtaqSMTP(FastPathMixin, SMTP):
             if hang_up:
                 self._hang_up()
             return
+        if self._closing:  # the 421 came while the message was read (a timeout): not queued
+            if isinstance(content, BodyBuffer):
+                content.close()
+            raise asyncio.CancelledError
         envelope.content = envelope.original_content = content  # type: ignore[assignment]
         self._reset_timeout()  # the handler's wait for the fsync is not the client's idleness
         try:

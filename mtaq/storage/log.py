@@ -133,6 +133,26 @@ def _make_durable_dirs(fs: FileSystem, directory: str) -> None:
         fs.fsync_dir(os.path.dirname(d))
 
 
+class _SourceError(Exception):
+    """An OSError raised by the pieces of a record (reading its source), not by the log's own file."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _source(pieces: Iterable[bytes]) -> Iterator[bytes]:
+    it = iter(pieces)
+    while True:
+        try:
+            piece = next(it)
+        except StopIteration:
+            return
+        except OSError as exc:
+            raise _SourceError(exc) from exc
+        yield piece
+
+
 def _chain(first: bytes, rest: Iterable[bytes]) -> Iterator[bytes]:
     yield first
     yield from rest
@@ -393,7 +413,7 @@ class Log:
 
             def counted() -> Iterator[bytes]:
                 nonlocal seen
-                for piece in pieces():
+                for piece in _source(pieces()):
                     seen += len(piece)
                     yield piece
 
@@ -404,14 +424,21 @@ class Log:
             offset = self._cur.append(head + crc.to_bytes(4, "little"))
             try:
                 written = 0
-                for piece in pieces():
+                for piece in _source(pieces()):
                     self._cur.append(piece)
                     written += len(piece)
                 if written != length:
                     raise ValueError(f"record pieces changed: {written} bytes, not {length}")
             except BaseException:
-                self._cur.truncate(start)  # no half record left behind
+                try:
+                    self._cur.truncate(start)  # no half record left behind
+                except OSError as exc:
+                    # A half frame would stay inside the segment, with records appended after it: the log
+                    # can take nothing more; the process exits and recovery re-reads the disk.
+                    self._fail(exc, "truncating a half-written record failed")
                 raise
+        except _SourceError as exc:  # the body's source (a temporary file) could not be read: nothing appended
+            raise exc.error from None
         except OSError as exc:
             raise _wrap_oserror(exc, f"appending to segment {self._cur_no}") from exc
         self._cur_records += 1
@@ -508,8 +535,8 @@ class Log:
         finally:
             self._commit_task = None
 
-    def _fail(self, exc: OSError) -> None:
-        self._failed = StorageFatal(f"fsync failed: {exc.strerror or exc}; exiting, recovery will re-read the disk")
+    def _fail(self, exc: OSError, what: str = "fsync failed") -> None:
+        self._failed = StorageFatal(f"{what}: {exc.strerror or exc}; exiting, recovery will re-read the disk")
         for _lsn, fut in self._waiters:
             if not fut.done():
                 fut.set_exception(self._failed)

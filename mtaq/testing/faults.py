@@ -43,11 +43,16 @@ class _FaultyFile:
             raise OSError(self._fs.fail_append, "injected failure")
         return self._inner.append(data)
 
+    def truncate(self, size: int) -> None:
+        if self._fs.fail_truncate is not None:
+            raise OSError(self._fs.fail_truncate, "injected truncate failure")
+        self._inner.truncate(size)
+
 
 class FaultyFileSystem(OsFileSystem):
     """Set ``fail_fsync = True``, ``fail_append = errno.ENOSPC`` or ``fail_create = errno.ENOSPC`` (creating a
     file, e.g. the next segment) to make the next calls fail, ``fail_open = errno.EMFILE`` (opening an
-    existing file) or ``fail_pread = errno.EIO`` (reading), and ``fsync_delay_s`` to make every fsync that
+    existing file), ``fail_pread = errno.EIO`` (reading) or ``fail_truncate = errno.EIO``, and ``fsync_delay_s`` to make every fsync that
     slow. ``opened`` counts the files opened."""
 
     def __init__(self) -> None:
@@ -58,6 +63,7 @@ class FaultyFileSystem(OsFileSystem):
         self.fail_create: int | None = None
         self.fail_open: int | None = None
         self.fail_pread: int | None = None
+        self.fail_truncate: int | None = None
         self.opened = 0
 
     def open(self, path: str, *, create: bool = False) -> File:
