@@ -63,6 +63,7 @@ import base64
 import binascii
 import collections
 import datetime as dt
+import logging
 import re
 import time
 from collections.abc import Callable, Collection, Iterable
@@ -105,6 +106,16 @@ _HEXCHAR = re.compile(r"\+([0-9A-F]{2})")
 _ADDR_TYPE = re.compile(r"[A-Za-z0-9!#$%&'*+\-/?^_`{|}~]+")
 
 _SYNTAX = "501 5.5.4 Syntax error in parameters: "
+
+
+def _not_login_data_deprecation(record: logging.LogRecord) -> bool:
+    """aiosmtpd 1.4 sets its deprecated ``Session.login_data`` on every successful AUTH and warns about it
+    through the ``mail.log`` logger, which Python's last-resort handler prints to stderr as a bare line in
+    the middle of the daemon's JSON events. mtaq never reads ``login_data``; drop that one warning."""
+    return "login_data is deprecated" not in record.getMessage()
+
+
+logging.getLogger("mail.log").addFilter(_not_login_data_deprecation)
 
 TEXT_LINE_MAX = 1000
 """RFC 5321 §4.5.3.1.6: a text line is at most 1000 octets with its CRLF (not counting a transparency dot)."""
