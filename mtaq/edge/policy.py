@@ -26,6 +26,11 @@ Domains are compared as A-labels (:func:`domain_to_ascii`): ASCII letters are lo
 is converted with the ``idna`` package (no UTS 46 mapping: nothing is folded into something else), so
 ``bücher.test`` and ``xn--bcher-kva.test`` are the same domain and ``banK.test`` (Kelvin) is no domain.
 
+Authenticated senders (Postfix ``smtpd_sender_login_maps`` with ``reject_authenticated_sender_login_mismatch``):
+with ``sender_logins`` set, an authenticated client may use as MAIL FROM only an address (or an address of a
+``@domain``) that lists its login name; otherwise ``553 5.7.1 <addr>: Sender address rejected: not owned by
+user USER``.
+
 Must always hold: nothing here re-routes; a client outside ``mynetworks`` that has not authenticated can
 only reach ``relay_domains``.
 """

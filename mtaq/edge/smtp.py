@@ -54,6 +54,13 @@ The same class is where the edge is made safe (the policy is :class:`~mtaq.edge.
   AUTH failures from <ip>`` (Postfix's anvil reply to its AUTH rate limit) and counts as an error.
 * **STARTTLS**: aiosmtpd discards what the client sent after ``STARTTLS`` in the clear before the handshake
   (RFC 3207 §4.2; the CVE-2011-0411 command injection), and starts a fresh session after it.
+* **Listener modes** (issue 16.5, :func:`mtaq.edge.server.start_server`): aiosmtpd's ``require_starttls``
+  (``530 5.7.0 Must issue a STARTTLS command first``) and ``auth_required`` (``530 5.7.0 Authentication
+  required`` at MAIL, RCPT, DATA) for a submission port; ``implicit_tls`` for an smtps port, where the server
+  socket did the handshake: no STARTTLS, AUTH offered at once, ``session.ssl`` filled in as after STARTTLS.
+* **Sender login mismatch**: with ``policy.sender_logins``, MAIL FROM of an authenticated client that does
+  not own the address gets ``553 5.7.1 <addr>: Sender address rejected: not owned by user USER``
+  (Postfix ``reject_authenticated_sender_login_mismatch``; :meth:`EdgePolicy.sender_login_reply`).
 """
 
 from __future__ import annotations
