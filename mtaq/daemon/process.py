@@ -602,7 +602,7 @@ def serve(cfg: Config) -> int:
     n = shard_count(cfg.spool_dir, cfg.workers)
     for lst in listeners_of(cfg):
         if n > 1 and lst.port == 0:
-            raise ValueError(f"workers: {n} workers need a fixed port on every listener, not {lst.address}")
+            raise ValueError(f"workers: {n} workers need a fixed listen port, not {lst.address}")
     if n == 1:
         _run_loop(Daemon(cfg))
         return 0
