@@ -243,6 +243,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--drain-timeout", type=float, default=120.0, metavar="S")
     ap.add_argument("--workers", type=int, default=1, metavar="N",
                     help="worker processes, one spool shard each (a kill -9 takes the supervisor and all of them)")
+    ap.add_argument("--size-max", type=int, default=4000,
+                    help="message sizes are drawn from 200 to this many bytes")
+    ap.add_argument("--receive-buffer-bytes", type=int, default=0,
+                    help="receive_buffer_bytes for the daemon (small: bodies go through the temporary file "
+                         "and are written into the log in pieces)")
     ap.add_argument("--segment-bytes", type=int, default=None, metavar="N",
                     help="segment_bytes_max for the daemon (small values make kills land across roll-overs)")
     args = ap.parse_args(argv)
@@ -276,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         # --defer-fraction: the sink defers this message's recipient once, so that it is concluded with a
         # replacement envelope and a DATA copy and retried (what an out-of-order power cut can split).
         rcpt = f"defer-{i}@sink.test" if rng.random() < args.defer_fraction else RECIPIENT
-        work.append((mid, build_message(i, mid, rng.randint(200, 4000)), rcpt))
+        work.append((mid, build_message(i, mid, rng.randint(200, args.size_max)), rcpt))
     # One kill point in each of K equal slices of the middle 90% of the messages finished.
     k = args.cycles
     kill_at = [int(n * (0.05 + 0.9 * (j + rng.random()) / k)) for j in range(k)] if k else []
@@ -314,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
                 lines.append(f"segment_bytes_max = {seg}")
             if args.workers > 1:
                 lines.append(f"workers = {args.workers}")
+            if args.receive_buffer_bytes:
+                lines.append(f"receive_buffer_bytes = {args.receive_buffer_bytes}")
             if not lines:
                 return None
             configs_used[" ".join(lines)] += 1

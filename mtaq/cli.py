@@ -35,7 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="run the relay daemon (the only start is a recovery)")
     p.add_argument("--config", metavar="FILE", help="TOML configuration file")
     p.add_argument("--spool", metavar="DIR", help="spool directory (default ./spool)")
-    p.add_argument("--listen", metavar="HOST:PORT", help="SMTP listening address (default 127.0.0.1:2525)")
+    p.add_argument("--listen", metavar="HOST:PORT[,HOST:PORT...]",
+                   help="plain SMTP listening address(es), instead of the config's listen (default 127.0.0.1:2525); "
+                        "listeners tables (submission, smtps) still add theirs")
     p.add_argument("--relayhost", metavar="[HOST]:PORT", help="next hop, Postfix syntax (default [127.0.0.1]:2526)")
     p.add_argument("--admin-listen", metavar="HOST:PORT",
                    help='admin HTTP API and /metrics address (default 127.0.0.1:2580; "" disables it)')
@@ -152,7 +154,7 @@ def _main(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     overrides = {
         "spool_dir": args.spool,
-        "listen": args.listen,
+        "listen": None if args.listen is None else (_comma_list(args.listen) if "," in args.listen else args.listen),
         "relayhost": args.relayhost,
         "admin_listen": args.admin_listen,
         "log_format": args.log_format,

@@ -19,9 +19,12 @@ from mtaq.core.errors import ConfigError
 __all__ = [
     "Config",
     "DkimKeyConfig",
+    "Listener",
+    "ListenerConfig",
     "Relayhost",
     "TransportSpec",
     "is_loopback",
+    "listeners_of",
     "load_config",
     "parse_hostport",
     "parse_nameserver",
@@ -46,11 +49,74 @@ class DkimKeyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     key_file: str  # PEM private key, RSA >= 2048 bits or Ed25519, mode 0600 (checked at start)
 
 
+ListenerMode = Literal["smtp", "submission", "smtps"]
+
+
+class ListenerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The settings of one SMTP listener (``[listeners."0.0.0.0:587"]``), like a Postfix master.cf service.
+
+    ``mode`` picks the defaults of the other keys; each may be set apart (left out: the mode's default):
+
+    ============ ======================== ======================= ===============
+    mode         smtpd_tls_security_level smtpd_tls_wrappermode   auth_required
+    ============ ======================== ======================= ===============
+    smtp         may                      false                   false
+    submission   encrypt                  false                   true
+    smtps        (TLS from the first byte) true                   true
+    ============ ======================== ======================= ===============
+    """
+
+    mode: ListenerMode = "smtp"
+    # "may": STARTTLS offered when a certificate is configured; "encrypt": required before any other command
+    # than EHLO, NOOP, STARTTLS, QUIT (530 5.7.0 Must issue a STARTTLS command first; Postfix's name).
+    smtpd_tls_security_level: Literal["may", "encrypt"] | msgspec.UnsetType = msgspec.UNSET
+    # TLS from the first byte (RFC 8314 implicit TLS, port 465; Postfix smtpd_tls_wrappermode).
+    smtpd_tls_wrappermode: bool | msgspec.UnsetType = msgspec.UNSET
+    # MAIL, RCPT, DATA, VRFY and HELP need AUTH first: 530 5.7.0 Authentication required (Postfix
+    # smtpd_*_restrictions = permit_sasl_authenticated, reject); nobody relays unauthenticated, mynetworks too.
+    auth_required: bool | msgspec.UnsetType = msgspec.UNSET
+
+
+class Listener(msgspec.Struct, frozen=True, kw_only=True):
+    """One SMTP listener as the daemon runs it: its address as written, parsed, and its resolved settings."""
+
+    address: str  # as written in listen / listeners (the key of the listening event)
+    host: str
+    port: int
+    mode: ListenerMode = "smtp"
+    tls_required: bool = False  # STARTTLS before anything else
+    wrappermode: bool = False  # implicit TLS
+    auth_required: bool = False  # AUTH before MAIL
+
+    def describe(self) -> dict[str, object]:
+        """The listener for the ``listening`` event: address, mode, tls (may/encrypt/wrapper), auth."""
+        tls = "wrapper" if self.wrappermode else ("encrypt" if self.tls_required else "may")
+        return {"listen": self.address, "mode": self.mode, "tls": tls,
+                "auth": "required" if self.auth_required else "optional"}
+
+
+_MODE_DEFAULTS: dict[str, tuple[bool, bool, bool]] = {  # mode -> (tls_required, wrappermode, auth_required)
+    "smtp": (False, False, False),
+    "submission": (True, False, True),
+    "smtps": (False, True, True),
+}
+
+
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Every setting of ``mtaq serve``. Times in seconds, sizes in bytes."""
 
     spool_dir: str = "./spool"
-    listen: str = "127.0.0.1:2525"
+    # "HOST:PORT", or a list of them: plain SMTP listeners (--listen overrides it). Every listeners table
+    # whose address is not here is one more listener; one whose address is here sets that listener's mode.
+    listen: str | list[str] = "127.0.0.1:2525"
+    # Per-listener settings (submission on 587, smtps on 465): [listeners."0.0.0.0:587"] mode = "submission".
+    listeners: dict[str, ListenerConfig] = msgspec.field(default_factory=dict)
+    # Postfix smtpd_sender_login_maps + reject_authenticated_sender_login_mismatch: envelope sender
+    # ("user@example.org", or "@example.org" for the whole domain) -> the login names that may use it. When
+    # not empty, MAIL FROM of an authenticated client that does not own the address (an unlisted one
+    # included) gets 553 5.7.1 <addr>: Sender address rejected: not owned by user USER. The null sender <>
+    # is not checked; unauthenticated clients are not either.
+    sender_login_map: dict[str, str | list[str]] = msgspec.field(default_factory=dict)
     # Postfix syntax: "[host]:port" (no MX lookup), "host:port" (MX lookup of host), "" (route by the
     # recipient domain's MX records). The embedded default is the local sink of `make run`.
     relayhost: str = "[127.0.0.1]:2526"
@@ -209,13 +275,16 @@ def load_config(path: str | None, overrides: dict[str, object]) -> Config:
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: {exc}") from exc
     data.update({k: v for k, v in overrides.items() if v is not None})
+    where = f"{path}: " if path else ""
+    _check_tables(data, where)
     try:
         cfg = msgspec.convert(data, Config)
     except msgspec.ValidationError as exc:
-        where = f"{path}: " if path else ""
         raise ConfigError(f"{where}{_name_key(str(exc))}") from exc
     try:
-        parse_hostport(cfg.listen)
+        listeners_of(cfg)
+        if cfg.sender_login_map:
+            _check_sender_login_map(cfg.sender_login_map)
         parse_relayhost(cfg.relayhost)
         for ns in cfg.dns_nameservers:
             parse_nameserver(ns, cfg.dns_port)
@@ -239,6 +308,95 @@ def load_config(path: str | None, overrides: dict[str, object]) -> Config:
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     return cfg
+
+
+def listeners_of(cfg: Config) -> list[Listener]:
+    """Every SMTP listener of ``cfg``, checked: the ``listen`` addresses in order, then the ``listeners``
+    tables that name another address, in the order written. The first is the one the ``listening`` event's
+    ``listen`` field names (as before there were several).
+
+    Raises ValueError naming the key: an address that does not parse, the same address twice, a mode that
+    needs TLS without ``tls_cert_file``/``tls_key_file`` or AUTH without ``auth_password_file``, no listener.
+    """
+    listen = [cfg.listen] if isinstance(cfg.listen, str) else list(cfg.listen)
+    seen: dict[tuple[str, int], str] = {}
+    addresses: list[tuple[str, str, int]] = []
+    for i, address in enumerate(listen):
+        key = "listen" if isinstance(cfg.listen, str) else f"listen[{i}]"
+        host, port = parse_hostport(address, key=key)
+        where = (host.lower(), port)
+        if where in seen:
+            raise ValueError(f"{key}: {address!r} is the same address as {seen[where]!r}")
+        seen[where] = address
+        addresses.append((address, host, port))
+    tables: dict[tuple[str, int], tuple[str, ListenerConfig]] = {}
+    for address, table in cfg.listeners.items():
+        key = f'listeners."{address}"'
+        host, port = parse_hostport(address, key=key)
+        where = (host.lower(), port)
+        if where in tables:
+            raise ValueError(f"{key}: the same address as another listeners table")
+        tables[where] = (key, table)
+        if where not in seen:
+            seen[where] = address
+            addresses.append((address, host, port))
+    if not addresses:
+        raise ValueError("listen: no SMTP listener (give listen an address, or a listeners table)")
+    out: list[Listener] = []
+    for address, host, port in addresses:
+        key, table = tables.get((host.lower(), port), ("listen", ListenerConfig()))
+        tls_required, wrappermode, auth_required = _MODE_DEFAULTS[table.mode]
+        if not isinstance(table.smtpd_tls_security_level, msgspec.UnsetType):
+            tls_required = table.smtpd_tls_security_level == "encrypt"
+        if not isinstance(table.smtpd_tls_wrappermode, msgspec.UnsetType):
+            wrappermode = table.smtpd_tls_wrappermode
+        if wrappermode and table.smtpd_tls_security_level == "encrypt":
+            raise ValueError(f'{key}.smtpd_tls_security_level: "encrypt" means STARTTLS, which a '
+                             "smtpd_tls_wrappermode listener does not offer (its TLS starts with the connection)")
+        if wrappermode:
+            tls_required = False  # no STARTTLS inside TLS (RFC 8314 §3.3): the connection is TLS already
+        if not isinstance(table.auth_required, msgspec.UnsetType):
+            auth_required = table.auth_required
+        if (tls_required or wrappermode) and not (cfg.tls_cert_file and cfg.tls_key_file):
+            raise ValueError(f"{key}: mode {table.mode!r} (TLS {'from the first byte' if wrappermode else 'required'}) "
+                             "needs tls_cert_file and tls_key_file")
+        if auth_required and not cfg.auth_password_file:
+            raise ValueError(f"{key}: mode {table.mode!r} (AUTH required) needs auth_password_file")
+        out.append(Listener(address=address, host=host, port=port, mode=table.mode, tls_required=tls_required,
+                            wrappermode=wrappermode, auth_required=auth_required))
+    return out
+
+
+def _check_sender_login_map(table: dict[str, str | list[str]]) -> None:
+    """Each key an address ``local@domain`` or ``@domain``, each value one or more login names."""
+    for address, owners in table.items():
+        key = f'sender_login_map."{address}"'
+        _local, at, domain = address.strip().rpartition("@")
+        if not at or not domain or any(ch.isspace() or ch < " " for ch in address):
+            raise ValueError(f"{key}: not an address (user@example.org) or a domain (@example.org)")
+        names = owners.replace(",", " ").split() if isinstance(owners, str) else owners
+        if not names or any(not n.strip() or any(ch.isspace() or ch < " " for ch in n) for n in names):
+            raise ValueError(f"{key}: give one or more login names (\"alice\" or [\"alice\", \"bob\"])")
+
+
+def _check_tables(data: dict[str, object], where: str) -> None:
+    """Validate each ``listeners`` and ``sender_login_map`` entry on its own, so that an error names its
+    table (msgspec's own path leaves dictionary keys out: ``listeners[...].mode``). Raises ConfigError."""
+    entries: list[tuple[str, object, object]] = []
+    listeners = data.get("listeners")
+    if isinstance(listeners, dict):
+        entries += [(f'listeners."{k}"', v, ListenerConfig) for k, v in listeners.items()]
+    logins = data.get("sender_login_map")
+    if isinstance(logins, dict):
+        entries += [(f'sender_login_map."{k}"', v, str | list[str]) for k, v in logins.items()]
+    for key, value, kind in entries:
+        try:
+            msgspec.convert(value, kind)
+        except msgspec.ValidationError as exc:
+            m = re.search(r" - at `\$\.?([^`]*)`$", str(exc))
+            text = str(exc)[: m.start()] if m else str(exc)
+            field = f".{m.group(1)}" if m and m.group(1) else ""
+            raise ConfigError(f"{where}{key}{field}: {text}") from exc
 
 
 def is_loopback(host: str) -> bool:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from mtaq.admin.metrics import Metrics
-from mtaq.config import Config, parse_hostport
+from mtaq.config import Config, listeners_of, parse_hostport
 from mtaq.core.checkpoint import Checkpoint
 from mtaq.core.errors import CorruptRecord, StorageError, StorageFatal
 from mtaq.core.frame import Problem
@@ -41,7 +41,7 @@ from mtaq.delivery.throttle import DomainLimit, Throttle
 from mtaq.delivery.transport import Batch, ConnectionPool, HopFailure, deliver
 from mtaq.edge.dkim import Signer
 from mtaq.edge.policy import EdgePolicy
-from mtaq.edge.server import QueueHandler, start_server
+from mtaq.edge.server import QueueHandler, connection_gate, start_server
 from mtaq.logs import configure_logging, get_logger
 from mtaq.queue.recovery import move_aside, recover
 from mtaq.queue.runners import RUNNER_READ_RETRY_S, Declined, Dispatcher, Runner
@@ -67,7 +67,7 @@ _STATUS_OF = {"delivered": "sent", "deferred": "deferred", "failed": "bounced"}
 
 
 class Daemon:
-    """The running relay: one log, one SMTP listener, the runners, ``delivery_concurrency`` workers."""
+    """The running relay: one log, its SMTP listeners, the runners, ``delivery_concurrency`` workers."""
 
     def __init__(self, cfg: Config, *, clock: Callable[[], float] = time.time, reuse_port: bool = False,
                  fs: FileSystem | None = None) -> None:
@@ -84,6 +84,8 @@ class Daemon:
         )
         self.pools: list[ConnectionPool] = []
         self.edge = EdgePolicy.from_config(cfg)  # reads the TLS and password files; ConfigError if bad
+        self.listeners = listeners_of(cfg)  # the SMTP listeners: listen, then the listeners tables
+        self.servers: list[asyncio.Server] = []
         self.sasl = SaslClient.from_config(cfg)  # outbound AUTH credentials; ConfigError if bad or readable
         self.signer = Signer.from_config(cfg)  # reads the DKIM keys; ConfigError if one is unsafe or bad
         self.peers = self._peer_policy(cfg)  # DANE and MTA-STS, when configured
@@ -163,17 +165,32 @@ class Daemon:
         self.queue.sign = self.signer.sign  # DSNs are DKIM-signed too (with the key of myhostname's domain)
         self.metrics.queue = self.queue
         qlog.on_commit_seconds = self.metrics.commit_latency.observe
-        host, port = parse_hostport(cfg.listen)
-        self.server = await start_server(
-            QueueHandler(self.queue, self.signer),
-            host,
-            port,
-            hostname=cfg.hostname(),
-            data_size_limit=cfg.message_size_limit_bytes,
-            timeout_s=cfg.smtp_server_timeout_s,
-            policy=self.edge,
-            reuse_port=self.reuse_port,
-        )
+        # Every listener before recovery (I5: mail is accepted at once on each); one gate for all of them, so
+        # connections_max and the per-client limits count the daemon's connections, whatever the port.
+        gate = connection_gate(self.edge, asyncio.get_running_loop().time)
+        handler = QueueHandler(self.queue, self.signer)
+        self.servers = []
+        for lst in self.listeners:
+            self.servers.append(await start_server(
+                handler,
+                lst.host,
+                lst.port,
+                hostname=cfg.hostname(),
+                data_size_limit=cfg.message_size_limit_bytes,
+                timeout_s=cfg.smtp_server_timeout_s,
+                policy=self.edge,
+                reuse_port=self.reuse_port,
+                gate=gate,
+                auth_required=lst.auth_required,
+                tls_required=lst.tls_required,
+                implicit_tls=lst.wrappermode,
+            ))
+        self.server = self.servers[0]
+        described = []
+        for lst, server in zip(self.listeners, self.servers, strict=True):
+            d = lst.describe()
+            d["port"] = int(server.sockets[0].getsockname()[1]) if server.sockets else lst.port
+            described.append(d)
         if cfg.admin_listen.strip():
             # After SMTP listens, and imported in a thread: aiohttp costs the first 250 nothing (issue 15.6).
             # admin.json is written once the API listens; the API answers 503 until recovery is done.
@@ -186,7 +203,8 @@ class Daemon:
             await self.http.start()
         self.log.info(
             "listening",
-            listen=cfg.listen,
+            listen=self.listeners[0].address,  # the first listener, as when there was only one
+            listeners=described,
             admin=self.http.url if self.http else "",
             spool=cfg.spool_dir,
             relayhost=self.router.describe(),
@@ -592,8 +610,9 @@ def serve(cfg: Config) -> int:
     one worker process per shard under a supervisor (:mod:`mtaq.daemon.workers`) and return the exit status of
     the first worker that ended (the others are killed: crash-only). Raises ValueError (too many shards)."""
     n = shard_count(cfg.spool_dir, cfg.workers)
-    if n > 1 and parse_hostport(cfg.listen)[1] == 0:
-        raise ValueError(f"workers: {n} workers need a fixed listen port, not {cfg.listen}")
+    for lst in listeners_of(cfg):
+        if n > 1 and lst.port == 0:
+            raise ValueError(f"workers: {n} workers need a fixed listen port, not {lst.address}")
     if n == 1:
         _run_loop(Daemon(cfg))
         return 0

@@ -1,6 +1,6 @@
 """Admission of SMTP connections: how many at once, and how often one client may connect.
 
-One :class:`ConnectionGate` is shared by every connection of a listener. At connect, :meth:`admit` either
+One :class:`ConnectionGate` is shared by every connection of the daemon's listeners. At connect, :meth:`admit` either
 admits the client (the caller must :meth:`release` once the connection is gone) or gives the reason it is
 refused; the server then answers ``421 4.7.0`` and closes (RFC 5321 §3.8: 421 is the reply of a server
 that closes the channel). Like Postfix's anvil, the per-client rate counts the connections a client IP

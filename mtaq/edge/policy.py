@@ -26,6 +26,11 @@ Domains are compared as A-labels (:func:`domain_to_ascii`): ASCII letters are lo
 is converted with the ``idna`` package (no UTS 46 mapping: nothing is folded into something else), so
 ``bücher.test`` and ``xn--bcher-kva.test`` are the same domain and ``banK.test`` (Kelvin) is no domain.
 
+Authenticated senders (Postfix ``smtpd_sender_login_maps`` with ``reject_authenticated_sender_login_mismatch``):
+with ``sender_logins`` set, an authenticated client may use as MAIL FROM only an address (or an address of a
+``@domain``) that lists its login name; otherwise ``553 5.7.1 <addr>: Sender address rejected: not owned by
+user USER``.
+
 Must always hold: nothing here re-routes; a client outside ``mynetworks`` that has not authenticated can
 only reach ``relay_domains``.
 """
@@ -58,6 +63,7 @@ __all__ = [
     "domain_to_ascii",
     "parse_domains",
     "parse_networks",
+    "parse_sender_logins",
     "server_tls_context",
 ]
 
@@ -251,6 +257,25 @@ def parse_domains(values: list[str], key: str = "relay_domains") -> tuple[str, .
     return tuple(out)
 
 
+def _map_key(address: str) -> str:
+    """The lookup form of a sender address or ``@domain``: ASCII letters lower-cased (as Postfix folds the
+    keys of its tables), the domain as A-labels (:func:`domain_to_ascii`) when it has them."""
+    local, at, domain = address.strip().rpartition("@")
+    if not at:
+        return address.translate(_ASCII_LOWER)
+    return f"{local.translate(_ASCII_LOWER)}@{domain_to_ascii(domain.rstrip('.')) or domain.translate(_ASCII_LOWER)}"
+
+
+def parse_sender_logins(table: dict[str, str | list[str]]) -> dict[str, frozenset[str]]:
+    """``sender_login_map`` -> {lookup key: the owners' login names, lower-cased}. A value may be a list or
+    one string of names separated by commas or spaces (Postfix's ``alice, bob``)."""
+    out: dict[str, frozenset[str]] = {}
+    for address, owners in table.items():
+        names = owners.replace(",", " ").split() if isinstance(owners, str) else owners
+        out[_map_key(address)] = frozenset(n.strip().lower() for n in names)
+    return out
+
+
 def server_tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:
     """A server-side TLS context (TLS 1.2 or newer) with the PEM certificate chain and key; for STARTTLS.
 
@@ -294,6 +319,9 @@ class EdgePolicy:
     forbid_nul: Literal["reject", "strip"] = "reject"  # NUL octets in DATA: 550 5.6.0, or removed
     error_sleep_s: float = 1.0  # Postfix smtpd_error_sleep_time: the wait before answering a failed AUTH
     auth_failures_per_minute_max: int = 10  # failed AUTH per client IP in any 60 s before 450 4.7.1; 0: none
+    # Postfix smtpd_sender_login_maps (+ reject_authenticated_sender_login_mismatch): lookup key
+    # (parse_sender_logins) -> login names; None: authenticated clients may use any sender.
+    sender_logins: dict[str, frozenset[str]] | None = field(default=None, repr=False)
 
     @classmethod
     def from_config(cls, cfg: Config) -> EdgePolicy:
@@ -319,6 +347,7 @@ class EdgePolicy:
             forbid_nul=cfg.smtpd_forbid_nul,
             error_sleep_s=cfg.smtpd_error_sleep_time_s,
             auth_failures_per_minute_max=cfg.smtpd_client_auth_failure_rate_limit,
+            sender_logins=parse_sender_logins(cfg.sender_login_map) if cfg.sender_login_map else None,
         )
 
     def mynetworks_reserve(self) -> int:
@@ -356,3 +385,20 @@ class EdgePolicy:
         if authenticated or self.in_mynetworks(client_ip) or self.is_relay_domain(ace):
             return None
         return f"554 5.7.1 <{address}>: Relay access denied"
+
+    def sender_login_reply(self, sender: str, login: str) -> str | None:
+        """The refusal of MAIL FROM ``sender`` by a client authenticated as ``login``, or None to accept it.
+
+        Postfix ``reject_authenticated_sender_login_mismatch``: with ``sender_logins`` set, the address
+        (then its ``@domain``) must list ``login`` among its owners (compared without regard to case);
+        an address listed nowhere is owned by nobody. The null sender ``<>`` is not checked.
+        """
+        if self.sender_logins is None or sender in ("", "<>"):
+            return None
+        key = _map_key(sender)
+        owners = self.sender_logins.get(key)
+        if owners is None and "@" in key:
+            owners = self.sender_logins.get("@" + key.rpartition("@")[2])
+        if owners is not None and login.lower() in owners:
+            return None
+        return f"553 5.7.1 <{sender}>: Sender address rejected: not owned by user {domain_to_show(login)}"

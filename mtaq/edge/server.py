@@ -13,6 +13,7 @@ answered ``451 4.3.0`` (``452 4.3.1`` when the spool is full) and the message is
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from aiosmtpd.smtp import SMTP, Envelope, Session
@@ -28,7 +29,7 @@ from mtaq.queue.store import Queue
 from mtaq.storage.spill import BodyBuffer
 from mtaq.testing import killpoints
 
-__all__ = ["QueueHandler", "start_server"]
+__all__ = ["QueueHandler", "connection_gate", "start_server"]
 
 
 class QueueHandler:
@@ -91,6 +92,20 @@ def _param(option: str) -> tuple[str, str]:
     return key.upper(), value
 
 
+def connection_gate(policy: EdgePolicy, clock: Callable[[], float]) -> ConnectionGate:
+    """The :class:`ConnectionGate` of ``policy``'s limits; give one to every listener of a daemon so that
+    ``connections_max`` and the per-client limits count the connections of all its ports together."""
+    return ConnectionGate(
+        connections_max=policy.connections_max,
+        per_client_per_minute_max=policy.client_connections_per_minute_max,
+        exempt=policy.in_mynetworks,
+        clock=clock,
+        client_connections_max=policy.client_connections_max,
+        mynetworks_reserve=policy.mynetworks_reserve(),
+        auth_failures_per_minute_max=policy.auth_failures_per_minute_max,
+    )
+
+
 async def start_server(
     handler: QueueHandler,
     host: str,
@@ -101,25 +116,33 @@ async def start_server(
     timeout_s: float,
     policy: EdgePolicy | None = None,
     reuse_port: bool = False,
-) -> asyncio.AbstractServer:
+    gate: ConnectionGate | None = None,
+    auth_required: bool = False,
+    tls_required: bool = False,
+    implicit_tls: bool = False,
+) -> asyncio.Server:
     """Listen on ``host:port`` with :class:`MtaqSMTP`; returns the asyncio server.
 
     ``data_size_limit`` in bytes (SIZE, ``552 5.3.4``); ``timeout_s`` the idle time before ``421 4.4.2``;
     ``policy`` the relay control, limits, TLS and AUTH (default: :class:`EdgePolicy`'s safe defaults);
     ``reuse_port``: SO_REUSEPORT, for several worker processes on one port (mtaq.daemon.workers).
-    All connections of the listener share one :class:`ConnectionGate`. Raises OSError if it cannot listen.
+    ``gate``: the connection admission to use (default: a new one for this listener's connections alone).
+
+    The listener's mode (a submission or smtps service, :class:`mtaq.config.Listener`):
+    ``auth_required``: MAIL, RCPT, DATA (and VRFY, HELP) get ``530 5.7.0 Authentication required`` before
+    AUTH, so nobody relays unauthenticated, mynetworks included; ``tls_required``: every command but EHLO,
+    NOOP, STARTTLS and QUIT gets ``530 5.7.0 Must issue a STARTTLS command first`` before STARTTLS;
+    ``implicit_tls``: TLS from the first byte (RFC 8314 §3.3, port 465) with the policy's certificate, no
+    STARTTLS offered, AUTH offered at once; a client that does not start TLS gets no greeting. The TLS
+    handshake must end within ``timeout_s``. Raises OSError if it cannot listen, ValueError when the
+    policy has no certificate for ``tls_required`` / ``implicit_tls``.
     """
     loop = asyncio.get_running_loop()
     pol = policy if policy is not None else EdgePolicy()
-    gate = ConnectionGate(
-        connections_max=pol.connections_max,
-        per_client_per_minute_max=pol.client_connections_per_minute_max,
-        exempt=pol.in_mynetworks,
-        clock=loop.time,
-        client_connections_max=pol.client_connections_max,
-        mynetworks_reserve=pol.mynetworks_reserve(),
-        auth_failures_per_minute_max=pol.auth_failures_per_minute_max,
-    )
+    if (tls_required or implicit_tls) and pol.tls_context is None:
+        raise ValueError("a listener that requires TLS needs a certificate (tls_cert_file, tls_key_file)")
+    if gate is None:
+        gate = connection_gate(pol, loop.time)
 
     # Large bodies go to the queue's bounded buffer (issue 13.4); a handler without a queue gets bytes.
     queue = getattr(handler, "queue", None)
@@ -134,11 +157,18 @@ async def start_server(
             enable_SMTPUTF8=True,
             decode_data=False,
             timeout=timeout_s,
-            tls_context=pol.tls_context,
+            tls_context=None if implicit_tls else pol.tls_context,
+            require_starttls=tls_required and not implicit_tls,
+            auth_required=auth_required,
+            implicit_tls=implicit_tls,
             policy=pol,
             gate=gate,
             body_buffer=body_buffer,
             loop=loop,
         )
 
+    if implicit_tls:
+        return await loop.create_server(factory, host=host, port=port, reuse_address=True,
+                                        reuse_port=reuse_port or None, ssl=pol.tls_context,
+                                        ssl_handshake_timeout=timeout_s)
     return await loop.create_server(factory, host=host, port=port, reuse_address=True, reuse_port=reuse_port or None)

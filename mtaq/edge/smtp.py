@@ -54,6 +54,13 @@ The same class is where the edge is made safe (the policy is :class:`~mtaq.edge.
   AUTH failures from <ip>`` (Postfix's anvil reply to its AUTH rate limit) and counts as an error.
 * **STARTTLS**: aiosmtpd discards what the client sent after ``STARTTLS`` in the clear before the handshake
   (RFC 3207 §4.2; the CVE-2011-0411 command injection), and starts a fresh session after it.
+* **Listener modes** (issue 16.5, :func:`mtaq.edge.server.start_server`): aiosmtpd's ``require_starttls``
+  (``530 5.7.0 Must issue a STARTTLS command first``) and ``auth_required`` (``530 5.7.0 Authentication
+  required`` at MAIL, RCPT, DATA) for a submission port; ``implicit_tls`` for an smtps port, where the server
+  socket did the handshake: no STARTTLS, AUTH offered at once, ``session.ssl`` filled in as after STARTTLS.
+* **Sender login mismatch**: with ``policy.sender_logins``, MAIL FROM of an authenticated client that does
+  not own the address gets ``553 5.7.1 <addr>: Sender address rejected: not owned by user USER``
+  (Postfix ``reject_authenticated_sender_login_mismatch``; :meth:`EdgePolicy.sender_login_reply`).
 """
 
 from __future__ import annotations
@@ -63,6 +70,7 @@ import base64
 import binascii
 import collections
 import datetime as dt
+import logging
 import re
 import time
 from collections.abc import Callable, Collection, Iterable
@@ -105,6 +113,16 @@ _HEXCHAR = re.compile(r"\+([0-9A-F]{2})")
 _ADDR_TYPE = re.compile(r"[A-Za-z0-9!#$%&'*+\-/?^_`{|}~]+")
 
 _SYNTAX = "501 5.5.4 Syntax error in parameters: "
+
+
+def _not_login_data_deprecation(record: logging.LogRecord) -> bool:
+    """aiosmtpd 1.4 sets its deprecated ``Session.login_data`` on every successful AUTH and warns about it
+    through the ``mail.log`` logger, which Python's last-resort handler prints to stderr as a bare line in
+    the middle of the daemon's JSON events. mtaq never reads ``login_data``; drop that one warning."""
+    return "login_data is deprecated" not in record.getMessage()
+
+
+logging.getLogger("mail.log").addFilter(_not_login_data_deprecation)
 
 TEXT_LINE_MAX = 1000
 """RFC 5321 §4.5.3.1.6: a text line is at most 1000 octets with its CRLF (not counting a transparency dot)."""
@@ -285,6 +303,7 @@ class MtaqSMTP(FastPathMixin, SMTP):
         policy: EdgePolicy | None = None,
         gate: ConnectionGate | None = None,
         body_buffer: Callable[[], BodyBuffer] | None = None,
+        implicit_tls: bool = False,
         **kwargs: Any,
     ) -> None:
         # aiosmtpd keeps the per-command line limits in a class attribute, shared by every connection (and
@@ -304,7 +323,14 @@ class MtaqSMTP(FastPathMixin, SMTP):
         self._body_buffer = body_buffer
         self._gate_ip = ""  # the client address the gate admitted
         self._exceptions = 0  # exceptions that reached handle_exception in this connection
+        # TLS from the first byte (RFC 8314, a smtps listener): the server socket does the handshake before
+        # connection_made; no STARTTLS is offered (pass no tls_context), and AUTH is offered at once.
+        self.implicit_tls = implicit_tls
         super().__init__(handler, *args, **kwargs)
+        if implicit_tls:
+            # aiosmtpd knows TLS only through its own STARTTLS; the connection is TLS already, so AUTH needs
+            # nothing more (set after __init__: passing auth_require_tls=False would warn on every connection).
+            self._auth_require_tls = False
 
     def _create_envelope(self) -> DsnEnvelope:
         """A fresh :class:`DsnEnvelope` for each transaction (connect, HELO/EHLO, RSET, after DATA)."""
@@ -331,6 +357,15 @@ class MtaqSMTP(FastPathMixin, SMTP):
             self._admitted = self._refusal is None
             self._gate_ip = ip
         super().connection_made(transport)
+        if first and self.implicit_tls and self.session is not None and self.session.ssl is None:
+            # What aiosmtpd records after STARTTLS (its SSLProtocol's extra info): the Received header then
+            # says ESMTPS/ESMTPSA.
+            self.session.ssl = {k: transport.get_extra_info(k)
+                                for k in ("sslcontext", "peercert", "cipher", "compression", "ssl_object")}
+
+    def tls_active(self) -> bool:
+        """Whether this connection is encrypted: after STARTTLS, or from the first byte (implicit TLS)."""
+        return self._tls_protocol is not None or self.implicit_tls
 
     def connection_lost(self, error: Exception | None) -> None:
         """aiosmtpd's, and the connection's place in the gate is given back."""
@@ -477,6 +512,11 @@ class MtaqSMTP(FastPathMixin, SMTP):
                 problem = address_problem(address, smtputf8=smtputf8, null_ok=True, sender=True)
                 if problem is not None:
                     return problem
+                assert self.session is not None
+                if self.session.authenticated and self.policy.sender_logins is not None:
+                    refusal = self.policy.sender_login_reply(address, self._login_name())
+                    if refusal is not None:
+                        return refusal
             else:
                 if len(envelope.rcpt_tos) >= self.policy.recipients_max:
                     return "452 4.5.3 Error: too many recipients"
@@ -486,6 +526,12 @@ class MtaqSMTP(FastPathMixin, SMTP):
                 if refusal is not None:
                     return refusal
         return await super()._call_handler_hook(command, *args)
+
+    def _login_name(self) -> str:
+        """The user name this session authenticated as ("" if none)."""
+        data = self.session.auth_data if self.session is not None else None
+        login = getattr(data, "login", None)
+        return login.decode("utf-8", "replace") if isinstance(login, bytes) else str(login or "")
 
     # ------------------------------------------------------------------------------------------ commands
     @syntax("HELO hostname")
@@ -545,7 +591,7 @@ class MtaqSMTP(FastPathMixin, SMTP):
             return
         ip = self.client_ip()
         session = self.session
-        if (arg and self._tls_protocol and session is not None and session.extended_smtp
+        if (arg and self.tls_active() and session is not None and session.extended_smtp
                 and not session.authenticated and self.gate is not None and self.gate.auth_blocked(ip)):
             # Postfix's anvil reply to smtpd_client_auth_rate_limit, for failures here; counts as an error.
             get_logger().warning("auth_rate_limited", client=ip, limit=self.policy.auth_failures_per_minute_max)
