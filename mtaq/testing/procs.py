@@ -181,7 +181,6 @@ def start_daemon(
     ``extra``: more ``mtaq serve`` flags (e.g. ``--mynetworks``).
     """
     port = port or free_port()
-    spawned = time.time()
     args = ["--log-format", "json", "serve", "--spool", spool, "--listen", f"127.0.0.1:{port}"]
     if admin_listen is not None:
         args += ["--admin-listen", admin_listen]
@@ -198,7 +197,7 @@ def start_daemon(
         p = _mtaq(args, log_path, env)
     wait_port(port, proc=p)
     if _admin_enabled(admin_listen, config):
-        wait_admin_json(spool, spawned, proc=p)
+        wait_admin_json(spool, p)
     return Proc(p, port, log_path)
 
 
@@ -211,19 +210,21 @@ def _admin_enabled(flag: str | None, config: str | None) -> bool:
     return bool((load_config(config, {}) if config else Config()).admin_listen.strip())
 
 
-def wait_admin_json(spool: str, since: float, *, proc: subprocess.Popen[bytes] | None = None,
-                    timeout_s: float = 30.0) -> None:
-    """Wait until ``SPOOL/admin.json`` was written at or after ``since`` (UTC seconds): the admin API starts
-    just after SMTP listens (its import does not delay the first 250), so the port alone does not say it is up."""
+def wait_admin_json(spool: str, proc: subprocess.Popen[bytes], *, timeout_s: float = 30.0) -> None:
+    """Wait until ``SPOOL/admin.json`` names ``proc`` (or one of its worker processes) as its writer: the
+    admin API starts just after SMTP listens (its import does not delay the first 250), so the port alone
+    does not say it is up, and a file left by the previous run names the previous process."""
     path = os.path.join(spool, "admin.json")
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            if os.stat(path).st_mtime >= since - 0.01:
+            with open(path, encoding="utf-8") as f:
+                pid = json.load(f).get("pid")
+            if pid == proc.pid or pid in children(proc.pid):
                 return
-        except FileNotFoundError:
-            pass
-        if proc is not None and proc.poll() is not None:
+        except (FileNotFoundError, ValueError, AttributeError):
+            pass  # not there yet, or being replaced
+        if proc.poll() is not None:
             raise RuntimeError(f"process exited with {proc.returncode} before writing {path}")
         time.sleep(0.005)
     raise RuntimeError(f"no fresh {path} after {timeout_s}s")
