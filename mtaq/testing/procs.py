@@ -130,6 +130,15 @@ def children(pid: int) -> list[int]:
     return out
 
 
+def _parent_of(pid: int) -> int | None:
+    """The parent PID of ``pid`` (Linux /proc), None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return int(f.read().rpartition(")")[2].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _running(pid: int) -> bool:
     """Whether ``pid`` exists and is not a zombie (a killed child whose reaper has not come yet)."""
     try:
@@ -220,13 +229,13 @@ def wait_admin_json(spool: str, proc: subprocess.Popen[bytes], *, timeout_s: flo
         try:
             with open(path, encoding="utf-8") as f:
                 pid = json.load(f).get("pid")
-            if pid == proc.pid or pid in children(proc.pid):
+            if pid == proc.pid or (isinstance(pid, int) and _parent_of(pid) == proc.pid):
                 return
         except (FileNotFoundError, ValueError, AttributeError):
             pass  # not there yet, or being replaced
         if proc.poll() is not None:
             raise RuntimeError(f"process exited with {proc.returncode} before writing {path}")
-        time.sleep(0.005)
+        time.sleep(0.01)
     raise RuntimeError(f"no fresh {path} after {timeout_s}s")
 
 
