@@ -91,6 +91,7 @@ def main() -> int:
     ap.add_argument("--master", default="local[2]")
     ap.add_argument("--keep", action="store_true", help="reuse segments already generated in --dir")
     ap.add_argument("--driver-memory", default="4g")
+    ap.add_argument("--conf", metavar="KEY=VALUE", action="append", default=[], help="extra Spark configuration")
     ap.add_argument("--event-log", metavar="DIR", help="write Spark's event log there (stage and task times)")
     ap.add_argument("--cold", action="store_true",
                     help="also time `mtaq analyze` in a fresh process (Spark start-up included)")
@@ -111,7 +112,7 @@ def main() -> int:
 
     from mtaq.analytics.job import Options, analyze, spark_session
 
-    conf = [("spark.driver.memory", args.driver_memory)]
+    conf = [("spark.driver.memory", args.driver_memory), *(tuple(c.split("=", 1)) for c in args.conf)]
     if args.event_log:
         os.makedirs(args.event_log, exist_ok=True)
         conf += [("spark.eventLog.enabled", "true"), ("spark.eventLog.dir", "file://" + os.path.abspath(args.event_log))]
@@ -135,7 +136,8 @@ def main() -> int:
         t = time.monotonic()
         subprocess.run([sys.executable, "-m", "mtaq.cli", "analyze", "--segments", spool, "--out",
                         os.path.join(args.dir, "out-cold"), "--master", args.master, "--quiet",
-                        "--conf", f"spark.driver.memory={args.driver_memory}"], check=True)
+                        "--conf", f"spark.driver.memory={args.driver_memory}",
+                        *(x for c in args.conf for x in ("--conf", c))], check=True)
         cold_s = time.monotonic() - t
     same = {k: (plain[k], res.totals[k]) for k in ("received", "delivered", "deferrals", "bounced", "bytes_received")}
     messages = plain["received"] + plain["dsn_generated"]

@@ -41,7 +41,6 @@ from typing import Any
 from pyspark import StorageLevel
 from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
-from pyspark.sql.types import StructField, StructType
 
 from mtaq.analytics.datasource import PARTITION_BYTES_DEFAULT, register
 from mtaq.analytics.report import write_report
@@ -186,39 +185,27 @@ _KEYED = ("ENVELOPE", "START", "DELIVERY", "FINISH")
 
 
 def _collect_tables(named: dict[str, DataFrame]) -> dict[str, list[dict[str, Any]]]:
-    """Collect many small DataFrames with ONE Spark job: their union (one struct column per table, null in the
-    other tables' rows) as Arrow. Spark schedules the branches' stages together. Timestamps come back as
-    naive UTC datetimes (as ``collect()`` gives them with TZ=UTC), rows in no particular order."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
+    """Collect many small DataFrames as Arrow, from a few driver threads at once, so that Spark schedules
+    their stages together (one plan each: a union of them all took seconds to plan). Timestamps come back
+    as naive UTC datetimes (as ``collect()`` gives them with TZ=UTC), rows in no particular order."""
+    from concurrent.futures import ThreadPoolExecutor
 
-    # Every field nullable: Arrow cannot hold a null struct (another table's row) with non-nullable fields.
-    types = {name: StructType([StructField(f.name, f.dataType, True) for f in df.schema]) for name, df in named.items()}
-    parts = []
-    for name, df in named.items():
-        cols = [F.lit(name).alias("_table")]
-        for other in named:
-            if other == name:
-                cols.append(F.struct(*[F.col(c) for c in df.columns]).cast(types[name]).alias(other))
-            else:
-                cols.append(F.lit(None).cast(types[other]).alias(other))
-        parts.append(df.select(*cols))
-    union = parts[0]
-    for p in parts[1:]:
-        union = union.unionByName(p)
-    got = union.toArrow()
-    out: dict[str, list[dict[str, Any]]] = {}
-    for name in named:
-        col = got.filter(pc.equal(got["_table"], name)).column(name).combine_chunks()
-        assert isinstance(col, pa.StructArray)
-        fields = []
-        for i, f in enumerate(col.type):
-            arr = col.field(i)
+    import pyarrow as pa
+
+    def one(df: DataFrame) -> list[dict[str, Any]]:
+        got = df.toArrow()
+        cols = []
+        for f in got.schema:
+            arr = got.column(f.name)
             if pa.types.is_timestamp(f.type):
                 arr = arr.cast(pa.timestamp("us", tz="UTC")).cast(pa.timestamp("us"))
-            fields.append((f.name, arr))
-        out[name] = pa.table(dict(fields)).to_pylist() if fields else []
-    return out
+            cols.append(arr)
+        rows: list[dict[str, Any]] = pa.Table.from_arrays(cols, names=got.schema.names).to_pylist()
+        return rows
+
+    with ThreadPoolExecutor(max_workers=4, thread_name_prefix="mtaq-collect") as pool:
+        futures = {name: pool.submit(one, df) for name, df in named.items()}
+        return {name: f.result() for name, f in futures.items()}
 
 
 def _sorted(rows: list[dict[str, Any]], *keys: str) -> list[dict[str, Any]]:
@@ -307,19 +294,19 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
     )
     env, start, fin = rt == "ENVELOPE", rt == "START", rt == "FINISH"
     # Per recipient (queue_id, rcpt_index): its address. Grouped within the queue-ID partitions: no shuffle.
-    rcpts = base.filter(env).groupBy("queue_id", "rcpt_index").agg(
-        F.max("rcpt_address").alias("rcpt_address"), F.max("rcpt_domain").alias("rcpt_domain"))
-    # Plain sums, counts, min and max only (hash aggregation): a distinct count or collect_set here made
-    # Spark fall back to a sort-based aggregation of every message (docs/performance.md).
+    # Strings are grouping keys here, never aggregated: Spark's hash aggregation keeps only fixed-width
+    # buffers, so a max() of a string (or a distinct count, or collect_set) made it sort every row of every
+    # message instead (docs/performance.md). Every envelope of a message carries the same recipients (index
+    # and address), sender and bounce_of (a replacement copies them), so these groups are one per
+    # recipient and one per message.
+    rcpts = base.filter(env).select("queue_id", "rcpt_index", "rcpt_address", "rcpt_domain").distinct()
+    who = base.filter(env).select("queue_id", "sender", "sender_domain", "bounce_of").distinct()
     msgs = (
         base.filter(rt.isin("ENVELOPE", "START", "FINISH"))
         .groupBy("queue_id")
         .agg(
             F.min(F.when(env, F.col("arrival_ts"))).alias("arrival_ts"),
             F.max(F.when(env, F.col("size"))).alias("size"),
-            F.max(F.when(env, F.col("sender"))).alias("sender"),
-            F.max(F.when(env, F.col("sender_domain"))).alias("sender_domain"),
-            F.max(F.when(env, F.col("bounce_of"))).alias("bounce_of"),
             F.max(F.when(env, F.col("generation") == 0)).alias("first_seen"),
             F.count(F.when(start, 1)).alias("attempts"),
             F.max(F.when(fin, F.col("ts"))).alias("finish_ts"),
@@ -327,14 +314,18 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
         )
         .filter(F.col("_envelope_rows") > 0)
         .drop("_envelope_rows")
-        .join(rcpts.groupBy("queue_id").agg(F.count("*").alias("recipients")), "queue_id", "left")
+        .join(who.hint("shuffle_hash"), "queue_id", "left")
+        .join(rcpts.groupBy("queue_id").agg(F.count("*").alias("recipients")).hint("shuffle_hash"), "queue_id", "left")
+        .select("queue_id", "arrival_ts", "size", "sender", "sender_domain", "bounce_of", "first_seen", "recipients",
+                "attempts", "finish_ts")
         .persist(StorageLevel.MEMORY_AND_DISK)
     )
     outcomes = (
         base.filter(rt == "DELIVERY")
         .select("queue_id", "rcpt_index", "ts", "status", "code", "enhanced", "text", "relay", "segment", "offset")
-        .join(rcpts, ["queue_id", "rcpt_index"], "left")
-        .join(msgs.select("queue_id", "arrival_ts", "size", "sender", "bounce_of", "finish_ts"), "queue_id", "left")
+        .join(rcpts.hint("shuffle_hash"), ["queue_id", "rcpt_index"], "left")
+        .join(msgs.select("queue_id", "arrival_ts", "size", "sender", "bounce_of", "finish_ts").hint("shuffle_hash"),
+              "queue_id", "left")
         .withColumn("delay_s", _seconds_between(F.col("ts"), F.col("arrival_ts")))
     )
     last = Window.partitionBy("queue_id", "rcpt_index").orderBy(F.desc("ts"), F.desc("segment"), F.desc("offset"))
@@ -392,7 +383,7 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
     # and index needs no shuffle, and no distinct count is left for Spark to expand.
     domain = F.coalesce(F.col("rcpt_domain"), F.lit("?")).alias("domain")
     deferred_rcpts = (
-        oe.filter(st == "deferred").groupBy("queue_id", "rcpt_index").agg(F.max("rcpt_domain").alias("rcpt_domain"))
+        oe.filter(st == "deferred").select("queue_id", "rcpt_index", "rcpt_domain").distinct()
         .groupBy(domain).agg(F.count("*").alias("deferred"))
     )
     domains = (
