@@ -245,10 +245,9 @@ class _Rev:
 def analyze(spark: SparkSession, opts: Options) -> Result:
     """Run the whole analysis; write Parquet tables, ``totals.json`` and the report under ``opts.out``.
 
-    How (docs/performance.md, "Analytics"): the segments are decoded once into a cached DataFrame; the rows
-    keyed by a message are hash-partitioned by queue ID once and cached, so the per-message and
-    per-recipient facts (joins, the last-outcome window) need no further shuffle; every small table is then
-    collected in one Spark job, and the big tables (outcomes, messages, senders, recipients) are written
+    How (docs/performance.md, "Analytics"): the segments are decoded once into one cached DataFrame,
+    hash-partitioned by queue ID, so the per-message and per-recipient facts (joins, the last-outcome
+    window) need no further shuffle; the small tables are then collected together, and the big tables (outcomes, messages, senders, recipients) are written
     as Parquet by the executors, never collected.
 
     Raises :class:`mtaq.analytics.source.SourceError` when a path names no segments.
@@ -262,15 +261,25 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
     tables_dir = os.path.join(opts.out, "tables")
     big = (opts.parquet_out or tables_dir).rstrip("/")
     say(f"reading segments from {', '.join(opts.paths)}")
-    ev = (
+    # One cache only: the rows the job reads (28 of the source's 35 columns), hash-partitioned by queue ID,
+    # so that the per-message and per-recipient facts below (groupings, joins, the last-outcome window) need
+    # no further shuffle. PROBLEM and SEGMENT rows (no queue ID) are few and sit in one partition.
+    # (Caching the source as it comes and then shuffling it cost a second columnar cache of every row.)
+    parts = max(2, spark.sparkContext.defaultParallelism)
+    base = (
         spark.read.format("mtaq")
         .option("paths", json.dumps(list(opts.paths)))
         .option("partitionBytes", str(opts.partition_bytes))
         .load()
+        .select("record_type", "queue_id", "ts", "arrival_ts", "not_before_ts", "generation", "size", "sender",
+                "sender_domain", "bounce_of", "rcpt_index", "rcpt_address", "rcpt_domain", "rcpt_unknown",
+                "last_reply", "status", "code", "enhanced", "text", "relay", "segment", "offset", "file", "records",
+                "sealed", "problem_kind", "problem_end", "problem_reason")
+        .repartition(parts, "queue_id")
         .persist(StorageLevel.MEMORY_AND_DISK)
     )
     rt = F.col("record_type")
-    inventory = ev.agg(
+    inventory = base.agg(
         F.count(F.when(rt == "SEGMENT", 1)).alias("segments"),
         F.sum(F.when(rt == "SEGMENT", F.col("records"))).alias("records"),
         F.sum(F.when(rt == "SEGMENT", F.col("size"))).alias("bytes_read"),
@@ -282,16 +291,6 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
     end_value = until if until is not None else inventory["last_ts"]
     end_ts = F.lit(end_value).cast("timestamp")
 
-    # ------------------------------------------------------------------ one shuffle: rows by message
-    parts = max(2, spark.sparkContext.defaultParallelism)
-    base = (
-        ev.filter(rt.isin(*_KEYED))
-        .select("record_type", "queue_id", "ts", "arrival_ts", "not_before_ts", "generation", "size", "sender",
-                "sender_domain", "bounce_of", "rcpt_index", "rcpt_address", "rcpt_domain", "status", "code",
-                "enhanced", "text", "relay", "segment", "offset")
-        .repartition(parts, "queue_id")
-        .persist(StorageLevel.MEMORY_AND_DISK)
-    )
     env, start, fin = rt == "ENVELOPE", rt == "START", rt == "FINISH"
     # Per recipient (queue_id, rcpt_index): its address. Grouped within the queue-ID partitions: no shuffle.
     # Strings are grouping keys here, never aggregated: Spark's hash aggregation keeps only fixed-width
@@ -367,7 +366,7 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
         F.avg(F.when(delivered, F.col("delay_s"))).alias("delay_mean_s"),
         F.max(F.when(delivered, F.col("delay_s"))).alias("delay_max_s"),
     )
-    side = ev.filter(rt.isin("PROBLEM", "SEGMENT") | ((rt == "ENVELOPE") & F.col("rcpt_unknown")
+    side = base.filter(rt.isin("PROBLEM", "SEGMENT") | ((rt == "ENVELOPE") & F.col("rcpt_unknown")
                                                        & _window(F.col("not_before_ts"), since, until)))
     problems_df = side.filter(rt == "PROBLEM").select(
         "file", "segment", "offset", "problem_end", "problem_kind", "problem_reason")
@@ -570,7 +569,7 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
     say("writing the report")
     result = Result(totals, tables, time.monotonic() - t0)
     write_report(opts.out, result, top=opts.top, plots=opts.plots)
-    for df in (senders, recipients, every, msgs, base, ev):
+    for df in (senders, recipients, every, msgs, base):
         df.unpersist()
     result.seconds = time.monotonic() - t0
     say(f"done in {result.seconds:.1f} s: {opts.out}/report.md")
