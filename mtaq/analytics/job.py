@@ -44,10 +44,12 @@ from pyspark.sql import functions as F
 
 from mtaq.analytics.datasource import PARTITION_BYTES_DEFAULT, register
 from mtaq.analytics.report import write_report
+from mtaq.analytics.source import discover
 from mtaq.analytics.tables import AGE_BUCKETS_MIN, DELAY_BUCKETS_S, Result, bucket_labels
 
 __all__ = ["AGE_BUCKETS_MIN", "DELAY_BUCKETS_S", "Options", "Result", "analyze", "spark_session"]
 
+PARTITION_STORED_BYTES = 32 * 1024 * 1024  # segment bytes per partition of the cached rows (see analyze)
 TOP_ROWS_COLLECTED = 1000  # rows of the senders and recipients tables the driver gets (by count and by bytes)
 
 REJECTED_NOTE = (
@@ -265,7 +267,11 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
     # so that the per-message and per-recipient facts below (groupings, joins, the last-outcome window) need
     # no further shuffle. PROBLEM and SEGMENT rows (no queue ID) are few and sit in one partition.
     # (Caching the source as it comes and then shuffling it cost a second columnar cache of every row.)
-    parts = max(2, spark.sparkContext.defaultParallelism)
+    # Partitions of about PARTITION_STORED_BYTES of segments each (at least one per core): the shuffle-hash
+    # joins below hold one partition's recipients and messages in memory (2 partitions of 10,000,000
+    # records ran a 4 GiB driver out of heap).
+    stored = sum(f.size for f in discover(opts.paths))
+    parts = max(2, spark.sparkContext.defaultParallelism, -(-stored // PARTITION_STORED_BYTES))
     base = (
         spark.read.format("mtaq")
         .option("paths", json.dumps(list(opts.paths)))
