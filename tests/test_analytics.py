@@ -311,6 +311,8 @@ def test_report_and_parquet_tables_are_written(spark, result):
     pngs = sorted(os.path.basename(p) for p in glob.glob(f"{out}/*.png"))
     assert ["attempts.png", "queue_size.png", "time_to_deliver.png", "traffic_hourly.png"] == pngs
     assert all(f"]({p})" in text for p in pngs)
+    page = open(os.path.join(out, "report.html")).read()  # one file: the plots inline (test_analytics_report.py)
+    assert 4 == page.count('src="data:image/png;base64,') and "<td>received</td><td class=\"n\">14</td>" in page
     assert 17 == spark.read.parquet(f"{out}/tables/outcomes").filter("status = 'delivered'").count()
     assert json.load(open(f"{out}/totals.json"))["received"] == 14
 

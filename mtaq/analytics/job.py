@@ -44,9 +44,13 @@ from pyspark.sql import functions as F
 
 from mtaq.analytics.datasource import PARTITION_BYTES_DEFAULT, register
 from mtaq.analytics.report import write_report
+from mtaq.analytics.source import discover
 from mtaq.analytics.tables import AGE_BUCKETS_MIN, DELAY_BUCKETS_S, Result, bucket_labels
 
 __all__ = ["AGE_BUCKETS_MIN", "DELAY_BUCKETS_S", "Options", "Result", "analyze", "spark_session"]
+
+PARTITION_STORED_BYTES = 32 * 1024 * 1024  # segment bytes per partition of the cached rows (see analyze)
+TOP_ROWS_COLLECTED = 1000  # rows of the senders and recipients tables the driver gets (by count and by bytes)
 
 REJECTED_NOTE = (
     "rejected is 0: mail refused at the SMTP door (4xx/5xx before DATA is queued) never reaches the queue "
@@ -71,7 +75,8 @@ class Options:
 
 def spark_session(master: str | None = None, conf: Sequence[tuple[str, str]] = (), app: str = "mtaq analyze") -> SparkSession:
     """A SparkSession in UTC. ``master`` None means ``local[*]``, except under ``spark-submit`` (its own)."""
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    if "PYSPARK_PYTHON" not in os.environ:
+        os.environ["PYSPARK_PYTHON"] = _worker_python(master) or sys.executable
     # collect() turns timestamps into naive datetimes in the process's local time zone: make that UTC.
     os.environ["TZ"] = "UTC"
     time.tzset()
@@ -89,6 +94,50 @@ def spark_session(master: str | None = None, conf: Sequence[tuple[str, str]] = (
     spark.sparkContext.setLogLevel("ERROR")
     spark.conf.set("spark.sql.session.timeZone", "UTC")
     return spark
+
+
+def _worker_python(master: str | None) -> str | None:
+    """A wrapper of this interpreter for Spark's Python workers that drops ``pyspark.zip`` from their PYTHONPATH,
+    or None where it does not apply.
+
+    Spark puts ``SPARK_HOME/python/lib/pyspark.zip`` first on every Python worker's PYTHONPATH. Python keeps
+    no bytecode for modules imported from a zip, so each new worker process (the data source's planner
+    processes, the worker daemon and every worker it forks) compiled pyspark's modules from source again:
+    about 20 s of a 30 s first scan on a loaded 2-core machine (docs/performance.md, "Analytics"). When the
+    same pyspark is installed in this interpreter (pip: SPARK_HOME is that package), the workers import it
+    from there, with its compiled bytecode. Only for a master on this machine (``local``, ``local-cluster``),
+    never under spark-submit, and never when PYSPARK_PYTHON is set.
+    """
+    import pyspark
+
+    home = os.path.dirname(os.path.abspath(pyspark.__file__))
+    if "PYSPARK_GATEWAY_PORT" in os.environ or not (master or "local").startswith("local"):
+        return None
+    if os.environ.get("SPARK_HOME", home) != home or not os.path.exists(os.path.join(home, "python", "lib", "pyspark.zip")):
+        return None
+    import hashlib
+    import shlex
+    import tempfile
+
+    script = (
+        "#!/bin/sh\n"
+        "# mtaq analyze: Spark's Python workers without pyspark.zip on PYTHONPATH (mtaq/analytics/job.py)\n"
+        "PYTHONPATH=$(printf '%s' \"$PYTHONPATH\" | tr ':' '\\n' | grep -v '/pyspark\\.zip$' | paste -sd: -)\n"
+        "export PYTHONPATH\n"
+        f"exec {shlex.quote(sys.executable)} \"$@\"\n"
+    )
+    digest = hashlib.sha256(script.encode()).hexdigest()[:12]
+    path = os.path.join(tempfile.gettempdir(), f"mtaq-spark-python-{os.getuid()}-{digest}")
+    try:
+        if not os.path.exists(path):
+            tmp = f"{path}.{os.getpid()}"
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(script)
+            os.chmod(tmp, 0o755)
+            os.replace(tmp, path)
+    except OSError:
+        return None
+    return path
 
 
 def _window(col: Column, since: dt.datetime | None, until: dt.datetime | None) -> Column:
@@ -134,8 +183,74 @@ def _bucket_label(bounds: Sequence[int], unit: str, value: Column) -> Column:
     return expr
 
 
+_KEYED = ("ENVELOPE", "START", "DELIVERY", "FINISH")
+
+
+def _collect_tables(named: dict[str, DataFrame]) -> dict[str, list[dict[str, Any]]]:
+    """Collect many small DataFrames as Arrow, from a few driver threads at once, so that Spark schedules
+    their stages together (one plan each: a union of them all took seconds to plan). Timestamps come back
+    as naive UTC datetimes (as ``collect()`` gives them with TZ=UTC), rows in no particular order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import pyarrow as pa
+
+    def one(df: DataFrame) -> list[dict[str, Any]]:
+        got = df.toArrow()
+        cols = []
+        for f in got.schema:
+            arr = got.column(f.name)
+            if pa.types.is_timestamp(f.type):
+                arr = arr.cast(pa.timestamp("us", tz="UTC")).cast(pa.timestamp("us"))
+            cols.append(arr)
+        rows: list[dict[str, Any]] = pa.Table.from_arrays(cols, names=got.schema.names).to_pylist()
+        return rows
+
+    with ThreadPoolExecutor(max_workers=4, thread_name_prefix="mtaq-collect") as pool:
+        futures = {name: pool.submit(one, df) for name, df in named.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
+def _sorted(rows: list[dict[str, Any]], *keys: str) -> list[dict[str, Any]]:
+    """Rows sorted by ``keys`` ("-k" descending), None first as Spark's ascending order puts nulls."""
+
+    def key(r: dict[str, Any]) -> tuple[Any, ...]:
+        out: list[Any] = []
+        for k in keys:
+            desc = k.startswith("-")
+            v = r[k.lstrip("-")]
+            if desc:
+                out += [v is not None, (-v if isinstance(v, (int, float)) else _Rev(v)) if v is not None else 0]
+            else:
+                out += [v is not None, v if v is not None else 0]
+        return tuple(out)
+
+    return sorted(rows, key=key)
+
+
+class _Rev:
+    """Reverses the order of a non-numeric value in a sort key."""
+
+    __slots__ = ("v",)
+
+    def __init__(self, v: Any) -> None:
+        self.v = v
+
+    def __lt__(self, other: _Rev) -> bool:
+        return bool(self.v > other.v)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Rev) and bool(self.v == other.v)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
 def analyze(spark: SparkSession, opts: Options) -> Result:
     """Run the whole analysis; write Parquet tables, ``totals.json`` and the report under ``opts.out``.
+
+    How (docs/performance.md, "Analytics"): the segments are decoded once into one cached DataFrame,
+    hash-partitioned by queue ID, so the per-message and per-recipient facts (joins, the last-outcome
+    window) need no further shuffle; the small tables are then collected together, and the big tables (outcomes, messages, senders, recipients) are written
+    as Parquet by the executors, never collected.
 
     Raises :class:`mtaq.analytics.source.SourceError` when a path names no segments.
     """
@@ -143,53 +258,80 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
     say = opts.progress
     since, until = opts.since, opts.until
     register(spark)
+    # Joins on (queue_id, rcpt_index) of sides both partitioned by queue_id: no new shuffle.
+    spark.conf.set("spark.sql.requireAllClusterKeysForCoPartition", "false")
     tables_dir = os.path.join(opts.out, "tables")
+    big = (opts.parquet_out or tables_dir).rstrip("/")
     say(f"reading segments from {', '.join(opts.paths)}")
-    ev = (
+    # One cache only: the rows the job reads (28 of the source's 35 columns), hash-partitioned by queue ID,
+    # so that the per-message and per-recipient facts below (groupings, joins, the last-outcome window) need
+    # no further shuffle. PROBLEM and SEGMENT rows (no queue ID) are few and sit in one partition.
+    # (Caching the source as it comes and then shuffling it cost a second columnar cache of every row.)
+    # Partitions of about PARTITION_STORED_BYTES of segments each (at least one per core): the shuffle-hash
+    # joins below hold one partition's recipients and messages in memory (2 partitions of 10,000,000
+    # records ran a 4 GiB driver out of heap).
+    stored = sum(f.size for f in discover(opts.paths))
+    parts = max(2, spark.sparkContext.defaultParallelism, -(-stored // PARTITION_STORED_BYTES))
+    base = (
         spark.read.format("mtaq")
         .option("paths", json.dumps(list(opts.paths)))
         .option("partitionBytes", str(opts.partition_bytes))
         .load()
+        .select("record_type", "queue_id", "ts", "arrival_ts", "not_before_ts", "generation", "size", "sender",
+                "sender_domain", "bounce_of", "rcpt_index", "rcpt_address", "rcpt_domain", "rcpt_unknown",
+                "last_reply", "status", "code", "enhanced", "text", "relay", "segment", "offset", "file", "records",
+                "sealed", "problem_kind", "problem_end", "problem_reason")
+        .repartition(parts, "queue_id")
         .persist(StorageLevel.MEMORY_AND_DISK)
     )
-    inventory = ev.filter(F.col("record_type") == "SEGMENT").agg(
-        F.count("*").alias("segments"), F.sum("records").alias("records"), F.sum("size").alias("bytes_read"),
-        F.min("ts").alias("first_segment_ts"),
+    rt = F.col("record_type")
+    inventory = base.agg(
+        F.count(F.when(rt == "SEGMENT", 1)).alias("segments"),
+        F.sum(F.when(rt == "SEGMENT", F.col("records"))).alias("records"),
+        F.sum(F.when(rt == "SEGMENT", F.col("size"))).alias("bytes_read"),
+        F.max(F.when(rt.isin(*_KEYED), F.col("ts"))).alias("last_ts"),
     ).first()
     assert inventory is not None
     say(f"decoded {inventory['records'] or 0} records from {inventory['segments']} segments "
         f"({inventory['bytes_read'] or 0} bytes)")
-    rt = F.col("record_type")
+    end_value = until if until is not None else inventory["last_ts"]
+    end_ts = F.lit(end_value).cast("timestamp")
 
-    envs = ev.filter(rt == "ENVELOPE")
-    rcpts = envs.groupBy("queue_id", "rcpt_index").agg(
-        F.max("rcpt_address").alias("rcpt_address"), F.max("rcpt_domain").alias("rcpt_domain")
-    )
+    env, start, fin = rt == "ENVELOPE", rt == "START", rt == "FINISH"
+    # Per recipient (queue_id, rcpt_index): its address. Grouped within the queue-ID partitions: no shuffle.
+    # Strings are grouping keys here, never aggregated: Spark's hash aggregation keeps only fixed-width
+    # buffers, so a max() of a string (or a distinct count, or collect_set) made it sort every row of every
+    # message instead (docs/performance.md). Every envelope of a message carries the same recipients (index
+    # and address), sender and bounce_of (a replacement copies them), so these groups are one per
+    # recipient and one per message.
+    rcpts = base.filter(env).select("queue_id", "rcpt_index", "rcpt_address", "rcpt_domain").distinct()
+    who = base.filter(env).select("queue_id", "sender", "sender_domain", "bounce_of").distinct()
     msgs = (
-        envs.groupBy("queue_id")
+        base.filter(rt.isin("ENVELOPE", "START", "FINISH"))
+        .groupBy("queue_id")
         .agg(
-            F.min("arrival_ts").alias("arrival_ts"),
-            F.max("size").alias("size"),
-            F.max("sender").alias("sender"),
-            F.max("sender_domain").alias("sender_domain"),
-            F.max("bounce_of").alias("bounce_of"),
-            F.max(F.col("generation") == 0).alias("first_seen"),
-            F.countDistinct("rcpt_index").alias("recipients"),
+            F.min(F.when(env, F.col("arrival_ts"))).alias("arrival_ts"),
+            F.max(F.when(env, F.col("size"))).alias("size"),
+            F.max(F.when(env, F.col("generation") == 0)).alias("first_seen"),
+            F.count(F.when(start, 1)).alias("attempts"),
+            F.max(F.when(fin, F.col("ts"))).alias("finish_ts"),
+            F.count(F.when(env, 1)).alias("_envelope_rows"),
         )
-        .join(ev.filter(rt == "START").groupBy("queue_id").agg(F.count("*").alias("attempts")), "queue_id", "left")
-        .join(ev.filter(rt == "FINISH").groupBy("queue_id").agg(F.max("ts").alias("finish_ts")), "queue_id", "left")
-        .withColumn("attempts", F.coalesce(F.col("attempts"), F.lit(0)))
+        .filter(F.col("_envelope_rows") > 0)
+        .drop("_envelope_rows")
+        .join(who.hint("shuffle_hash"), "queue_id", "left")
+        .join(rcpts.groupBy("queue_id").agg(F.count("*").alias("recipients")).hint("shuffle_hash"), "queue_id", "left")
+        .select("queue_id", "arrival_ts", "size", "sender", "sender_domain", "bounce_of", "first_seen", "recipients",
+                "attempts", "finish_ts")
         .persist(StorageLevel.MEMORY_AND_DISK)
     )
-    received = msgs.filter(F.col("first_seen") & (F.col("bounce_of") == "") & _window(F.col("arrival_ts"), since, until))
-
     outcomes = (
-        ev.filter(rt == "DELIVERY")
+        base.filter(rt == "DELIVERY")
         .select("queue_id", "rcpt_index", "ts", "status", "code", "enhanced", "text", "relay", "segment", "offset")
-        .join(rcpts, ["queue_id", "rcpt_index"], "left")
-        .join(msgs.select("queue_id", "arrival_ts", "size", "sender", "bounce_of", "finish_ts"), "queue_id", "left")
+        .join(rcpts.hint("shuffle_hash"), ["queue_id", "rcpt_index"], "left")
+        .join(msgs.select("queue_id", "arrival_ts", "size", "sender", "bounce_of", "finish_ts").hint("shuffle_hash"),
+              "queue_id", "left")
         .withColumn("delay_s", _seconds_between(F.col("ts"), F.col("arrival_ts")))
-        .persist(StorageLevel.MEMORY_AND_DISK)
     )
     last = Window.partitionBy("queue_id", "rcpt_index").orderBy(F.desc("ts"), F.desc("segment"), F.desc("offset"))
     expired = (
@@ -204,57 +346,169 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
             "finish_ts", _seconds_between(F.col("finish_ts"), F.col("arrival_ts")).alias("delay_s"),
         )
     )
-    oe = outcomes.unionByName(expired).filter(_window(F.col("ts"), since, until)).persist(StorageLevel.MEMORY_AND_DISK)
+    every = outcomes.unionByName(expired).persist(StorageLevel.MEMORY_AND_DISK)  # all outcomes, any time
+    # Materialise the caches once, before the many branches below start at the same time (each would
+    # otherwise compute the same partitions again).
+    say(f"per message and per recipient facts: {every.count()} outcomes")
+    oe = every.filter(_window(F.col("ts"), since, until))
     st = F.col("status")
     is_bounce = st.isin("failed", "expired")
+    delivered = st == "delivered"
+    received = msgs.filter(F.col("first_seen") & (F.col("bounce_of") == "") & _window(F.col("arrival_ts"), since, until))
 
-    # ---------------------------------------------------------------------------------------- totals
-    say("totals")
-    r = received.agg(F.count("*").alias("received"), F.coalesce(F.sum("size"), F.lit(0)).alias("bytes_received"),
-                     F.countDistinct("sender").alias("senders"),
-                     F.countDistinct("sender_domain").alias("sending_domains")).first()
-    o = oe.agg(
-        F.sum(F.when(st == "delivered", 1).otherwise(0)).alias("delivered"),
-        F.sum(F.when(st == "delivered", F.col("size")).otherwise(0)).alias("bytes_delivered"),
+    # --------------------------------------------------------------------------- the small tables
+    say("computing every table (one Spark job)")
+    totals_r = received.agg(
+        F.count("*").alias("received"), F.coalesce(F.sum("size"), F.lit(0)).alias("bytes_received"))
+    totals_d = msgs.filter(F.col("first_seen") & (F.col("bounce_of") != "") & _window(F.col("arrival_ts"), since, until)
+                           ).agg(F.count("*").alias("dsn_generated"))
+    totals_o = oe.agg(
+        F.sum(F.when(delivered, 1).otherwise(0)).alias("delivered"),
+        F.sum(F.when(delivered, F.col("size")).otherwise(0)).alias("bytes_delivered"),
         F.sum(F.when(st == "deferred", 1).otherwise(0)).alias("deferrals"),
-        F.countDistinct(F.when(st == "deferred", F.struct("queue_id", "rcpt_index"))).alias("deferred"),
         F.sum(F.when(is_bounce, 1).otherwise(0)).alias("bounced"),
         F.sum(F.when(st == "expired", 1).otherwise(0)).alias("expired"),
-        F.countDistinct(F.when(st == "delivered", F.col("rcpt_address"))).alias("recipients"),
-        F.countDistinct(F.when(st == "delivered", F.col("rcpt_domain"))).alias("recipient_domains"),
-        F.percentile_approx(F.when(st == "delivered", F.col("delay_s")), [0.5, 0.9, 0.99], 10000).alias("p"),
-        F.avg(F.when(st == "delivered", F.col("delay_s"))).alias("delay_mean_s"),
-        F.max(F.when(st == "delivered", F.col("delay_s"))).alias("delay_max_s"),
-    ).first()
-    dsn = msgs.filter(F.col("first_seen") & (F.col("bounce_of") != "") & _window(F.col("arrival_ts"), since, until)).count()
+        F.percentile_approx(F.when(delivered, F.col("delay_s")), [0.5, 0.9, 0.99], 10000).alias("p"),
+        F.avg(F.when(delivered, F.col("delay_s"))).alias("delay_mean_s"),
+        F.max(F.when(delivered, F.col("delay_s"))).alias("delay_max_s"),
+    )
+    side = base.filter(rt.isin("PROBLEM", "SEGMENT") | ((rt == "ENVELOPE") & F.col("rcpt_unknown")
+                                                       & _window(F.col("not_before_ts"), since, until)))
+    problems_df = side.filter(rt == "PROBLEM").select(
+        "file", "segment", "offset", "problem_end", "problem_kind", "problem_reason")
     unknown_df = (
-        envs.filter(F.col("rcpt_unknown") & _window(F.col("not_before_ts"), since, until))
+        side.filter(rt == "ENVELOPE")
         .select("queue_id", "rcpt_index", "rcpt_address", "generation", F.col("not_before_ts").alias("flagged_ts"),
                 "last_reply")
         .dropDuplicates(["queue_id", "rcpt_index", "generation"])
-        .orderBy("flagged_ts", "queue_id", "rcpt_index")
     )
-    problems_df = ev.filter(rt == "PROBLEM").select(
-        "file", "segment", "offset", "problem_end", "problem_kind", "problem_reason").orderBy("segment", "offset")
-    problems = _rows(problems_df)
-    unknown = _rows(unknown_df)
-    assert r is not None and o is not None
+    segments_df = side.filter(rt == "SEGMENT").select("file", "segment", "size", "records", "sealed",
+                                                      F.col("ts").alias("created_ts"))
+    # Recipients deferred at least once (in the window), counted per recipient first: grouping by queue ID
+    # and index needs no shuffle, and no distinct count is left for Spark to expand.
+    domain = F.coalesce(F.col("rcpt_domain"), F.lit("?")).alias("domain")
+    deferred_rcpts = (
+        oe.filter(st == "deferred").select("queue_id", "rcpt_index", "rcpt_domain").distinct()
+        .groupBy(domain).agg(F.count("*").alias("deferred"))
+    )
+    domains = (
+        oe.groupBy(domain)
+        .agg(
+            F.sum(F.when(delivered, 1).otherwise(0)).alias("delivered"),
+            F.sum(F.when(delivered, F.col("size")).otherwise(0)).alias("bytes_delivered"),
+            F.sum(F.when(st == "deferred", 1).otherwise(0)).alias("deferrals"),
+            F.sum(F.when(is_bounce, 1).otherwise(0)).alias("bounced"),
+            F.avg(F.when(delivered, F.col("delay_s"))).alias("delay_mean_s"),
+            F.max(F.when(delivered, F.col("delay_s"))).alias("delay_max_s"),
+            F.percentile_approx(F.when(delivered, F.col("delay_s")), [0.5, 0.9, 0.99], 10000).alias("p"),
+        )
+        .select("*", F.col("p")[0].alias("delay_p50_s"), F.col("p")[1].alias("delay_p90_s"),
+                F.col("p")[2].alias("delay_p99_s"))
+        .drop("p")
+    )
+    senders = received.groupBy("sender", "sender_domain").agg(F.count("*").alias("messages"),
+                                                               F.sum("size").alias("bytes"))
+    sender_domains = received.groupBy(F.col("sender_domain").alias("domain")).agg(
+        F.count("*").alias("messages"), F.sum("size").alias("bytes"))
+    recipients = oe.filter(delivered).groupBy("rcpt_address", "rcpt_domain").agg(
+        F.count("*").alias("delivered"), F.sum("size").alias("bytes"))
+    senders = senders.persist(StorageLevel.MEMORY_AND_DISK)
+    recipients = recipients.persist(StorageLevel.MEMORY_AND_DISK)
+    shown = max(opts.top, TOP_ROWS_COLLECTED)
+    # Distinct recipients and messages per reason by three plain aggregations: per recipient and per message
+    # within the queue-ID partitions (no shuffle), then per reason.
+    reason: list[Column | str] = [F.when(st == "failed", "bounced").otherwise(st).alias("status"), "enhanced", "relay"]
+    reasons = (
+        oe.filter(st.isin("deferred", "failed", "expired"))
+        .groupBy(*reason, "queue_id", "rcpt_index").agg(F.count("*").alias("n"), F.min("text").alias("example"))
+        .groupBy("status", "enhanced", "relay", "queue_id").agg(
+            F.sum("n").alias("n"), F.count("*").alias("recipients"), F.min("example").alias("example"))
+        .groupBy("status", "enhanced", "relay").agg(
+            F.sum("n").alias("count"), F.sum("recipients").alias("recipients"), F.count("*").alias("messages"),
+            F.min("example").alias("example"))
+    )
+    kind = F.when(st.isin("expired", "failed"), "bounced").otherwise(st)
+    facts = (
+        received.select(F.col("arrival_ts").alias("t"), F.lit("received").alias("kind"), F.col("size").alias("bytes"))
+        .unionByName(oe.select(F.col("ts").alias("t"), kind.alias("kind"),
+                               F.when(delivered, F.col("size")).otherwise(0).alias("bytes")))
+    )
+    hourly = facts.groupBy(F.date_trunc("hour", F.col("t")).alias("hour")).agg(
+        *(F.count(F.when(F.col("kind") == k, 1)).alias("deferrals" if k == "deferred" else k)
+          for k in ("received", "delivered", "deferred", "bounced")),
+        F.coalesce(F.sum(F.when(F.col("kind") == "received", F.col("bytes"))), F.lit(0)).alias("bytes_received"),
+        F.coalesce(F.sum(F.when(F.col("kind") == "delivered", F.col("bytes"))), F.lit(0)).alias("bytes_delivered"),
+    )
+    delays = oe.filter(delivered).groupBy(_bucket_label(DELAY_BUCKETS_S, "s", F.col("delay_s")).alias("bucket")).agg(
+        F.count("*").alias("delivered"))
+    attempts = received.groupBy("attempts").agg(F.count("*").alias("messages"))
+    first_tick = F.date_trunc("hour", F.col("arrival_ts"))
+    first_tick = F.when(first_tick == F.col("arrival_ts"), first_tick).otherwise(first_tick + F.expr("INTERVAL 1 HOUR"))
+    gone = F.coalesce(F.col("finish_ts") - F.expr("INTERVAL 1 MICROSECOND"), end_ts)
+    last_tick = F.date_trunc("hour", F.least(gone, end_ts))
+    age_labels = bucket_labels(AGE_BUCKETS_MIN, "m")
+    ticks = (
+        msgs.select("arrival_ts", "size", first_tick.alias("a"), last_tick.alias("b"))
+        .filter(F.col("a") <= F.col("b"))
+        .select("arrival_ts", "size", F.explode(F.sequence("a", "b", F.expr("INTERVAL 1 HOUR"))).alias("tick"))
+        .filter(_window(F.col("tick"), since, until))
+        .withColumn("age", _bucket_label(AGE_BUCKETS_MIN, "m", _seconds_between(F.col("tick"), F.col("arrival_ts")) / 60))
+    )
+    qshape = ticks.groupBy("tick").agg(
+        F.count("*").alias("messages"), F.sum("size").alias("bytes"),
+        *(F.count(F.when(F.col("age") == a, 1)).alias(a) for a in age_labels))
+    final = every.filter(st.isin("delivered", "failed") & (F.col("ts") <= end_ts)).select("queue_id", "rcpt_index")
+    pending = (
+        msgs.filter((F.col("arrival_ts") <= end_ts) & (F.col("finish_ts").isNull() | (F.col("finish_ts") > end_ts)))
+        .select("queue_id", "arrival_ts")
+        .join(rcpts, "queue_id")
+        .join(final, ["queue_id", "rcpt_index"], "left_anti")
+        .withColumn("age", _bucket_label(AGE_BUCKETS_MIN, "m", _seconds_between(end_ts, F.col("arrival_ts")) / 60))
+    )
+    qshape_now = pending.groupBy(F.coalesce("rcpt_domain", F.lit("?")).alias("domain")).agg(
+        F.count("*").alias("recipients"), *(F.count(F.when(F.col("age") == a, 1)).alias(a) for a in age_labels))
+    got = _collect_tables({
+        "totals_r": totals_r, "totals_d": totals_d, "totals_o": totals_o, "deferred_rcpts": deferred_rcpts,
+        "counts": senders.agg(F.count("*").alias("senders")).crossJoin(
+            recipients.filter(F.col("rcpt_address").isNotNull()).agg(F.count("*").alias("recipients"))),
+        "problems": problems_df, "unknown": unknown_df, "segments": segments_df,
+        "domains": domains, "sender_domains": sender_domains, "reasons": reasons, "hourly": hourly,
+        "delays": delays, "attempts": attempts, "qshape": qshape, "qshape_now": qshape_now,
+        "senders_by_count": senders.orderBy(F.desc("messages"), F.desc("bytes"), "sender").limit(shown),
+        "senders_by_bytes": senders.orderBy(F.desc("bytes"), "sender").limit(shown),
+        "recipients_by_count": recipients.orderBy(F.desc("delivered"), F.desc("bytes"), "rcpt_address").limit(shown),
+        "recipients_by_bytes": recipients.orderBy(F.desc("bytes"), "rcpt_address").limit(shown),
+    })
+    say("tables collected")
+    [r] = got["totals_r"]
+    [d] = got["totals_d"]
+    [o] = got["totals_o"]
+    problems = _sorted(got["problems"], "segment", "offset")
+    unknown = _sorted(got["unknown"], "flagged_ts", "queue_id", "rcpt_index")
     p = o["p"] or [None, None, None]
+    [counts] = got["counts"]
+    deferred_by_domain = {x["domain"]: x["deferred"] for x in got["deferred_rcpts"]}
+    domain_rows = []
+    for x in got["domains"]:
+        x = {"domain": x["domain"], "delivered": x["delivered"], "bytes_delivered": x["bytes_delivered"],
+             "deferrals": x["deferrals"], "deferred": deferred_by_domain.get(x["domain"], 0), **{
+                 k: x[k] for k in ("bounced", "delay_mean_s", "delay_max_s", "delay_p50_s", "delay_p90_s", "delay_p99_s")}}
+        domain_rows.append(x)
     totals: dict[str, Any] = {
         "received": r["received"],
         "delivered": o["delivered"] or 0,
-        "deferred": o["deferred"] or 0,
+        "deferred": sum(deferred_by_domain.values()),
         "bounced": o["bounced"] or 0,
         "rejected": 0,
         "deferrals": o["deferrals"] or 0,
         "expired": o["expired"] or 0,
-        "dsn_generated": dsn,
+        "dsn_generated": d["dsn_generated"],
         "bytes_received": r["bytes_received"],
         "bytes_delivered": o["bytes_delivered"] or 0,
-        "senders": r["senders"],
-        "sending_domains": r["sending_domains"],
-        "recipients": o["recipients"],
-        "recipient_domains": o["recipient_domains"],
+        "senders": counts["senders"],
+        "sending_domains": len(got["sender_domains"]),
+        "recipients": counts["recipients"],
+        "recipient_domains": sum(1 for x in domain_rows if x["delivered"] and x["domain"] != "?"),
         "delay_p50_s": p[0],
         "delay_p90_s": p[1],
         "delay_p99_s": p[2],
@@ -270,153 +524,68 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
         "until": until.isoformat() if until else None,
         "rejected_note": REJECTED_NOTE,
     }
-
-    # ------------------------------------------------------------------------------- tables
-    tables: dict[str, list[dict[str, Any]]] = {"problems": problems, "unknown": unknown}
-    say("per-domain, per-sender and per-recipient tables")
-    delivered = st == "delivered"
-    domains = (
-        oe.groupBy(F.coalesce(F.col("rcpt_domain"), F.lit("?")).alias("domain"))
-        .agg(
-            F.sum(F.when(delivered, 1).otherwise(0)).alias("delivered"),
-            F.sum(F.when(delivered, F.col("size")).otherwise(0)).alias("bytes_delivered"),
-            F.sum(F.when(st == "deferred", 1).otherwise(0)).alias("deferrals"),
-            F.countDistinct(F.when(st == "deferred", F.struct("queue_id", "rcpt_index"))).alias("deferred"),
-            F.sum(F.when(is_bounce, 1).otherwise(0)).alias("bounced"),
-            F.avg(F.when(delivered, F.col("delay_s"))).alias("delay_mean_s"),
-            F.max(F.when(delivered, F.col("delay_s"))).alias("delay_max_s"),
-            F.percentile_approx(F.when(delivered, F.col("delay_s")), [0.5, 0.9, 0.99], 10000).alias("p"),
-        )
-        .select("*", F.col("p")[0].alias("delay_p50_s"), F.col("p")[1].alias("delay_p90_s"),
-                F.col("p")[2].alias("delay_p99_s"))
-        .drop("p")
-        .orderBy(F.desc("delivered"), F.desc("deferrals"), "domain")
-    )
-    senders = (
-        received.groupBy("sender", "sender_domain")
-        .agg(F.count("*").alias("messages"), F.sum("size").alias("bytes"))
-        .orderBy(F.desc("messages"), F.desc("bytes"), "sender")
-    )
-    sender_domains = (
-        received.groupBy(F.col("sender_domain").alias("domain"))
-        .agg(F.count("*").alias("messages"), F.sum("size").alias("bytes"))
-        .orderBy(F.desc("messages"), "domain")
-    )
-    recipients = (
-        oe.filter(delivered)
-        .groupBy("rcpt_address", "rcpt_domain")
-        .agg(F.count("*").alias("delivered"), F.sum("size").alias("bytes"))
-        .orderBy(F.desc("delivered"), F.desc("bytes"), "rcpt_address")
-    )
-    say("deferral and bounce reasons")
-    reasons = (
-        oe.filter(st.isin("deferred", "failed", "expired"))
-        .groupBy(F.when(st == "failed", "bounced").otherwise(st).alias("status"), "enhanced", "relay")
-        .agg(F.count("*").alias("count"),
-             F.countDistinct("queue_id", "rcpt_index").alias("recipients"),
-             F.countDistinct("queue_id").alias("messages"),
-             F.min("text").alias("example"))
-        .orderBy(F.desc("count"), "status", "enhanced", "relay")
-    )
-    say("per-hour and per-day traffic")
-    facts = (
-        received.select(F.col("arrival_ts").alias("t"), F.lit("received").alias("kind"), F.col("size").alias("bytes"))
-        .unionByName(oe.select(F.col("ts").alias("t"),
-                               F.when(st == "expired", "bounced").when(st == "failed", "bounced").otherwise(st).alias("kind"),
-                               F.when(delivered, F.col("size")).otherwise(0).alias("bytes")))
-    )
-    kinds: list[Any] = ["received", "delivered", "deferred", "bounced"]
-
-    def traffic(key: Column, name: str) -> DataFrame:
-        return (
-            facts.groupBy(key.alias(name)).pivot("kind", kinds).agg(F.count(F.lit(1)))
-            .join(facts.groupBy(key.alias(name)).agg(
-                F.sum(F.when(F.col("kind") == "received", F.col("bytes")).otherwise(0)).alias("bytes_received"),
-                F.sum(F.when(F.col("kind") == "delivered", F.col("bytes")).otherwise(0)).alias("bytes_delivered")), name)
-            .na.fill(0, kinds)
-            .withColumnRenamed("deferred", "deferrals")
-            .orderBy(name)
-        )
-
-    hourly = traffic(F.date_trunc("hour", F.col("t")), "hour")
-    daily = traffic(F.to_date(F.col("t")), "day")
-    say("time to deliver and attempts")
-    delays = (
-        oe.filter(delivered)
-        .groupBy(_bucket_label(DELAY_BUCKETS_S, "s", F.col("delay_s")).alias("bucket"))
-        .agg(F.count("*").alias("delivered"))
-    )
-    attempts = received.groupBy("attempts").agg(F.count("*").alias("messages")).orderBy("attempts")
-    say("queue shape over time")
-    last_ts = ev.filter(rt.isin("ENVELOPE", "START", "DELIVERY", "FINISH")).agg(F.max("ts")).first()
-    end_ts = F.lit(until) if until is not None else F.lit(last_ts[0] if last_ts is not None else None)
-    q = msgs
-    first_tick = F.date_trunc("hour", F.col("arrival_ts"))
-    first_tick = F.when(first_tick == F.col("arrival_ts"), first_tick).otherwise(first_tick + F.expr("INTERVAL 1 HOUR"))
-    gone = F.coalesce(F.col("finish_ts") - F.expr("INTERVAL 1 MICROSECOND"), end_ts)
-    last_tick = F.date_trunc("hour", F.least(gone, end_ts))
-    ticks = (
-        q.select("queue_id", "arrival_ts", "size", first_tick.alias("a"), last_tick.alias("b"))
-        .filter(F.col("a") <= F.col("b"))
-        .select("arrival_ts", "size", F.explode(F.sequence("a", "b", F.expr("INTERVAL 1 HOUR"))).alias("tick"))
-        .filter(_window(F.col("tick"), since, until))
-        .withColumn("age", _bucket_label(AGE_BUCKETS_MIN, "m", _seconds_between(F.col("tick"), F.col("arrival_ts")) / 60))
-    )
-    age_labels: list[Any] = bucket_labels(AGE_BUCKETS_MIN, "m")
-    qshape = (
-        ticks.groupBy("tick").pivot("age", age_labels).agg(F.count(F.lit(1)))
-        .join(ticks.groupBy("tick").agg(F.count("*").alias("messages"), F.sum("size").alias("bytes")), "tick")
-        .na.fill(0, age_labels)
-        .select("tick", "messages", "bytes", *age_labels)
-        .orderBy("tick")
-    )
-    final = outcomes.filter(st.isin("delivered", "failed") & (F.col("ts") <= end_ts)).select("queue_id", "rcpt_index")
-    pending = (
-        msgs.filter((F.col("arrival_ts") <= end_ts) & (F.col("finish_ts").isNull() | (F.col("finish_ts") > end_ts)))
-        .select("queue_id", "arrival_ts")
-        .join(rcpts, "queue_id")
-        .join(final, ["queue_id", "rcpt_index"], "left_anti")
-        .withColumn("age", _bucket_label(AGE_BUCKETS_MIN, "m", _seconds_between(end_ts, F.col("arrival_ts")) / 60))
-    )
-    qshape_now = (
-        pending.groupBy(F.coalesce("rcpt_domain", F.lit("?")).alias("domain")).pivot("age", age_labels).agg(F.count(F.lit(1)))
-        .join(pending.groupBy(F.coalesce("rcpt_domain", F.lit("?")).alias("domain")).agg(
-            F.count("*").alias("recipients")), "domain")
-        .na.fill(0, age_labels)
-        .select("domain", "recipients", *age_labels)
-        .orderBy(F.desc("recipients"), "domain")
-    )
-    segments = ev.filter(rt == "SEGMENT").select("file", "segment", "size", "records", "sealed",
-                                                 F.col("ts").alias("created_ts")).orderBy("segment", "file")
-
-    small = {
-        "domains": domains, "senders": senders, "sender_domains": sender_domains, "recipients": recipients,
-        "reasons": reasons, "hourly": hourly, "daily": daily, "delays": delays, "attempts": attempts,
-        "qshape": qshape, "qshape_now": qshape_now, "segments": segments,
+    hourly_rows = _sorted(got["hourly"], "hour")
+    daily: dict[dt.date, dict[str, Any]] = {}
+    for h in hourly_rows:
+        day = h["hour"].date()
+        row = daily.setdefault(day, {"day": day, **{k: 0 for k in h if k != "hour"}})
+        for k, v in h.items():
+            if k != "hour":
+                row[k] += v
+    top_senders = _merge_top(got["senders_by_count"], got["senders_by_bytes"], "sender",
+                             ("-messages", "-bytes", "sender"))
+    top_recipients = _merge_top(got["recipients_by_count"], got["recipients_by_bytes"], "rcpt_address",
+                                ("-delivered", "-bytes", "rcpt_address"))
+    tables: dict[str, list[dict[str, Any]]] = {
+        "problems": problems,
+        "unknown": unknown,
+        "domains": _sorted(domain_rows, "-delivered", "-deferrals", "domain"),
+        "senders": top_senders,
+        "sender_domains": _sorted(got["sender_domains"], "-messages", "domain"),
+        "recipients": top_recipients,
+        "reasons": _sorted(got["reasons"], "-count", "status", "enhanced", "relay"),
+        "hourly": hourly_rows,
+        "daily": [daily[k] for k in sorted(daily)],
+        "delays": got["delays"],
+        "attempts": _sorted(got["attempts"], "attempts"),
+        "qshape": [{k: r[k] for k in ("tick", "messages", "bytes", *age_labels)} for r in _sorted(got["qshape"], "tick")],
+        "qshape_now": [{k: r[k] for k in ("domain", "recipients", *age_labels)}
+                       for r in _sorted(got["qshape_now"], "-recipients", "domain")],
+        "segments": _sorted(got["segments"], "segment", "file"),
     }
-    say("collecting the tables")
+    say("writing the tables (Parquet)")
     os.makedirs(tables_dir, exist_ok=True)
-    for name, df in {**small, "problems": problems_df, "unknown": unknown_df}.items():
-        rows = tables.get(name) if name in ("problems", "unknown") else None
-        if rows is None:
-            rows = tables[name] = _rows(df)
-        _write_small(os.path.join(tables_dir, name), rows, df)
+    schemas = {"problems": problems_df, "unknown": unknown_df, "sender_domains": sender_domains,
+               "reasons": reasons, "hourly": hourly, "delays": delays, "attempts": attempts, "qshape": qshape,
+               "qshape_now": qshape_now, "segments": segments_df}
+    for name, rows in tables.items():
+        if name in ("senders", "recipients"):
+            continue
+        _write_small(os.path.join(tables_dir, name), rows, schemas.get(name))
     _write_small(os.path.join(tables_dir, "totals"), [totals], None)
-    big = opts.parquet_out or tables_dir
-    say(f"writing the outcomes and messages tables (Parquet, {big})")
-    (oe.withColumn("date", F.to_date("ts")).write.mode("overwrite").partitionBy("date")
-     .parquet(f"{big.rstrip('/')}/outcomes"))
-    msgs.write.mode("overwrite").parquet(f"{big.rstrip('/')}/messages")
+    say(f"writing the outcomes, messages, senders and recipients tables (Parquet, {big})")
+    senders.write.mode("overwrite").parquet(f"{tables_dir}/senders")
+    recipients.write.mode("overwrite").parquet(f"{tables_dir}/recipients")
+    oe.withColumn("date", F.to_date("ts")).write.mode("overwrite").partitionBy("date").parquet(f"{big}/outcomes")
+    msgs.write.mode("overwrite").parquet(f"{big}/messages")
     os.makedirs(opts.out, exist_ok=True)
     with open(os.path.join(opts.out, "totals.json"), "w", encoding="utf-8") as f:
         json.dump(totals, f, indent=2, default=str)
         f.write("\n")
     say("writing the report")
-
     result = Result(totals, tables, time.monotonic() - t0)
     write_report(opts.out, result, top=opts.top, plots=opts.plots)
-    for df in (oe, outcomes, msgs, ev):
+    for df in (senders, recipients, every, msgs, base):
         df.unpersist()
     result.seconds = time.monotonic() - t0
     say(f"done in {result.seconds:.1f} s: {opts.out}/report.md")
     return result
+
+
+def _merge_top(by_count: list[dict[str, Any]], by_bytes: list[dict[str, Any]], key: str,
+               order: Sequence[str]) -> list[dict[str, Any]]:
+    """The rows of both top lists (each row once), in ``order``."""
+    seen: dict[Any, dict[str, Any]] = {}
+    for r in (*by_count, *by_bytes):
+        seen.setdefault(r[key], r)
+    return _sorted(list(seen.values()), *order)

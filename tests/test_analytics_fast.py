@@ -1,0 +1,136 @@
+"""The fast reader of the analytics source (frame walk + bulk decode into Arrow columns) against the codec.
+
+Segments are written by the daemon's own :class:`mtaq.storage.log.Log` with every kind of record the job
+reads (replacement envelopes, outcome-unknown recipients, DSNs, odd addresses, several outcomes per
+delivery) and rolled over every few KiB. The fast path must yield exactly the rows that
+:func:`mtaq.core.frame.scan_segment` gives (``batches(..., fast=False)``), and any damage must send the
+segment to scan_segment, whose tail rules decide: same PROBLEM rows, same good records kept.
+No Spark here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+pytest.importorskip("pyarrow")
+
+from mtaq.analytics.source import batches, discover, read_segment, read_segment_bytes
+from mtaq.core.records import (
+    DataRecord,
+    DeliveryRecord,
+    EnvelopeRecord,
+    FinishRecord,
+    Outcome,
+    Pos,
+    Recipient,
+    StartRecord,
+)
+from mtaq.storage.fs import OsFileSystem
+from mtaq.storage.log import Log
+
+T0 = 1_740_787_200.123456  # 2025-03-01T00:00:00.123456Z: fractions of a microsecond are rounded as Python does
+
+
+def write_spool(spool: str, messages: int = 300, segment_bytes: int = 8192) -> None:
+    log, _ = Log.open(OsFileSystem(), os.path.join(spool, "log"), segment_bytes_max=segment_bytes)
+    addresses = ["a@X.Example", "b@y.example", "NoDomain", "c@ü.example", "d@e@F.example", "", "e@z.example"]
+    for i in range(messages):
+        qid = f"Q{i:014d}"
+        now = T0 + i * 7.3 + 1e-7 * i
+        body = b"Subject: t\r\n\r\n" + b"MQ" * (i % 50) + b"\r\n"
+        rcpts = tuple(Recipient(k, addresses[(i + k) % len(addresses)]) for k in range(1 + i % 3))
+        data, _ = log.append(DataRecord(qid, body))
+        env = EnvelopeRecord(qid, 0, now, now, addresses[i % len(addresses)], rcpts, data, len(body),
+                             client="192.0.2.1", helo="h.example", bounce_of="Q0" if i % 17 == 0 else "")
+        env_pos, _ = log.append(env)
+        start, _ = log.append(StartRecord(qid, env_pos, now + 0.5, 0))
+        outs = tuple(Outcome(r.index, ("delivered", "deferred", "failed")[(i + r.index) % 3], 250, "2.0.0", "ok | x")
+                     for r in rcpts)
+        log.append(DeliveryRecord(qid, start, now + 0.25, "mx[192.0.2.25]:25", outs, remote_dsn=i % 2 == 0))
+        if i % 4 == 0:
+            data, _ = log.append(DataRecord(qid, body))
+            again = tuple(Recipient(r.index, r.address, last_reply="451 later", unknown=i % 8 == 0) for r in rcpts)
+            log.append(EnvelopeRecord(qid, 1, now, now + 1800, env.sender, again, data, len(body), attempts=1,
+                                      replaces=start, runner=1))
+        else:
+            log.append(FinishRecord(qid, start, now + 0.75))
+    asyncio.run(log.sync())
+    log.close()
+
+
+def rows(paths: list[str], fast: bool) -> list[dict]:
+    out = [r for b in batches(discover(paths), fast=fast) for r in b.to_pylist()]
+    return sorted(out, key=lambda r: (r["segment"], r["record_type"], r["offset"], r["rcpt_index"] or 0))
+
+
+@pytest.fixture(scope="module")
+def spool(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("fast") / "spool")
+    write_spool(path)
+    return path
+
+
+def test_fast_path_takes_clean_segments(spool):
+    """Every segment the log wrote (sealed ones and the open last one) is clean: the fast path reads it."""
+    files = discover([spool])
+    assert len(files) > 5
+    assert all(read_segment(f.segment, read_segment_bytes(f)).fast for f in files)
+
+
+def test_fast_rows_equal_the_codecs_rows(spool):
+    """Row for row, column for column (times, domains, links, the SEGMENT rows), fast == scan_segment."""
+    fast, slow = rows([spool], True), rows([spool], False)
+    assert len(fast) > 1000
+    assert slow == fast
+    doms = {r["rcpt_address"]: r["rcpt_domain"] for r in fast if r["record_type"] == "ENVELOPE"}
+    assert {"a@X.Example": "x.example", "NoDomain": "", "c@ü.example": "ü.example", "d@e@F.example": "f.example",
+            "": ""} == {k: v for k, v in doms.items() if k in ("a@X.Example", "NoDomain", "c@ü.example", "d@e@F.example", "")}
+
+
+@pytest.mark.parametrize("damage", ["flip-in-data", "flip-in-envelope", "cut-tail", "after-seal", "bad-header"])
+def test_damage_goes_to_the_codecs_tail_rules(spool, tmp_path, damage):
+    """A damaged copy of a sealed segment: the fast reader gives up and the rows, PROBLEM rows included, are
+    scan_segment's: the damage is named, every good record after it is kept."""
+    f = discover([spool])[1]
+    raw = bytearray(read_segment_bytes(f))
+    first = next(r for r in rows([f.path], False) if r["record_type"] == "ENVELOPE")["offset"]
+    if damage == "flip-in-data":
+        raw[32 + 12 + 5] ^= 0x40  # the first frame is a DATA: its payload
+    elif damage == "flip-in-envelope":
+        raw[first + 20] ^= 0x01
+    elif damage == "cut-tail":
+        raw = raw[: len(raw) - 30]
+    elif damage == "after-seal":
+        raw += raw[32:200]
+    else:
+        raw[3] ^= 0xFF
+    bad = tmp_path / os.path.basename(f.path)
+    bad.write_bytes(bytes(raw))
+    assert not read_segment(f.segment, bytes(raw)).fast
+    fast, slow = rows([str(bad)], True), rows([str(bad)], False)
+    assert slow == fast
+    assert [r for r in fast if r["record_type"] == "PROBLEM"]
+
+
+def test_a_record_that_does_not_decode_is_named_by_the_codec(tmp_path):
+    """A frame with a good checksum whose payload is not a valid record: bulk decoding fails, scan_segment
+    reports that one record as corrupt and keeps the others."""
+    from mtaq.core.frame import SEGMENT_HEADER_BYTES, SegmentHeader, encode_frame, encode_record, encode_segment_header
+
+    salt = 0x1234ABCD
+    good = StartRecord("Q1", Pos(1, 32), T0, 0)
+    buf = encode_segment_header(SegmentHeader(segment=1, salt=salt, created=int(T0)))
+    buf += encode_record(good, salt)
+    bad_at = len(buf)
+    buf += encode_frame(3, b"\x93\x03\xa1x\xc0", salt)  # a START without its fields
+    buf += encode_record(FinishRecord("Q1", Pos(1, SEGMENT_HEADER_BYTES), T0 + 1), salt)
+    path = tmp_path / "000000000001.seg"
+    path.write_bytes(buf)
+    got = rows([str(path)], True)
+    assert got == rows([str(path)], False)
+    assert [("PROBLEM", bad_at, "corrupt")] == [(r["record_type"], r["offset"], r["problem_kind"]) for r in got
+                                                 if r["record_type"] == "PROBLEM"]
+    assert {"START", "FINISH", "SEGMENT", "PROBLEM"} == {r["record_type"] for r in got}
