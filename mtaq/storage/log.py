@@ -381,6 +381,12 @@ class Log:
             offset = self._cur.append(frame)
         except OSError as exc:
             raise _wrap_oserror(exc, f"appending to segment {self._cur_no}") from exc
+        return self._appended(offset, size)
+
+    def _appended(self, offset: int, size: int) -> tuple[Pos, int]:
+        """Book-keeping after a frame of ``size`` bytes was written at ``offset`` of the current segment:
+        its position and LSN."""
+        assert self._cur is not None
         self._cur_records += 1
         self._dirty[self._cur_no] = self._cur
         self._end = Pos(self._cur_no, offset + size)
@@ -441,13 +447,7 @@ class Log:
             raise exc.error from None
         except OSError as exc:
             raise _wrap_oserror(exc, f"appending to segment {self._cur_no}") from exc
-        self._cur_records += 1
-        self._dirty[self._cur_no] = self._cur
-        self._end = Pos(self._cur_no, offset + size)
-        self._appended_lsn += 1
-        self.stats.records_appended += 1
-        self.stats.bytes_appended += size
-        return Pos(self._cur_no, offset), self._appended_lsn
+        return self._appended(offset, size)
 
     async def commit(self, lsn: int) -> None:
         """Return once every record up to ``lsn`` is durable (one shared fsync round covers many callers).
