@@ -17,7 +17,6 @@ old segment (reclamation deletes a prefix of segments).
 from __future__ import annotations
 
 import asyncio
-import errno
 import os
 import socket
 import time
@@ -40,7 +39,7 @@ from mtaq.core.records import (
     StartRecord,
 )
 from mtaq.core.state import Attempt, Conclusion, DsnItem, RetryPolicy, WorkingSet, conclude, format_reply
-from mtaq.storage.log import Log
+from mtaq.storage.log import Log, storage_error
 from mtaq.storage.spill import MEMORY_BYTES, BodyBuffer
 
 __all__ = ["Queue", "new_queue_id", "set_queue_id_shard"]
@@ -74,13 +73,6 @@ def new_queue_id(now_ts: float | None = None) -> str:
         out.append(_B32[n & 31])
         n >>= 5
     return "".join(reversed(out))
-
-
-def _wrap_buffer_error(exc: OSError) -> StorageError:
-    """A failed write or read of a body's temporary file: 452 4.3.1 when the disk is full, else 451 4.3.0."""
-    if exc.errno == errno.ENOSPC:
-        return StorageFull(f"temporary body file: {exc}")
-    return StorageError(f"temporary body file: {exc}")
 
 
 def _param(params: Sequence[tuple[str, str]], key: str) -> str | None:
@@ -162,7 +154,7 @@ class Queue:
         if self.messages_max and self.counts.total() >= self.messages_max:
             raise StorageFull(f"the queue holds {self.counts.total()} messages (queue_messages_max)")
         if isinstance(body, BodyBuffer) and body.failure is not None:
-            raise _wrap_buffer_error(body.failure)
+            raise storage_error(body.failure, "temporary body file")
         size = body.size if isinstance(body, BodyBuffer) else len(body)
         if self.minfree_bytes and self.log.free_bytes() < self.minfree_bytes + size:
             raise StorageFull(f"spool free space below queue_minfree_bytes ({self.minfree_bytes} bytes)")
@@ -197,7 +189,7 @@ class Queue:
             try:
                 data_pos, _ = self.log.append_data(qid, body.pieces, size)
             except OSError as exc:  # the temporary file could not be read back: nothing was appended
-                raise _wrap_buffer_error(exc) from exc
+                raise storage_error(exc, "temporary body file") from exc
         else:
             if isinstance(body, BodyBuffer):
                 body = body.getvalue()

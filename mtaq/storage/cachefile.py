@@ -15,7 +15,7 @@ import errno
 import os
 import re
 
-from mtaq.storage.fs import FileSystem, OsFileSystem
+from mtaq.storage.fs import FileSystem, OsFileSystem, replace_file
 
 __all__ = ["CacheDir", "read_or_none", "write_atomic"]
 
@@ -23,19 +23,10 @@ _TMP = ".tmp"
 
 
 def write_atomic(fs: FileSystem, path: str, data: bytes) -> None:
-    """Replace ``path`` with ``data``: temporary file, fsync, rename, fsync of the directory. Raises OSError
-    (the target is then unchanged; a temporary file may be left, which the next write replaces)."""
-    tmp = f"{path}.{os.getpid()}{_TMP}"
-    if fs.exists(tmp):
-        fs.unlink(tmp)  # left by a crashed writer that had our pid
-    f = fs.open(tmp, create=True)
-    try:
-        f.append(data)
-        f.fsync()
-    finally:
-        f.close()
-    fs.rename(tmp, path)
-    fs.fsync_dir(os.path.dirname(path) or ".")
+    """Replace ``path`` with ``data``: temporary file, fsync, rename, fsync of the directory
+    (:func:`~mtaq.storage.fs.replace_file`). Raises OSError (the target is then unchanged; a temporary file
+    may be left, which the next write replaces)."""
+    replace_file(fs, path, data, tmp=f"{path}.{os.getpid()}{_TMP}")
 
 
 def read_or_none(fs: FileSystem, path: str) -> bytes | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 from mtaq.core.checkpoint import Checkpoint, CheckpointError, decode_checkpoint, encode_checkpoint
-from mtaq.storage.fs import FileSystem
+from mtaq.storage.fs import FileSystem, replace_file
 from mtaq.testing import killpoints
 
 __all__ = ["CHECKPOINT_NAME", "read_checkpoint", "write_checkpoint"]
@@ -23,19 +23,8 @@ def write_checkpoint(fs: FileSystem, spool: str, cp: Checkpoint) -> None:
     Raises OSError; a crash at any point leaves either the old or the new checkpoint (or, before the
     first rename, none), never a mixture.
     """
-    path = os.path.join(spool, CHECKPOINT_NAME)
-    tmp = path + ".tmp"
-    if fs.exists(tmp):
-        fs.unlink(tmp)
-    f = fs.open(tmp, create=True)
-    try:
-        f.append(encode_checkpoint(cp))
-        f.fsync()
-    finally:
-        f.close()
-    killpoints.hit("checkpoint.after_tmp")
-    fs.rename(tmp, path)
-    fs.fsync_dir(spool)
+    replace_file(fs, os.path.join(spool, CHECKPOINT_NAME), encode_checkpoint(cp),
+                 before_rename=lambda: killpoints.hit("checkpoint.after_tmp"))
 
 
 def read_checkpoint(fs: FileSystem, spool: str) -> tuple[Checkpoint | None, str]:

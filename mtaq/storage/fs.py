@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Callable
 from typing import Protocol
 
-__all__ = ["File", "FileSystem", "OsFileSystem"]
+__all__ = ["File", "FileSystem", "OsFileSystem", "replace_file"]
 
 
 class File(Protocol):
@@ -153,3 +154,32 @@ class OsFileSystem:
     def free_bytes(self, path: str) -> int:
         st = os.statvfs(path)
         return st.f_bavail * st.f_frsize
+
+
+def replace_file(
+    fs: FileSystem,
+    path: str,
+    data: bytes,
+    *,
+    tmp: str | None = None,
+    sync_dir: bool = True,
+    before_rename: Callable[[], None] | None = None,
+) -> None:
+    """Replace ``path`` with ``data`` whole: write ``tmp`` (default ``path + ".tmp"``; one left by a crash is
+    removed first), fsync it, call ``before_rename`` (a kill point), rename it over ``path``, and with
+    ``sync_dir`` fsync the directory. After a crash ``path`` holds the old content or the new, never a mix;
+    with ``sync_dir``, once this returns the new content survives a power cut. Raises OSError."""
+    tmp = tmp if tmp is not None else path + ".tmp"
+    if fs.exists(tmp):
+        fs.unlink(tmp)
+    f = fs.open(tmp, create=True)
+    try:
+        f.append(data)
+        f.fsync()
+    finally:
+        f.close()
+    if before_rename is not None:
+        before_rename()
+    fs.rename(tmp, path)
+    if sync_dir:
+        fs.fsync_dir(os.path.dirname(path) or ".")

@@ -71,7 +71,8 @@ from mtaq.testing import killpoints
 
 FILES_OPEN_MAX = 64  # segment files kept open for reading (besides those being written)
 
-__all__ = ["FILES_OPEN_MAX", "FREE_BYTES_TTL_S", "Log", "LogStats", "OpenReport", "list_segments", "scan_log", "segment_path"]
+__all__ = ["FILES_OPEN_MAX", "FREE_BYTES_TTL_S", "Log", "LogStats", "OpenReport", "list_segments", "scan_log", "segment_path",
+           "storage_error"]
 
 _SUFFIX = ".seg"
 FREE_BYTES_TTL_S = 0.25  # how old the free-space figure of Log.free_bytes may be, in seconds
@@ -158,7 +159,9 @@ def _chain(first: bytes, rest: Iterable[bytes]) -> Iterator[bytes]:
     yield from rest
 
 
-def _wrap_oserror(exc: OSError, what: str) -> StorageError:
+def storage_error(exc: OSError, what: str) -> StorageError:
+    """The StorageError for ``exc`` met while doing ``what``: StorageFull (452 4.3.1) when the disk or the
+    quota is full, else StorageError (451 4.3.0)."""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return StorageFull(f"{what}: {exc.strerror}")
     return StorageError(f"{what}: {exc.strerror or exc}")
@@ -260,7 +263,7 @@ class Log:
             log._dir_dirty = False
             log._end = log._durable_end = Pos(log._cur_no, SEGMENT_HEADER_BYTES)
         except OSError as exc:
-            raise _wrap_oserror(exc, f"opening log {directory}") from exc
+            raise storage_error(exc, f"opening log {directory}") from exc
         return log, report
 
     def _new_segment(self, number: int) -> None:
@@ -353,7 +356,7 @@ class Log:
             if gone:
                 self.fs.fsync_dir(self.directory)
         except OSError as exc:
-            raise _wrap_oserror(exc, "deleting segments") from exc
+            raise storage_error(exc, "deleting segments") from exc
         return gone
 
     def append(self, record: Record) -> tuple[Pos, int]:
@@ -380,7 +383,7 @@ class Log:
             frame = encode_frame(int(rtype), payload, self._cur_salt)
             offset = self._cur.append(frame)
         except OSError as exc:
-            raise _wrap_oserror(exc, f"appending to segment {self._cur_no}") from exc
+            raise storage_error(exc, f"appending to segment {self._cur_no}") from exc
         return self._appended(offset, size)
 
     def _appended(self, offset: int, size: int) -> tuple[Pos, int]:
@@ -446,7 +449,7 @@ class Log:
         except _SourceError as exc:  # the body's source (a temporary file) could not be read: nothing appended
             raise exc.error from None
         except OSError as exc:
-            raise _wrap_oserror(exc, f"appending to segment {self._cur_no}") from exc
+            raise storage_error(exc, f"appending to segment {self._cur_no}") from exc
         return self._appended(offset, size)
 
     async def commit(self, lsn: int) -> None:
@@ -607,7 +610,7 @@ class Log:
             try:
                 self._free = self.fs.free_bytes(self.directory)
             except OSError as exc:
-                raise _wrap_oserror(exc, f"checking free space of {self.directory}") from exc
+                raise storage_error(exc, f"checking free space of {self.directory}") from exc
             self._free_at, self._free_base = now, self.stats.bytes_appended
         return self._free - (self.stats.bytes_appended - self._free_base)
 
@@ -636,7 +639,7 @@ class Log:
         except FileNotFoundError as exc:
             raise CorruptRecord(f"segment {pos.segment} is missing") from exc
         except OSError as exc:
-            raise _wrap_oserror(exc, f"reading segment {pos.segment}") from exc
+            raise storage_error(exc, f"reading segment {pos.segment}") from exc
         res = decode_frame(buf, 0, salt)
         if not isinstance(res, Frame):
             why = res.reason if isinstance(res, BadFrame) else "cut off"
@@ -663,7 +666,7 @@ class Log:
             finally:
                 f.close()
         except OSError as exc:
-            raise _wrap_oserror(exc, f"repairing segment {scan.segment}") from exc
+            raise storage_error(exc, f"repairing segment {scan.segment}") from exc
         old = self._files.pop(scan.segment, None)
         self._readers.pop(scan.segment, None)
         if old is not None:

@@ -26,7 +26,7 @@ import os
 import msgspec
 
 from mtaq.core.frame import Problem
-from mtaq.storage.fs import FileSystem
+from mtaq.storage.fs import FileSystem, replace_file
 
 __all__ = ["CORRUPT_DIR", "QuarantineEntry", "list_quarantine", "quarantine"]
 
@@ -52,19 +52,6 @@ def _stem(segment: int, offset: int) -> str:
     return f"{segment:012d}-{offset:010d}"
 
 
-def _write_durably(fs: FileSystem, path: str, data: bytes) -> None:
-    tmp = path + ".tmp"
-    if fs.exists(tmp):
-        fs.unlink(tmp)
-    f = fs.open(tmp, create=True)
-    try:
-        f.append(data)
-        f.fsync()
-    finally:
-        f.close()
-    fs.rename(tmp, path)
-
-
 def quarantine(
     fs: FileSystem, spool: str, problem: Problem, raw: bytes, *, now: float | None = None, epoch_segment: int = 0
 ) -> tuple[str, bool]:
@@ -80,7 +67,7 @@ def quarantine(
     if not fs.exists(d):
         fs.makedirs(d)
         fs.fsync_dir(spool)
-    _write_durably(fs, stem + ".bin", raw)
+    replace_file(fs, stem + ".bin", raw, sync_dir=False)  # the directory is fsync'd once, below
     when = dt.datetime.fromtimestamp(now if now is not None else dt.datetime.now(dt.UTC).timestamp(), dt.UTC)
     entry = QuarantineEntry(
         segment=problem.segment,
@@ -92,7 +79,7 @@ def quarantine(
         found_utc=when.strftime("%Y-%m-%dT%H:%M:%SZ"),
         epoch_segment=epoch_segment,
     )
-    _write_durably(fs, stem + ".json", msgspec.json.encode(entry))
+    replace_file(fs, stem + ".json", msgspec.json.encode(entry), sync_dir=False)
     fs.fsync_dir(d)
     return stem + ".bin", True
 
