@@ -56,9 +56,11 @@ spark-zip:
 	mkdir -p dist && $(PY) -c "import zipfile, pathlib; z = zipfile.ZipFile('dist/mtaq.zip', 'w'); \
 	  [z.write(p) for p in sorted(pathlib.Path('mtaq').rglob('*.py'))]; z.close()"
 
-# mtaq against Postfix (root: installs and configures Postfix from Debian; see docs/performance.md).
+# mtaq against Postfix, issue 15's table in one run (root: installs and configures Postfix from Debian; perf
+# counts fsyncs; see docs/performance.md). JSON on stdout, the table on stderr.
 compare: install
-	$(BIN)/python bench/compare_postfix.py --workers 2
+	@command -v perf >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq linux-perf >/dev/null || true; }
+	$(BIN)/python bench/compare_postfix.py --suite
 
 clean-spool:
 	rm -rf spool/log spool/sink

@@ -54,6 +54,7 @@ import os
 import re
 import shutil
 import signal
+import smtplib
 import socket
 import statistics
 import subprocess
@@ -187,7 +188,7 @@ def postfix_queue_count() -> int:
 class Sink:
     """Postfix's ``smtp-sink -c`` on 127.0.0.1:port; a thread reads its running ``mesg=N`` counter."""
 
-    def __init__(self, port: int, backlog: int, target: int) -> None:
+    def __init__(self, port: int, backlog: int) -> None:
         cmd = ["smtp-sink", "-c"]
         if os.geteuid() == 0:
             cmd += ["-u", "nobody"]
@@ -195,8 +196,7 @@ class Sink:
         self.port = port
         self.count = 0
         self.cond = threading.Condition()
-        self.reached: dict[int, float] = {}
-        self.target = target  # the time the count reaches it is taken as the count is read
+        self.history: list[tuple[int, float]] = []  # (count, wall-clock time it was read)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.thread = threading.Thread(target=self._read, daemon=True)
         self.thread.start()
@@ -220,24 +220,22 @@ class Sink:
                     last = int(m.group(1))
             if last is not None:
                 with self.cond:
-                    self.count = max(self.count, last)
-                    if self.target and self.count >= self.target and self.target not in self.reached:
-                        self.reached[self.target] = now
+                    if last > self.count:
+                        self.count = last
+                        self.history.append((last, now))
                     self.cond.notify_all()
 
     def wait_for(self, n: int, timeout_s: float) -> float | None:
-        """Wall-clock time (UTC s) at which the sink had received ``n`` messages, or None on timeout."""
+        """Wall-clock time (UTC s) at which the sink's counter first showed ``n`` messages (read as it was
+        printed), or None on timeout."""
         deadline = time.monotonic() + timeout_s
         with self.cond:
-            self.target = n
-            if self.count >= n and n not in self.reached:
-                self.reached[n] = time.time()
-            while n not in self.reached:
+            while self.count < n:
                 left = deadline - time.monotonic()
                 if left <= 0 or self.proc.poll() is not None:
                     return None
                 self.cond.wait(min(left, 0.5))
-            return self.reached[n]
+            return next(t for c, t in self.history if c >= n)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -260,18 +258,92 @@ def smtp_source(args: argparse.Namespace, port: int) -> tuple[float, float, int,
     return t0, time.time(), p.returncode, (p.stderr or p.stdout).strip()
 
 
+class Probe(threading.Thread):
+    """One more SMTP session beside the load, the same on both sides: on one connection, a message of the
+    load's size every ``interval_s``, timing the reply to the final dot (the 250 that says the message is
+    safe on disk) from the moment the body has been written. ``latencies_ms``: one per accepted message."""
+
+    def __init__(self, port: int, size: int, interval_s: float) -> None:
+        super().__init__(daemon=True)
+        self.port = port
+        self.interval_s = interval_s
+        payload = (b"x" * 78 + b"\r\n") * max(1, size // 80)
+        self.body = (b"From: <" + SENDER.encode() + b">\r\nTo: <" + RCPT.encode() + b">\r\nSubject: probe\r\n\r\n"
+                     + payload + b".\r\n")
+        self.stopping = threading.Event()
+        self.latencies_ms: list[float] = []
+        self.errors: list[str] = []
+
+    def run(self) -> None:
+        try:
+            s = smtplib.SMTP("127.0.0.1", self.port, timeout=60)
+            s.ehlo("probe.example")
+            while not self.stopping.wait(self.interval_s):
+                s.mail(SENDER)
+                s.rcpt(RCPT)
+                s.putcmd("data")
+                code, msg = s.getreply()
+                if code != 354:
+                    raise smtplib.SMTPResponseException(code, msg)
+                t = time.perf_counter()
+                s.send(self.body)
+                code, msg = s.getreply()
+                if code != 250:
+                    raise smtplib.SMTPResponseException(code, msg)
+                self.latencies_ms.append(1000 * (time.perf_counter() - t))
+            s.quit()
+        except (OSError, smtplib.SMTPException) as exc:
+            self.errors.append(repr(exc))
+
+    def finish(self) -> int:
+        """Stop after the message in progress; the number of messages the relay accepted."""
+        self.stopping.set()
+        self.join(120)
+        return len(self.latencies_ms)
+
+
+def _measure(args: argparse.Namespace, port: int, sink: Sink, root_pid: int) -> dict[str, Any]:
+    """Run the load (and the probe) into ``port``; CPU of ``root_pid``'s process tree and the disk's flushes
+    from the start of the load until the sink counted the last message."""
+    probe = Probe(port, args.size, args.probe_interval) if args.probe_interval > 0 else None
+    fsyncs = FsyncCounter(root_pid)
+    cpu0 = _tree_cpu_s(root_pid)
+    if probe is not None:
+        probe.start()
+    t0, t1, rc, err = smtp_source(args, port)
+    extra = probe.finish() if probe is not None else 0
+    total = args.messages + extra
+    t_e2e = sink.wait_for(total, args.timeout) if rc == 0 else None
+    cpu1, n_fsyncs = _tree_cpu_s(root_pid), fsyncs.stop()
+    res = _result(args, t0, t1, rc, err, t_e2e, sink.count, total)
+    res["cpu_ms_per_msg"] = round(1000 * (cpu1 - cpu0) / total, 3)  # user + system, the whole process tree
+    if n_fsyncs is not None:
+        res["fsync_calls_per_msg"] = round(n_fsyncs / total, 3)  # fsync + fdatasync, perf's count
+    if probe is not None:
+        lat = sorted(probe.latencies_ms)
+        res["probe_messages"] = extra
+        if lat:
+            res["latency_250_ms"] = {"p50": round(lat[len(lat) // 2], 2),
+                                     "p99": round(lat[min(len(lat) - 1, int(len(lat) * 0.99))], 2),
+                                     "max": round(lat[-1], 2)}
+        if probe.errors:
+            res["probe_error"] = probe.errors[0][:200]
+    return res
+
+
 def run_postfix(args: argparse.Namespace, sink_port: int) -> dict[str, Any]:
     left = postfix_queue_count()
     if left:
         log(f"Postfix queue not empty ({left} files): postsuper -d ALL")
         run(["postsuper", "-d", "ALL"], check=False)
-    sink = Sink(sink_port, args.backlog, args.messages)
+    master = _postfix_master_pid()
+    if master is None:
+        raise RuntimeError("Postfix's master is not running")
+    sink = Sink(sink_port, args.backlog)
     try:
-        t0, t1, rc, err = smtp_source(args, args.postfix_port)
-        t_e2e = sink.wait_for(args.messages, args.timeout) if rc == 0 else None
+        return _measure(args, args.postfix_port, sink, master)
     finally:
         sink.stop()
-    return _result(args, t0, t1, rc, err, t_e2e, sink.count)
 
 
 def run_mtaq(args: argparse.Namespace, sink_port: int, workdir: str, i: int) -> dict[str, Any]:
@@ -281,12 +353,12 @@ def run_mtaq(args: argparse.Namespace, sink_port: int, workdir: str, i: int) -> 
         f.write("stats_interval_s = 0.5\n")
     port = free_port()
     logf = os.path.join(work, "daemon.log")
-    sink = Sink(sink_port, args.backlog, args.messages)
+    sink = Sink(sink_port, args.backlog)
     out = open(logf, "ab")
     daemon = subprocess.Popen(
         [*args.mtaq, "--log-format", "json", "serve", "--spool", os.path.join(work, "spool"),
          "--listen", f"127.0.0.1:{port}", "--relayhost", f"[127.0.0.1]:{sink_port}", "--config", conf,
-         *(["--workers", str(args.workers)] if args.workers != 1 else [])],
+         *(["--workers", str(args.workers)] if args.workers is not None else [])],
         stdout=out, stderr=out, stdin=subprocess.DEVNULL,
     )
     try:
@@ -299,15 +371,11 @@ def run_mtaq(args: argparse.Namespace, sink_port: int, workdir: str, i: int) -> 
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(1.0)
         pids = [daemon.pid, *_children(daemon.pid)]
-        cpu0 = sum(_cpu_s(p) for p in pids)
-        t0, t1, rc, err = smtp_source(args, port)
-        t_e2e = sink.wait_for(args.messages, args.timeout) if rc == 0 else None
-        cpu1 = sum(_cpu_s(p) for p in pids)
+        res = _measure(args, port, sink, daemon.pid)
         if spy is not None:
             spy.send_signal(signal.SIGINT)
             spy.wait()
-        res = _result(args, t0, t1, rc, err, t_e2e, sink.count)
-        res["cpu_ms_per_msg"] = round(1000 * (cpu1 - cpu0) / args.messages, 3)  # user + system, all processes
+        res["worker_processes"] = max(1, len(pids) - 1)
         time.sleep(1.2)  # a stats event after the drain
         res["peak_rss_kib"] = sum(peak_rss_kib(p) or 0 for p in pids)  # supervisor + workers
         last: dict[Any, dict[str, Any]] = {}
@@ -317,8 +385,8 @@ def run_mtaq(args: argparse.Namespace, sink_port: int, workdir: str, i: int) -> 
         if last:
             fsyncs = sum(e.get("fsync_calls", 0) for e in last.values())
             rounds = sum(e.get("commit_rounds", 0) for e in last.values())
-            res["fsyncs_per_msg"] = round(fsyncs / args.messages, 4)
-            res["commit_rounds_per_msg"] = round(rounds / args.messages, 4)
+            res["fsyncs_per_msg"] = round(fsyncs / res["messages"], 4)
+            res["commit_rounds_per_msg"] = round(rounds / res["messages"], 4)
         res["alive"] = daemon.poll() is None
     finally:
         if daemon.poll() is None:
@@ -332,14 +400,76 @@ def run_mtaq(args: argparse.Namespace, sink_port: int, workdir: str, i: int) -> 
     return res
 
 
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far (0 if it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            fields = f.read().rpartition(")")[2].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def _tree_cpu_s(root: int) -> float:
+    """User + system CPU seconds of process ``root`` and all its descendants, with what each has collected
+    from children it reaped (cutime + cstime): Postfix's master reaps its smtpd, cleanup, smtp... processes,
+    so the CPU of processes that ended during the run is counted too."""
+    table: dict[int, tuple[int, float]] = {}
+    tck = os.sysconf("SC_CLK_TCK")
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError), \
+                    open(f"/proc/{name}/stat", encoding="ascii", errors="replace") as f:
+                fields = f.read().rpartition(")")[2].split()
+                table[int(name)] = (int(fields[1]), sum(int(x) for x in fields[11:15]) / tck)
+    kids: dict[int, list[int]] = {}
+    for pid, (ppid, _cpu) in table.items():
+        kids.setdefault(ppid, []).append(pid)
+    total, todo = 0.0, [root]
+    while todo:
+        pid = todo.pop()
+        if pid in table:
+            total += table[pid][1]
+        todo.extend(kids.get(pid, ()))
+    return total
+
+
+class FsyncCounter:
+    """fsync(2) + fdatasync(2) calls of a process tree, counted by the kernel's syscall tracepoints with
+    ``perf stat -p PIDS`` (children and threads created later are counted too; no ptrace, so the relay runs
+    at full speed). The same count for both relays; None where perf or its tracepoints are missing."""
+
+    EVENTS = "syscalls:sys_enter_fsync,syscalls:sys_enter_fdatasync"
+
+    def __init__(self, root: int) -> None:
+        self.proc: subprocess.Popen[str] | None = None
+        for _ in range(10 if shutil.which("perf") else 0):  # a process that ended between listing and attaching
+            proc = subprocess.Popen(
+                ["perf", "stat", "-x", ",", "-e", self.EVENTS, "-p", ",".join(map(str, _descendants(root)))],
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            time.sleep(0.3)  # attached, or failed
+            if proc.poll() is None:
+                self.proc = proc
+                return
+            log(f"perf stat: {(proc.communicate()[1] or '').strip()[:200]}")
+
+    def stop(self) -> int | None:
+        if self.proc is None:
+            return None
+        self.proc.send_signal(signal.SIGINT)
+        _out, err = self.proc.communicate(timeout=30)
+        total, seen = 0, 0
+        for line in err.splitlines():
+            f = line.split(",")
+            if len(f) >= 3 and f[2] in self.EVENTS.split(",") and f[0].isdigit():
+                total += int(f[0])
+                seen += 1
+        return total if seen == 2 else None
+
+
+def _descendants(root: int) -> list[int]:
+    kids: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError), \
+                    open(f"/proc/{name}/stat", encoding="ascii", errors="replace") as f:
+                kids.setdefault(int(f.read().rpartition(")")[2].split()[1]), []).append(int(name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(kids.get(pid, ()))
+    return out
 
 
 def _children(pid: int) -> list[int]:
@@ -353,10 +483,11 @@ def _children(pid: int) -> list[int]:
 
 
 def _result(args: argparse.Namespace, t0: float, t1: float, rc: int, err: str, t_e2e: float | None,
-            sink_count: int) -> dict[str, Any]:
+            sink_count: int, total: int) -> dict[str, Any]:
     res: dict[str, Any] = {
-        "accepted_per_s": round(args.messages / (t1 - t0), 1) if rc == 0 else None,
-        "e2e_per_s": round(args.messages / (t_e2e - t0), 1) if t_e2e is not None else None,
+        "messages": total,
+        "accepted_per_s": round(total / (t1 - t0), 1) if rc == 0 else None,
+        "e2e_per_s": round(total / (t_e2e - t0), 1) if t_e2e is not None else None,
         "load_s": round(t1 - t0, 3),
         "e2e_s": round(t_e2e - t0, 3) if t_e2e is not None else None,
         "sink_count": sink_count,
@@ -386,13 +517,84 @@ def _wait_event(path: str, name: str, timeout_s: float) -> None:
     raise RuntimeError(f"mtaq did not log {name} within {timeout_s}s (see {path})")
 
 
-def _median(runs: list[dict[str, Any]], key: str) -> float | None:
+def _median(runs: list[dict[str, Any]], key: str, digits: int = 1) -> float | None:
     vals = [r[key] for r in runs if r.get(key) is not None]
-    return round(statistics.median(vals), 1) if len(vals) == len(runs) and vals else None
+    return round(statistics.median(vals), digits) if len(vals) == len(runs) and vals else None
+
+
+VARIANTS = (  # issue 15's table: (name, sessions, messages, size, workers: None = mtaq's default)
+    ("20 sessions, 2 KiB, --workers 1", 20, 10000, 2048, "1"),
+    ("20 sessions, 2 KiB, default workers", 20, 10000, 2048, None),
+    ("1 session, 2 KiB, default workers", 1, 2000, 2048, None),
+    ("20 sessions, 100 KiB, default workers", 20, 3000, 102400, None),
+)
+
+
+def compare(args: argparse.Namespace, sink_port: int) -> dict[str, Any]:
+    """One variant: Postfix and mtaq alternating for ``args.pairs`` pairs; medians and ratios."""
+    out: dict[str, Any] = {
+        "sessions": args.sessions,
+        "messages": args.messages,
+        "size_bytes": args.size,
+        "recipients": args.recipients,
+        "reuse_connections": args.reuse,
+        "mtaq_workers": args.workers or "default",
+        "pairs": args.pairs,
+        "probe_interval_s": args.probe_interval,
+        "loadavg_before": [round(x, 2) for x in os.getloadavg()],
+    }
+    sides = ["postfix", "mtaq"] if args.only is None else [args.only]
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
+    for i in range(args.pairs):
+        for side in sides:
+            log(f"pair {i + 1}/{args.pairs}: {side} ...")
+            r = run_postfix(args, sink_port) if side == "postfix" else run_mtaq(args, sink_port, args.workdir, i)
+            log(f"pair {i + 1}/{args.pairs}: {side} {json.dumps(r)}")
+            runs[side].append(r)
+    for side in sides:
+        rs = runs[side]
+        out[side] = {
+            "accepted_per_s": _median(rs, "accepted_per_s"),
+            "e2e_per_s": _median(rs, "e2e_per_s"),
+            "cpu_ms_per_msg": _median(rs, "cpu_ms_per_msg", 3),
+            "fsync_calls_per_msg": _median(rs, "fsync_calls_per_msg", 3),
+            "latency_250_p99_ms": _median([r.get("latency_250_ms", {}) for r in rs], "p99", 2),
+            "runs": [{k: v for k, v in r.items() if k != "spool_dev"} for r in rs],
+        }
+        if side == "mtaq":
+            out[side]["fsyncs_per_msg_own_count"] = _median(rs, "fsyncs_per_msg", 3)
+            out[side]["worker_processes"] = rs[0].get("worker_processes")
+    if args.only is None:
+        p, m = out["postfix"], out["mtaq"]
+        for key, name in (("e2e_per_s", "ratio_e2e"), ("accepted_per_s", "ratio_accepted")):
+            out[name] = round(m[key] / p[key], 3) if m[key] and p[key] else None
+        devs = {r.get("spool_dev") for r in runs["mtaq"]}
+        out["same_device"] = devs == {os.stat(POSTFIX_SPOOL).st_dev}
+    out["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
+    out["ok"] = all(r.get("e2e_per_s") is not None for rs in runs.values() for r in rs)
+    return out
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    """The variants side by side, as a Markdown table."""
+    rows = ["| load | mtaq workers | Postfix e2e msg/s | mtaq e2e msg/s | **ratio** | CPU ms/msg Postfix / mtaq "
+            "| fsyncs/msg Postfix / mtaq | 250 p99 ms Postfix / mtaq |",
+            "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        p, m = r.get("postfix", {}), r.get("mtaq", {})
+        load = f"{r['sessions']} session{'s' if r['sessions'] > 1 else ''}, {r['size_bytes'] // 1024} KiB"
+        rows.append(f"| {load} | {m.get('worker_processes')} ({r['mtaq_workers']}) | {p.get('e2e_per_s')} "
+                    f"| {m.get('e2e_per_s')} | **{r.get('ratio_e2e')}** "
+                    f"| {p.get('cpu_ms_per_msg')} / {m.get('cpu_ms_per_msg')} "
+                    f"| {p.get('fsync_calls_per_msg')} / {m.get('fsync_calls_per_msg')} "
+                    f"| {p.get('latency_250_p99_ms')} / {m.get('latency_250_p99_ms')} |")
+    return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--suite", action="store_true",
+                    help="run issue 15's four variants in one go and print them as a table (make compare)")
     ap.add_argument("--sessions", type=int, default=20, help="parallel SMTP sessions (smtp-source -s)")
     ap.add_argument("--messages", type=int, default=10000, help="messages per run (smtp-source -m)")
     ap.add_argument("--size", type=int, default=2048, help="payload bytes per message, headers not counted (-l)")
@@ -405,7 +607,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default="/var/tmp", help="where mtaq's spools go (the disk Postfix's spool is on)")
     ap.add_argument("--keep", action="store_true", help="keep mtaq's spools and logs")
     ap.add_argument("--mtaq", nargs="+", default=[sys.executable, "-m", "mtaq.cli"], help="how to run mtaq")
-    ap.add_argument("--workers", type=int, default=1, help="mtaq worker processes (mtaq serve --workers)")
+    ap.add_argument("--workers", default=None,
+                    help="mtaq serve --workers N|auto (default: none given, mtaq's own default)")
+    ap.add_argument("--probe-interval", type=float, default=0.1,
+                    help="seconds between the latency probe's messages (0: no probe)")
     ap.add_argument("--only", choices=("postfix", "mtaq"), help="run one side only (no ratio; for profiling)")
     ap.add_argument("--py-spy", metavar="FILE", help="profile mtaq with py-spy (in PATH) into FILE.<pair>")
     ap.add_argument("--py-spy-format", default="raw", choices=("raw", "flamegraph", "speedscope"))
@@ -413,50 +618,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.pairs < 1 or args.messages < 1 or args.sessions < 1 or args.recipients < 1:
         ap.error("--pairs, --messages, --sessions and --recipients must be >= 1")
     if args.pairs < 3 and args.only is None:
-        log("fewer than 3 pairs: the medians are not what issue 8 asks for")
+        log("fewer than 3 pairs: the medians are not what issue 15 asks for")
 
     ensure_postfix_installed()
     sink_port = free_port()
-    out: dict[str, Any] = {
-        "bench": "compare_postfix",
-        "sessions": args.sessions,
-        "messages": args.messages,
-        "size_bytes": args.size,
-        "recipients": args.recipients,
-        "reuse_connections": args.reuse,
-        "mtaq_workers": args.workers,
-        "pairs": args.pairs,
-        "cpus": os.cpu_count(),
-        "loadavg_before": [round(x, 2) for x in os.getloadavg()],
-    }
-    sides = ["postfix", "mtaq"] if args.only is None else [args.only]
-    if "postfix" in sides:
-        out.update(configure_postfix(args.postfix_port, sink_port))
-    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
     os.makedirs(args.workdir, exist_ok=True)
-    for i in range(args.pairs):
-        for side in sides:
-            log(f"pair {i + 1}/{args.pairs}: {side} ...")
-            r = run_postfix(args, sink_port) if side == "postfix" else run_mtaq(args, sink_port, args.workdir, i)
-            log(f"pair {i + 1}/{args.pairs}: {side} {json.dumps(r)}")
-            runs[side].append(r)
-    for side in sides:
-        rs = runs[side]
-        out[side] = {
-            "accepted_per_s": _median(rs, "accepted_per_s"),
-            "e2e_per_s": _median(rs, "e2e_per_s"),
-            "runs": [{k: v for k, v in r.items() if k != "spool_dev"} for r in rs],
-        }
-    if args.only is None:
-        p, m = out["postfix"], out["mtaq"]
-        for key, name in (("e2e_per_s", "ratio_e2e"), ("accepted_per_s", "ratio_accepted")):
-            out[name] = round(m[key] / p[key], 3) if m[key] and p[key] else None
-        devs = {r.get("spool_dev") for r in runs["mtaq"]}
-        out["same_device"] = devs == {os.stat(POSTFIX_SPOOL).st_dev}
-    out["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
-    print(json.dumps(out), flush=True)
-    ok = all(r.get("e2e_per_s") is not None for rs in runs.values() for r in rs)
-    return 0 if ok else 1
+    head: dict[str, Any] = {"bench": "compare_postfix", "cpus": os.cpu_count()}
+    if args.only != "mtaq":
+        head.update(configure_postfix(args.postfix_port, sink_port))
+    if not args.suite:
+        out = {**head, **compare(args, sink_port)}
+        print(json.dumps(out), flush=True)
+        return 0 if out["ok"] else 1
+    results = []
+    for name, sessions, messages, size, workers in VARIANTS:
+        log(f"variant: {name}")
+        v = argparse.Namespace(**{**vars(args), "sessions": sessions, "messages": messages, "size": size,
+                                  "workers": workers})
+        results.append({"variant": name, **compare(v, sink_port)})
+    print(json.dumps({**head, "suite": results}), flush=True)
+    print(table(results), file=sys.stderr, flush=True)
+    return 0 if all(r["ok"] for r in results) else 1
 
 
 if __name__ == "__main__":
