@@ -350,7 +350,7 @@ def run_mtaq(args: argparse.Namespace, sink_port: int, workdir: str, i: int) -> 
     work = tempfile.mkdtemp(prefix=f"mtaq-{i}-", dir=workdir)
     conf = os.path.join(work, "mtaq.toml")
     with open(conf, "w", encoding="utf-8") as f:
-        f.write("stats_interval_s = 0.5\n")
+        f.write("stats_interval_s = 0.5\n" + "".join(line + "\n" for line in args.mtaq_config))
     port = free_port()
     logf = os.path.join(work, "daemon.log")
     sink = Sink(sink_port, args.backlog)
@@ -607,6 +607,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default="/var/tmp", help="where mtaq's spools go (the disk Postfix's spool is on)")
     ap.add_argument("--keep", action="store_true", help="keep mtaq's spools and logs")
     ap.add_argument("--mtaq", nargs="+", default=[sys.executable, "-m", "mtaq.cli"], help="how to run mtaq")
+    ap.add_argument("--mtaq-config", action="append", default=[], metavar="LINE",
+                    help="a TOML line added to mtaq's configuration (repeatable)")
     ap.add_argument("--workers", default=None,
                     help="mtaq serve --workers N|auto (default: none given, mtaq's own default)")
     ap.add_argument("--probe-interval", type=float, default=0.1,

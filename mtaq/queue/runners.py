@@ -22,6 +22,7 @@ positions, then fsync'd, never claims that an unstarted envelope was started.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,11 +33,14 @@ from mtaq.core.records import EnvelopeRecord, Pos, RecordType
 from mtaq.storage.cursor import LogCursor
 from mtaq.storage.log import Log
 
-__all__ = ["RUNNER_READ_RETRY_S", "Dispatcher", "Offer", "Runner"]
+__all__ = ["DEFERRED_SCAN_DELAY_S", "RUNNER_READ_RETRY_S", "Dispatcher", "Offer", "Runner"]
 
 _SCAN_BUDGET = 512  # frames a runner reads before it lets other tasks run
 _DECLINED_RETRY_S = 1.0
 RUNNER_READ_RETRY_S = 1.0  # after a read error that can pass (EMFILE, EIO, ENOMEM): the runner tries again
+# A deferred runner (k >= 1) that has read to the durable end reads again at most this long after the end
+# moved (at once when flushed or poked): its envelopes fall due a retry interval after they were written.
+DEFERRED_SCAN_DELAY_S = 0.2
 
 
 class Declined(Exception):
@@ -179,8 +183,14 @@ class Runner:
                 continue
             if found is None:
                 self._flush = False
+                self._poke.clear()  # nothing left to re-read the clock for
                 if self.log.durable_end <= end:
                     await self.log.durable_advanced()
+                    if self.k > 0 and not self._poke.is_set():
+                        # A deferred runner's envelopes are due an interval after they were written: it reads
+                        # what became durable in batches, not after every commit (most frames are not its own).
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(self._poke.wait(), DEFERRED_SCAN_DELAY_S)
                 continue
             pos, env = found
             assert isinstance(env, EnvelopeRecord)
