@@ -1,21 +1,32 @@
-"""mtaq against Postfix on the same machine, in the same run, with the same load and the same sink (issue 8).
+"""mtaq against Postfix on the same machine, in the same run, with the same load and the same sink (issues 8, 15).
 
 Both relays get the same ``smtp-source`` load (Postfix's test client) and relay to the same kind of sink,
 Postfix's ``smtp-sink``, started afresh for each run and counting every message it receives (``-c``). The
 two sides alternate, Postfix then mtaq, for ``--pairs`` pairs (at least 3), so that a noisy neighbour on
 the machine hurts both alike. Every run waits for the queue to drain into the sink before the next starts.
 
-Per run:
+Per run and side (the same measurement for both):
 
 * ``accepted_per_s`` = messages / (smtp-source's wall time): every message was answered 250 to DATA
   (smtp-source exits non-zero on any other reply), in messages/s;
-* ``e2e_per_s`` = messages / (time the sink counted the last message - start of smtp-source), messages/s;
-* mtaq only: ``cpu_ms_per_msg``, the user + system CPU time of its processes from the start of the load to
-  the last message in the sink, per message (ms); ``fsyncs_per_msg``; ``peak_rss_kib``.
+* ``e2e_per_s`` = messages / (the moment the sink's counter first showed the last message - the start of
+  smtp-source), messages/s: what a user sees, mail in until mail out;
+* ``cpu_ms_per_msg``: user + system CPU of the relay's whole process tree from the start of the load until
+  the last message is in the sink, per message (ms). For Postfix the master and its children, with the CPU
+  of the children that ended meanwhile (the master reaps them: its cutime/cstime); for mtaq the daemon
+  and its workers;
+* ``fsync_calls_per_msg``: fsync(2) + fdatasync(2) calls of that process tree, counted by the kernel's
+  syscall tracepoints (``perf stat -p``; no ptrace, no slow-down), None without perf;
+* ``latency_250_ms`` (p50, p99, max): a probe session beside the load (``--probe-interval``, 0.1 s) sends
+  a message of the same size on one connection every interval and times the reply to the final dot, the
+  250 that promises the message is on disk. The probe's messages count in the totals;
+* mtaq only: ``peak_rss_kib`` (supervisor + workers), ``worker_processes``, and with ``--log-format json``
+  its own fsync count (``fsyncs_per_msg``, from its ``stats`` events).
 
-It prints ONE JSON line on stdout: each side's median ``accepted_per_s`` and ``e2e_per_s`` (with the runs
-themselves), and ``ratio_e2e`` / ``ratio_accepted`` = mtaq median / Postfix median. The exit status is 0
-only when every run delivered every message.
+It prints ONE JSON line on stdout: each side's medians, the runs themselves, and ``ratio_e2e`` /
+``ratio_accepted`` = mtaq median / Postfix median. ``--suite`` (``make compare``) runs issue 15's four
+variants in one go and prints them as a Markdown table on stderr too. The exit status is 0 only when every
+run delivered every message.
 
 Both keep their promise: Postfix's cleanup(8) fsyncs each queue file before smtpd answers 250 (it has no
 setting to turn that off; the script checks that the running master has no libeatmydata loaded), and
@@ -25,22 +36,23 @@ mtaq answers 250 after a group-commit fsync covering the message. Both spools ar
 Postfix set-up (needs root): installed from Debian if missing (``DEBIAN_FRONTEND=noninteractive``, debconf
 "No configuration"), then configured as a pure relay: no local delivery (``mydestination`` empty,
 ``local_transport = error:...``), ``relayhost = [127.0.0.1]:SINK``, ``mynetworks = 127.0.0.0/8``,
-``inet_interfaces = loopback-only``, smtpd moved to ``127.0.0.1:--postfix-port`` (10025), everything else
-as Debian ships it (chroot, process limits, connection cache). It is started with ``postfix start`` (or
-reloaded). This rewrites the machine's Postfix configuration: run it on a bench machine.
+``inet_interfaces = loopback-only``, logging to a file (``maillog_file``, as mtaq logs to a file), smtpd
+moved to ``127.0.0.1:--postfix-port`` (10025), everything else as Debian ships it (chroot, process limits,
+connection cache). It is started with ``postfix start`` (or reloaded). This rewrites the machine's Postfix
+configuration: run it on a bench machine. ``bench/independent_postfix.sh`` is a cross-check sharing no code
+with this script (Debian's satellite configuration, ``make run``'s mtaq).
 
-mtaq: ``mtaq serve`` with a fresh spool for each run, ``--relayhost [127.0.0.1]:SINK``, ``--workers N``
-(``--workers``, default 1), JSON logs to a file, its embedded defaults otherwise (``stats_interval_s`` 0.5
-so that fsyncs per message can be reported, summed over the workers; ``peak_rss_kib`` is the sum of the
-VmHWM of the supervisor and the workers).
+mtaq: ``mtaq serve`` with a fresh spool for each run, ``--relayhost [127.0.0.1]:SINK``, ``--workers N|auto``
+if given (else mtaq's default), its default console log to a file, its embedded defaults otherwise
+(``stats_interval_s`` 0.5; ``--mtaq-config LINE`` adds a line).
 
 Load (``smtp-source``): ``-s SESSIONS -m MESSAGES -l SIZE -r RECIPIENTS``; ``-l`` is the payload length in
 bytes without the headers; one connection per message, as smtp-source does by default (``--reuse`` adds
-``-d``: many messages per connection). Variants of issue 8::
+``-d``: many messages per connection). Examples::
 
-    .venv/bin/python bench/compare_postfix.py                              # 20 sessions, 10,000 x 2 KiB, 1 rcpt
+    .venv/bin/python bench/compare_postfix.py --suite                      # make compare: issue 15's table
+    .venv/bin/python bench/compare_postfix.py --workers 1                  # 20 sessions, 10,000 x 2 KiB, 1 rcpt
     .venv/bin/python bench/compare_postfix.py --sessions 1 --messages 2000
-    .venv/bin/python bench/compare_postfix.py --sessions 100
     .venv/bin/python bench/compare_postfix.py --recipients 10
     .venv/bin/python bench/compare_postfix.py --size 102400 --messages 3000
 """
@@ -356,7 +368,7 @@ def run_mtaq(args: argparse.Namespace, sink_port: int, workdir: str, i: int) -> 
     sink = Sink(sink_port, args.backlog)
     out = open(logf, "ab")
     daemon = subprocess.Popen(
-        [*args.mtaq, "--log-format", "json", "serve", "--spool", os.path.join(work, "spool"),
+        [*args.mtaq, "--log-format", args.log_format, "serve", "--spool", os.path.join(work, "spool"),
          "--listen", f"127.0.0.1:{port}", "--relayhost", f"[127.0.0.1]:{sink_port}", "--config", conf,
          *(["--workers", str(args.workers)] if args.workers is not None else [])],
         stdout=out, stderr=out, stdin=subprocess.DEVNULL,
@@ -509,10 +521,12 @@ def _events(path: str) -> list[dict[str, Any]]:
 
 
 def _wait_event(path: str, name: str, timeout_s: float) -> None:
+    """Wait until the daemon's log (JSON or console) has an event ``name``."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if any(e.get("event") == name for e in _events(path)):
-            return
+        with contextlib.suppress(OSError), open(path, encoding="utf-8", errors="replace") as f:
+            if re.search(rf'"event": ?"{name}"|\b{name}\b', f.read()):
+                return
         time.sleep(0.05)
     raise RuntimeError(f"mtaq did not log {name} within {timeout_s}s (see {path})")
 
@@ -611,6 +625,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="a TOML line added to mtaq's configuration (repeatable)")
     ap.add_argument("--workers", default=None,
                     help="mtaq serve --workers N|auto (default: none given, mtaq's own default)")
+    ap.add_argument("--log-format", default="console", choices=("console", "json"),
+                    help="mtaq's log format (console: what mtaq serve writes unless told; json adds mtaq's own "
+                         "fsync count)")
     ap.add_argument("--probe-interval", type=float, default=0.1,
                     help="seconds between the latency probe's messages (0: no probe)")
     ap.add_argument("--only", choices=("postfix", "mtaq"), help="run one side only (no ratio; for profiling)")
