@@ -286,7 +286,7 @@ def run_mtaq(args: argparse.Namespace, sink_port: int, workdir: str, i: int) -> 
     daemon = subprocess.Popen(
         [*args.mtaq, "--log-format", "json", "serve", "--spool", os.path.join(work, "spool"),
          "--listen", f"127.0.0.1:{port}", "--relayhost", f"[127.0.0.1]:{sink_port}", "--config", conf,
-         *(["--workers", str(args.workers)] if args.workers != 1 else [])],
+         "--workers", str(args.workers)],
         stdout=out, stderr=out, stdin=subprocess.DEVNULL,
     )
     try:
