@@ -31,10 +31,11 @@ import sys
 import traceback
 from collections.abc import Callable
 
+from mtaq.storage.shards import SHARD_PREFIX, existing_shards, shard_dir
+
 __all__ = ["ADMIN_SOCKET", "SHARD_PREFIX", "WORKERS_AUTO_MAX", "WORKERS_MAX", "admin_socket", "auto_workers",
            "existing_shards", "log_dirs", "shard_count", "shard_dir", "supervise", "workers_wanted"]
 
-SHARD_PREFIX = "shard-"
 WORKERS_MAX = 16  # the queue ID carries the shard in 4 bits
 # "auto" stops here: past a few workers the shared disk's fsyncs, not the CPU, bound a relay, and every
 # worker is a whole daemon (memory, connections, a log of its own).
@@ -65,25 +66,6 @@ def admin_socket(spool: str, shard: int) -> str:
     """``SPOOL/shard-k/admin.sock``: where worker ``shard`` (>= 1) serves the admin API to worker 0."""
     return os.path.join(shard_dir(spool, shard), ADMIN_SOCKET)
 _PR_SET_PDEATHSIG = 1
-
-
-def shard_dir(spool: str, shard: int) -> str:
-    """The spool directory of shard ``shard``: the spool itself for 0, ``SPOOL/shard-k`` otherwise."""
-    return spool if shard == 0 else os.path.join(spool, f"{SHARD_PREFIX}{shard}")
-
-
-def existing_shards(spool: str) -> list[int]:
-    """The shards k >= 1 that have a directory in ``spool``, ascending (none when the spool is missing)."""
-    try:
-        names = os.listdir(spool)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    out = []
-    for name in names:
-        num = name[len(SHARD_PREFIX) :]
-        if name.startswith(SHARD_PREFIX) and num.isdigit() and int(num) >= 1 and os.path.isdir(os.path.join(spool, name)):
-            out.append(int(num))
-    return sorted(out)
 
 
 def shard_count(spool: str, workers: int) -> int:
