@@ -241,8 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=None, help="default: random (printed)")
     ap.add_argument("--keep", metavar="DIR", help="work in DIR (must not hold a spool yet) and keep it")
     ap.add_argument("--drain-timeout", type=float, default=120.0, metavar="S")
-    ap.add_argument("--workers", type=int, default=1, metavar="N",
-                    help="worker processes, one spool shard each (a kill -9 takes the supervisor and all of them)")
+    ap.add_argument("--workers", default="1", metavar="auto|N",
+                    help="worker processes, one spool shard each (a kill -9 takes the supervisor and all of them); "
+                         "auto: as mtaq serve counts them (one per core, at most 8)")
     ap.add_argument("--size-max", type=int, default=4000,
                     help="message sizes are drawn from 200 to this many bytes")
     ap.add_argument("--receive-buffer-bytes", type=int, default=0,
@@ -251,6 +252,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--segment-bytes", type=int, default=None, metavar="N",
                     help="segment_bytes_max for the daemon (small values make kills land across roll-overs)")
     args = ap.parse_args(argv)
+    if args.workers == "auto":
+        from mtaq.daemon.workers import auto_workers
+
+        args.workers = auto_workers()  # a number: one recovery per worker and start is counted below
+    elif not args.workers.isdigit() or not 1 <= int(args.workers) <= 16:
+        ap.error("--workers: expected auto or 1..16")
+    args.workers = int(args.workers)
     if args.messages < 1 or args.cycles < 0 or args.concurrency < 1:
         ap.error("--messages and --concurrency must be >= 1, --cycles >= 0")
     if not 0.0 <= args.kill_points <= 1.0:
@@ -317,8 +325,6 @@ def main(argv: list[str] | None = None) -> int:
                 lines.append(f"retry_intervals_s = {intervals}")
             if seg:
                 lines.append(f"segment_bytes_max = {seg}")
-            if args.workers > 1:
-                lines.append(f"workers = {args.workers}")
             if args.receive_buffer_bytes:
                 lines.append(f"receive_buffer_bytes = {args.receive_buffer_bytes}")
             if not lines:
@@ -341,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
                 env |= {"MTAQ_KILL_POINT": kill_point, "MTAQ_KILL_AFTER": str(rng.randint(1, 20))}
             # No admin API: the harness does not use it, and a restart is then over when SMTP listens (the
             # API starts after SMTP; waiting for it too would let the sending run ahead of the crash cycles).
-            return start_daemon(spool, sink.port, daemon_log, port=port, config=config, env=env, admin_listen="")
+            return start_daemon(spool, sink.port, daemon_log, port=port, config=config, env=env, admin_listen="",
+                                workers=args.workers)
 
         def crash(proc: Proc) -> None:
             """The crash itself: SIGKILL (if it is not dead already), then the power cut, then (with

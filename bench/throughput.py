@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.timeout
     try:
         sink = start_sink(maildir, os.path.join(work, "sink.log"))
-        daemon = start_daemon(os.path.join(work, "spool"), sink.port, os.path.join(work, "daemon.log"), config=conf)
+        daemon = start_daemon(os.path.join(work, "spool"), sink.port, os.path.join(work, "daemon.log"), config=conf, workers=None)
         if not wait_for_event(daemon, "recovery_complete", 30):
             raise RuntimeError("daemon did not log recovery_complete")
 

@@ -45,7 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="clients that may relay anywhere (default 127.0.0.0/8,::1/128)")
     p.add_argument("--relay-domains", metavar="DOMAIN[,DOMAIN...]", type=_comma_list,
                    help="domains anyone may send to (.example.org: its subdomains)")
-    p.add_argument("--workers", metavar="N", type=int, help="worker processes, one spool shard each (default 1)")
+    p.add_argument("--workers", metavar="auto|N", type=_workers,
+                   help="worker processes, one spool shard each, 1..16; auto (the default): one per core, at most 8 "
+                        "(1 when a listener has port 0)")
     _add_log_format(p)
 
     p = sub.add_parser("sink", help="a local SMTP sink that stores what it receives as a Maildir")
@@ -173,6 +175,16 @@ def _serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"mtaq: cannot serve: {exc.strerror or exc}", file=sys.stderr)
         return 1
+
+
+def _workers(value: str) -> int | str:
+    """``--workers``: ``auto`` or a whole number (the config check says when it is out of range)."""
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto or a number of workers, got {value!r}") from None
 
 
 def _comma_list(value: str) -> list[str]:

@@ -176,8 +176,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     queue_minfree_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
     delivery_concurrency: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 20
     # Worker processes sharing the SMTP port, each with its own shard of the spool (mtaq.daemon.workers); never
-    # fewer than the shards already in the spool. delivery_concurrency is split among them.
-    workers: Annotated[int, msgspec.Meta(ge=1, le=16)] = 1
+    # fewer than the shards already in the spool. delivery_concurrency is split among them. "auto": one per
+    # core this process may run on (os.sched_getaffinity), at most 8, and 1 when a listener has port 0.
+    workers: Annotated[int, msgspec.Meta(ge=1, le=16)] | Literal["auto"] = "auto"
     # Seconds to wait after the 1st, 2nd, ... deferred attempt; the last repeats (RFC 5321 §4.5.4.1).
     retry_intervals_s: Annotated[list[Annotated[float, msgspec.Meta(gt=0)]], msgspec.Meta(min_length=1)] = msgspec.field(
         default_factory=lambda: [1800.0, 3600.0, 7200.0, 14400.0]

@@ -322,7 +322,7 @@ def test_two_workers_listen_on_every_listener(tmp_path, pki, passwd_file):
                     f'[listeners."127.0.0.1:{smtps}"]\nmode = "smtps"\n')
     sink = start_sink(str(tmp_path / "maildir"), str(tmp_path / "sink.log"))
     try:
-        d = start_daemon(str(tmp_path / "spool"), sink.port, str(tmp_path / "daemon.log"), config=str(conf))
+        d = start_daemon(str(tmp_path / "spool"), sink.port, str(tmp_path / "daemon.log"), config=str(conf), workers=None)
         try:
             events = wait_until(lambda: (lambda ev: ev if len(ev) == 2 else None)(
                 [e for e in read_events(d.log_path) if e.get("event") == "listening"]), "two listening events")

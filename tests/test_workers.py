@@ -95,7 +95,7 @@ def test_two_workers_share_the_port_and_deliver_every_message_once(tmp_path: Pat
     sink = start_sink(str(tmp_path / "maildir"), str(tmp_path / "sink.log"))
     (tmp_path / "mtaq.toml").write_text("workers = 2\n")
     spool = str(tmp_path / "spool")
-    daemon = start_daemon(spool, sink.port, str(tmp_path / "daemon.log"), config=str(tmp_path / "mtaq.toml"))
+    daemon = start_daemon(spool, sink.port, str(tmp_path / "daemon.log"), config=str(tmp_path / "mtaq.toml"), workers=None)
     try:
         _wait(lambda: len(daemon.children()) == 2, 20, "two workers")
         _send(daemon.port, 40, "w2")
@@ -138,7 +138,7 @@ def test_kill9_of_the_supervisor_stops_every_worker_and_a_restart_with_fewer_wor
     conf = tmp_path / "mtaq.toml"
     conf.write_text("workers = 2\nretry_intervals_s = [1.0]\n")
     spool = str(tmp_path / "spool")
-    daemon: Proc | None = start_daemon(spool, deferring.port, str(tmp_path / "daemon1.log"), config=str(conf))
+    daemon: Proc | None = start_daemon(spool, deferring.port, str(tmp_path / "daemon1.log"), config=str(conf), workers=None)
     sink: Proc | None = None
     try:
         assert daemon is not None
@@ -153,7 +153,8 @@ def test_kill9_of_the_supervisor_stops_every_worker_and_a_restart_with_fewer_wor
         deferring.kill9()
         sink = start_sink(maildir, str(tmp_path / "sink2.log"), port=deferring.port)
         conf.write_text("workers = 1\nretry_intervals_s = [1.0]\n")
-        daemon = start_daemon(spool, sink.port, str(tmp_path / "daemon2.log"), config=str(conf), port=daemon.port)
+        daemon = start_daemon(spool, sink.port, str(tmp_path / "daemon2.log"), config=str(conf), port=daemon.port,
+                              workers=None)
         _wait(lambda: len(maildir_message_ids(maildir)) >= 30, 60, "30 deliveries after the restart")
         time.sleep(1.0)
         assert {f"<k9.{i}@test>": 1 for i in range(30)} == dict(maildir_message_ids(maildir))
@@ -178,7 +179,7 @@ def test_a_worker_that_dies_takes_the_supervisor_and_the_other_workers_down(tmp_
     sink = start_sink(str(tmp_path / "maildir"), str(tmp_path / "sink.log"))
     (tmp_path / "mtaq.toml").write_text("workers = 2\n")
     daemon = start_daemon(str(tmp_path / "spool"), sink.port, str(tmp_path / "daemon.log"),
-                          config=str(tmp_path / "mtaq.toml"))
+                          config=str(tmp_path / "mtaq.toml"), workers=None)
     try:
         kids = _wait(lambda: (k := daemon.children()) and len(k) == 2 and k, 20, "two workers")
         os.kill(kids[0], signal.SIGKILL)

@@ -2,7 +2,8 @@
 
 The commands talk to the running daemon through its admin HTTP API (:mod:`mtaq.admin.http`), found through
 ``SPOOL/admin.json`` (or ``--url``), with the stdlib's urllib. When the daemon is down (no admin.json, its
-pid gone, or nothing listening), ``list``, ``size`` and ``show`` read the spool directly and say so on
+pid gone, or nothing listening), ``list``, ``size`` and ``show`` read the spool directly (every shard of a
+spool written by several workers, merged as the API merges them: :mod:`mtaq.admin.shards`) and say so on
 stderr; the actions then fail: the queue is changed only by the daemon, through its log.
 
 What must hold: a listing names the log position it is consistent as of; errors are one line on stderr
@@ -231,23 +232,44 @@ def run_queue(args: argparse.Namespace, out: TextIO | None = None) -> int:
             position, mails = listing["position"], listing["mails"]
         elif cmd == "size":
             size = client.call("GET", "/mailQueues/spool")
-            counts = {**size["byState"], "total": size["size"], "position": size["position"]}
+            counts: dict[str, Any] = {**size["byState"], "total": size["size"], "position": size["position"]}
         else:
             detail = client.call("GET", f"/mails/{urllib.parse.quote(args.queue_id, safe='')}")
     except Offline as off:
         _need_log(spool)
         _offline_note(off.why, spool)
         from mtaq.admin import service as admin
+        from mtaq.admin.shards import join_positions
+        from mtaq.queue.store import queue_id_shard
+        from mtaq.storage.shards import shard_dirs
 
+        shards = shard_dirs(spool)
         if cmd == "list":
-            position, mails = _offline_list(spool, args, older)
+            positions, mails = [], []
+            for shard, d in shards:
+                pos, got = _offline_list(d, args, older)
+                positions.append((shard, pos))
+                mails += got
+            mails.sort(key=lambda m: (m["arrival_time"], m["queue_id"]))
+            position = join_positions(positions)
         elif cmd == "size":
-            counts = admin.offline_size(spool)
+            parts = [(shard, admin.offline_size(d)) for shard, d in shards]
+            counts = {key: sum(int(c.get(key, 0)) for _shard, c in parts)
+                      for key in ("incoming", "active", "deferred", "delayed", "held", "total")}
+            counts["position"] = join_positions((shard, str(c["position"])) for shard, c in parts)
+            counts["source"] = "; ".join(f"shard {shard}: {c['source']}" if len(parts) > 1 else str(c["source"])
+                                         for shard, c in parts)
         else:
+            owner = dict(shards).get(queue_id_shard(args.queue_id) or 0, spool)
             try:
-                detail = admin.offline_show(spool, args.queue_id)
+                detail = admin.offline_show(owner, args.queue_id)
             except admin.AdminError as exc:
-                raise QueueCommandError(str(exc)) from None
+                if owner == spool:
+                    raise QueueCommandError(str(exc)) from None
+                try:  # an ID made by one worker (random low bits) is in shard 0
+                    detail = admin.offline_show(spool, args.queue_id)
+                except admin.AdminError as exc2:
+                    raise QueueCommandError(str(exc2)) from None
     if cmd == "list":
         if args.json:
             for m in mails:

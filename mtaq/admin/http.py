@@ -20,7 +20,10 @@ What must always hold:
   the parameter), 401, 404 unknown queue, queue ID or route, 405, 500 when the log cannot be written;
 * actions go through :class:`~mtaq.admin.service.AdminService` (durable log records, consistent selection);
 * ``SPOOL/admin.json`` (``{"url", "pid"}``) is written atomically (rename; not fsync'd: it is a hint for
-  ``mtaq queue``, rewritten at every start) once the API listens.
+  ``mtaq queue``, rewritten at every start) once the API listens;
+* with several workers (:mod:`mtaq.daemon.workers`) the public API is worker 0's and covers every shard
+  (:mod:`mtaq.admin.shards`): worker k >= 1 serves the same application, plus the internal ``/_shard/...``
+  routes, on the unix socket ``SPOOL/shard-k/admin.sock`` (mode 0600), behind the same checks and token.
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ import hmac
 import ipaddress
 import json
 import os
-import secrets
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -39,6 +41,8 @@ from multidict import MultiMapping
 
 from mtaq.admin.metrics import CONTENT_TYPE, Metrics
 from mtaq.admin.service import AdminError, AdminService
+from mtaq.admin.shards import PeerError, ShardedAdmin, ShardPeer
+from mtaq.admin.token import ADMIN_TOKEN, read_spool_token, spool_token
 from mtaq.core.duration import parse_duration
 from mtaq.core.errors import StorageError
 from mtaq.core.parking import ADMIN_ACTIONS
@@ -49,8 +53,6 @@ __all__ = ["ADMIN_JSON", "ADMIN_TOKEN", "QUEUE_NAME", "AdminHttp", "ApiError", "
 
 QUEUE_NAME = "spool"
 ADMIN_JSON = "admin.json"
-ADMIN_TOKEN = "admin.token"  # the generated bearer token when admin_token is not configured (mode 0600)
-_TOKEN_BYTES = 32
 _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 _JSON = "application/json"
 _BODY_BYTES_MAX = 64 * 1024 * 1024  # an action body naming a million queue IDs fits
@@ -78,45 +80,28 @@ class ApiState:
     """What the handlers need: the admin service (None until recovery is done), metrics, token, logger.
 
     ``hosts`` are the host names (besides IP literals and ``localhost``) that a request's ``Host`` may
-    name (``admin_hosts``); compared case-insensitively, without the port."""
+    name (``admin_hosts``); compared case-insensitively, without the port. ``peers``: {shard: unix socket}
+    of the other workers' APIs (worker 0 of several; empty otherwise), which every answer covers."""
 
-    def __init__(self, metrics: Metrics, *, token: str = "", log: Any = None, hosts: tuple[str, ...] = ()) -> None:
-        self.admin: AdminService | None = None
+    def __init__(self, metrics: Metrics, *, token: str = "", log: Any = None, hosts: tuple[str, ...] = (),
+                 peers: Mapping[int, str] | None = None) -> None:
         self.metrics = metrics
         self.token = token
         self.log = log
         self.hosts = frozenset(h.lower().rstrip(".") for h in hosts) | {"localhost"}
+        self.peers = {k: ShardPeer(k, path, token) for k, path in sorted((peers or {}).items())}
+        self._admin: AdminService | None = None
+        self.sharded: ShardedAdmin | None = None
 
+    @property
+    def admin(self) -> AdminService | None:
+        """This worker's own shard (set once recovery is done)."""
+        return self._admin
 
-def spool_token(spool: str) -> str:
-    """The bearer token kept in ``SPOOL/admin.token``, created (32 random bytes, URL-safe base64, mode 0600)
-    when the file is missing, empty or unreadable as a token. Not fsync'd: a token lost in a power cut is
-    made again at the next start, and ``mtaq queue`` reads whatever the running daemon wrote. Raises OSError
-    when the spool cannot be written."""
-    path = os.path.join(spool, ADMIN_TOKEN)
-    token = read_spool_token(spool)
-    if token:
-        os.chmod(path, 0o600)  # a copy restored with a looser mode is tightened
-        return token
-    token = secrets.token_urlsafe(_TOKEN_BYTES)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="ascii") as f:
-        f.write(token + "\n")
-    os.replace(tmp, path)
-    return token
-
-
-def read_spool_token(spool: str) -> str:
-    """The token in ``SPOOL/admin.token``, or "" when there is none (missing, empty or not a token).
-    Raises PermissionError when the file exists but this user may not read it."""
-    try:
-        with open(os.path.join(spool, ADMIN_TOKEN), encoding="ascii", errors="replace") as f:
-            token = f.read(256).strip()
-    except FileNotFoundError:
-        return ""
-    ok = len(token) >= 16 and all(c.isalnum() or c in "-_" for c in token)
-    return token if ok else ""
+    @admin.setter
+    def admin(self, admin: AdminService | None) -> None:
+        self._admin = admin
+        self.sharded = None if admin is None else ShardedAdmin(admin, self.peers)
 
 
 _STATE: web.AppKey[ApiState] = web.AppKey("mtaq_state", ApiState)
@@ -197,11 +182,17 @@ def _state(request: web.Request) -> ApiState:
     return request.app[_STATE]
 
 
-def _admin(request: web.Request) -> AdminService:
-    admin = _state(request).admin
-    if admin is None:
+def _admin(request: web.Request) -> ShardedAdmin:
+    """Every shard's admin operations (just this daemon's with one worker); 503 until recovery is done."""
+    sharded = _state(request).sharded
+    if sharded is None:
         raise ApiError(503, "ServiceUnavailable", "recovery in progress; try again in a moment", {"Retry-After": "1"})
-    return admin
+    return sharded
+
+
+def _local_admin(request: web.Request) -> AdminService:
+    """This worker's own shard only (the internal routes); 503 until recovery is done."""
+    return _admin(request).local
 
 
 def _queue_name(request: web.Request) -> str:
@@ -223,7 +214,7 @@ async def list_queues(request: web.Request) -> web.Response:
 async def queue_size(request: web.Request) -> web.Response:
     """``GET /mailQueues/{name}``: size by state from the daemon's counters (no scan)."""
     name = _queue_name(request)
-    size = _admin(request).size()
+    size = await _admin(request).size()
     position = size.pop("position")
     total = size.pop("total")
     return _json({"name": name, "size": total, "byState": size, "position": position})
@@ -330,8 +321,62 @@ async def _act(
 
 
 async def metrics(request: web.Request) -> web.Response:
-    """``GET /metrics``: Prometheus text format."""
-    return web.Response(body=_state(request).metrics.exposition(), headers={"Content-Type": CONTENT_TYPE})
+    """``GET /metrics``: Prometheus text format (summed over every shard; :mod:`mtaq.admin.shards`)."""
+    st = _state(request)
+    if st.peers:
+        from mtaq.admin.shards import merged_exposition
+
+        body = await merged_exposition(list(st.metrics.registry.collect()), st.peers.values())
+    else:
+        body = st.metrics.exposition()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+# --------------------------------------------------------------- internal routes (worker k >= 1, unix socket)
+class _ListBody(msgspec.Struct, forbid_unknown_fields=True):
+    selector: Selector
+    limit: int | None = None
+    states: list[str] | None = None
+
+
+class _ActBody(msgspec.Struct, forbid_unknown_fields=True):
+    action: str
+    selector: Selector
+    delay_s: float | None = None
+    states: list[str] | None = None
+
+
+async def shard_size(request: web.Request) -> web.Response:
+    """``GET /_shard/size``: this shard's counts (internal)."""
+    return _json(_local_admin(request).size())
+
+
+async def shard_list(request: web.Request) -> web.Response:
+    """``POST /_shard/list`` ``{"selector", "limit", "states"}``: this shard's listing (internal)."""
+    b = _decode(await request.read(), _ListBody)
+    position, mails = await _local_admin(request).list(b.selector, limit=b.limit, states=b.states)
+    return _json({"position": position, "mails": mails})
+
+
+async def shard_show(request: web.Request) -> web.Response:
+    """``GET /_shard/mails/{queue_id}``: one message of this shard (internal)."""
+    try:
+        return _json(await _local_admin(request).show(request.match_info["queue_id"]))
+    except AdminError as exc:
+        raise ApiError(404, "notFound", str(exc)) from None
+
+
+async def shard_act(request: web.Request) -> web.Response:
+    """``POST /_shard/act`` ``{"action", "selector", "delay_s", "states"}``: an action on this shard
+    (internal; worker 0 counts it in ``mtaq_admin_actions_total`` and logs the ``admin_action`` event)."""
+    b = _decode(await request.read(), _ActBody)
+    try:
+        res = await _local_admin(request).act(b.action, b.selector, delay_s=b.delay_s, states=b.states)
+    except AdminError as exc:
+        raise ApiError(400, "InvalidArgument", str(exc)) from None
+    except StorageError as exc:
+        raise ApiError(500, "ServerError", f"the queue log of this shard cannot be written: {exc}") from None
+    return _json(res.as_json())
 
 
 async def openapi(request: web.Request) -> web.Response:
@@ -351,6 +396,8 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return await handler(request)
     except ApiError as exc:
         return exc.response()
+    except PeerError as exc:  # another shard's answer, passed on as it is
+        return ApiError(exc.status, exc.type, exc.message, {"Retry-After": "1"} if exc.status == 503 else None).response()
     except web.HTTPException as exc:  # unknown route (404), wrong method (405), ...
         if exc.status < 400:
             raise
@@ -424,22 +471,35 @@ ROUTES: tuple[tuple[str, str, Callable[[web.Request], Awaitable[web.Response]]],
 )
 
 
-def make_app(state: ApiState) -> web.Application:
-    """The aiohttp application (routes in :data:`ROUTES`, described in :mod:`mtaq.admin.openapi`)."""
+# Only on a worker's unix socket, for worker 0 (mtaq.admin.shards): never on the public listener.
+INTERNAL_ROUTES: tuple[tuple[str, str, Callable[[web.Request], Awaitable[web.Response]]], ...] = (
+    ("GET", "/_shard/size", shard_size),
+    ("POST", "/_shard/list", shard_list),
+    ("GET", "/_shard/mails/{queue_id}", shard_show),
+    ("POST", "/_shard/act", shard_act),
+)
+
+
+def make_app(state: ApiState, *, internal: bool = False) -> web.Application:
+    """The aiohttp application (routes in :data:`ROUTES`, described in :mod:`mtaq.admin.openapi`); with
+    ``internal`` the :data:`INTERNAL_ROUTES` too (a worker's unix socket). The same middleware either way."""
     app = web.Application(middlewares=[_errors, _same_origin, _auth], client_max_size=_BODY_BYTES_MAX)
     app[_STATE] = state
-    for method, path, handler in ROUTES:
+    for method, path, handler in (*ROUTES, *(INTERNAL_ROUTES if internal else ())):
         app.router.add_route(method, path, handler)
     return app
 
 
 # -------------------------------------------------------------------------------------------- the server
 class AdminHttp:
-    """The API server of one daemon: :meth:`start` listens on ``host``:``port`` and writes admin.json."""
+    """The API server of one daemon: :meth:`start` listens on ``host``:``port`` and writes admin.json;
+    with ``unix_path`` (worker k >= 1 of several) it listens on that unix socket instead (mode 0600, the
+    internal routes added, no admin.json)."""
 
-    def __init__(self, state: ApiState, host: str, port: int, spool: str) -> None:
+    def __init__(self, state: ApiState, host: str, port: int, spool: str, *, unix_path: str = "") -> None:
         self.state = state
         self.host, self.port, self.spool = host, port, spool
+        self.unix_path = unix_path
         self.url = ""
         self._runner: web.AppRunner | None = None
 
@@ -450,6 +510,8 @@ class AdminHttp:
     async def start(self) -> str:
         """Listen; write ``SPOOL/admin.json``; return the URL (with the real port when port 0 was asked).
         Raises OSError naming ``admin_listen`` when the address cannot be bound."""
+        if self.unix_path:
+            return await self._start_unix()
         try:
             os.unlink(self.admin_json)  # a stale one from the previous run
         except FileNotFoundError:
@@ -471,4 +533,27 @@ class AdminHttp:
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump({"url": self.url, "pid": os.getpid()}, f)
         os.replace(tmp, self.admin_json)  # atomic; not fsync'd (a hint, rewritten at every start)
+        return self.url
+
+    async def _start_unix(self) -> str:
+        from mtaq.admin.shards import unix_address
+
+        runner = web.AppRunner(make_app(self.state, internal=True), access_log=None, handle_signals=False)
+        await runner.setup()
+        address = unix_address(self.unix_path)
+        try:
+            os.unlink(address)  # a stale one from the previous run
+        except FileNotFoundError:
+            pass
+        old = os.umask(0o177)  # created 0600: only the daemon's user may even connect (and the token is asked)
+        try:
+            await web.UnixSite(runner, address).start()
+        except OSError as exc:
+            await runner.cleanup()
+            raise OSError(exc.errno, f"admin socket {self.unix_path}: {os.strerror(exc.errno) if exc.errno else exc}") from exc
+        finally:
+            os.umask(old)
+        os.chmod(address, 0o600)
+        self._runner = runner
+        self.url = f"unix:{self.unix_path}"
         return self.url

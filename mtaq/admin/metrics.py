@@ -25,6 +25,9 @@ Exposed (units in names; seconds, UTC-free durations):
 * ``mtaq_delivery_latency_seconds{domain}`` histogram: arrival to delivery (the remote's 2xx, made
   durable), by recipient domain;
 * ``mtaq_recovery_seconds`` gauge (absent until recovery is done), ``mtaq_ready`` gauge (1 after it).
+
+With several workers ``/metrics`` is worker 0's, summed over every shard by :mod:`mtaq.admin.shards`
+(which adds ``mtaq_shards``); this module is one daemon's, one shard's.
 """
 
 from __future__ import annotations

@@ -64,7 +64,11 @@ SPEC: dict[str, Any] = {
             "routes. One queue, named 'spool'. Every action is a durable record in the queue log and acts "
             "on a view of the queue consistent as of one log position, which the response names. A message "
             "under a delivery attempt (active) is skipped, never half-acted on. Times are UTC seconds since "
-            "the epoch, sizes bytes."
+            "the epoch, sizes bytes. With several worker processes (workers > 1, or auto on several cores) "
+            "every answer covers every spool shard: sizes summed, listings merged in the same order, an "
+            "action on queue IDs done by the shard each ID names (its low 4 bits), an action on all mail or "
+            "on filters done in every shard, /metrics summed; a position is then SHARD/SEGMENT:OFFSET of "
+            "each shard, space-separated (each shard is consistent as of its own log position)."
         ),
     },
     "servers": [{"url": "http://127.0.0.1:2580"}],
@@ -217,7 +221,8 @@ SPEC: dict[str, Any] = {
                         "properties": {s: {"type": "integer"} for s in
                                        ("incoming", "active", "deferred", "delayed", "held")},
                     },
-                    "position": {"type": "string", "description": "Log position SEGMENT:OFFSET the counts are as of"},
+                    "position": {"type": "string", "description": "Log position SEGMENT:OFFSET the counts are as of "
+                                 "(several shards: SHARD/SEGMENT:OFFSET each, space-separated)"},
                 },
                 "required": ["name", "size", "byState", "position"],
             },

@@ -20,6 +20,7 @@ import asyncio
 import gc
 import importlib
 import os
+import socket
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -27,13 +28,13 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from mtaq.admin.metrics import Metrics
-from mtaq.config import Config, listeners_of, parse_hostport
+from mtaq.config import Config, Listener, listeners_of, parse_hostport
 from mtaq.core.checkpoint import Checkpoint
 from mtaq.core.errors import CorruptRecord, StorageError, StorageFatal
 from mtaq.core.frame import Problem
 from mtaq.core.records import EnvelopeRecord, Outcome, Pos
 from mtaq.core.state import Attempt, RetryPolicy, format_reply
-from mtaq.daemon.workers import shard_count, shard_dir, supervise
+from mtaq.daemon.workers import admin_socket, shard_count, shard_dir, supervise, workers_wanted
 from mtaq.delivery.relay import Reply, classify
 from mtaq.delivery.routing import Router
 from mtaq.delivery.sasl import SaslClient
@@ -70,8 +71,12 @@ class Daemon:
     """The running relay: one log, its SMTP listeners, the runners, ``delivery_concurrency`` workers."""
 
     def __init__(self, cfg: Config, *, clock: Callable[[], float] = time.time, reuse_port: bool = False,
-                 fs: FileSystem | None = None) -> None:
+                 fs: FileSystem | None = None, admin_socket: str = "", admin_peers: dict[int, str] | None = None) -> None:
         self.cfg = cfg
+        # Several workers (mtaq.daemon.workers): worker k >= 1 serves the admin API on ``admin_socket`` for
+        # worker 0, whose public API reaches the other shards through ``admin_peers`` {shard: socket}.
+        self.admin_socket = admin_socket
+        self.admin_peers = dict(admin_peers or {})
         self.clock = clock
         self._fs_given = fs  # tests pass a failing one; else the real file system (or MTAQ_TEST_FS)
         self.reuse_port = reuse_port  # one of several worker processes sharing the port (mtaq.daemon.workers)
@@ -191,15 +196,18 @@ class Daemon:
             d = lst.describe()
             d["port"] = int(server.sockets[0].getsockname()[1]) if server.sockets else lst.port
             described.append(d)
-        if cfg.admin_listen.strip():
+        if cfg.admin_listen.strip() or self.admin_socket:
             # After SMTP listens, and imported in a thread: aiohttp costs the first 250 nothing (issue 15.6).
             # admin.json is written once the API listens; the API answers 503 until recovery is done.
             http = await asyncio.to_thread(importlib.import_module, "mtaq.admin.http")
-            admin_host, admin_port = parse_hostport(cfg.admin_listen, key="admin_listen")
             token = cfg.admin_token or http.spool_token(cfg.spool_dir)
-            self.http = http.AdminHttp(http.ApiState(self.metrics, token=token, log=self.log,
-                                                     hosts=tuple(cfg.admin_hosts)),
-                                       admin_host, admin_port, cfg.spool_dir)
+            state = http.ApiState(self.metrics, token=token, log=self.log, hosts=tuple(cfg.admin_hosts),
+                                  peers=self.admin_peers)
+            if self.admin_socket:
+                self.http = http.AdminHttp(state, "", 0, cfg.spool_dir, unix_path=self.admin_socket)
+            else:
+                admin_host, admin_port = parse_hostport(cfg.admin_listen, key="admin_listen")
+                self.http = http.AdminHttp(state, admin_host, admin_port, cfg.spool_dir)
             await self.http.start()
         self.log.info(
             "listening",
@@ -599,21 +607,55 @@ def _run_worker(cfg: Config, shard: int, n: int) -> None:
         cfg,
         spool_dir=shard_dir(cfg.spool_dir, shard),
         delivery_concurrency=max(1, -(-cfg.delivery_concurrency // n)),  # the total stays as configured
-        # The admin API and /metrics: worker 0 only (one port), and they see shard 0 only for now.
+        # The public admin API and /metrics: worker 0 (one port); it reaches the other shards through the
+        # unix socket each of them serves the API on (mtaq.admin.shards).
         admin_listen=cfg.admin_listen if shard == 0 else "",
     )
-    _run_loop(Daemon(shard_cfg, reuse_port=True))
+    api = bool(cfg.admin_listen.strip())
+    peers = {k: admin_socket(cfg.spool_dir, k) for k in range(1, n)} if api and shard == 0 else {}
+    sock = admin_socket(cfg.spool_dir, shard) if api and shard > 0 else ""
+    _run_loop(Daemon(shard_cfg, reuse_port=True, admin_socket=sock, admin_peers=peers))
+
+
+def _check_bindable(cfg: Config, listeners: list[Listener]) -> None:
+    """Several workers: bind every SMTP listener (SO_REUSEPORT, as the workers will) and ``admin_listen`` once
+    in the supervisor, so that an address in use is the one-line error of one worker (OSError), not a worker's
+    exit. A resolver failure is left to the worker, which reports it as one worker would."""
+    addrs = [(lst.host, lst.port, True, "listen") for lst in listeners]
+    if cfg.admin_listen.strip():
+        host, port = parse_hostport(cfg.admin_listen, key="admin_listen")
+        addrs.append((host, port, False, "admin_listen"))
+    for host, port, reuse_port, key in addrs:
+        try:
+            infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        except socket.gaierror:
+            continue
+        for family, type_, proto, _name, sa in infos:
+            with socket.socket(family, type_, proto) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if reuse_port:
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+                if family == socket.AF_INET6:
+                    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                try:
+                    s.bind(sa)
+                except OSError as exc:
+                    why = os.strerror(exc.errno) if exc.errno else str(exc)
+                    raise OSError(exc.errno, f"{key} {host}:{port}: {why}") from exc
 
 
 def serve(cfg: Config) -> int:
-    """Run the daemon until the process is killed; with ``workers`` > 1 (or a spool that has shards), run
-    one worker process per shard under a supervisor (:mod:`mtaq.daemon.workers`) and return the exit status of
-    the first worker that ended (the others are killed: crash-only). Raises ValueError (too many shards)."""
-    n = shard_count(cfg.spool_dir, cfg.workers)
-    for lst in listeners_of(cfg):
+    """Run the daemon until the process is killed; with ``workers`` > 1 (``"auto"``: one per core, at most 8;
+    or a spool that has shards), run one worker process per shard under a supervisor
+    (:mod:`mtaq.daemon.workers`) and return the exit status of the first worker that ended (the others are
+    killed: crash-only). Raises ValueError (too many shards, or several workers on a listener with port 0)."""
+    listeners = listeners_of(cfg)
+    n = shard_count(cfg.spool_dir, workers_wanted(cfg.workers, [lst.port for lst in listeners]))
+    for lst in listeners:
         if n > 1 and lst.port == 0:
             raise ValueError(f"workers: {n} workers need a fixed listen port, not {lst.address}")
     if n == 1:
+        set_queue_id_shard(0)  # IDs name shard 0, so that a later start with more workers routes them exactly
         _run_loop(Daemon(cfg))
         return 0
     # Every file the workers read at start is checked before any of them starts: a bad one exits 2 with one
@@ -621,6 +663,13 @@ def serve(cfg: Config) -> int:
     EdgePolicy.from_config(cfg)
     SaslClient.from_config(cfg)
     Signer.from_config(cfg)
+    _check_bindable(cfg, listeners)
+    if cfg.admin_listen.strip() and not cfg.admin_token:
+        # One token for worker 0's public API and the other workers' sockets, made before any worker starts.
+        from mtaq.admin.token import spool_token
+
+        os.makedirs(cfg.spool_dir, exist_ok=True)
+        cfg = msgspec.structs.replace(cfg, admin_token=spool_token(cfg.spool_dir))
     log = get_logger()
 
     def on_exit(shard: int, status: int) -> None:

@@ -15,6 +15,11 @@ What must always hold:
   (75 after a failed fsync, 128 + signal number after a signal); the next start is a recovery of every
   shard. Workers die with the supervisor (``PR_SET_PDEATHSIG``), so ``kill -9`` of it stops them all;
 * queue IDs are unique across shards: the low 4 bits of worker k's IDs are k (so at most 16 workers).
+
+``workers = "auto"`` (the default) is one worker per core this process may run on
+(``os.sched_getaffinity``), at most :data:`WORKERS_AUTO_MAX`. The admin API stays one public listener on
+worker 0; every other worker serves the same API on ``SPOOL/shard-k/admin.sock`` (mode 0600, the same
+token), and worker 0 fans each request out to them and merges the answers (:mod:`mtaq.admin.shards`).
 """
 
 from __future__ import annotations
@@ -26,30 +31,41 @@ import sys
 import traceback
 from collections.abc import Callable
 
-__all__ = ["SHARD_PREFIX", "WORKERS_MAX", "existing_shards", "log_dirs", "shard_count", "shard_dir", "supervise"]
+from mtaq.storage.shards import SHARD_PREFIX, existing_shards, shard_dir
 
-SHARD_PREFIX = "shard-"
+__all__ = ["ADMIN_SOCKET", "SHARD_PREFIX", "WORKERS_AUTO_MAX", "WORKERS_MAX", "admin_socket", "auto_workers",
+           "existing_shards", "log_dirs", "shard_count", "shard_dir", "supervise", "workers_wanted"]
+
 WORKERS_MAX = 16  # the queue ID carries the shard in 4 bits
-_PR_SET_PDEATHSIG = 1
+# "auto" stops here: past a few workers the shared disk's fsyncs, not the CPU, bound a relay, and every
+# worker is a whole daemon (memory, connections, a log of its own).
+WORKERS_AUTO_MAX = 8
+ADMIN_SOCKET = "admin.sock"  # in each shard k >= 1: the admin API of worker k, for worker 0 only
 
 
-def shard_dir(spool: str, shard: int) -> str:
-    """The spool directory of shard ``shard``: the spool itself for 0, ``SPOOL/shard-k`` otherwise."""
-    return spool if shard == 0 else os.path.join(spool, f"{SHARD_PREFIX}{shard}")
-
-
-def existing_shards(spool: str) -> list[int]:
-    """The shards k >= 1 that have a directory in ``spool``, ascending (none when the spool is missing)."""
+def auto_workers() -> int:
+    """``workers = "auto"``: the cores this process may run on (``os.sched_getaffinity``; ``os.cpu_count``
+    where that is missing), at least 1 and at most :data:`WORKERS_AUTO_MAX`."""
     try:
-        names = os.listdir(spool)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    out = []
-    for name in names:
-        num = name[len(SHARD_PREFIX) :]
-        if name.startswith(SHARD_PREFIX) and num.isdigit() and int(num) >= 1 and os.path.isdir(os.path.join(spool, name)):
-            out.append(int(num))
-    return sorted(out)
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, WORKERS_AUTO_MAX))
+
+
+def workers_wanted(workers: int | str, ports: list[int]) -> int:
+    """The ``workers`` setting as a number: itself, or for ``"auto"`` :func:`auto_workers` (1 when a
+    listener's port is 0, which only one process can take: a test's or a tool's throw-away daemon).
+    ``ports``: the ports of the SMTP listeners."""
+    if workers == "auto":
+        return 1 if 0 in ports else auto_workers()
+    return int(workers)
+
+
+def admin_socket(spool: str, shard: int) -> str:
+    """``SPOOL/shard-k/admin.sock``: where worker ``shard`` (>= 1) serves the admin API to worker 0."""
+    return os.path.join(shard_dir(spool, shard), ADMIN_SOCKET)
+_PR_SET_PDEATHSIG = 1
 
 
 def shard_count(spool: str, workers: int) -> int:

@@ -42,7 +42,7 @@ from mtaq.core.state import Attempt, Conclusion, DsnItem, RetryPolicy, WorkingSe
 from mtaq.storage.log import Log, storage_error
 from mtaq.storage.spill import MEMORY_BYTES, BodyBuffer
 
-__all__ = ["Queue", "new_queue_id", "set_queue_id_shard"]
+__all__ = ["Queue", "new_queue_id", "queue_id_shard", "set_queue_id_shard"]
 
 _B32 = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"  # Crockford base32: no I, L, O, U
 _last_us = 0
@@ -73,6 +73,16 @@ def new_queue_id(now_ts: float | None = None) -> str:
         out.append(_B32[n & 31])
         n >>= 5
     return "".join(reversed(out))
+
+
+def queue_id_shard(queue_id: str) -> int | None:
+    """The shard in the low 4 bits of ``queue_id`` (see :func:`set_queue_id_shard`), or None when it is not
+    a queue ID. IDs made without :func:`set_queue_id_shard` (a spool run by one worker with an older mtaq)
+    carry random low bits: a caller that routes by shard looks for them in shard 0 too."""
+    if len(queue_id) != 15:
+        return None
+    v = _B32.find(queue_id[-1].upper())
+    return None if v < 0 else v & 0xF
 
 
 def _param(params: Sequence[tuple[str, str]], key: str) -> str | None:

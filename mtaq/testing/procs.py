@@ -180,6 +180,7 @@ def start_daemon(
     wrapper: Sequence[str] = (),
     admin_listen: str | None = "127.0.0.1:0",
     extra: Sequence[str] = (),
+    workers: int | str | None = 1,
 ) -> Proc:
     """Start ``mtaq serve`` on ``spool`` relaying to 127.0.0.1:``relay_port``; returns once SMTP listens
     (the admin API listens before SMTP does, so ``SPOOL/admin.json`` is there by then).
@@ -188,6 +189,8 @@ def start_daemon(
     ``admin_listen`` is the ``--admin-listen`` flag (default: a free port on 127.0.0.1, so that daemons
     started side by side never share 2580); None leaves it to the config file.
     ``extra``: more ``mtaq serve`` flags (e.g. ``--mynetworks``).
+    ``workers`` is the ``--workers`` flag: 1 by default (a test about something else reads ``SPOOL/log``
+    as the one log), ``"auto"`` the daemon's own default, None leaves it to the config file.
     """
     port = port or free_port()
     args = ["--log-format", "json", "serve", "--spool", spool, "--listen", f"127.0.0.1:{port}"]
@@ -197,6 +200,8 @@ def start_daemon(
         args += ["--relayhost", f"[127.0.0.1]:{relay_port}"]
     if config:
         args += ["--config", config]
+    if workers is not None:
+        args += ["--workers", str(workers)]
     args += list(extra)
     if wrapper:
         out = open(log_path, "ab")
