@@ -23,7 +23,9 @@ and compares the two on generated input):
   the message is refused; then what was written is discarded and nothing more is kept, but the whole text
   is still read and examined (the reply comes after the final dot, RFC 5321 §4.2.5).
 
-Bytes the client sent after the final dot (pipelined commands) are never taken from the reader.
+Bytes the client sent after the final dot (pipelined commands) are never taken from the reader. The sink is
+written a chunk at a time (at most what the reader buffered: its limit plus one socket read), not a line at
+a time.
 """
 
 from __future__ import annotations
@@ -93,8 +95,8 @@ class DataScanner:
         self._long = False  # the line in _carry is known to be too long and its start (its dot) is done
 
     def feed(self, data: bytes) -> None:
-        """The next raw octets of the text (no line end may be cut between CR and LF by the caller's pieces
-        except as the stream cuts them: a trailing CR is kept until the next piece)."""
+        """The next raw octets of the text, in stream order, cut anywhere: the end of a line not complete yet
+        (a CR whose LF has not come included) is kept until the next piece."""
         if self._carry:
             data = self._carry + data
         cut = data.rfind(b"\r\n") + 2
