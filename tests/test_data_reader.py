@@ -414,3 +414,16 @@ def test_the_queue_stores_the_unstuffed_text_and_the_next_command_is_answered(tm
         assert c.reply().startswith("250")  # the NOOP
         ((_env, body),) = edge.messages()
         assert body.startswith(b"Received: ") and body.endswith(_unstuffed(text))
+
+
+def test_a_client_idle_in_the_middle_of_the_text_gets_421_and_nothing_is_queued(tmp_path):
+    """smtp_server_timeout_s also while the text is read: 421 4.4.2, the connection closed, nothing queued."""
+    with run_edge(tmp_path, timeout_s=1) as edge, edge.raw() as c:
+        assert c.reply().startswith("220")
+        for cmd in ("EHLO client.test", "MAIL FROM:<a@client.test>", "RCPT TO:<b@mx.test>"):
+            assert c.command(cmd).split("\n")[-1].startswith("250")
+        assert c.command("DATA").startswith("354")
+        c.send(b"Subject: x\r\n\r\n" + b"y" * 3000 + b"\r\n.")  # no final CRLF: the text has not ended
+        assert f"421 4.4.2 {HOST} Error: timeout exceeded" == c.reply()
+        assert c.closed()
+        assert [] == edge.messages()
