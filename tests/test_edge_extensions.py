@@ -4,13 +4,14 @@ over loopback sockets."""
 
 from __future__ import annotations
 
+import datetime as dt
 import email.utils
 import re
 import smtplib
 
 from edgekit import HOST, RawClient, codes, edge_relay, run_edge
 
-from mtaq.edge.trace import address_literal, protocol_name
+from mtaq.edge.trace import address_literal, protocol_name, received_header
 
 RECEIVED = re.compile(
     rb"^Received: from (?P<helo>\S+) \((?P<ip>\[[^\]]+\])\)\r\n"
@@ -99,3 +100,12 @@ def test_trace_helpers():
              for e, t, a, u in [(False, False, False, False), (True, False, False, False), (True, True, False, False),
                                 (True, True, True, False), (True, False, True, False), (True, True, True, True)]]
     assert ["SMTP", "ESMTP", "ESMTPS", "ESMTPSA", "ESMTPA", "UTF8SMTPSA"] == names
+
+
+def test_the_received_date_is_the_rfc5322_date_of_that_second_also_when_reused():
+    """The date is formatted once a second (issue 15.4); each header still carries its own second's date."""
+    for ts in [0.0, 1700000000.0, 1700000000.4999999, 1700000000.9999996, 1700000001.0, 1700000000.2, 4e9 + 0.75]:
+        header = received_header(helo="c.test", client_ip="192.0.2.1", hostname=HOST, protocol="ESMTP",
+                                 recipients=["a@b.test"], when_ts=ts)
+        date = email.utils.format_datetime(dt.datetime.fromtimestamp(ts, dt.UTC))
+        assert header.endswith(f"; {date}\r\n".encode())

@@ -10,8 +10,13 @@ from aiosmtpd.smtp import SMTP
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mtaq.core.state import RetryPolicy
 from mtaq.edge.fastpath import parse_address
+from mtaq.edge.server import QueueHandler
 from mtaq.edge.smtp import MtaqSMTP
+from mtaq.queue.store import Queue
+from mtaq.storage.fs import OsFileSystem
+from mtaq.storage.log import Log
 
 
 class _Handler:
@@ -65,6 +70,21 @@ def test_connection_tables_are_those_aiosmtpd_builds_from_the_full_dir() -> None
     assert {"DATA", "EHLO", "HELO", "MAIL", "RCPT", "RSET", "QUIT", "NOOP", "VRFY", "HELP"} <= expected_commands
     expected_auth = {n.removeprefix("auth_").replace("__", "-") for n in full if n.startswith("auth_")}
     assert expected_auth == set(proto._auth_methods)
+
+
+def test_the_queue_handlers_hooks_are_those_aiosmtpd_finds_in_its_full_dir(tmp_path: Any) -> None:
+    """QueueHandler lists only its handle_*/auth_* names to dir(): aiosmtpd's hook table is unchanged."""
+
+    async def make() -> tuple[MtaqSMTP, QueueHandler]:
+        log, _ = Log.open(OsFileSystem(), str(tmp_path / "log"), segment_bytes_max=1 << 20)
+        handler = QueueHandler(Queue(log, policy=RetryPolicy()))
+        handler.auth_TEST = lambda *a: None  # type: ignore[attr-defined]  # set on the instance: listed too
+        return MtaqSMTP(handler, hostname="mx.test", loop=asyncio.get_running_loop()), handler
+
+    proto, handler = asyncio.run(make())
+    full = object.__dir__(handler)
+    assert {n.removeprefix("handle_") for n in full if n.startswith("handle_")} == set(proto._handle_hooks) == {"DATA"}
+    assert "TEST" in proto._auth_methods and set(dir(handler)) == {"handle_DATA", "auth_TEST"}
 
 
 def test_session_through_the_fast_path(tmp_path: Any) -> None:

@@ -81,7 +81,7 @@ def test_text_lines_over_1000_octets_are_refused_and_the_session_goes_on(tmp_pat
             c.command("RCPT TO:<b@example.net>")
             c.command("DATA")
             c.send(b"Subject: long\r\n\r\n" + long_line + b"\r\nafter\r\n.\r\n")
-            assert "500 5.5.2 Error: line too long (RFC 5321 §4.5.3.1.6: 1000 octets)" == c.reply()
+            assert "500 5.5.2 Error: line too long (RFC 5321 section 4.5.3.1.6: 1000 octets)" == c.reply()
         assert (250, "2.0.0") == codes(c.command("NOOP"))
         [(_, body)] = edge.messages()
     assert body.endswith(b"\r\n\r\n" + b"a" * 998 + b"\r\n." + b"b" * 997 + b"\r\n")

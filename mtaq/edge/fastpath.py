@@ -10,6 +10,9 @@ package's RFC 5322 parser (``get_angle_addr`` / ``get_addr_spec``).
 
 * ``__dir__`` lists only the ``smtp_*`` and ``auth_*`` names of the class (all aiosmtpd looks for there),
   computed once per class;
+* ``__dir__`` of a handler with :class:`FastHandlerMixin` lists only its ``handle_*`` and ``auth_*`` names:
+  aiosmtpd also runs ``inspect.getmembers(handler)`` (for AUTH mechanisms) and ``dir(handler)`` (for the
+  ``handle_*`` hooks) on every connection;
 * ``_getaddr`` parses as aiosmtpd does (the same parser functions, the same ``local_part_limit`` rule, the
   same ``(address, rest)`` / ``(None, None)`` results, RFC 5321 §4.1.2), without the class, and remembers
   the last ``ADDRESS_CACHE_MAX`` results: senders and recipients repeat.
@@ -22,7 +25,7 @@ from __future__ import annotations
 from email._header_value_parser import get_addr_spec, get_angle_addr
 from email.errors import HeaderParseError
 
-__all__ = ["ADDRESS_CACHE_MAX", "FastPathMixin"]
+__all__ = ["ADDRESS_CACHE_MAX", "FastHandlerMixin", "FastPathMixin"]
 
 ADDRESS_CACHE_MAX = 4096
 """Parsed MAIL/RCPT arguments kept (the cache is emptied when it reaches this many)."""
@@ -30,13 +33,13 @@ ADDRESS_CACHE_MAX = 4096
 _parsed: dict[tuple[str, int], tuple[str | None, str | None]] = {}
 
 
-_names: dict[type, tuple[str, ...]] = {}
+_names: dict[tuple[type, tuple[str, ...]], tuple[str, ...]] = {}
 
 
-def _table_names(cls: type) -> tuple[str, ...]:
-    names = _names.get(cls)
+def _table_names(cls: type, prefixes: tuple[str, ...] = ("smtp_", "auth_")) -> tuple[str, ...]:
+    names = _names.get((cls, prefixes))
     if names is None:
-        names = _names[cls] = tuple(n for n in dir(cls) if n.startswith(("smtp_", "auth_")))
+        names = _names[cls, prefixes] = tuple(n for n in dir(cls) if n.startswith(prefixes))
     return names
 
 
@@ -84,3 +87,13 @@ class FastPathMixin:
 
     def _getaddr(self, arg: str) -> tuple[str | None, str | None]:
         return parse_address(arg, self.local_part_limit or 0)
+
+
+class FastHandlerMixin:
+    """Put in the bases of an aiosmtpd handler: ``dir()`` lists only its ``handle_*`` and ``auth_*`` names (those
+    of the class, computed once, and any set on the instance), all aiosmtpd's ``SMTP.__init__`` looks for."""
+
+    def __dir__(self) -> tuple[str, ...]:
+        names = _table_names(type(self), ("handle_", "auth_"))
+        own = [n for n in vars(self) if n.startswith(("handle_", "auth_"))]
+        return (*names, *own) if own else names

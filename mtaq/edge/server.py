@@ -20,6 +20,7 @@ from aiosmtpd.smtp import SMTP, Envelope, Session
 
 from mtaq.core.errors import StorageError
 from mtaq.edge.dkim import Signer
+from mtaq.edge.fastpath import FastHandlerMixin
 from mtaq.edge.limits import ConnectionGate
 from mtaq.edge.policy import EdgePolicy
 from mtaq.edge.smtp import MtaqSMTP
@@ -32,7 +33,7 @@ from mtaq.testing import killpoints
 __all__ = ["QueueHandler", "connection_gate", "start_server"]
 
 
-class QueueHandler:
+class QueueHandler(FastHandlerMixin):
     """aiosmtpd handler: ``handle_DATA`` queues the message and answers once it is durable."""
 
     def __init__(self, queue: Queue, signer: Signer | None = None) -> None:

@@ -79,6 +79,7 @@ from typing import Any
 from aiosmtpd.smtp import MISSING, SMTP, AuthResult, Envelope, LoginPassword, TLSSetupException, syntax
 
 from mtaq.core.text import escape_text
+from mtaq.edge.data import DataScanner, read_data_text, refusal
 from mtaq.edge.fastpath import FastPathMixin, parse_address
 from mtaq.edge.limits import ConnectionGate
 from mtaq.edge.policy import EdgePolicy, address_problem, unsendable_character
@@ -124,10 +125,7 @@ def _not_login_data_deprecation(record: logging.LogRecord) -> bool:
 
 logging.getLogger("mail.log").addFilter(_not_login_data_deprecation)
 
-TEXT_LINE_MAX = 1000
-"""RFC 5321 §4.5.3.1.6: a text line is at most 1000 octets with its CRLF (not counting a transparency dot)."""
 _EXTENSIONS = ("PIPELINING", "ENHANCEDSTATUSCODES", "DSN")
-_NEWLINES = re.compile(rb"\r\n|\r|\n")
 
 
 class DsnSyntaxError(ValueError):
@@ -322,6 +320,7 @@ class MtaqSMTP(FastPathMixin, SMTP):
         # file; the handler gets it as envelope.content when the message was large) or, with None, a list.
         self._body_buffer = body_buffer
         self._gate_ip = ""  # the client address the gate admitted
+        self._in_data = False  # the text of a message is being read
         self._exceptions = 0  # exceptions that reached handle_exception in this connection
         # TLS from the first byte (RFC 8314, a smtps listener): the server socket does the handshake before
         # connection_made; no STARTTLS is offered (pass no tls_context), and AUTH is offered at once.
@@ -790,92 +789,55 @@ class MtaqSMTP(FastPathMixin, SMTP):
 
     async def _read_data(self) -> tuple[bytes | BodyBuffer, str | None, bool]:
         """``(content, None, False)``, or ``(b"", reply, hang_up)`` for a refused message; reads up to
-        ``CRLF . CRLF``. ``content`` is bytes, or the :class:`BodyBuffer` of a message that outgrew the
-        buffer's memory (the caller closes it).
+        ``CRLF . CRLF`` (:func:`mtaq.edge.data.read_data_text`, in big chunks). ``content`` is bytes, or the
+        :class:`BodyBuffer` of a message that outgrew the buffer's memory (the caller closes it).
 
         Lines are split on CRLF only; a leading dot is removed from each (RFC 5321 §4.5.2). A bare CR or LF
         is refused or, under ``normalize``, replaced by CRLF after that (so no dot is removed after one).
-        Once a message is refused its lines are no longer kept.
+        Once a message is refused its text is no longer kept. The idle timeout restarts whenever octets
+        arrive (:meth:`data_received`).
         """
-        reader = self._reader
-        limit = self.data_size_limit or 0
-        normalize = self.policy.bare_newline == "normalize"
         kept: list[bytes] = []
         buf = self._body_buffer() if self._body_buffer is not None else None
+        scanner = DataScanner(
+            buf if buf is not None else kept,
+            size_limit=self.data_size_limit or 0,
+            normalize=self.policy.bare_newline == "normalize",
+            strip_nul=self.policy.forbid_nul == "strip",
+            line_limit=self._reader._limit,  # type: ignore[attr-defined]  # aiosmtpd's line_length_limit
+        )
+        self._in_data = True
         try:
-            result = await self._read_lines(reader, limit, normalize, kept, buf)
+            await read_data_text(self._reader, scanner, lambda: self.transport is not None)
         except BaseException:
             if buf is not None:
                 buf.close()
             raise
+        finally:
+            self._in_data = False
+        result = self._data_result(scanner, kept, buf)
         if buf is not None and result[0] is not buf:
             buf.close()  # refused, or small enough to be handed on as bytes
         return result
 
-    async def _read_lines(
-        self, reader: asyncio.StreamReader, limit: int, normalize: bool, kept: list[bytes], buf: BodyBuffer | None
+    def _data_result(
+        self, scanner: DataScanner, kept: list[bytes], buf: BodyBuffer | None
     ) -> tuple[bytes | BodyBuffer, str | None, bool]:
-        strip_nul = self.policy.forbid_nul == "strip"
-        nul = False
-        size = 0
-        bare: str | None = None
-        too_long = too_big = False
-        partial = False  # inside a line longer than the reader's limit (its pieces come one by one)
-        ended_ok = False
-        while self.transport is not None:
-            try:
-                line: bytes = await reader.readuntil(b"\r\n")
-                piece, ended = line[:-2], True
-            except asyncio.LimitOverrunError as exc:
-                line = await reader.read(exc.consumed)
-                piece, ended = line, False
-            self._reset_timeout()
-            if ended and not partial and line == b".\r\n":
-                ended_ok = True
-                break
-            if bare is None and (b"\n" in piece or b"\r" in piece):
-                cr, lf = piece.find(b"\r"), piece.find(b"\n")
-                bare = "<CR>" if lf < 0 or 0 <= cr < lf else "<LF>"
-            if not partial and line.startswith(b"."):
-                line = line[1:]  # dot transparency
-            if b"\x00" in line:
-                nul = True
-                if strip_nul:
-                    line = line.replace(b"\x00", b"")
-            if not ended or partial or len(line) > TEXT_LINE_MAX:
-                too_long = True
-            partial = not ended
-            size += len(line)
-            if limit and size > limit:
-                too_big = True
-            if too_long or too_big or (bare is not None and not normalize) or (nul and not strip_nul):
-                if buf is not None:
-                    buf.discard()  # refused: keep nothing
-                kept.clear()
-                continue
-            out = _NEWLINES.sub(b"\r\n", line) if normalize and bare is not None else line
-            if buf is not None:
-                buf.write(out)
-            else:
-                kept.append(out)
-        if not ended_ok:
-            # The connection went away before the final dot: a message without its end is never queued.
-            raise asyncio.CancelledError
-        if bare is not None and not normalize:
-            # Postfix 3.9 smtpd_forbid_bare_newline = reject: its reply code (550), then disconnect: what
-            # follows on this connection cannot be trusted to be what the client meant.
-            return b"", f"550 5.5.2 {self.hostname} Error: bare {bare} received", True
-        if too_big:
-            return b"", "552 5.3.4 Error: message size exceeds fixed maximum message size", False
-        if too_long:
-            return b"", f"500 5.5.2 Error: line too long (RFC 5321 §4.5.3.1.6: {TEXT_LINE_MAX} octets)", False
-        if nul and not strip_nul:
-            return b"", "550 5.6.0 Error: message contains NUL characters", False
+        refused = refusal(scanner, self.hostname)
+        if refused is not None:
+            return b"", refused[0], refused[1]
         if buf is not None:
             if buf.spilled:
                 return buf, None, False
             return buf.getvalue(), None, False
         return b"".join(kept), None, False
+
+    def data_received(self, data: bytes) -> None:
+        """asyncio's, and while a message is read, each arrival restarts the idle timeout (a client sending
+        a large message slowly is not idle)."""
+        if self._in_data:
+            self._reset_timeout()
+        super().data_received(data)
 
     def _take_params(self, arg: str | None, keyword: str, ours: Collection[str]) -> tuple[str, list[str]] | None:
         """``(arg without our parameters, our parameter tokens)``; ``None`` if there are none of ours.

@@ -27,6 +27,17 @@ from collections.abc import Sequence
 __all__ = ["address_literal", "protocol_name", "received_header"]
 
 _HELO_MAX = 255
+_dates: dict[dt.datetime, str] = {}  # the last date formatted (messages received in the same second share it)
+
+
+def _date(when_ts: float) -> str:
+    """RFC 5322 §3.3 date-time of ``when_ts`` (UTC seconds), e.g. ``Mon, 20 Nov 2023 04:19:26 +0000``."""
+    moment = dt.datetime.fromtimestamp(when_ts, dt.UTC).replace(microsecond=0)
+    text = _dates.get(moment)
+    if text is None:
+        _dates.clear()
+        text = _dates[moment] = email.utils.format_datetime(moment)
+    return text
 
 
 def address_literal(ip: str) -> str:
@@ -67,7 +78,7 @@ def received_header(
     when_ts: float,
 ) -> bytes:
     """The ``Received:`` header (with its final CRLF) for a message received now (``when_ts``, UTC seconds)."""
-    date = email.utils.format_datetime(dt.datetime.fromtimestamp(when_ts, dt.UTC))
+    date = _date(when_ts)
     lines = [
         f"Received: from {_clean_helo(helo)} ({address_literal(client_ip)})",
         f"\tby {_clean_helo(hostname)} (mtaq) with {protocol}",
