@@ -12,13 +12,19 @@ from __future__ import annotations
 import asyncio
 import os
 import smtplib
+import ssl
+import threading
 import time
 from email.message import EmailMessage
 
+import pytest
+import uvloop
 from aiosmtpd.controller import Controller
+from aiosmtpd.smtp import SMTP
 from aiosmtplib.protocol import PERIOD_REGEX, normalize_message_line_endings
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_outbound_tls import cert_pem  # noqa: F401  (a fixture)
 
 from mtaq.core.frame import FRAME_HEADER_BYTES
 from mtaq.core.records import EnvelopeRecord, encode_data_prefix
@@ -26,8 +32,8 @@ from mtaq.core.state import RetryPolicy
 from mtaq.delivery.relay import DotStuffer, RelayConnection
 from mtaq.queue.store import Queue, StoredBody
 from mtaq.storage.fs import OsFileSystem
-from mtaq.storage.log import Log, segment_path
-from mtaq.testing.procs import free_port, maildir_count, peak_rss_kib, start_daemon, start_sink
+from mtaq.storage.log import Log, scan_log, segment_path
+from mtaq.testing.procs import free_port, maildir_count, peak_rss_kib, read_events, start_daemon, start_sink
 
 
 def aiosmtplib_wire(body: bytes) -> bytes:
@@ -222,9 +228,13 @@ def test_streamed_bodies_arrive_byte_for_byte_whatever_the_piece_size(tmp_path):
     log.close()
 
 
+RUNNERS = {"asyncio": asyncio.run, "uvloop": uvloop.run}  # the daemon runs on uvloop
+
+
 class _Keep:
     def __init__(self) -> None:
         self.got: list[tuple[list[str], bytes]] = []
+        self.tls: list[bool] = []
 
     async def handle_EHLO(self, server, session, envelope, hostname, responses):
         session.host_name = hostname
@@ -232,6 +242,7 @@ class _Keep:
 
     async def handle_DATA(self, server, session, envelope):
         self.got.append((list(envelope.rcpt_tos), envelope.original_content))
+        self.tls.append(bool(session.ssl))
         return "250 2.0.0 Ok"
 
 
@@ -259,6 +270,43 @@ def test_aiosmtpd_with_pipelining_stores_the_streamed_message_unchanged(tmp_path
     log.close()
 
 
+@pytest.mark.parametrize("loop", sorted(RUNNERS))
+def test_pipelined_streamed_mail_over_starttls_and_the_connection_is_reused(tmp_path, cert_pem, loop):  # noqa: F811
+    """Over STARTTLS (the transport is TLS), pipelined, a 2 MB message from the log and then a small one on
+    the same connection arrive unchanged at aiosmtpd, both encrypted."""
+    bodies = [dotted(2_000_000), b"Subject: small\r\n\r\n.hi\r\n"]
+    log, q, envs = stored(tmp_path, bodies)
+    handler = _Keep()
+
+    async def main() -> int:
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(cert_pem)
+        ev = asyncio.get_running_loop()
+        conns = []
+
+        def factory() -> SMTP:
+            conns.append(1)
+            return SMTP(handler, hostname="hop", tls_context=ctx, data_size_limit=0, loop=ev)
+
+        srv = await ev.create_server(factory, "127.0.0.1", 0)
+        c = RelayConnection("127.0.0.1", srv.sockets[0].getsockname()[1], helo_name="client.test", timeout_s=20,
+                            tls="may")
+        try:
+            for env in envs:
+                replies = await c.send("s@x.test", ["a@y.test"], q.body_for_delivery(env))
+                assert [250] == [r.code for r in replies]
+                assert c.tls_version.startswith("TLS")
+            await c.close()
+        finally:
+            srv.close()
+        return len(conns)
+
+    assert 1 == RUNNERS[loop](main())
+    assert [(["a@y.test"], b) for b in bodies] == handler.got
+    assert [True, True] == handler.tls
+    log.close()
+
+
 def test_pipelining_sends_mail_rcpt_and_data_without_waiting_for_replies(tmp_path):
     """With PIPELINING offered, MAIL, both RCPTs and DATA have all arrived when the server answers MAIL
     (RFC 2920 §3.1); without it, the client waits for each reply (MAIL arrives alone)."""
@@ -276,7 +324,8 @@ def test_pipelining_sends_mail_rcpt_and_data_without_waiting_for_replies(tmp_pat
     asyncio.run(main())
 
 
-def test_a_refused_recipient_in_a_pipelined_group_keeps_its_own_reply(tmp_path):
+@pytest.mark.parametrize("loop", sorted(RUNNERS))
+def test_a_refused_recipient_in_a_pipelined_group_keeps_its_own_reply(tmp_path, loop):
     """In one pipelined group, the refused recipient gets its 550 5.1.1, the others the reply to the end
     of DATA; when every recipient is refused, DATA's 554 ends the transaction, no content is sent, and the
     same connection carries the next message."""
@@ -298,7 +347,7 @@ def test_a_refused_recipient_in_a_pipelined_group_keeps_its_own_reply(tmp_path):
         assert [[b"MAIL", b"RCPT", b"RCPT", b"RCPT", b"DATA"], [b"MAIL", b"RCPT", b"RCPT", b"DATA"],
                 [b"MAIL", b"RCPT", b"DATA"]] == [[x[:4] for x in s] for s in sink.before_mail_reply]
 
-    asyncio.run(main())
+    RUNNERS[loop](main())
 
 
 def flip_byte(log: Log, env: EnvelopeRecord, at: int) -> None:
@@ -343,33 +392,58 @@ def test_a_body_damaged_after_it_was_checked_is_cut_off_before_the_final_dot(tmp
 
 
 def test_a_flipped_byte_in_a_stored_body_is_never_delivered_by_the_daemon(tmp_path):
-    """Two large messages queued offline, one with a flipped byte in its body; the daemon starts: the
-    good one arrives in the sink, the damaged one never does (it is reported, not sent)."""
+    """The daemon (a subprocess, on uvloop) queues a 1 MB message and relays it to a raw sink, which flips a
+    byte of its body in the spool at the first RCPT (after the attempt checked it). That transaction is cut
+    off before the final dot and deferred; the retry finds the damage before sending anything and bounces
+    it (554 5.3.0, ``corrupt_message``). The sink never completes a transaction with that message."""
     spool = tmp_path / "spool"
-    good, bad = dotted(600_000), dotted(700_000)
-    log, _q, [env_good, env_bad] = stored(spool, [good, bad])
-    flip_byte(log, env_bad, 650_000)
-    log.close()
-    maildir = str(tmp_path / "maildir")
-    sink = start_sink(maildir, str(tmp_path / "sink.log"))
-    daemon = start_daemon(str(spool), sink.port, str(tmp_path / "daemon.log"))
+    body = b"Message-ID: <flip@x.test>\r\n" + dotted(1_000_000)
+    flipped: list[str] = []
+
+    def flip(addr: str) -> None:
+        if addr != "r@y.test" or flipped:
+            return
+        for seg in scan_log(OsFileSystem(), str(spool / "log")):
+            for _pos, rec in seg.records:
+                if isinstance(rec, EnvelopeRecord) and rec.sender == "s@x.test":
+                    path = segment_path(str(spool / "log"), rec.data.segment)
+                    with open(path, "r+b") as f:
+                        off = rec.data.offset + FRAME_HEADER_BYTES + len(encode_data_prefix(rec.queue_id, rec.size))
+                        f.seek(off + 500_000)
+                        b = f.read(1)
+                        f.seek(off + 500_000)
+                        f.write(bytes([b[0] ^ 0x20]))
+                    flipped.append(rec.queue_id)
+                    return
+
+    sink = RawSink(pipelining=True, on_rcpt=flip)
+    loop = asyncio.new_event_loop()
+    port = loop.run_until_complete(sink.start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    cfg = tmp_path / "mtaq.toml"
+    cfg.write_text("retry_intervals_s = [0.5]\n")
+    daemon = start_daemon(str(spool), port, str(tmp_path / "daemon.log"), config=str(cfg))
     try:
+        with smtplib.SMTP("127.0.0.1", daemon.port, timeout=30) as s:
+            s.sendmail("s@x.test", ["r@y.test"], body)
         deadline = time.monotonic() + 30
-        while maildir_count(maildir) < 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        log_text = ""
+        events: list[dict] = []
         while time.monotonic() < deadline:
-            log_text = open(tmp_path / "daemon.log").read()
-            if env_bad.queue_id in log_text and ("corrupt" in log_text):
+            events = read_events(daemon.log_path)
+            if any(e.get("event") == "corrupt_message" for e in events):
                 break
             time.sleep(0.05)
     finally:
         daemon.kill9()
-        sink.kill9()
-    assert 1 == maildir_count(maildir)
-    files = [os.path.join(maildir, "new", n) for n in os.listdir(os.path.join(maildir, "new"))]
-    assert open(files[0], "rb").read().endswith(good)
-    assert "corrupt" in log_text
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+    assert 1 == len(flipped)
+    by_name = [(e["event"], e.get("dsn")) for e in events if e.get("queue_id") == flipped[0]
+               and e["event"] in ("deferred", "bounced", "delivered", "corrupt_message")]
+    assert [("deferred", "4.3.0"), ("corrupt_message", None), ("bounced", "5.3.0")] == by_name
+    assert not any(b"<flip@x.test>" in m for _r, m in sink.messages)  # the DSN (headers only) may be there
+    assert 1 == len(sink.partial) and not sink.partial[0].endswith(b"\r\n.\r\n")
 
 
 def test_peak_rss_while_delivering_six_10_mb_messages_stays_bounded(tmp_path):
