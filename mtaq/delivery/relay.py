@@ -492,11 +492,11 @@ class RelayConnection:
         _Retry when a reused connection turns out to be closed (or 421) at MAIL, aiosmtplib errors and
         OSError when the connection fails."""
         t = self.timeout_s
-        if pipelining:  # RFC 2920 §3.1: the whole group in one write, the replies read in order
-            conv.write(b"".join([mail, *(line for _, line in rcpts), b"DATA\r\n"]))
-        else:
-            conv.write(mail)
         try:
+            if pipelining:  # RFC 2920 §3.1: the whole group in one write, the replies read in order
+                conv.write(b"".join([mail, *(line for _, line in rcpts), b"DATA\r\n"]))
+            else:
+                conv.write(mail)
             resp = await conv.read(t)
         except (aiosmtplib.SMTPServerDisconnected, aiosmtplib.SMTPTimeoutError):
             if reused:
@@ -603,7 +603,8 @@ class DotStuffer:
     CRLF is split between two pieces; :meth:`end` ends the last line with CRLF if needed and adds ``.``
     CRLF. The output for any division into pieces is :func:`wire_content` of the whole.
 
-    Per piece: three byte counts and a search; a regular expression only when a bare CR or LF is there.
+    Per piece: three byte counts and one or two searches; a regular expression only when a bare CR or LF
+    is there.
     """
 
     __slots__ = ("_cr", "_line_start", "_started")
@@ -623,7 +624,7 @@ class DotStuffer:
         n = piece.count(b"\n")
         if piece.count(b"\r") != n or (n and piece.count(b"\r\n") != n):
             piece = _LINE_ENDS.sub(b"\r\n", piece)
-        if b"\n." in piece:
+        if b"." in piece and b"\n." in piece:  # "." first: one memchr pass, and base64 has no dots
             piece = piece.replace(b"\n.", b"\n..")
         if self._line_start and piece.startswith(b"."):
             piece = b"." + piece
@@ -650,9 +651,11 @@ class _Retry(Exception):
 
 
 def _command(verb: bytes, address: str, options: Sequence[str], enc: str) -> bytes:
-    """``verb`` + ``<address>`` + options + CRLF, as aiosmtplib's ``mail``/``rcpt`` write it. Raises
-    ValueError for a control character (aiosmtplib's command-injection check) or an unencodable address."""
-    line = verb + quote_address(address).encode(enc) + b"".join(b" " + o.encode("ascii") for o in options)
+    """``verb`` + ``<address>`` + options + CRLF, as aiosmtplib's ``mail``/``rcpt`` write it for an address
+    that passed :func:`local_address_refusal` (its ``quote_address`` is then ``<address>``: not parsed
+    again). Raises ValueError for a control character (aiosmtplib's command-injection check) or an
+    address that cannot be encoded in ``enc``."""
+    line = verb + f"<{address}>".encode(enc) + b"".join(b" " + o.encode("ascii") for o in options)
     if _CONTROL.search(line):
         raise ValueError("Command arg contains a prohibited control character")
     return line + b"\r\n"
