@@ -394,8 +394,9 @@ def test_a_body_damaged_after_it_was_checked_is_cut_off_before_the_final_dot(tmp
 def test_a_flipped_byte_in_a_stored_body_is_never_delivered_by_the_daemon(tmp_path):
     """The daemon (a subprocess, on uvloop) queues a 1 MB message and relays it to a raw sink, which flips a
     byte of its body in the spool at the first RCPT (after the attempt checked it). That transaction is cut
-    off before the final dot and deferred; the retry finds the damage before sending anything and bounces
-    it (554 5.3.0, ``corrupt_message``). The sink never completes a transaction with that message."""
+    off before the final dot (451 4.3.0); the attempt's conclusion cannot copy the damaged DATA forward and
+    bounces it (554 5.3.0, ``corrupt_message``), as recovery does. The sink never completes a transaction
+    with that message."""
     spool = tmp_path / "spool"
     body = b"Message-ID: <flip@x.test>\r\n" + dotted(1_000_000)
     flipped: list[str] = []

@@ -397,7 +397,22 @@ class Daemon:
                 left = [r.address for r in rcpts if r.index not in attempt.outcomes]
                 self.log.warning("attempt_timed_out", queue_id=env.queue_id, seconds=self.cfg.delivery_timeout_s,
                                  recipients=left, action="retry")
-        c, _pos = q.conclude(attempt, body if isinstance(body, bytes) else None)  # a streamed one: read if needed
+        try:
+            c, _pos = q.conclude(attempt, body if isinstance(body, bytes) else None)  # streamed: read if needed
+        except CorruptRecord as exc:
+            # A streamed body damaged after this attempt checked it (its transaction was cut off before the
+            # final dot): it cannot be copied forward; bounce what is left, as recovery does (554 5.3.0).
+            self.log.error("corrupt_message", queue_id=env.queue_id, error=str(exc), action="bounced")
+            text = f"message data unreadable in queue: {exc}"
+            for r in rcpts:
+                o = attempt.outcomes.get(r.index)
+                if o is None or o.status == "deferred":
+                    attempt.outcomes[r.index] = Outcome(index=r.index, status="failed", code=554, enhanced="5.3.0",
+                                                        text=text)
+                    self.counts["failed"] += 1
+                    self.log.warning("bounced", queue_id=env.queue_id, recipient=r.address, dsn="5.3.0",
+                                     status="bounced", reply=f"554 5.3.0 {text}")
+            c, _pos = q.conclude(attempt, b"")
         for r in c.expired:
             self.counts["failed"] += 1
             self.log.warning("bounced", queue_id=env.queue_id, recipient=r.address, dsn="4.4.7",

@@ -394,10 +394,8 @@ class Queue:
             if body is None:
                 try:
                     body = self.read_body(env)
-                except (StorageError, CorruptRecord):
-                    # EIO, EMFILE: not copied forward this time; the replacement names the old DATA. Damage
-                    # (found after a streamed attempt checked it): the next attempt finds it and bounces it.
-                    body = None
+                except StorageError:
+                    body = None  # EIO, EMFILE: not copied forward this time; the replacement names the old DATA
             if body is not None:
                 data_pos, _ = self.log.append(DataRecord(queue_id=env.queue_id, body=body))
                 rec = msgspec.structs.replace(rec, data=data_pos)
