@@ -46,7 +46,7 @@ from mtaq.edge.server import QueueHandler, connection_gate, start_server
 from mtaq.logs import configure_logging, get_logger
 from mtaq.queue.recovery import move_aside, recover
 from mtaq.queue.runners import RUNNER_READ_RETRY_S, Declined, Dispatcher, Runner
-from mtaq.queue.store import Queue, set_queue_id_shard
+from mtaq.queue.store import Queue, StoredBody, set_queue_id_shard
 from mtaq.storage.archive import ArchiveError, SegmentArchive
 from mtaq.storage.checkpoint import write_checkpoint
 from mtaq.storage.fs import FileSystem, OsFileSystem
@@ -296,9 +296,9 @@ class Daemon:
                 q.revoked.discard(offer.pos)
                 offer.accept()
                 continue
-            body: bytes | None
+            body: bytes | StoredBody | None
             try:
-                body = q.read_body(env)
+                body = q.body_for_delivery(env)  # checked; a large one is sent from the log in pieces
                 problem = ""
             except CorruptRecord as exc:
                 body, problem = None, str(exc)  # damaged for good: bounced (554 5.3.0) with a DSN
@@ -322,12 +322,13 @@ class Daemon:
                 # A full disk, or a bug: never leave the attempt open and forgotten while we run.
                 self.log.exception("delivery_attempt_failed", queue_id=env.queue_id, error=str(exc))
                 try:
-                    q.conclude(attempt, body)
+                    q.conclude(attempt, body if isinstance(body, bytes) else None)
                 except Exception as exc2:
                     # Stays in the working set (so reclamation keeps its envelope); the next recovery ends it.
                     self.log.error("attempt_left_open", queue_id=env.queue_id, error=str(exc2))
 
-    async def _attempt(self, attempt: Attempt, body: bytes | None, problem: str, pool: ConnectionPool) -> None:
+    async def _attempt(self, attempt: Attempt, body: bytes | StoredBody | None, problem: str,
+                       pool: ConnectionPool) -> None:
         """Deliver one started attempt; every recipient's final reply is durable before it counts (I2)."""
         q = self.queue
         env = attempt.envelope
@@ -404,7 +405,22 @@ class Daemon:
                 left = [r.address for r in rcpts if r.index not in attempt.outcomes]
                 self.log.warning("attempt_timed_out", queue_id=env.queue_id, seconds=self.cfg.delivery_timeout_s,
                                  recipients=left, action="retry")
-        c, _pos = q.conclude(attempt, body)
+        try:
+            c, _pos = q.conclude(attempt, body if isinstance(body, bytes) else None)  # streamed: read if needed
+        except CorruptRecord as exc:
+            # A streamed body damaged after this attempt checked it (its transaction was cut off before the
+            # final dot): it cannot be copied forward; bounce what is left, as recovery does (554 5.3.0).
+            self.log.error("corrupt_message", queue_id=env.queue_id, error=str(exc), action="bounced")
+            text = f"message data unreadable in queue: {exc}"
+            for r in rcpts:
+                o = attempt.outcomes.get(r.index)
+                if o is None or o.status == "deferred":
+                    attempt.outcomes[r.index] = Outcome(index=r.index, status="failed", code=554, enhanced="5.3.0",
+                                                        text=text)
+                    self.counts["failed"] += 1
+                    self.log.warning("bounced", queue_id=env.queue_id, recipient=r.address, dsn="5.3.0",
+                                     status="bounced", reply=f"554 5.3.0 {text}")
+            c, _pos = q.conclude(attempt, b"")
         for r in c.expired:
             self.counts["failed"] += 1
             self.log.warning("bounced", queue_id=env.queue_id, recipient=r.address, dsn="4.4.7",

@@ -17,17 +17,19 @@ import asyncio
 import re
 import socket
 import ssl
-from collections.abc import Sequence
-from typing import Literal
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import Literal, Protocol, cast, runtime_checkable
 
 import aiosmtplib
 from aiosmtplib.email import quote_address
 
+from mtaq.core.errors import CorruptRecord, StorageError
 from mtaq.delivery.reply import Reply
 from mtaq.delivery.security import HopSecurity, cert_names_match, verified_context
 
-__all__ = ["HopUnusable", "RelayConnection", "Reply", "TlsLevel", "classify", "local_address_refusal", "split_enhanced",
-           "wire_content"]
+__all__ = ["Content", "DotStuffer", "HopUnusable", "RelayConnection", "Reply", "TlsLevel", "classify",
+           "local_address_refusal", "split_enhanced", "wire_content"]
 
 _ENHANCED = re.compile(r"^([245])\.(\d{1,3})\.(\d{1,3})\s+")
 
@@ -63,17 +65,6 @@ def _dsn_options(params: Sequence[tuple[str, str]], keys: tuple[str, ...]) -> li
                 v = f"{kind};{_xtext(addr)}"
             out.append(f"{k}={v}")
     return out
-
-
-def _refusal(exc: aiosmtplib.SMTPResponseException) -> Reply:
-    """The reply in an exception aiosmtplib raised because it was not the expected one.
-
-    Only 4xx and 5xx are refusals; anything else here (a 2xx to MAIL or to DATA where 354 was due, a 3xx
-    where none belongs) is not a final acceptance, so it counts as a temporary failure and never as delivered.
-    """
-    if 400 <= exc.code < 600:
-        return split_enhanced(exc.code, exc.message)
-    return Reply(451, "4.5.0", f"unexpected reply {exc.code} {' '.join(exc.message.split())}".strip())
 
 
 def local_address_refusal(address: str, *, sender: bool) -> Reply | None:
@@ -386,12 +377,21 @@ class RelayConnection:
         self,
         sender: str,
         recipients: Sequence[str],
-        body: bytes,
+        body: bytes | Content,
         *,
         mail_params: Sequence[tuple[str, str]] = (),
         rcpt_params: Sequence[Sequence[tuple[str, str]]] | None = None,
     ) -> list[Reply]:
         """Offer ``body`` from ``sender`` to ``recipients``; return one final reply per recipient, in order.
+
+        ``body`` is the message as bytes, or a :class:`Content` read in pieces while it is sent (never held
+        whole): if its pieces end in an error (a damaged or unreadable record) the connection is dropped
+        before the final ``.`` (so nothing is delivered) and the recipients get ``451 4.3.0``.
+
+        When the next hop offers PIPELINING (RFC 2920), MAIL, every RCPT and DATA go in one write and the
+        replies are read in order (§3.1: DATA is sent even if every RCPT is refused; its reply, 554 or 503,
+        then only ends the transaction); otherwise one command at a time. Either way each recipient gets
+        its own RCPT reply, or the reply to the end of DATA.
 
         When the next hop offers DSN (``remote_dsn`` is then True), RFC 3461 parameters are passed on: RET and
         ENVID with MAIL, NOTIFY and ORCPT with each RCPT (xtext-encoded, §4).
@@ -445,60 +445,124 @@ class RelayConnection:
                         replies[i] = no_utf8
                 utf8 = False
             enc = "utf-8" if utf8 else "ascii"
+            ropts = [
+                _dsn_options(p, ("NOTIFY", "ORCPT")) if self.remote_dsn else []
+                for p in (rcpt_params or [()] * len(recipients))
+            ]
             try:
-                await c.mail(sender, options=(["SMTPUTF8"] if utf8 else []) + mopts, encoding=enc)
-                break
-            except aiosmtplib.SMTPResponseException as exc:
-                if reused and exc.code == 421:
-                    self._drop()  # the server timed the cached connection out (RFC 5321 §4.5.3.2.7)
-                    continue
-                await self._reset(c)
-                return fill(_refusal(exc))
-            except Exception as exc:
+                mail = _command(b"MAIL FROM:", sender, (["SMTPUTF8"] if utf8 else []) + mopts, enc)
+                rcpts = [(i, _command(b"RCPT TO:", rcpt, ropts[i], enc)) for i, rcpt in enumerate(recipients)
+                         if replies[i] is None]
+            except ValueError as exc:  # a control character in a parameter (aiosmtplib's check): nothing sent
+                return fill(Reply(421, "4.4.2", f"conversation with {self.name}: {_why(exc)}"))
+            conv = _Conversation.start(c)
+            if conv is None:
                 self._drop()
                 if reused:
-                    continue  # a cached connection that was closed under us: once more on a new one
-                return fill(Reply(421, "4.4.2", f"conversation with {self.name}: {_why(exc)}"))
-        ropts = [
-            _dsn_options(p, ("NOTIFY", "ORCPT")) if self.remote_dsn else []
-            for p in (rcpt_params or [()] * len(recipients))
-        ]
-        try:
-            accepted: list[int] = []
-            for i, rcpt in enumerate(recipients):
-                if replies[i] is not None:
                     continue
-                try:
-                    await c.rcpt(rcpt, options=ropts[i], encoding=enc)
-                    accepted.append(i)
-                except aiosmtplib.SMTPResponseException as exc:
-                    if 200 <= exc.code < 300:  # aiosmtplib takes 250 and 251 only; every 2xx accepts (§4.2.1)
-                        accepted.append(i)
-                    else:
-                        replies[i] = _refusal(exc)
-            if not accepted:
-                await self._reset(c)
-                return fill(Reply(450, "4.0.0", "no recipient accepted"))
+                return fill(Reply(421, "4.4.2", f"conversation with {self.name}: connection lost"))
             try:
-                resp = await _data(c, body, self.timeout_s)
-                final = split_enhanced(resp.code, resp.message)
-            except aiosmtplib.SMTPResponseException as exc:
-                final = _refusal(exc)
-                await self._reset(c)
-            for i in accepted:
-                replies[i] = final
-            return fill(final)
-        except Exception as exc:
-            # Lost connection, timeout, or anything unexpected before a final reply: the outcome is unknown
-            # to us (RFC 1047); the connection is in an unknown state. Defer and retry (at-least-once).
-            self._drop()
-            return fill(Reply(421, "4.4.2", f"conversation with {self.name}: {_why(exc)}"))
+                outcome = await self._transaction(conv, c.supports_extension("pipelining"), mail, rcpts, body,
+                                                  replies, reused)
+            except _Retry:
+                self._drop()
+                continue
+            except Exception as exc:
+                # Lost connection, timeout, or anything unexpected before a final reply: the outcome is unknown
+                # to us (RFC 1047); the connection is in an unknown state. Defer and retry (at-least-once).
+                self._drop()
+                return fill(Reply(421, "4.4.2", f"conversation with {self.name}: {_why(exc)}"))
+            if conv.closing or not conv.finish():
+                self._drop()  # 421 (RFC 5321 §3.8), or replies left unread: never reuse it
+            return fill(outcome)
+        return fill(Reply(421, "4.4.2", f"conversation with {self.name}: connection lost"))  # pragma: no cover
 
-    async def _reset(self, c: aiosmtplib.SMTP) -> None:
+    async def _transaction(
+        self,
+        conv: _Conversation,
+        pipelining: bool,
+        mail: bytes,
+        rcpts: list[tuple[int, bytes]],
+        body: bytes | Content,
+        replies: list[Reply | None],
+        reused: bool,
+    ) -> Reply:
+        """MAIL, RCPT..., DATA and the content on ``conv``; sets each refused recipient's reply in
+        ``replies`` and returns the reply for the rest (the final one, or why there is none). Raises
+        _Retry when a reused connection turns out to be closed (or 421) at MAIL, aiosmtplib errors and
+        OSError when the connection fails."""
+        t = self.timeout_s
         try:
-            await c.rset()
+            if pipelining:  # RFC 2920 §3.1: the whole group in one write, the replies read in order
+                conv.write(b"".join([mail, *(line for _, line in rcpts), b"DATA\r\n"]))
+            else:
+                conv.write(mail)
+            resp = await conv.read(t)
+        except (aiosmtplib.SMTPServerDisconnected, aiosmtplib.SMTPTimeoutError):
+            if reused:
+                raise _Retry from None  # a cached connection that was closed under us: once more on a new one
+            raise
+        if resp.code != 250:
+            if reused and resp.code == 421:
+                raise _Retry  # the server timed the cached connection out (RFC 5321 §4.5.3.2.7)
+            if pipelining:
+                try:
+                    for _ in range(len(rcpts) + 1):  # the RCPT and DATA replies (503: no MAIL)
+                        if (await conv.read(t)).code == 354:
+                            conv.closing = True  # in DATA mode without a transaction: never reuse it
+                            break
+                except (aiosmtplib.SMTPException, OSError):
+                    conv.closing = True
+            await self._rset(conv)
+            return _refusal_of(resp)
+        accepted: list[int] = []
+        for i, line in rcpts:
+            if not pipelining:
+                conv.write(line)
+            resp = await conv.read(t)
+            if 200 <= resp.code < 300:  # every 2xx accepts (RFC 5321 §4.2.1)
+                accepted.append(i)
+            else:
+                replies[i] = _refusal_of(resp)
+        if not accepted:
+            if pipelining:
+                resp = await conv.read(t)  # DATA: 554 5.5.1 no valid recipients (RFC 2920 §3.1), or 503
+                if resp.code == 354:
+                    conv.closing = True  # it wants content for no one: drop the connection, send nothing
+                    return Reply(450, "4.0.0", "no recipient accepted")
+            await self._rset(conv)
+            return Reply(450, "4.0.0", "no recipient accepted")
+        if not pipelining:
+            conv.write(b"DATA\r\n")
+        resp = await conv.read(t)
+        if resp.code != 354:
+            await self._rset(conv)
+            return _refusal_of(resp)
+        try:
+            await conv.send_content(body, t)
+        except (CorruptRecord, StorageError) as exc:
+            # The content could not be read to its end (or did not check out): the final "." was never
+            # sent, so the server delivers nothing; the connection is in the middle of DATA: drop it.
+            conv.closing = True
+            return Reply(451, "4.3.0", f"message data could not be read from the queue: {exc}")
+        resp = await conv.read(t)
+        if 200 <= resp.code < 300:  # every 2xx is positive completion (RFC 5321 §4.2.1), not just 250
+            return split_enhanced(resp.code, resp.message)
+        await self._rset(conv)
+        return _refusal_of(resp)
+
+    async def _rset(self, conv: _Conversation) -> None:
+        """RSET after a refusal; a connection that does not take it is dropped (RFC 5321 §4.1.1.5)."""
+        if conv.closing:
+            return
+        try:
+            conv.write(b"RSET\r\n")
+            resp = await conv.read(self.timeout_s)
         except (aiosmtplib.SMTPException, OSError):
-            self._drop()
+            conv.closing = True
+            return
+        if resp.code != 250:
+            conv.closing = True
 
     def abort(self) -> None:
         """Drop the connection at once, without QUIT (a transaction abandoned half-way, a hung server)."""
@@ -516,55 +580,259 @@ class RelayConnection:
 
 
 _LINE_ENDS = re.compile(rb"\r\n|\n|\r(?!\n)")
-_LEADING_DOT = re.compile(rb"(?m)^\.")
+_CONTROL = re.compile(rb"[\x00-\x1f\x7f]")  # aiosmtplib's COMMAND_INJECTION_REGEX
+HEADER_SCAN_BYTES_MAX = 1024 * 1024  # how far a streamed message is read to find its header section
+_REPLY_BYTES_MAX = 64 * 1024  # a reply (all its lines) longer than this is a protocol error
+
+
+@runtime_checkable
+class Content(Protocol):
+    """A message that is not held in memory: ``size`` bytes given by ``pieces()`` in order (a new iterator
+    each call). The iterator may raise CorruptRecord or StorageError, after its last piece too (a checksum
+    checked at the end): the content counts as sent only when the iteration ended without an error."""
+
+    @property
+    def size(self) -> int: ...
+
+    def pieces(self) -> Iterator[bytes]: ...
+
+
+class DotStuffer:
+    """What follows the 354 reply to DATA, piece by piece (RFC 5321 §4.5.2, §4.1.1.4): CRLF line ends (a
+    bare CR or LF made CRLF), a leading dot doubled on every line, also where a line starts a piece or a
+    CRLF is split between two pieces; :meth:`end` ends the last line with CRLF if needed and adds ``.``
+    CRLF. The output for any division into pieces is :func:`wire_content` of the whole.
+
+    Per piece: three byte counts and one or two searches; a regular expression only when a bare CR or LF
+    is there.
+    """
+
+    __slots__ = ("_cr", "_line_start", "_started")
+
+    def __init__(self) -> None:
+        self._line_start = True  # the next byte starts a line
+        self._cr = False  # a CR ended the last piece: held back until we know whether LF follows
+        self._started = False
+
+    def feed(self, piece: bytes) -> bytes:
+        if self._cr:
+            piece, self._cr = b"\r" + piece, False
+        if piece.endswith(b"\r"):
+            piece, self._cr = piece[:-1], True
+        if not piece:
+            return b""
+        n = piece.count(b"\n")
+        if piece.count(b"\r") != n or (n and piece.count(b"\r\n") != n):
+            piece = _LINE_ENDS.sub(b"\r\n", piece)
+        if b"." in piece and b"\n." in piece:  # "." first: one memchr pass, and base64 has no dots
+            piece = piece.replace(b"\n.", b"\n..")
+        if self._line_start and piece.startswith(b"."):
+            piece = b"." + piece
+        self._line_start = piece.endswith(b"\n")
+        self._started = True
+        return piece
+
+    def end(self) -> bytes:
+        if self._cr:  # a bare CR at the very end
+            self._cr, self._line_start, self._started = False, True, True
+            return b"\r\n.\r\n"
+        return b".\r\n" if self._started and self._line_start else b"\r\n.\r\n"
 
 
 def wire_content(body: bytes) -> bytes:
     """What follows the 354 reply to DATA: ``body`` with CRLF line ends (a bare CR or LF made CRLF), ending
-    in CRLF, dot-stuffed (RFC 5321 §4.5.2), then ``.`` CRLF (§4.1.1.4). The same bytes aiosmtplib sends.
+    in CRLF, dot-stuffed (RFC 5321 §4.5.2), then ``.`` CRLF (§4.1.1.4). The same bytes aiosmtplib sends."""
+    d = DotStuffer()
+    return d.feed(body) + d.end()
 
-    The regular expressions run only when a bare CR or LF, or a line starting with a dot, is present: for a
-    message already in CRLF form without such lines it is a few byte counts and one copy.
+
+class _Retry(Exception):
+    """A reused connection was found closed (or answered 421) at MAIL: try once more on a new one."""
+
+
+def _command(verb: bytes, address: str, options: Sequence[str], enc: str) -> bytes:
+    """``verb`` + ``<address>`` + options + CRLF, as aiosmtplib's ``mail``/``rcpt`` write it for an address
+    that passed :func:`local_address_refusal` (its ``quote_address`` is then ``<address>``: not parsed
+    again). Raises ValueError for a control character (aiosmtplib's command-injection check) or an
+    address that cannot be encoded in ``enc``."""
+    line = verb + f"<{address}>".encode(enc) + b"".join(b" " + o.encode("ascii") for o in options)
+    if _CONTROL.search(line):
+        raise ValueError("Command arg contains a prohibited control character")
+    return line + b"\r\n"
+
+
+def _refusal_of(resp: aiosmtplib.SMTPResponse) -> Reply:
+    """A reply that is not the expected one: 4xx and 5xx as they are; anything else (a 2xx to MAIL other
+    than 250, a 3xx where none belongs) is not an acceptance: a temporary failure, never delivered."""
+    if 400 <= resp.code < 600:
+        return split_enhanced(resp.code, resp.message)
+    return Reply(451, "4.5.0", f"unexpected reply {resp.code} {' '.join(resp.message.split())}".strip())
+
+
+class _Conversation(asyncio.Protocol):
+    """One mail transaction on an open aiosmtplib connection, driven here (RFC 2920 pipelining).
+
+    aiosmtplib's protocol keeps one reply at a time and drops what arrives before it is picked up, so it
+    cannot read pipelined replies. For the transaction this object becomes the transport's protocol (plain
+    or TLS: the same ``set_protocol``); it keeps every reply in order, tells aiosmtplib's protocol of a lost
+    connection and of flow control, and :meth:`finish` gives the transport back to it. Writes go straight
+    to the transport; :meth:`drain` waits while its buffer is over the high-water mark.
     """
-    crlf = body.count(b"\r\n")
-    if body.count(b"\r") == crlf and body.count(b"\n") == crlf:
-        msg = body if body.endswith(b"\r\n") else body + b"\r\n"
-    else:
-        msg = _LINE_ENDS.sub(b"\r\n", body)
-        if not msg.endswith(b"\r\n"):
-            msg += b"\r\n"
-    if msg.startswith(b".") or b"\n." in msg:
-        msg = _LEADING_DOT.sub(b"..", msg)
-    return msg + b".\r\n"
+
+    def __init__(self, inner: asyncio.BaseProtocol, transport: asyncio.WriteTransport) -> None:
+        self._inner = inner
+        self._transport = transport
+        self._buf = bytearray()
+        self._replies: deque[aiosmtplib.SMTPResponse] = deque()
+        self._failure: Exception | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._paused = False
+        self.closing = False  # drop the connection after the transaction (421, or in an unknown state)
+
+    @classmethod
+    def start(cls, c: aiosmtplib.SMTP) -> _Conversation | None:
+        """Take over the transport of ``c``; None when it is not connected."""
+        proto = c.protocol
+        transport = proto.transport if proto is not None else None
+        if proto is None or transport is None or transport.is_closing():
+            return None
+        conv = cls(proto, cast(asyncio.WriteTransport, transport))
+        transport.set_protocol(conv)
+        return conv
+
+    def finish(self) -> bool:
+        """Give the transport back to aiosmtplib; False when the connection must not be reused (closed, or
+        replies or bytes left unread)."""
+        t = self._transport
+        if t.is_closing():
+            return False
+        t.set_protocol(self._inner)
+        return not self._buf and not self._replies and self._failure is None
+
+    # asyncio.Protocol
+    def data_received(self, data: bytes) -> None:
+        self._buf += data
+        try:
+            while (resp := self._parse()) is not None:
+                self._replies.append(resp)
+        except aiosmtplib.SMTPResponseException as exc:
+            self._failure = exc
+        self._wake()
+
+    def eof_received(self) -> bool:
+        self._failure = self._failure or aiosmtplib.SMTPServerDisconnected("Unexpected EOF received")
+        self._wake()
+        return False  # close the transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        lost = aiosmtplib.SMTPServerDisconnected("Connection lost")
+        lost.__cause__ = exc
+        self._failure = self._failure or lost
+        self._paused = False
+        self._wake()
+        self._inner.connection_lost(exc)  # aiosmtplib forgets the connection
+
+    def pause_writing(self) -> None:
+        self._paused = True
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        self._wake()
+        self._inner.resume_writing()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _parse(self) -> aiosmtplib.SMTPResponse | None:
+        """One complete reply from the front of the buffer (RFC 5321 §4.2.1: ``ddd-`` continues, ``ddd``
+        SP ends), or None. Raises SMTPResponseException for a malformed or too long reply."""
+        buf, off, code, lines = self._buf, 0, -1, []
+        while (nl := buf.find(b"\n", off)) >= 0:
+            line = bytes(buf[off : nl + 1])
+            try:
+                code = int(line[:3])
+            except ValueError:
+                raise aiosmtplib.SMTPResponseException(
+                    -1, f"Malformed SMTP response line: {line.decode('utf-8', 'replace')!r}"
+                ) from None
+            lines.append(line[4:].strip(b" \t\r\n"))
+            off = nl + 1
+            if line[3:4] != b"-":
+                del buf[:off]
+                return aiosmtplib.SMTPResponse(code, b"\n".join(lines).decode("utf-8", "surrogateescape"))
+        if len(buf) > _REPLY_BYTES_MAX:
+            raise aiosmtplib.SMTPResponseException(-1, "Response too long")
+        return None
+
+    async def _wait(self, timeout_s: float, what: str) -> None:
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._waiter
+        except TimeoutError:
+            self.closing = True
+            raise aiosmtplib.SMTPReadTimeoutError(f"Timed out {what}") from None
+        finally:
+            self._waiter = None
+
+    # the transaction
+    def write(self, data: bytes) -> None:
+        if self._failure is not None:
+            raise self._failure
+        if self._transport.is_closing():
+            raise aiosmtplib.SMTPServerDisconnected("Connection lost")
+        self._transport.write(data)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Wait while the transport's buffer is full (the server reads slower than we read the log)."""
+        while self._paused and self._failure is None:
+            await self._wait(timeout_s, "writing to the server")
+        if self._failure is not None:
+            raise self._failure
+
+    async def read(self, timeout_s: float) -> aiosmtplib.SMTPResponse:
+        """The next reply, in the order the commands were sent. Raises SMTPServerDisconnected,
+        SMTPReadTimeoutError, SMTPResponseException (malformed reply)."""
+        while not self._replies:
+            if self._failure is not None:
+                raise self._failure
+            await self._wait(timeout_s, "waiting for server response")
+        resp = self._replies.popleft()
+        if resp.code == 421:
+            self.closing = True  # the server is closing the connection (RFC 5321 §3.8)
+        return resp
+
+    async def send_content(self, body: bytes | Content, timeout_s: float) -> None:
+        """The content after 354, dot-stuffed, and the final ``.`` CRLF, which is written only after the
+        content was read to its end without an error (CorruptRecord, StorageError propagate before it)."""
+        d = DotStuffer()
+        if isinstance(body, bytes):
+            self.write(d.feed(body) + d.end())
+            return
+        for piece in body.pieces():
+            out = d.feed(piece)
+            if out:
+                self.write(out)
+                await self.drain(timeout_s)
+        self.write(d.end())
 
 
-async def _data(c: aiosmtplib.SMTP, body: bytes, timeout_s: float) -> aiosmtplib.SMTPResponse:
-    """DATA, the content (:func:`wire_content`), and the final reply; as aiosmtplib's ``SMTP.data`` without
-    its two passes of regular expressions over every message (most of the delivery CPU for large mail).
-
-    The connection is used by one delivery at a time (its pool marks it busy), so the content and the
-    reply read after it cannot interleave with another command. Raises SMTPDataError for a reply other than
-    354 or 2xx, SMTPServerDisconnected or SMTPTimeoutError (the connection is then closed).
-    """
-    start = await c.execute_command(b"DATA")
-    if start.code != 354:
-        raise aiosmtplib.SMTPDataError(start.code, start.message)
-    proto = c.protocol
-    if proto is None:
-        raise aiosmtplib.SMTPServerDisconnected("Connection lost")
-    try:
-        proto.write(wire_content(body))
-        resp = await proto.read_response(timeout=timeout_s)
-    except (aiosmtplib.SMTPServerDisconnected, aiosmtplib.SMTPTimeoutError):
-        c.close()
-        raise
-    if not 200 <= resp.code < 300:  # every 2xx is positive completion (RFC 5321 §4.2.1), not just 250
-        raise aiosmtplib.SMTPDataError(resp.code, resp.message)
-    return resp
-
-
-def _header_section(body: bytes) -> bytes:
-    """The header lines of a message (up to the first empty line; RFC 5322 §2.1)."""
+def _header_section(body: bytes | Content) -> bytes:
+    """The header lines of a message (up to the first empty line; RFC 5322 §2.1). Of streamed content at
+    most the first ``HEADER_SCAN_BYTES_MAX`` bytes are read (not checked: it only decides SMTPUTF8)."""
+    if not isinstance(body, bytes):
+        buf = b""
+        try:
+            for piece in body.pieces():
+                buf += piece
+                if b"\r\n\r\n" in buf or b"\n\n" in buf or len(buf) >= HEADER_SCAN_BYTES_MAX:
+                    break
+        except (CorruptRecord, StorageError):
+            pass  # found again (and acted on) when the content is sent
+        body = buf
     end = body.find(b"\r\n\r\n")
     if end < 0:
         end = body.find(b"\n\n")

@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from mtaq.delivery.relay import RelayConnection, Reply, TlsLevel
+from mtaq.delivery.relay import Content, RelayConnection, Reply, TlsLevel
 from mtaq.delivery.routing import Candidate, Route, RouteFailure, Router
 from mtaq.delivery.sasl import SaslClient, nexthop_keys
 from mtaq.delivery.security import Credentials, HopSecurity
@@ -140,7 +140,7 @@ async def deliver(
     pool: ConnectionPool,
     sender: str,
     recipients: Sequence[str],
-    body: bytes,
+    body: bytes | Content,
     *,
     mail_params: Sequence[tuple[str, str]] = (),
     rcpt_params: Sequence[Sequence[tuple[str, str]]] | None = None,
@@ -151,6 +151,9 @@ async def deliver(
     peers: PeerPolicy | None = None,
 ) -> None:
     """Deliver ``body`` to ``recipients``; every position gets exactly one final reply through ``record``.
+
+    ``body`` is the message as bytes, or :class:`~mtaq.delivery.relay.Content` read in pieces as it is sent
+    (once per transaction; a large message is never held in memory).
 
     ``record`` is awaited for each batch (the caller makes it durable there). ``on_hop_failure`` hears of
     each host that was given up on for some recipients before the next one was tried. ``throttle`` holds
@@ -185,7 +188,7 @@ async def _deliver_group(
     sender: str,
     recipients: Sequence[str],
     params: Sequence[Sequence[tuple[str, str]]],
-    body: bytes,
+    body: bytes | Content,
     mail_params: Sequence[tuple[str, str]],
     record: Callable[[Batch], Awaitable[None]],
     on_hop_failure: Callable[[HopFailure], None],

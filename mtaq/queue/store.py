@@ -20,7 +20,7 @@ import asyncio
 import os
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import msgspec
 
@@ -36,13 +36,59 @@ from mtaq.core.records import (
     Outcome,
     Pos,
     Recipient,
+    RecordType,
     StartRecord,
+    encode_data_prefix,
 )
 from mtaq.core.state import Attempt, Conclusion, DsnItem, RetryPolicy, WorkingSet, conclude, format_reply
-from mtaq.storage.log import Log, storage_error
+from mtaq.storage.log import PIECE_BYTES, Log, storage_error
 from mtaq.storage.spill import MEMORY_BYTES, BodyBuffer
 
-__all__ = ["Queue", "new_queue_id", "queue_id_shard", "set_queue_id_shard"]
+__all__ = ["STREAM_BYTES_MIN", "Queue", "StoredBody", "new_queue_id", "queue_id_shard", "set_queue_id_shard"]
+
+STREAM_BYTES_MIN = 256 * 1024  # a body of this many bytes or more is sent from the log in pieces
+
+
+class StoredBody:
+    """The body of the DATA record of ``env``, read from the log in pieces (issue 15.2).
+
+    ``size`` is its length in bytes. :meth:`pieces` gives the body in order, in pieces of at most
+    ``piece_bytes``; after the last piece it checks the record (queue ID, length, frame checksum) and
+    raises CorruptRecord if it does not check out: a consumer (delivery) must not complete anything with
+    the bytes before the iteration has ended without an error. StorageError on I/O errors.
+    """
+
+    __slots__ = ("_log", "_pos", "_prefix", "piece_bytes", "queue_id", "size")
+
+    def __init__(self, log: Log, env: EnvelopeRecord, *, piece_bytes: int = PIECE_BYTES) -> None:
+        self._log = log
+        self._pos = env.data
+        self.queue_id = env.queue_id
+        self.size = env.size
+        self._prefix = encode_data_prefix(env.queue_id, env.size)  # the payload before the body's bytes
+        self.piece_bytes = piece_bytes
+
+    def pieces(self) -> Iterator[bytes]:
+        rest, seen = self._prefix, 0  # the prefix (msgpack array, tag, queue ID, length) must be what we expect
+        for piece in self._log.read_payload(self._pos, int(RecordType.DATA), piece_bytes=self.piece_bytes):
+            if rest:
+                n = min(len(rest), len(piece))
+                if piece[:n] != rest[:n]:
+                    raise CorruptRecord(f"{self.queue_id}: data reference {self._pos} is not its DATA record")
+                piece, rest = piece[n:], rest[n:]
+                if not piece:
+                    continue
+            seen += len(piece)
+            if seen > self.size:
+                raise CorruptRecord(f"{self.queue_id}: DATA record at {self._pos} is longer than {self.size} bytes")
+            yield piece
+        if seen != self.size or rest:
+            raise CorruptRecord(f"{self.queue_id}: DATA record at {self._pos} is {seen} bytes, not {self.size}")
+
+    def verify(self) -> None:
+        """Read the whole body once (in pieces) and check it. Raises CorruptRecord, StorageError."""
+        for _piece in self.pieces():
+            pass
 
 _B32 = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"  # Crockford base32: no I, L, O, U
 _last_us = 0
@@ -120,6 +166,7 @@ class Queue:
         # A body being received is kept in memory up to this many bytes, then in an unnamed temporary file
         # in the log's directory, and copied into the log in pieces (issue 13.4; see new_body).
         self.body_memory_bytes = MEMORY_BYTES
+        self.stream_bytes_min = STREAM_BYTES_MIN  # bodies this large are delivered from the log in pieces
         self.counts = QueueCounts()  # messages by state (mtaq queue size)
         self.parked = Parked()  # held and delayed envelopes, which no runner reads
         # Envelopes an administrator's action started while a runner or the parked scheduler may still offer
@@ -302,6 +349,18 @@ class Queue:
         if isinstance(rec, EnvelopeRecord) and rec.runner == PARKED:
             self.parked.add(pos, rec)
         return rec, pos, lsn
+
+    def body_for_delivery(self, env: EnvelopeRecord) -> bytes | StoredBody:
+        """The message content to send: the bytes when smaller than :attr:`stream_bytes_min`, else a
+        :class:`StoredBody` read from the log in pieces while it is sent (memory bounded by the piece size,
+        not the message; issue 15.2). Either way the DATA record has been checked (its checksum in a
+        streaming pass) before anything is sent. Raises CorruptRecord, StorageError as :meth:`read_body`.
+        """
+        if env.size < self.stream_bytes_min:
+            return self.read_body(env)
+        body = StoredBody(self.log, env)
+        body.verify()
+        return body
 
     def read_body(self, env: EnvelopeRecord) -> bytes:
         """The message content. Raises CorruptRecord when the DATA record does not check out."""

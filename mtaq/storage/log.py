@@ -28,6 +28,7 @@ import errno
 import os
 import secrets
 import time
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -70,8 +71,9 @@ from mtaq.storage.fs import File, FileSystem
 from mtaq.testing import killpoints
 
 FILES_OPEN_MAX = 64  # segment files kept open for reading (besides those being written)
+PIECE_BYTES = 64 * 1024  # bytes per read of Log.read_payload
 
-__all__ = ["FILES_OPEN_MAX", "FREE_BYTES_TTL_S", "Log", "LogStats", "OpenReport", "list_segments", "scan_log", "segment_path",
+__all__ = ["FILES_OPEN_MAX", "FREE_BYTES_TTL_S", "PIECE_BYTES", "Log", "LogStats", "OpenReport", "list_segments", "scan_log", "segment_path",
            "storage_error"]
 
 _SUFFIX = ".seg"
@@ -648,6 +650,48 @@ class Log:
             return decode_payload(res.rtype, res.payload)
         except PayloadError as exc:
             raise CorruptRecord(f"segment {pos.segment} offset {pos.offset}: {exc}") from exc
+
+    def read_payload(self, pos: Pos, rtype: int, *, piece_bytes: int = PIECE_BYTES) -> Iterator[bytes]:
+        """The payload of the frame of type ``rtype`` at ``pos``, in order, in pieces of at most
+        ``piece_bytes`` bytes, never held whole (issue 15.2: a large message is sent as it is read).
+
+        The frame checksum covers the whole payload, so it can only be checked once every piece has been
+        read: the iterator raises CorruptRecord *after* the last piece when the frame does not check out
+        (at once for a damaged header, another type or a length past the end of the segment). A consumer
+        must treat what it was given as good only when the iteration ended without an error. Raises
+        StorageError on I/O errors, CorruptRecord for a missing segment.
+        """
+        where = f"segment {pos.segment} offset {pos.offset}"
+        try:
+            f, salt = self._file(pos.segment)
+            head = f.pread(pos.offset, FRAME_HEADER_BYTES)
+            if len(head) < FRAME_HEADER_BYTES:
+                raise CorruptRecord(f"{where}: beyond end of segment")
+            length = int.from_bytes(head[4:8], "little")
+            bad = decode_frame(head[:8] + bytes(4), 0, salt)  # magic, type, flags, length (no payload: NeedMore)
+            if isinstance(bad, BadFrame) and length:
+                raise CorruptRecord(f"{where}: {bad.reason}")
+            if head[2] != rtype:
+                raise CorruptRecord(f"{where}: record type {head[2]}, not {rtype}")
+            at = pos.offset + FRAME_HEADER_BYTES
+            end = at + length
+            if end > f.size():
+                raise CorruptRecord(f"{where}: frame length {length} runs past the end of the segment")
+            crc = zlib.crc32(head[:8], salt)
+            while at < end:
+                f, _salt = self._file(pos.segment)  # each time: the LRU may have closed it in between
+                piece = f.pread(at, min(piece_bytes, end - at))
+                if not piece:
+                    raise CorruptRecord(f"{where}: cut off at {at}")
+                crc = zlib.crc32(piece, crc)
+                at += len(piece)
+                yield piece
+        except FileNotFoundError as exc:
+            raise CorruptRecord(f"segment {pos.segment} is missing") from exc
+        except OSError as exc:
+            raise storage_error(exc, f"reading segment {pos.segment}") from exc
+        if crc != int.from_bytes(head[8:12], "little"):
+            raise CorruptRecord(f"{where}: checksum mismatch")
 
     def repair_segment(self, scan: SegmentScan) -> None:
         """Truncate a torn tail of an older, unsealed segment and seal it (a crash at a roll-over)."""
