@@ -49,7 +49,7 @@ from mtaq.analytics.tables import AGE_BUCKETS_MIN, DELAY_BUCKETS_S, Result, buck
 
 __all__ = ["AGE_BUCKETS_MIN", "DELAY_BUCKETS_S", "Options", "Result", "analyze", "spark_session"]
 
-PARTITION_STORED_BYTES = 32 * 1024 * 1024  # segment bytes per partition of the cached rows (see analyze)
+PARTITION_STORED_BYTES = 64 * 1024 * 1024  # segment bytes per partition of the cached rows (see analyze)
 TOP_ROWS_COLLECTED = 1000  # rows of the senders and recipients tables the driver gets (by count and by bytes)
 
 REJECTED_NOTE = (
@@ -87,13 +87,33 @@ def spark_session(master: str | None = None, conf: Sequence[tuple[str, str]] = (
         b = b.master("local[*]")
     b = b.config("spark.sql.session.timeZone", "UTC").config("spark.ui.showConsoleProgress", "true")
     # The tables are small after aggregation: Spark's 200 shuffle partitions cost more than they bring here.
-    b = b.config("spark.sql.shuffle.partitions", "16")
+    # On this machine (local[N]) one per core: each task of the job's many small stages costs scheduling
+    # time on the same cores (docs/performance.md, "Analytics"). No web UI for a batch job on this machine.
+    b = b.config("spark.sql.shuffle.partitions", str(_local_cores(master) or 16))
+    if _local_cores(master):
+        b = b.config("spark.ui.enabled", "false")
     for k, v in conf:
         b = b.config(k, v)
     spark = b.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     spark.conf.set("spark.sql.session.timeZone", "UTC")
     return spark
+
+
+def _local_cores(master: str | None) -> int | None:
+    """Cores of a ``local``/``local[N]``/``local[*]`` master (None for any other, or under spark-submit)."""
+    if "PYSPARK_GATEWAY_PORT" in os.environ and master is None:
+        return None
+    m = master or "local[*]"
+    if m == "local":
+        return 1
+    if m.startswith("local[") and m.endswith("]"):
+        n = m[6:-1].split(",")[0]
+        if n == "*":
+            return os.cpu_count() or 2
+        if n.isdigit() and int(n) > 0:
+            return int(n)
+    return None
 
 
 def _worker_python(master: str | None) -> str | None:
@@ -186,10 +206,12 @@ def _bucket_label(bounds: Sequence[int], unit: str, value: Column) -> Column:
 _KEYED = ("ENVELOPE", "START", "DELIVERY", "FINISH")
 
 
-def _collect_tables(named: dict[str, DataFrame]) -> dict[str, list[dict[str, Any]]]:
+def _collect_tables(named: dict[str, DataFrame], also: Sequence[Callable[[], None]] = ()) -> dict[str, list[dict[str, Any]]]:
     """Collect many small DataFrames as Arrow, from a few driver threads at once, so that Spark schedules
     their stages together (one plan each: a union of them all took seconds to plan). Timestamps come back
-    as naive UTC datetimes (as ``collect()`` gives them with TZ=UTC), rows in no particular order."""
+    as naive UTC datetimes (as ``collect()`` gives them with TZ=UTC), rows in no particular order.
+    ``also``: other Spark actions (the Parquet writes) run by the same threads, started first; their
+    errors are raised here."""
     from concurrent.futures import ThreadPoolExecutor
 
     import pyarrow as pa
@@ -205,9 +227,13 @@ def _collect_tables(named: dict[str, DataFrame]) -> dict[str, list[dict[str, Any
         rows: list[dict[str, Any]] = pa.Table.from_arrays(cols, names=got.schema.names).to_pylist()
         return rows
 
-    with ThreadPoolExecutor(max_workers=4, thread_name_prefix="mtaq-collect") as pool:
+    with ThreadPoolExecutor(max_workers=4 + len(also), thread_name_prefix="mtaq-collect") as pool:
+        started = [pool.submit(action) for action in also]
         futures = {name: pool.submit(one, df) for name, df in named.items()}
-        return {name: f.result() for name, f in futures.items()}
+        got = {name: f.result() for name, f in futures.items()}
+        for f in started:
+            f.result()
+        return got
 
 
 def _sorted(rows: list[dict[str, Any]], *keys: str) -> list[dict[str, Any]]:
@@ -357,7 +383,6 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
     received = msgs.filter(F.col("first_seen") & (F.col("bounce_of") == "") & _window(F.col("arrival_ts"), since, until))
 
     # --------------------------------------------------------------------------- the small tables
-    say("computing every table (one Spark job)")
     totals_r = received.agg(
         F.count("*").alias("received"), F.coalesce(F.sum("size"), F.lit(0)).alias("bytes_received"))
     totals_d = msgs.filter(F.col("first_seen") & (F.col("bounce_of") != "") & _window(F.col("arrival_ts"), since, until)
@@ -467,6 +492,16 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
     )
     qshape_now = pending.groupBy(F.coalesce("rcpt_domain", F.lit("?")).alias("domain")).agg(
         F.count("*").alias("recipients"), *(F.count(F.when(F.col("age") == a, 1)).alias(a) for a in age_labels))
+    # The big tables are written by the executors at the same time as the small ones are collected: the
+    # stages of both share the cores (each alone left them idle between its short stages).
+    say(f"computing every table and writing the outcomes, messages, senders and recipients tables (Parquet, {big})")
+    writes = [
+        lambda: senders.write.mode("overwrite").parquet(f"{tables_dir}/senders"),
+        lambda: recipients.write.mode("overwrite").parquet(f"{tables_dir}/recipients"),
+        lambda: oe.withColumn("date", F.to_date("ts")).write.mode("overwrite").partitionBy("date").parquet(
+            f"{big}/outcomes"),
+        lambda: msgs.write.mode("overwrite").parquet(f"{big}/messages"),
+    ]
     got = _collect_tables({
         "totals_r": totals_r, "totals_d": totals_d, "totals_o": totals_o, "deferred_rcpts": deferred_rcpts,
         "counts": senders.agg(F.count("*").alias("senders")).crossJoin(
@@ -478,8 +513,8 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
         "senders_by_bytes": senders.orderBy(F.desc("bytes"), "sender").limit(shown),
         "recipients_by_count": recipients.orderBy(F.desc("delivered"), F.desc("bytes"), "rcpt_address").limit(shown),
         "recipients_by_bytes": recipients.orderBy(F.desc("bytes"), "rcpt_address").limit(shown),
-    })
-    say("tables collected")
+    }, also=writes)
+    say("tables collected and written")
     [r] = got["totals_r"]
     [d] = got["totals_d"]
     [o] = got["totals_o"]
@@ -553,7 +588,7 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
                        for r in _sorted(got["qshape_now"], "-recipients", "domain")],
         "segments": _sorted(got["segments"], "segment", "file"),
     }
-    say("writing the tables (Parquet)")
+    say("writing the small tables (Parquet)")
     os.makedirs(tables_dir, exist_ok=True)
     schemas = {"problems": problems_df, "unknown": unknown_df, "sender_domains": sender_domains,
                "reasons": reasons, "hourly": hourly, "delays": delays, "attempts": attempts, "qshape": qshape,
@@ -563,11 +598,6 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
             continue
         _write_small(os.path.join(tables_dir, name), rows, schemas.get(name))
     _write_small(os.path.join(tables_dir, "totals"), [totals], None)
-    say(f"writing the outcomes, messages, senders and recipients tables (Parquet, {big})")
-    senders.write.mode("overwrite").parquet(f"{tables_dir}/senders")
-    recipients.write.mode("overwrite").parquet(f"{tables_dir}/recipients")
-    oe.withColumn("date", F.to_date("ts")).write.mode("overwrite").partitionBy("date").parquet(f"{big}/outcomes")
-    msgs.write.mode("overwrite").parquet(f"{big}/messages")
     os.makedirs(opts.out, exist_ok=True)
     with open(os.path.join(opts.out, "totals.json"), "w", encoding="utf-8") as f:
         json.dump(totals, f, indent=2, default=str)
