@@ -10,7 +10,11 @@ bounced (5xx), 5 % deferred three times then delivered; 1-3 recipients per messa
 * ``spark_scan``: the ``mtaq`` data source alone on ``--master`` (parse + count of rows);
 * ``spark_job``: the whole ``mtaq analyze`` job (every table, Parquet, report), in the same Spark session;
 * ``spark_job_cold_process`` (``--cold``): ``mtaq analyze`` run as a user runs it, in a fresh process,
-  JVM and Spark start-up included.
+  JVM and Spark start-up included;
+* ``pflogsumm`` (``--pflogsumm``): the same messages as Postfix 3.7 would have logged them (smtpd, cleanup,
+  qmgr, smtp lines with mtaq's queue IDs, one smtp line per recipient outcome; :func:`postfix_log`), read by
+  ``pflogsumm`` (Debian package) just before the fresh-process job; its totals (received, delivered) are
+  checked against the segments'. ``cold_job_vs_pflogsumm_per_message`` > 1 means mtaq is faster per message.
 
 Prints one JSON object: for each, seconds, records/s, MB/s (segment bytes, DATA included) and messages/s
 (received + DSNs, to compare with pflogsumm's messages/s); the load average; whether the totals agree.
@@ -175,6 +179,9 @@ def main() -> int:
     ap.add_argument("--event-log", metavar="DIR", help="write Spark's event log there (stage and task times)")
     ap.add_argument("--cold", action="store_true",
                     help="also time `mtaq analyze` in a fresh process (Spark start-up included)")
+    ap.add_argument("--pflogsumm", action="store_true",
+                    help="also write Postfix's log of the same messages and time pflogsumm on it (right before "
+                         "the fresh-process job; implies --cold)")
     args = ap.parse_args()
     spool = os.path.join(args.dir, "spool")
     t = time.monotonic()
@@ -211,6 +218,17 @@ def main() -> int:
     job_s = time.monotonic() - t
     spark.stop()
     cold_s = None
+    pfl: dict[str, object] | None = None
+    if args.pflogsumm:
+        args.cold = True
+        pf_path = os.path.join(args.dir, "postfix.log")
+        made = postfix_log(spool, pf_path)
+        got = run_pflogsumm(pf_path)
+        seconds = float(got["s"])
+        pfl = {**got, "lines": made["lines"], "log_bytes": os.path.getsize(pf_path),
+               "messages_per_s": round(made["messages"] / seconds),
+               "mb_per_s": round(os.path.getsize(pf_path) / 1e6 / seconds, 1),
+               "totals_agree": got["received"] == made["messages"] and got["delivered"] == made["delivered"]}
     if args.cold:
         # The whole job as a user runs it: a fresh process, Spark start-up included.
         t = time.monotonic()
@@ -239,6 +257,9 @@ def main() -> int:
         "spark_scan": rates(scan_s),
         "spark_job": rates(job_s),
         "spark_job_cold_process": rates(cold_s) if cold_s is not None else None,
+        "pflogsumm": pfl,
+        "cold_job_vs_pflogsumm_per_message": (round(float(pfl["s"]) / cold_s, 2)  # type: ignore[arg-type]
+                                              if pfl is not None and cold_s else None),
         "totals_agree": all(a == b for a, b in same.values()),
         "totals": same,
     }))

@@ -39,10 +39,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pyspark import StorageLevel
-from pyspark.sql import Column, DataFrame, SparkSession, Window
+from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from mtaq.analytics.datasource import PARTITION_BYTES_DEFAULT, register
+from mtaq.analytics.facts import EVERY_COLUMNS, FACTS_DDL, MESSAGE_COLUMNS
+from mtaq.analytics.facts import facts as partition_facts
 from mtaq.analytics.report import write_report
 from mtaq.analytics.source import discover
 from mtaq.analytics.tables import AGE_BUCKETS_MIN, DELAY_BUCKETS_S, Result, bucket_labels
@@ -323,7 +325,7 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
     end_value = until if until is not None else inventory["last_ts"]
     end_ts = F.lit(end_value).cast("timestamp")
 
-    env, start, fin = rt == "ENVELOPE", rt == "START", rt == "FINISH"
+    env = rt == "ENVELOPE"
     # Per recipient (queue_id, rcpt_index): its address. Grouped within the queue-ID partitions: no shuffle.
     # Strings are grouping keys here, never aggregated: Spark's hash aggregation keeps only fixed-width
     # buffers, so a max() of a string (or a distinct count, or collect_set) made it sort every row of every
@@ -331,51 +333,12 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
     # and address), sender and bounce_of (a replacement copies them), so these groups are one per
     # recipient and one per message.
     rcpts = base.filter(env).select("queue_id", "rcpt_index", "rcpt_address", "rcpt_domain").distinct()
-    who = base.filter(env).select("queue_id", "sender", "sender_domain", "bounce_of").distinct()
-    msgs = (
-        base.filter(rt.isin("ENVELOPE", "START", "FINISH"))
-        .groupBy("queue_id")
-        .agg(
-            F.min(F.when(env, F.col("arrival_ts"))).alias("arrival_ts"),
-            F.max(F.when(env, F.col("size"))).alias("size"),
-            F.max(F.when(env, F.col("generation") == 0)).alias("first_seen"),
-            F.count(F.when(start, 1)).alias("attempts"),
-            F.max(F.when(fin, F.col("ts"))).alias("finish_ts"),
-            F.count(F.when(env, 1)).alias("_envelope_rows"),
-        )
-        .filter(F.col("_envelope_rows") > 0)
-        .drop("_envelope_rows")
-        .join(who.hint("shuffle_hash"), "queue_id", "left")
-        .join(rcpts.groupBy("queue_id").agg(F.count("*").alias("recipients")).hint("shuffle_hash"), "queue_id", "left")
-        .select("queue_id", "arrival_ts", "size", "sender", "sender_domain", "bounce_of", "first_seen", "recipients",
-                "attempts", "finish_ts")
-        .persist(StorageLevel.MEMORY_AND_DISK)
-    )
-    outcomes = (
-        base.filter(rt == "DELIVERY")
-        .select("queue_id", "rcpt_index", "ts", "status", "code", "enhanced", "text", "relay", "segment", "offset")
-        .join(rcpts.hint("shuffle_hash"), ["queue_id", "rcpt_index"], "left")
-        .join(msgs.select("queue_id", "arrival_ts", "size", "sender", "bounce_of", "finish_ts").hint("shuffle_hash"),
-              "queue_id", "left")
-        .withColumn("delay_s", _seconds_between(F.col("ts"), F.col("arrival_ts")))
-    )
-    last = Window.partitionBy("queue_id", "rcpt_index").orderBy(F.desc("ts"), F.desc("segment"), F.desc("offset"))
-    expired = (
-        outcomes.withColumn("rn", F.row_number().over(last))
-        .filter((F.col("rn") == 1) & (F.col("status") == "deferred") & F.col("finish_ts").isNotNull()
-                & (F.col("finish_ts") >= F.col("ts")))
-        .select(
-            "queue_id", "rcpt_index", F.col("finish_ts").alias("ts"), F.lit("expired").alias("status"),
-            F.lit(None).cast("int").alias("code"), F.lit("4.4.7").alias("enhanced"),
-            F.concat(F.lit("queue lifetime exceeded; last reply: "), F.col("text")).alias("text"), "relay",
-            "segment", "offset", "rcpt_address", "rcpt_domain", "arrival_ts", "size", "sender", "bounce_of",
-            "finish_ts", _seconds_between(F.col("finish_ts"), F.col("arrival_ts")).alias("delay_s"),
-        )
-    )
-    every = outcomes.unionByName(expired).persist(StorageLevel.MEMORY_AND_DISK)  # all outcomes, any time
-    # Materialise the caches once, before the many branches below start at the same time (each would
-    # otherwise compute the same partitions again).
-    say(f"per message and per recipient facts: {every.count()} outcomes")
+    # Per message and per recipient outcome (mtaq/analytics/facts.py): within each queue-ID partition, in the
+    # Python workers with pyarrow's group-bys and joins, one pass over the cached rows, cached in turn.
+    facts = base.mapInArrow(partition_facts, FACTS_DDL).persist(StorageLevel.MEMORY_AND_DISK)
+    msgs = facts.filter(F.col("kind") == "m").select(*MESSAGE_COLUMNS)
+    every = facts.filter(F.col("kind") == "o").select(*EVERY_COLUMNS)  # all outcomes, any time
+    say(f"per message and per recipient facts: {facts.count()} rows")
     oe = every.filter(_window(F.col("ts"), since, until))
     st = F.col("status")
     is_bounce = st.isin("failed", "expired")
@@ -605,7 +568,7 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
     say("writing the report")
     result = Result(totals, tables, time.monotonic() - t0)
     write_report(opts.out, result, top=opts.top, plots=opts.plots)
-    for df in (senders, recipients, every, msgs, base):
+    for df in (senders, recipients, facts, base):
         df.unpersist()
     result.seconds = time.monotonic() - t0
     say(f"done in {result.seconds:.1f} s: {opts.out}/report.md")
