@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import pyarrow as pa
 import pyarrow.compute as pc
 
-__all__ = ["EVERY_COLUMNS", "FACTS_DDL", "MESSAGE_COLUMNS", "facts"]
+__all__ = ["EVERY_COLUMNS", "FACTS_DDL", "MESSAGE_COLUMNS", "facts", "partition_facts"]
 
 _TS = pa.timestamp("us", tz="UTC")
 _FIELDS: list[tuple[str, pa.DataType, str]] = [
