@@ -39,19 +39,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pyspark import StorageLevel
-from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
 from mtaq.analytics.datasource import PARTITION_BYTES_DEFAULT, register
-from mtaq.analytics.facts import EVERY_COLUMNS, FACTS_DDL, MESSAGE_COLUMNS
-from mtaq.analytics.facts import facts as partition_facts
 from mtaq.analytics.report import write_report
 from mtaq.analytics.source import discover
 from mtaq.analytics.tables import AGE_BUCKETS_MIN, DELAY_BUCKETS_S, Result, bucket_labels
 
 __all__ = ["AGE_BUCKETS_MIN", "DELAY_BUCKETS_S", "Options", "Result", "analyze", "spark_session"]
 
-PARTITION_STORED_BYTES = 64 * 1024 * 1024  # segment bytes per partition of the cached rows (see analyze)
+PARTITION_STORED_BYTES = 32 * 1024 * 1024  # segment bytes per partition of the cached rows (see analyze)
 TOP_ROWS_COLLECTED = 1000  # rows of the senders and recipients tables the driver gets (by count and by bytes)
 
 REJECTED_NOTE = (
@@ -89,33 +87,15 @@ def spark_session(master: str | None = None, conf: Sequence[tuple[str, str]] = (
         b = b.master("local[*]")
     b = b.config("spark.sql.session.timeZone", "UTC").config("spark.ui.showConsoleProgress", "true")
     # The tables are small after aggregation: Spark's 200 shuffle partitions cost more than they bring here.
-    # On this machine (local[N]) one per core: each task of the job's many small stages costs scheduling
-    # time on the same cores (docs/performance.md, "Analytics"). No web UI for a batch job on this machine.
-    b = b.config("spark.sql.shuffle.partitions", str(_local_cores(master) or 16))
-    if _local_cores(master):
-        b = b.config("spark.ui.enabled", "false")
+    b = b.config("spark.sql.shuffle.partitions", "16")
+    if (master or "local").startswith("local") and not (master is None and "PYSPARK_GATEWAY_PORT" in os.environ):
+        b = b.config("spark.ui.enabled", "false")  # no web UI for a batch job on this machine
     for k, v in conf:
         b = b.config(k, v)
     spark = b.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     spark.conf.set("spark.sql.session.timeZone", "UTC")
     return spark
-
-
-def _local_cores(master: str | None) -> int | None:
-    """Cores of a ``local``/``local[N]``/``local[*]`` master (None for any other, or under spark-submit)."""
-    if "PYSPARK_GATEWAY_PORT" in os.environ and master is None:
-        return None
-    m = master or "local[*]"
-    if m == "local":
-        return 1
-    if m.startswith("local[") and m.endswith("]"):
-        n = m[6:-1].split(",")[0]
-        if n == "*":
-            return os.cpu_count() or 2
-        if n.isdigit() and int(n) > 0:
-            return int(n)
-    return None
 
 
 def _worker_python(master: str | None) -> str | None:
@@ -208,12 +188,10 @@ def _bucket_label(bounds: Sequence[int], unit: str, value: Column) -> Column:
 _KEYED = ("ENVELOPE", "START", "DELIVERY", "FINISH")
 
 
-def _collect_tables(named: dict[str, DataFrame], also: Sequence[Callable[[], None]] = ()) -> dict[str, list[dict[str, Any]]]:
+def _collect_tables(named: dict[str, DataFrame]) -> dict[str, list[dict[str, Any]]]:
     """Collect many small DataFrames as Arrow, from a few driver threads at once, so that Spark schedules
     their stages together (one plan each: a union of them all took seconds to plan). Timestamps come back
-    as naive UTC datetimes (as ``collect()`` gives them with TZ=UTC), rows in no particular order.
-    ``also``: other Spark actions (the Parquet writes) run by the same threads, started first; their
-    errors are raised here."""
+    as naive UTC datetimes (as ``collect()`` gives them with TZ=UTC), rows in no particular order."""
     from concurrent.futures import ThreadPoolExecutor
 
     import pyarrow as pa
@@ -229,13 +207,9 @@ def _collect_tables(named: dict[str, DataFrame], also: Sequence[Callable[[], Non
         rows: list[dict[str, Any]] = pa.Table.from_arrays(cols, names=got.schema.names).to_pylist()
         return rows
 
-    with ThreadPoolExecutor(max_workers=4 + len(also), thread_name_prefix="mtaq-collect") as pool:
-        started = [pool.submit(action) for action in also]
+    with ThreadPoolExecutor(max_workers=4, thread_name_prefix="mtaq-collect") as pool:
         futures = {name: pool.submit(one, df) for name, df in named.items()}
-        got = {name: f.result() for name, f in futures.items()}
-        for f in started:
-            f.result()
-        return got
+        return {name: f.result() for name, f in futures.items()}
 
 
 def _sorted(rows: list[dict[str, Any]], *keys: str) -> list[dict[str, Any]]:
@@ -325,7 +299,7 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
     end_value = until if until is not None else inventory["last_ts"]
     end_ts = F.lit(end_value).cast("timestamp")
 
-    env = rt == "ENVELOPE"
+    env, start, fin = rt == "ENVELOPE", rt == "START", rt == "FINISH"
     # Per recipient (queue_id, rcpt_index): its address. Grouped within the queue-ID partitions: no shuffle.
     # Strings are grouping keys here, never aggregated: Spark's hash aggregation keeps only fixed-width
     # buffers, so a max() of a string (or a distinct count, or collect_set) made it sort every row of every
@@ -333,12 +307,51 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
     # and address), sender and bounce_of (a replacement copies them), so these groups are one per
     # recipient and one per message.
     rcpts = base.filter(env).select("queue_id", "rcpt_index", "rcpt_address", "rcpt_domain").distinct()
-    # Per message and per recipient outcome (mtaq/analytics/facts.py): within each queue-ID partition, in the
-    # Python workers with pyarrow's group-bys and joins, one pass over the cached rows, cached in turn.
-    facts = base.mapInArrow(partition_facts, FACTS_DDL).persist(StorageLevel.MEMORY_AND_DISK)
-    msgs = facts.filter(F.col("kind") == "m").select(*MESSAGE_COLUMNS)
-    every = facts.filter(F.col("kind") == "o").select(*EVERY_COLUMNS)  # all outcomes, any time
-    say(f"per message and per recipient facts: {facts.count()} rows")
+    who = base.filter(env).select("queue_id", "sender", "sender_domain", "bounce_of").distinct()
+    msgs = (
+        base.filter(rt.isin("ENVELOPE", "START", "FINISH"))
+        .groupBy("queue_id")
+        .agg(
+            F.min(F.when(env, F.col("arrival_ts"))).alias("arrival_ts"),
+            F.max(F.when(env, F.col("size"))).alias("size"),
+            F.max(F.when(env, F.col("generation") == 0)).alias("first_seen"),
+            F.count(F.when(start, 1)).alias("attempts"),
+            F.max(F.when(fin, F.col("ts"))).alias("finish_ts"),
+            F.count(F.when(env, 1)).alias("_envelope_rows"),
+        )
+        .filter(F.col("_envelope_rows") > 0)
+        .drop("_envelope_rows")
+        .join(who.hint("shuffle_hash"), "queue_id", "left")
+        .join(rcpts.groupBy("queue_id").agg(F.count("*").alias("recipients")).hint("shuffle_hash"), "queue_id", "left")
+        .select("queue_id", "arrival_ts", "size", "sender", "sender_domain", "bounce_of", "first_seen", "recipients",
+                "attempts", "finish_ts")
+        .persist(StorageLevel.MEMORY_AND_DISK)
+    )
+    outcomes = (
+        base.filter(rt == "DELIVERY")
+        .select("queue_id", "rcpt_index", "ts", "status", "code", "enhanced", "text", "relay", "segment", "offset")
+        .join(rcpts.hint("shuffle_hash"), ["queue_id", "rcpt_index"], "left")
+        .join(msgs.select("queue_id", "arrival_ts", "size", "sender", "bounce_of", "finish_ts").hint("shuffle_hash"),
+              "queue_id", "left")
+        .withColumn("delay_s", _seconds_between(F.col("ts"), F.col("arrival_ts")))
+    )
+    last = Window.partitionBy("queue_id", "rcpt_index").orderBy(F.desc("ts"), F.desc("segment"), F.desc("offset"))
+    expired = (
+        outcomes.withColumn("rn", F.row_number().over(last))
+        .filter((F.col("rn") == 1) & (F.col("status") == "deferred") & F.col("finish_ts").isNotNull()
+                & (F.col("finish_ts") >= F.col("ts")))
+        .select(
+            "queue_id", "rcpt_index", F.col("finish_ts").alias("ts"), F.lit("expired").alias("status"),
+            F.lit(None).cast("int").alias("code"), F.lit("4.4.7").alias("enhanced"),
+            F.concat(F.lit("queue lifetime exceeded; last reply: "), F.col("text")).alias("text"), "relay",
+            "segment", "offset", "rcpt_address", "rcpt_domain", "arrival_ts", "size", "sender", "bounce_of",
+            "finish_ts", _seconds_between(F.col("finish_ts"), F.col("arrival_ts")).alias("delay_s"),
+        )
+    )
+    every = outcomes.unionByName(expired).persist(StorageLevel.MEMORY_AND_DISK)  # all outcomes, any time
+    # Materialise the caches once, before the many branches below start at the same time (each would
+    # otherwise compute the same partitions again).
+    say(f"per message and per recipient facts: {every.count()} outcomes")
     oe = every.filter(_window(F.col("ts"), since, until))
     st = F.col("status")
     is_bounce = st.isin("failed", "expired")
@@ -346,6 +359,7 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
     received = msgs.filter(F.col("first_seen") & (F.col("bounce_of") == "") & _window(F.col("arrival_ts"), since, until))
 
     # --------------------------------------------------------------------------- the small tables
+    say("computing every table (one Spark job)")
     totals_r = received.agg(
         F.count("*").alias("received"), F.coalesce(F.sum("size"), F.lit(0)).alias("bytes_received"))
     totals_d = msgs.filter(F.col("first_seen") & (F.col("bounce_of") != "") & _window(F.col("arrival_ts"), since, until)
@@ -455,16 +469,6 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
     )
     qshape_now = pending.groupBy(F.coalesce("rcpt_domain", F.lit("?")).alias("domain")).agg(
         F.count("*").alias("recipients"), *(F.count(F.when(F.col("age") == a, 1)).alias(a) for a in age_labels))
-    # The big tables are written by the executors at the same time as the small ones are collected: the
-    # stages of both share the cores (each alone left them idle between its short stages).
-    say(f"computing every table and writing the outcomes, messages, senders and recipients tables (Parquet, {big})")
-    writes = [
-        lambda: senders.write.mode("overwrite").parquet(f"{tables_dir}/senders"),
-        lambda: recipients.write.mode("overwrite").parquet(f"{tables_dir}/recipients"),
-        lambda: oe.withColumn("date", F.to_date("ts")).write.mode("overwrite").partitionBy("date").parquet(
-            f"{big}/outcomes"),
-        lambda: msgs.write.mode("overwrite").parquet(f"{big}/messages"),
-    ]
     got = _collect_tables({
         "totals_r": totals_r, "totals_d": totals_d, "totals_o": totals_o, "deferred_rcpts": deferred_rcpts,
         "counts": senders.agg(F.count("*").alias("senders")).crossJoin(
@@ -476,8 +480,8 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
         "senders_by_bytes": senders.orderBy(F.desc("bytes"), "sender").limit(shown),
         "recipients_by_count": recipients.orderBy(F.desc("delivered"), F.desc("bytes"), "rcpt_address").limit(shown),
         "recipients_by_bytes": recipients.orderBy(F.desc("bytes"), "rcpt_address").limit(shown),
-    }, also=writes)
-    say("tables collected and written")
+    })
+    say("tables collected")
     [r] = got["totals_r"]
     [d] = got["totals_d"]
     [o] = got["totals_o"]
@@ -551,7 +555,7 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
                        for r in _sorted(got["qshape_now"], "-recipients", "domain")],
         "segments": _sorted(got["segments"], "segment", "file"),
     }
-    say("writing the small tables (Parquet)")
+    say("writing the tables (Parquet)")
     os.makedirs(tables_dir, exist_ok=True)
     schemas = {"problems": problems_df, "unknown": unknown_df, "sender_domains": sender_domains,
                "reasons": reasons, "hourly": hourly, "delays": delays, "attempts": attempts, "qshape": qshape,
@@ -561,6 +565,11 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
             continue
         _write_small(os.path.join(tables_dir, name), rows, schemas.get(name))
     _write_small(os.path.join(tables_dir, "totals"), [totals], None)
+    say(f"writing the outcomes, messages, senders and recipients tables (Parquet, {big})")
+    senders.write.mode("overwrite").parquet(f"{tables_dir}/senders")
+    recipients.write.mode("overwrite").parquet(f"{tables_dir}/recipients")
+    oe.withColumn("date", F.to_date("ts")).write.mode("overwrite").partitionBy("date").parquet(f"{big}/outcomes")
+    msgs.write.mode("overwrite").parquet(f"{big}/messages")
     os.makedirs(opts.out, exist_ok=True)
     with open(os.path.join(opts.out, "totals.json"), "w", encoding="utf-8") as f:
         json.dump(totals, f, indent=2, default=str)
@@ -568,7 +577,7 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
     say("writing the report")
     result = Result(totals, tables, time.monotonic() - t0)
     write_report(opts.out, result, top=opts.top, plots=opts.plots)
-    for df in (senders, recipients, facts, base):
+    for df in (senders, recipients, every, msgs, base):
         df.unpersist()
     result.seconds = time.monotonic() - t0
     say(f"done in {result.seconds:.1f} s: {opts.out}/report.md")
