@@ -21,8 +21,8 @@ install: $(STAMP)
 
 # Debian packages used by tests that talk to real tools, as command:package (swaks as an SMTP client,
 # nmap's smtp-open-relay, libfiu's fiu-run/fiu-ctrl for fsync EIO injection, chromium to look at the
-# analytics report.html headless).
-DEBS := swaks:swaks nmap:nmap fiu-run:fiu-utils chromium:chromium
+# analytics report.html headless, pflogsumm for bench/analytics.py --pflogsumm).
+DEBS := swaks:swaks nmap:nmap fiu-run:fiu-utils chromium:chromium pflogsumm:pflogsumm
 debs:
 	@missing=""; for t in $(DEBS); do command -v $${t%%:*} >/dev/null 2>&1 || missing="$$missing $${t#*:}"; done; \
 	if [ -n "$$missing" ]; then \
@@ -47,8 +47,8 @@ test: install debs lint
 bench: install
 	$(BIN)/python bench/throughput.py --messages 10000 --concurrency 20 --size 2048
 
-bench-analytics: install
-	$(BIN)/python bench/analytics.py --records 1000000 --cold
+bench-analytics: install debs
+	$(BIN)/python bench/analytics.py --records 1000000 --pflogsumm
 	$(BIN)/python bench/analytics.py --records 10000000
 
 # The module zip for spark-submit --py-files (executors import mtaq from it).

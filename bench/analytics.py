@@ -10,7 +10,11 @@ bounced (5xx), 5 % deferred three times then delivered; 1-3 recipients per messa
 * ``spark_scan``: the ``mtaq`` data source alone on ``--master`` (parse + count of rows);
 * ``spark_job``: the whole ``mtaq analyze`` job (every table, Parquet, report), in the same Spark session;
 * ``spark_job_cold_process`` (``--cold``): ``mtaq analyze`` run as a user runs it, in a fresh process,
-  JVM and Spark start-up included.
+  JVM and Spark start-up included;
+* ``pflogsumm`` (``--pflogsumm``): the same messages as Postfix 3.7 would have logged them (smtpd, cleanup,
+  qmgr, smtp lines with mtaq's queue IDs, one smtp line per recipient outcome; :func:`postfix_log`), read by
+  ``pflogsumm`` (Debian package) just before the fresh-process job; its totals (received, delivered) are
+  checked against the segments'. ``cold_job_vs_pflogsumm_per_message`` > 1 means mtaq is faster per message.
 
 Prints one JSON object: for each, seconds, records/s, MB/s (segment bytes, DATA included) and messages/s
 (received + DSNs, to compare with pflogsumm's messages/s); the load average; whether the totals agree.
@@ -84,6 +88,86 @@ def generate(spool: str, records: int, *, days: int = 3, body_bytes: int = 300, 
     return n
 
 
+_MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
+
+
+def _syslog_time(ts: float) -> str:
+    t = time.gmtime(ts)
+    return f"{_MONTHS[t.tm_mon - 1]} {t.tm_mday:2d} {t.tm_hour:02d}:{t.tm_min:02d}:{t.tm_sec:02d}"
+
+
+def postfix_log(spool: str, path: str) -> dict[str, int]:
+    """Write, from the same segments, the log Postfix 3.7 would have written for the same messages (smtpd
+    connect/client/disconnect, cleanup message-id, qmgr from/size/nrcpt, one smtp line per recipient outcome
+    with its dsn and status sent/deferred/bounced, qmgr removed), in log order, to ``path``; return
+    {"lines": N, "messages": received, "delivered": sent recipients}. The queue IDs are mtaq's."""
+    from mtaq.analytics.source import discover, read_segment_bytes
+    from mtaq.core.frame import scan_segment
+
+    rcpts: dict[str, dict[int, str]] = {}
+    sizes: dict[str, int] = {}
+    arrival: dict[str, float] = {}
+    lines = messages = delivered = 0
+    pid = {"smtpd": 1201, "cleanup": 1202, "qmgr": 1100, "smtp": 1203}
+    with open(path, "w", encoding="ascii", errors="replace") as out:
+        w = out.write
+        for sf in discover([spool]):
+            for _pos, rec in scan_segment(sf.segment, read_segment_bytes(sf), skip_data=True).records:
+                if isinstance(rec, EnvelopeRecord):
+                    q = rec.queue_id
+                    rcpts[q] = {r.index: r.address for r in rec.recipients}
+                    if rec.generation != 0:
+                        continue
+                    sizes[q] = rec.size
+                    arrival[q] = rec.arrival_ts
+                    stamp = f"{_syslog_time(rec.arrival_ts)} mx1 postfix"
+                    client = f"{rec.helo or 'unknown'}[{rec.client or '127.0.0.1'}]"
+                    n = len(rec.recipients)
+                    w(f"{stamp}/smtpd[{pid['smtpd']}]: connect from {client}\n"
+                      f"{stamp}/smtpd[{pid['smtpd']}]: {q}: client={client}\n"
+                      f"{stamp}/cleanup[{pid['cleanup']}]: {q}: message-id=<{q}@{rec.helo or 'localhost'}>\n"
+                      f"{stamp}/qmgr[{pid['qmgr']}]: {q}: from=<{rec.sender}>, size={rec.size}, nrcpt={n} (queue active)\n"
+                      f"{stamp}/smtpd[{pid['smtpd']}]: disconnect from {client} ehlo=1 mail=1 rcpt={n} data=1 quit=1 "
+                      f"commands={n + 4}\n")
+                    lines += 5
+                    messages += 1 if not rec.bounce_of else 0
+                elif isinstance(rec, DeliveryRecord):
+                    q = rec.queue_id
+                    stamp = f"{_syslog_time(rec.ts)} mx1 postfix/smtp[{pid['smtp']}]: {q}: to=<"
+                    delay = max(0.0, rec.ts - arrival.get(q, rec.ts))
+                    for o in rec.outcomes:
+                        status = {"delivered": "sent", "deferred": "deferred"}.get(o.status, "bounced")
+                        reply = f"{o.code} {o.enhanced} {o.text}"
+                        why = f"({reply})" if status == "sent" else f"(host {rec.relay} said: {reply} (in reply to end of DATA command))"
+                        w(f"{stamp}{rcpts.get(q, {}).get(o.index, '')}>, relay={rec.relay}, delay={delay:.2f}, "
+                          f"delays={delay:.2f}/0/0/0, dsn={o.enhanced or '4.0.0'}, status={status} {why}\n")
+                        lines += 1
+                        delivered += status == "sent"
+                elif isinstance(rec, FinishRecord):
+                    w(f"{_syslog_time(rec.ts)} mx1 postfix/qmgr[{pid['qmgr']}]: {rec.queue_id}: removed\n")
+                    lines += 1
+                    rcpts.pop(rec.queue_id, None)
+    return {"lines": lines, "messages": messages, "delivered": delivered}
+
+
+def run_pflogsumm(path: str) -> dict[str, float | int]:
+    """Time ``pflogsumm`` (the Debian package) on ``path``: {"s": wall seconds, "received": its messages
+    received, "delivered": its recipients delivered}."""
+    t = time.monotonic()
+    out = subprocess.run(["pflogsumm", path], check=True, capture_output=True, text=True).stdout
+    s = time.monotonic() - t
+
+    def grand(label: str) -> int:
+        import re
+
+        m = re.search(rf"^\s*(\d+)([km]?)\s+{label}\s*$", out, re.M)
+        if m is None:
+            return -1
+        return int(m.group(1)) * {"": 1, "k": 1024, "m": 1024 * 1024}[m.group(2)]
+
+    return {"s": round(s, 2), "received": grand("received"), "delivered": grand("delivered")}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--records", type=int, default=10_000_000)
@@ -95,6 +179,9 @@ def main() -> int:
     ap.add_argument("--event-log", metavar="DIR", help="write Spark's event log there (stage and task times)")
     ap.add_argument("--cold", action="store_true",
                     help="also time `mtaq analyze` in a fresh process (Spark start-up included)")
+    ap.add_argument("--pflogsumm", action="store_true",
+                    help="also write Postfix's log of the same messages and time pflogsumm on it (right before "
+                         "the fresh-process job; implies --cold)")
     args = ap.parse_args()
     spool = os.path.join(args.dir, "spool")
     t = time.monotonic()
@@ -131,6 +218,17 @@ def main() -> int:
     job_s = time.monotonic() - t
     spark.stop()
     cold_s = None
+    pfl: dict[str, object] | None = None
+    if args.pflogsumm:
+        args.cold = True
+        pf_path = os.path.join(args.dir, "postfix.log")
+        made = postfix_log(spool, pf_path)
+        got = run_pflogsumm(pf_path)
+        seconds = float(got["s"])
+        pfl = {**got, "lines": made["lines"], "log_bytes": os.path.getsize(pf_path),
+               "messages_per_s": round(made["messages"] / seconds),
+               "mb_per_s": round(os.path.getsize(pf_path) / 1e6 / seconds, 1),
+               "totals_agree": got["received"] == made["messages"] and got["delivered"] == made["delivered"]}
     if args.cold:
         # The whole job as a user runs it: a fresh process, Spark start-up included.
         t = time.monotonic()
@@ -159,6 +257,9 @@ def main() -> int:
         "spark_scan": rates(scan_s),
         "spark_job": rates(job_s),
         "spark_job_cold_process": rates(cold_s) if cold_s is not None else None,
+        "pflogsumm": pfl,
+        "cold_job_vs_pflogsumm_per_message": (round(float(pfl["s"]) / cold_s, 2)  # type: ignore[arg-type]
+                                              if pfl is not None and cold_s else None),
         "totals_agree": all(a == b for a, b in same.values()),
         "totals": same,
     }))

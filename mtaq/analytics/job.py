@@ -88,6 +88,8 @@ def spark_session(master: str | None = None, conf: Sequence[tuple[str, str]] = (
     b = b.config("spark.sql.session.timeZone", "UTC").config("spark.ui.showConsoleProgress", "true")
     # The tables are small after aggregation: Spark's 200 shuffle partitions cost more than they bring here.
     b = b.config("spark.sql.shuffle.partitions", "16")
+    if (master or "local").startswith("local") and not (master is None and "PYSPARK_GATEWAY_PORT" in os.environ):
+        b = b.config("spark.ui.enabled", "false")  # no web UI for a batch job on this machine
     for k, v in conf:
         b = b.config(k, v)
     spark = b.getOrCreate()
