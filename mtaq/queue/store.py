@@ -394,18 +394,19 @@ class Queue:
         now = self.clock()
         c = conclude(attempt, now, self.policy)
         env = attempt.envelope
-        if c.dsn_groups:
-            if body is None:
-                body = self._body_or_empty(env)
-            for group in c.dsn_groups:
-                self._queue_dsn(env, group, body, now)
         rec = c.record
+        if isinstance(rec, EnvelopeRecord) and body is None:
+            # Read before anything is appended: CorruptRecord here leaves the log as it was, so a caller that
+            # bounces the rest and concludes again does not queue this attempt's DSNs twice.
+            try:
+                body = self.read_body(env)
+            except StorageError:
+                body = None  # EIO, EMFILE: not copied forward this time; the replacement names the old DATA
+        if c.dsn_groups:
+            original = body if body is not None else self._body_or_empty(env)
+            for group in c.dsn_groups:
+                self._queue_dsn(env, group, original, now)
         if isinstance(rec, EnvelopeRecord):
-            if body is None:
-                try:
-                    body = self.read_body(env)
-                except StorageError:
-                    body = None  # EIO, EMFILE: not copied forward this time; the replacement names the old DATA
             if body is not None:
                 data_pos, _ = self.log.append(DataRecord(queue_id=env.queue_id, body=body))
                 rec = msgspec.structs.replace(rec, data=data_pos)
