@@ -82,3 +82,4 @@ def test_an_extra_reply_after_the_final_dot_keeps_the_connection_from_being_reus
     replies, reusable = run(s, ["a@y.test"], b"Subject: x\r\n\r\n.dot\r\n")
     assert [250] == [r.code for r in replies]
     assert b"\r\n..dot\r\n.\r\n" in bytes(s.received)
+    assert not reusable  # replies left unread: the connection is in an unknown state
