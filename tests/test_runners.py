@@ -378,3 +378,31 @@ def test_attempt_hanging_past_delivery_timeout_is_abandoned_and_retried_at_once(
         assert 1 == len(h.sink.messages)
 
     run(tmp_path, body, delivery_timeout_s=1.0)
+
+
+def test_a_flush_at_the_end_of_the_log_does_not_rush_mail_deferred_afterwards(tmp_path):
+    """`mtaq queue flush` offers what is queued at that moment; mail deferred after it keeps its retry
+    interval (a flush used to stay set in a runner that was waiting at the log's end: the next envelope of
+    that runner was offered at once)."""
+
+    async def body(h: Harness) -> None:
+        from mtaq.queue.store import new_queue_id
+
+        assert h.daemon is not None
+        log = h.daemon.queue.log
+        deferred_runner = h.daemon.runners[1]
+        await h.until(lambda: deferred_runner.position >= log.durable_end, what="runner 1 at the end")
+        for r in h.daemon.runners:
+            r.flush()  # nothing is queued: nothing to offer
+        now = h.clock()
+        qid = new_queue_id()
+        data, _ = log.append(DataRecord(qid, b"Subject: later\r\n\r\nlater\r\n"))
+        _pos, lsn = log.append(EnvelopeRecord(qid, 1, now, now + 3600, "a@example.org",
+                                              (Recipient(0, "later@example.net"),), data, 23, attempts=1, runner=1))
+        await log.commit(lsn)
+        await h.until(lambda: deferred_runner.waiting_until is not None or h.sink.rcpt_attempts,
+                      what="runner 1 waiting for the deferred message, or an attempt")
+        assert [] == h.sink.rcpt_attempts
+        assert deferred_runner.waiting_until == now + 3600
+
+    run(tmp_path, body, retry_intervals_s=[3600.0])

@@ -147,6 +147,7 @@ class Runner:
         self.waiting_until: float | None = None
         self._poke = asyncio.Event()
         self._flush = False
+        self._flush_until = Pos(0, 0)  # the log's end when flush() was called: envelopes before it are flushed
         self.offered = 0
         self.on_read_error = on_read_error or (lambda exc: None)
 
@@ -159,8 +160,10 @@ class Runner:
         self._poke.set()
 
     def flush(self) -> None:
-        """Stop waiting: offer every envelope of this runner as if due now (until the log's end)."""
+        """Stop waiting: offer every envelope of this runner written before now (the log's end at this call)
+        as if due now; envelopes written later keep their retry interval."""
         self._flush = True
+        self._flush_until = self.log.end
         self._poke.set()
 
     def _mine(self, rtype: int) -> bool:
@@ -202,7 +205,9 @@ class Runner:
                     budget = _SCAN_BUDGET
                     await asyncio.sleep(0)
                 continue
-            while not self._flush and pos not in self.garbage and (wait := env.not_before_ts - self.clock()) > 0:
+            while not (self._flush and pos < self._flush_until) and pos not in self.garbage and (
+                wait := env.not_before_ts - self.clock()
+            ) > 0:
                 self.waiting_until = env.not_before_ts
                 self._poke.clear()
                 try:
