@@ -32,6 +32,7 @@ import hmac
 import ipaddress
 import json
 import os
+import socket
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -545,15 +546,23 @@ class AdminHttp:
             os.unlink(address)  # a stale one from the previous run
         except FileNotFoundError:
             pass
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)  # created 0600: only the daemon's user may even connect (and the token is asked)
-        try:
-            await web.UnixSite(runner, address).start()
+        try:  # bound with nothing awaited meanwhile: the umask applies to this socket only, not to other tasks' files
+            sock.bind(address)
         except OSError as exc:
+            sock.close()
             await runner.cleanup()
             raise OSError(exc.errno, f"admin socket {self.unix_path}: {os.strerror(exc.errno) if exc.errno else exc}") from exc
         finally:
             os.umask(old)
         os.chmod(address, 0o600)
+        try:
+            await web.SockSite(runner, sock).start()
+        except OSError as exc:
+            sock.close()
+            await runner.cleanup()
+            raise OSError(exc.errno, f"admin socket {self.unix_path}: {os.strerror(exc.errno) if exc.errno else exc}") from exc
         self._runner = runner
         self.url = f"unix:{self.unix_path}"
         return self.url
