@@ -11,7 +11,9 @@ A cycle is a crash of the daemon and its restart on the same spool and port:
   the named points of :mod:`mtaq.testing.killpoints` (and ``MTAQ_KILL_AFTER`` to a small random count),
   so that it kills itself at exactly that point (after the fsync before the 250, after the remote reply
   before our record, mid-checkpoint, mid-reclaim, during recovery); if it has not reached the point by
-  the end of its slice, the harness kills it;
+  the end of its slice, the harness kills it. One that dies at its point during recovery, before it
+  listens, is a crash cycle of its own (power cut, restart): the ``cycles`` reported are then more than
+  ``--cycles``, never fewer unless the sending ended first (an error);
 * unless ``--no-power-cut``, every crash is also a power cut: the daemon runs with
   ``MTAQ_TEST_FS=powercut`` and, once it is dead, :func:`mtaq.testing.powercut.cut` drops every write it
   never fsync'd (``kill -9`` alone keeps them in the page cache and would hide a missing fsync); with
