@@ -77,7 +77,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from mtaq.testing.procs import peak_rss_kib
+from mtaq.testing.procs import children, peak_rss_kib
 
 SENDER = "bench@source.example"
 RCPT = "rcpt@dest.example"
@@ -382,7 +382,7 @@ def run_mtaq(args: argparse.Namespace, sink_port: int, workdir: str, i: int) -> 
                                     "-o", f"{args.py_spy}.{i}", "--pid", str(daemon.pid)],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(1.0)
-        pids = [daemon.pid, *_children(daemon.pid)]
+        pids = [daemon.pid, *children(daemon.pid)]
         res = _measure(args, port, sink, daemon.pid)
         if spy is not None:
             spy.send_signal(signal.SIGINT)
@@ -412,10 +412,9 @@ def run_mtaq(args: argparse.Namespace, sink_port: int, workdir: str, i: int) -> 
     return res
 
 
-def _tree_cpu_s(root: int) -> float:
-    """User + system CPU seconds of process ``root`` and all its descendants, with what each has collected
-    from children it reaped (cutime + cstime): Postfix's master reaps its smtpd, cleanup, smtp... processes,
-    so the CPU of processes that ended during the run is counted too."""
+def _proc_table() -> dict[int, tuple[int, float]]:
+    """pid -> (parent pid, user + system CPU seconds with what it collected from children it reaped:
+    utime + stime + cutime + cstime), from /proc."""
     table: dict[int, tuple[int, float]] = {}
     tck = os.sysconf("SC_CLK_TCK")
     for name in os.listdir("/proc"):
@@ -424,16 +423,28 @@ def _tree_cpu_s(root: int) -> float:
                     open(f"/proc/{name}/stat", encoding="ascii", errors="replace") as f:
                 fields = f.read().rpartition(")")[2].split()
                 table[int(name)] = (int(fields[1]), sum(int(x) for x in fields[11:15]) / tck)
+    return table
+
+
+def _descendants(root: int, table: dict[int, tuple[int, float]] | None = None) -> list[int]:
+    """``root`` and every process below it."""
     kids: dict[int, list[int]] = {}
-    for pid, (ppid, _cpu) in table.items():
+    for pid, (ppid, _cpu) in (table if table is not None else _proc_table()).items():
         kids.setdefault(ppid, []).append(pid)
-    total, todo = 0.0, [root]
+    out, todo = [], [root]
     while todo:
         pid = todo.pop()
-        if pid in table:
-            total += table[pid][1]
+        out.append(pid)
         todo.extend(kids.get(pid, ()))
-    return total
+    return out
+
+
+def _tree_cpu_s(root: int) -> float:
+    """User + system CPU seconds of process ``root`` and all its descendants, with what each has collected
+    from children it reaped (cutime + cstime): Postfix's master reaps its smtpd, cleanup, smtp... processes,
+    so the CPU of processes that ended during the run is counted too."""
+    table = _proc_table()
+    return sum(table[pid][1] for pid in _descendants(root, table) if pid in table)
 
 
 class FsyncCounter:
@@ -467,31 +478,6 @@ class FsyncCounter:
                 total += int(f[0])
                 seen += 1
         return total if seen == 2 else None
-
-
-def _descendants(root: int) -> list[int]:
-    kids: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            with contextlib.suppress(OSError, ValueError, IndexError), \
-                    open(f"/proc/{name}/stat", encoding="ascii", errors="replace") as f:
-                kids.setdefault(int(f.read().rpartition(")")[2].split()[1]), []).append(int(name))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo.extend(kids.get(pid, ()))
-    return out
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            with contextlib.suppress(OSError), open(f"/proc/{name}/stat", encoding="ascii", errors="replace") as f:
-                if int(f.read().rpartition(")")[2].split()[1]) == pid:
-                    out.append(int(name))
-    return out
 
 
 def _result(args: argparse.Namespace, t0: float, t1: float, rc: int, err: str, t_e2e: float | None,

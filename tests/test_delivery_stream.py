@@ -33,6 +33,7 @@ from mtaq.delivery.relay import DotStuffer, RelayConnection
 from mtaq.queue.store import Queue, StoredBody
 from mtaq.storage.fs import OsFileSystem
 from mtaq.storage.log import Log, scan_log, segment_path
+from mtaq.testing.media import flip_bit
 from mtaq.testing.procs import free_port, maildir_count, peak_rss_kib, read_events, start_daemon, start_sink
 
 
@@ -353,12 +354,7 @@ def test_a_refused_recipient_in_a_pipelined_group_keeps_its_own_reply(tmp_path, 
 def flip_byte(log: Log, env: EnvelopeRecord, at: int) -> None:
     """Flip one bit of the body byte ``at`` of ``env``'s DATA record in its segment file (media damage)."""
     path = segment_path(log.directory, env.data.segment)
-    with open(path, "r+b") as f:
-        off = env.data.offset + FRAME_HEADER_BYTES + len(encode_data_prefix(env.queue_id, env.size)) + at
-        f.seek(off)
-        b = f.read(1)
-        f.seek(off)
-        f.write(bytes([b[0] ^ 0x20]))
+    flip_bit(path, env.data.offset + FRAME_HEADER_BYTES + len(encode_data_prefix(env.queue_id, env.size)) + at, 5)
 
 
 def test_a_body_damaged_after_it_was_checked_is_cut_off_before_the_final_dot(tmp_path):

@@ -23,16 +23,12 @@ from mtaq.core.state import RetryPolicy
 from mtaq.queue.store import Queue
 from mtaq.storage.fs import OsFileSystem
 from mtaq.storage.log import Log, scan_log, segment_path
+from mtaq.testing.media import flip_bit
 
 
 def flip_byte(log: Log, env: EnvelopeRecord, at: int) -> None:
     path = segment_path(log.directory, env.data.segment)
-    with open(path, "r+b") as f:
-        off = env.data.offset + FRAME_HEADER_BYTES + len(encode_data_prefix(env.queue_id, env.size)) + at
-        f.seek(off)
-        b = f.read(1)
-        f.seek(off)
-        f.write(bytes([b[0] ^ 0x20]))
+    flip_bit(path, env.data.offset + FRAME_HEADER_BYTES + len(encode_data_prefix(env.queue_id, env.size)) + at, 5)
 
 
 def test_a_body_damaged_at_conclusion_bounces_each_recipient_once(tmp_path):

@@ -11,14 +11,22 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 import mtaq.queue.store
 from mtaq.daemon.workers import WORKERS_MAX, existing_shards, log_dirs, shard_count, shard_dir
 from mtaq.queue.store import new_queue_id, set_queue_id_shard
-from mtaq.testing.procs import Proc, free_port, log_problems, maildir_message_ids, read_events, start_daemon, start_sink
+from mtaq.testing.procs import (
+    Proc,
+    free_port,
+    log_problems,
+    maildir_message_ids,
+    read_events,
+    start_daemon,
+    start_sink,
+    wait_for,
+)
 
 _B32 = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 
@@ -40,16 +48,6 @@ def _send(port: int, n: int, tag: str) -> list[str]:
             assert 250 == code, text
             replies.append(text.decode())
     return replies
-
-
-def _wait(pred: Any, timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _mtaq(*args: str) -> subprocess.CompletedProcess[str]:
@@ -97,9 +95,9 @@ def test_two_workers_share_the_port_and_deliver_every_message_once(tmp_path: Pat
     spool = str(tmp_path / "spool")
     daemon = start_daemon(spool, sink.port, str(tmp_path / "daemon.log"), config=str(tmp_path / "mtaq.toml"), workers=None)
     try:
-        _wait(lambda: len(daemon.children()) == 2, 20, "two workers")
+        wait_for(lambda: len(daemon.children()) == 2, 20, "two workers")
         _send(daemon.port, 40, "w2")
-        _wait(lambda: len(maildir_message_ids(str(tmp_path / "maildir"))) >= 40, 60, "40 deliveries")
+        wait_for(lambda: len(maildir_message_ids(str(tmp_path / "maildir"))) >= 40, 60, "40 deliveries")
         ids = maildir_message_ids(str(tmp_path / "maildir"))
         assert {f"<w2.{i}@test>": 1 for i in range(40)} == dict(ids)
     finally:
@@ -142,10 +140,10 @@ def test_kill9_of_the_supervisor_stops_every_worker_and_a_restart_with_fewer_wor
     sink: Proc | None = None
     try:
         assert daemon is not None
-        _wait(lambda: len(daemon.children()) == 2, 20, "two workers")
+        wait_for(lambda: len(daemon.children()) == 2, 20, "two workers")
         kids = daemon.children()
         _send(daemon.port, 30, "k9")
-        _wait(lambda: len([e for e in read_events(daemon.log_path) if e.get("event") == "deferred"]) >= 30, 30,
+        wait_for(lambda: len([e for e in read_events(daemon.log_path) if e.get("event") == "deferred"]) >= 30, 30,
               "30 deferrals")
         daemon.kill9()
         assert not [p for p in kids if os.path.exists(f"/proc/{p}") and _state(p) != "Z"]
@@ -155,7 +153,7 @@ def test_kill9_of_the_supervisor_stops_every_worker_and_a_restart_with_fewer_wor
         conf.write_text("workers = 1\nretry_intervals_s = [1.0]\n")
         daemon = start_daemon(spool, sink.port, str(tmp_path / "daemon2.log"), config=str(conf), port=daemon.port,
                               workers=None)
-        _wait(lambda: len(maildir_message_ids(maildir)) >= 30, 60, "30 deliveries after the restart")
+        wait_for(lambda: len(maildir_message_ids(maildir)) >= 30, 60, "30 deliveries after the restart")
         time.sleep(1.0)
         assert {f"<k9.{i}@test>": 1 for i in range(30)} == dict(maildir_message_ids(maildir))
         shards = {e.get("shard") for e in read_events(daemon.log_path) if e.get("event") == "recovery_complete"}
@@ -181,10 +179,10 @@ def test_a_worker_that_dies_takes_the_supervisor_and_the_other_workers_down(tmp_
     daemon = start_daemon(str(tmp_path / "spool"), sink.port, str(tmp_path / "daemon.log"),
                           config=str(tmp_path / "mtaq.toml"), workers=None)
     try:
-        kids = _wait(lambda: (k := daemon.children()) and len(k) == 2 and k, 20, "two workers")
+        kids = wait_for(lambda: (k := daemon.children()) and len(k) == 2 and k, 20, "two workers")
         os.kill(kids[0], signal.SIGKILL)
         assert 137 == daemon.popen.wait(timeout=20)
-        _wait(lambda: not [p for p in kids if os.path.exists(f"/proc/{p}") and _state(p) != "Z"], 10,
+        wait_for(lambda: not [p for p in kids if os.path.exists(f"/proc/{p}") and _state(p) != "Z"], 10,
               "the other worker to be gone")
         exited = [e for e in read_events(daemon.log_path) if e.get("event") == "worker_exited"]
         assert 1 == len(exited)

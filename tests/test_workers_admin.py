@@ -24,7 +24,7 @@ from mtaq.admin.shards import join_positions, merge_metrics
 from mtaq.config import Config
 from mtaq.daemon.workers import WORKERS_AUTO_MAX, admin_socket, auto_workers, log_dirs, workers_wanted
 from mtaq.queue.store import new_queue_id, queue_id_shard, set_queue_id_shard
-from mtaq.testing.procs import Proc, admin_token, admin_url, start_daemon, start_sink
+from mtaq.testing.procs import Proc, admin_token, admin_url, start_daemon, start_sink, wait_for
 
 SLOW = "slow@example.net"  # the sink defers it: mail stays queued (deferred) for the admin to act on
 
@@ -85,16 +85,6 @@ def _request(url: str, method: str, path: str, body: Any = None, *, token: str |
         return status, json.loads(raw)
     except ValueError:
         return status, raw.decode()
-
-
-def _wait(pred: Any, timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _listing(url: str, token: str, query: str = "") -> dict[str, Any]:
@@ -188,7 +178,7 @@ def test_default_daemon_runs_a_worker_per_core_and_its_api_covers_every_shard(sh
     logs = _log_bytes(spool)
     for q in ids:  # each message is in the log of the shard its ID names, and only there
         assert [queue_id_shard(q)] == [k for k, b in logs.items() if q.encode() in b]
-    _wait(lambda: _all_deferred(url, token, ids), 60, "every message deferred once")
+    wait_for(lambda: _all_deferred(url, token, ids), 60, "every message deferred once")
 
     status, size = _request(url, "GET", "/mailQueues/spool", token=token)
     assert 200 == status
@@ -212,7 +202,7 @@ def test_default_daemon_runs_a_worker_per_core_and_its_api_covers_every_shard(sh
     assert {s0, s1} == {m["queue_id"] for m in held["mails"]}
     status, res = _request(url, "POST", "/mails/actions/release", {"ids": [s0, s1]}, token=token)
     assert (200, {s0, s1}) == (status, set(res["done"]))
-    _wait(lambda: _all_deferred(url, token, ids), 60, "the released messages tried again")  # not active now
+    wait_for(lambda: _all_deferred(url, token, ids), 60, "the released messages tried again")  # not active now
 
     status, res = _request(url, "DELETE", f"/mailQueues/spool/mails?name={s0}&name={s1}", token=token)
     assert (200, {s0, s1}) == (status, set(res["done"]))
@@ -222,7 +212,7 @@ def test_default_daemon_runs_a_worker_per_core_and_its_api_covers_every_shard(sh
 
     status, res = _request(url, "PATCH", "/mailQueues/spool?delayed=true", {"delayed": False}, token=token)
     assert (200, sorted(left)) == (status, sorted(res["done"]))
-    _wait(lambda: _all_deferred(url, token, left, attempts=2), 60, "every flushed message tried again")
+    wait_for(lambda: _all_deferred(url, token, left, attempts=2), 60, "every flushed message tried again")
 
     m = _metrics(url, token)
     assert 2.0 == m[("mtaq_shards", ())]
@@ -290,7 +280,7 @@ def test_mtaq_queue_cli_sees_and_acts_on_both_of_two_workers(tmp_path: Path):
         assert 2 == len(daemon.children())
         ids = _send_until_both_shards(daemon.port, 5)
         url, token = admin_url(spool), admin_token(spool)
-        _wait(lambda: _all_deferred(url, token, ids), 60, "every message deferred once")
+        wait_for(lambda: _all_deferred(url, token, ids), 60, "every message deferred once")
         out = _cli(spool, "size", "--json")
         assert 0 == out.returncode, out.stderr
         assert (len(ids), len(ids)) == (json.loads(out.stdout)["total"], json.loads(out.stdout)["deferred"])
@@ -306,13 +296,13 @@ def test_mtaq_queue_cli_sees_and_acts_on_both_of_two_workers(tmp_path: Path):
         assert s0 in out.stdout and s1 in out.stdout and "0/" in out.stdout and "1/" in out.stdout
         out = _cli(spool, "release", s0, s1, "--json")
         assert {s0, s1} == set(json.loads(out.stdout)["done"])
-        _wait(lambda: _all_deferred(url, token, ids), 60, "the released messages tried again")
+        wait_for(lambda: _all_deferred(url, token, ids), 60, "the released messages tried again")
         out = _cli(spool, "delete", s1, "--json")
         assert [s1] == json.loads(out.stdout)["done"]
         left = [q for q in ids if q != s1]
         out = _cli(spool, "flush", "ALL", "--json")
         assert sorted(left) == sorted(json.loads(out.stdout)["done"])
-        _wait(lambda: _all_deferred(url, token, left, attempts=2), 60, "the flushed messages tried again")
+        wait_for(lambda: _all_deferred(url, token, left, attempts=2), 60, "the flushed messages tried again")
         daemon.kill9()
         # The daemon is down: list, size and show read every shard's log directly.
         out = _cli(spool, "size", "--json")

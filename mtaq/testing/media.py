@@ -21,7 +21,7 @@ from mtaq.core.frame import FRAME_HEADER_BYTES, SEGMENT_HEADER_BYTES, scan_segme
 from mtaq.storage.fs import OsFileSystem
 from mtaq.storage.log import list_segments, segment_path
 
-__all__ = ["KINDS", "SECTOR_BYTES", "Damage", "damage"]
+__all__ = ["KINDS", "SECTOR_BYTES", "Damage", "damage", "flip_bit"]
 
 SECTOR_BYTES = 512
 KINDS = ("length-bit", "payload-bit", "sector", "header-bit", "checkpoint-bit")
@@ -40,7 +40,8 @@ class Damage:
     queue_ids: set[str] = field(default_factory=set)
 
 
-def _flip(path: str, offset: int, bit: int) -> None:
+def flip_bit(path: str, offset: int, bit: int) -> None:
+    """Flip bit ``bit`` (0-7) of the byte at ``offset`` of the file ``path`` in place (media damage)."""
     with open(path, "r+b") as f:
         f.seek(offset)
         b = f.read(1)
@@ -60,7 +61,7 @@ def damage(spool: str, rng: random.Random, *, kinds: tuple[str, ...] = KINDS) ->
         if not os.path.exists(path) or os.path.getsize(path) == 0:
             return None
         at = rng.randrange(os.path.getsize(path))
-        _flip(path, at, rng.randrange(8))
+        flip_bit(path, at, rng.randrange(8))
         return Damage(kind, path, 0, at, at + 1)
     if not segs:
         return None
@@ -94,7 +95,7 @@ def damage(spool: str, rng: random.Random, *, kinds: tuple[str, ...] = KINDS) ->
             f.seek(start)
             f.write(bytes(end - start))
     else:
-        _flip(path, start, rng.randrange(8))
+        flip_bit(path, start, rng.randrange(8))
     hit = Damage(kind, path, seg, start, end)
     for (off, rec), rec_end in zip(frames, ends, strict=True):
         qid = getattr(rec, "queue_id", None)

@@ -16,12 +16,12 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["Proc", "admin_token", "admin_url", "children", "free_port", "free_port_on", "maildir_count", "maildir_message_ids", "peak_rss_kib",
-           "start_daemon", "start_sink", "wait_port"]
+           "start_daemon", "start_sink", "wait_for", "wait_port"]
 
 
 def free_port() -> int:
@@ -108,6 +108,18 @@ class Proc:
     def log_text(self) -> str:
         with open(self.log_path, encoding="utf-8", errors="replace") as f:
             return f.read()
+
+
+def wait_for(pred: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    """Poll ``pred()`` every 50 ms until it returns something true, and return that; AssertionError naming
+    ``what`` after ``timeout_s`` seconds (for tests waiting on another process)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
 
 
 def children(pid: int) -> list[int]:
