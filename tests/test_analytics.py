@@ -143,7 +143,7 @@ def run_script(tmp) -> dict:
         async def until(delivered: int, deferred: int, failed: int) -> None:
             want = {"delivered": delivered, "deferred": deferred, "failed": failed}
             for _ in range(1500):
-                if want == d.counts and not len(d.queue.working):
+                if want == d.counts and not len(d.queue.working) and d.runners_settled():
                     return
                 await asyncio.sleep(0.02)
             raise AssertionError(f"daemon counts {d.counts}, wanted {want}")

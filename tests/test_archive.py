@@ -124,7 +124,7 @@ def test_reclaimed_segments_go_to_the_archive_before_they_are_deleted(tmp_path):
     async def body(d: Daemon, sink) -> None:
         await asyncio.to_thread(_send, d.server.sockets[0].getsockname()[1], 80)
         for _ in range(1000):
-            if sink.received == 80 and not len(d.queue.working):
+            if sink.received == 80 and not len(d.queue.working) and d.runners_settled():
                 break
             await asyncio.sleep(0.02)
         log = d.queue.log
@@ -153,7 +153,7 @@ def test_a_failed_archive_keeps_the_segment_and_says_so(tmp_path):
         with structlog.testing.capture_logs() as events:
             await asyncio.to_thread(_send, d.server.sockets[0].getsockname()[1], 60)
             for _ in range(1000):
-                if sink.received == 60 and not len(d.queue.working):
+                if sink.received == 60 and not len(d.queue.working) and d.runners_settled():
                     break
                 await asyncio.sleep(0.02)
             segs = d.queue.log.segments()

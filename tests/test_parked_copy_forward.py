@@ -49,6 +49,7 @@ def test_held_and_delayed_mail_is_copied_forward_and_disk_use_stays_bounded(tmp_
                                              b"Subject: bulk\r\n\r\n" + (b"b" * 76 + b"\r\n") * 24) for j in range(i, i + 100)))
             await h.until(lambda: q.counts.total() <= 2, timeout_s=60, what="bulk delivered")
             await h.daemon.checkpoint()
+        await h.until(h.daemon.runners_settled, what="every runner at the end")
         await h.daemon.checkpoint()
         assert log_bytes(h.spool) < 8 * SEGMENT, log_bytes(h.spool)
         assert {"held": 1, "delayed": 1, "total": 2} == {k: v for k, v in adm.size().items() if k in ("held", "delayed", "total")}

@@ -211,8 +211,8 @@ def test_recovery_after_a_checkpoint_reads_only_the_working_suffix(tmp_path):
     async def body(h: Harness) -> None:
         for i in range(40):
             await h.send("a@example.org", ["b@example.net"], f"w{i}")
-        await h.until(lambda: len(h.sink.messages) == 40, what="40 deliveries")
-        await asyncio.sleep(0.1)
+        await h.until(lambda: len(h.sink.messages) == 40 and not len(h.daemon.queue.working)
+                      and h.daemon.runners_settled(), what="40 deliveries, every runner at the end")
         await h.daemon.checkpoint()
         head = h.daemon.queue.log.end
         await h.send("a@example.org", ["b@example.net"], "after")
@@ -235,8 +235,8 @@ def test_segments_are_reclaimed_and_the_log_stays_small_when_everything_is_deliv
     async def body(h: Harness) -> None:
         for i in range(150):
             await h.send("a@example.org", ["b@example.net"], f"r{i}", size=2048)
-        await h.until(lambda: len(h.sink.messages) == 150, what="150 deliveries")
-        await asyncio.sleep(0.1)
+        await h.until(lambda: len(h.sink.messages) == 150 and not len(h.daemon.queue.working)
+                      and h.daemon.runners_settled(), what="150 deliveries, every runner at the end")
         log = h.daemon.queue.log
         peak = log.current_segment
         await h.daemon.checkpoint()
@@ -258,8 +258,8 @@ def test_crash_between_segment_deletion_steps_loses_nothing(tmp_path):
         await h.until(lambda: len(h.sink.rcpt_attempts) == 60 and not len(h.daemon.queue.working), what="60 deferrals")
         h.clock.offset += 1100  # second attempts: the mail moves on to runner 2, runner 1 leaves garbage behind
         h.poke()
-        await h.until(lambda: len(h.sink.rcpt_attempts) == 120 and not len(h.daemon.queue.working), what="60 second deferrals")
-        await asyncio.sleep(0.2)
+        await h.until(lambda: len(h.sink.rcpt_attempts) == 120 and not len(h.daemon.queue.working)
+                      and h.daemon.runners_settled(), what="60 second deferrals, runner 1 past them")
         log = h.daemon.queue.log
         real_delete = log.delete_segments_before
 

@@ -526,6 +526,13 @@ class Daemon:
         if self._reclaim_task is None or self._reclaim_task.done():
             self._reclaim_task = asyncio.create_task(self._archive_and_reclaim())
 
+    def runners_settled(self) -> bool:
+        """True when every queue runner has read the log up to its durable end or waits for an envelope's
+        due time: a checkpoint taken now reclaims all it can (for tests and tools; deferred runners read
+        in batches, up to ``DEFERRED_SCAN_DELAY_S`` after the end moved)."""
+        end = self.queue.log.durable_end
+        return all(r.position >= end or r.waiting_until is not None for r in self.runners)
+
     async def reclaimed_idle(self) -> None:
         """Wait until the background archive-and-reclaim task (if any) has finished (for tests and tools)."""
         while self._reclaim_task is not None and not self._reclaim_task.done():
