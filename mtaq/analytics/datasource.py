@@ -13,7 +13,8 @@ directories, archive directories, segment files or globs, local or ``s3://`` / `
 of about that many stored bytes; a segment is never split, because its tail rules need the whole file.
 ``rows``: ``records`` (default: the schema below) or ``facts`` (:mod:`mtaq.analytics.facts`: per-message and
 per-outcome facts of the messages a partition holds whole, record rows for the rest; what ``mtaq analyze``
-reads); with ``facts``, ``untilMicros`` is the job's ``--until`` (microseconds since the epoch).
+reads); with ``facts``, ``untilMicros`` is the job's ``--until`` (microseconds since the epoch) and
+``closeMessages`` ``false`` leaves every message to Spark (record rows only; the tests compare both ways).
 
 The schema is :data:`mtaq.analytics.source.SPARK_DDL`: one row per envelope recipient, START, delivery
 outcome, FINISH, problem and segment file. Files are listed on the driver; executors read them through
@@ -81,6 +82,7 @@ class MtaqReader(DataSourceReader):
         self.facts = rows_of(options) == "facts"
         until = options.get("untilMicros")
         self.until_us = int(until) if until else None
+        self.close = str(options.get("closeMessages") or "true").lower() != "false"
 
     def partitions(self) -> list[SegmentPartition]:
         return [SegmentPartition(g) for g in plan_partitions(self.files, self.partition_bytes)]
@@ -88,7 +90,7 @@ class MtaqReader(DataSourceReader):
     def read(self, partition: InputPartition) -> Iterator[Any]:
         assert isinstance(partition, SegmentPartition)
         if self.facts:
-            yield from fact_batches(partition.files, self.until_us)
+            yield from fact_batches(partition.files, self.until_us, close=self.close)
         else:
             yield from batches(partition.files)
 

@@ -82,13 +82,16 @@ def _seconds(later: pa.ChunkedArray, earlier: pa.ChunkedArray) -> pa.ChunkedArra
     return pc.divide(diff.cast(pa.float64()), 1e6)
 
 
-def facts_of(t: pa.Table, until: pa.Scalar | None = None) -> Iterator[pa.Table]:
-    """Fact tables (FACT_SCHEMA) of one partition's record rows ``t`` (see the module docstring)."""
+def facts_of(t: pa.Table, until: pa.Scalar | None = None, *, close: bool = True) -> Iterator[pa.Table]:
+    """Fact tables (FACT_SCHEMA) of one partition's record rows ``t`` (see the module docstring).
+    ``close=False`` closes no message: every row stays a record row (the tests compare both ways)."""
     rt, qid = t["record_type"], t["queue_id"]
     is_env = pc.equal(rt, "ENVELOPE")
     env0 = pc.unique(pc.filter(qid, pc.and_(is_env, pc.equal(t["generation"], 0))))
     finished = pc.unique(pc.filter(qid, pc.equal(rt, "FINISH")))
     closed = pc.filter(env0, pc.is_in(env0, value_set=finished))
+    if not close:
+        closed = closed.slice(0, 0)
     in_closed = pc.fill_null(pc.and_(pc.is_in(rt, value_set=_KEYED), pc.is_in(qid, value_set=closed)), False)
     yield _out(t.filter(pc.invert(in_closed)))  # record rows: messages not closed here, problems, segments
     c = t.filter(in_closed)
@@ -154,14 +157,16 @@ def facts_of(t: pa.Table, until: pa.Scalar | None = None) -> Iterator[pa.Table]:
             yield _out(rc.filter(pc.is_in(rc["queue_id"], value_set=queued["queue_id"])), "RCPT")
 
 
-def fact_batches(files: Iterable[SegmentFile], until_us: int | None = None) -> Iterator[pa.RecordBatch]:
+def fact_batches(files: Iterable[SegmentFile], until_us: int | None = None, *,
+                 close: bool = True) -> Iterator[pa.RecordBatch]:
     """Read ``files`` (one partition: whole segments in log order) and yield FACT_SCHEMA batches.
-    ``until_us``: the job's ``--until`` in microseconds since the epoch (None: unbounded)."""
+    ``until_us``: the job's ``--until`` in microseconds since the epoch (None: unbounded); ``close``: see
+    :func:`facts_of`."""
     got = list(batches(files))
     if not got:
         return
     t = pa.Table.from_batches(got).select(list(_RECORD_COLUMNS))
     del got
     until = None if until_us is None else pa.scalar(until_us, pa.int64()).cast(_TS)
-    for part in facts_of(t, until):
+    for part in facts_of(t, until, close=close):
         yield from part.to_batches(max_chunksize=65536)
