@@ -43,6 +43,7 @@ from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
 from mtaq.analytics.datasource import PARTITION_BYTES_DEFAULT, register
+from mtaq.analytics.facts import FACT_SPARK_DDL
 from mtaq.analytics.report import write_report
 from mtaq.analytics.source import discover
 from mtaq.analytics.tables import AGE_BUCKETS_MIN, DELAY_BUCKETS_S, Result, bucket_labels
@@ -268,10 +269,12 @@ class _Rev:
 def analyze(spark: SparkSession, opts: Options) -> Result:
     """Run the whole analysis; write Parquet tables, ``totals.json`` and the report under ``opts.out``.
 
-    How (docs/performance.md, "Analytics"): the segments are decoded once into one cached DataFrame,
-    hash-partitioned by queue ID, so the per-message and per-recipient facts (joins, the last-outcome
-    window) need no further shuffle; the small tables are then collected together, and the big tables (outcomes, messages, senders, recipients) are written
-    as Parquet by the executors, never collected.
+    How (docs/performance.md, "Analytics"): the segments are read once, as the data source's ``facts`` rows
+    (:mod:`mtaq.analytics.facts`): the per-message and per-outcome facts of every message a partition holds
+    whole are computed in the Python task; the record rows of the other messages are hash-partitioned by
+    queue ID and merged by Spark (groupings, joins, the last-outcome window). The small tables come from a
+    dozen collects made together (two of them GROUPING SETS aggregations), and the big tables (outcomes,
+    messages, senders, recipients) are written as Parquet by the executors, never collected.
 
     Raises :class:`mtaq.analytics.source.SourceError` when a path names no segments.
     """
@@ -292,6 +295,7 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
     parts = max(2, spark.sparkContext.defaultParallelism, -(-stored // PARTITION_STORED_BYTES))
     reader = (
         spark.read.format("mtaq")
+        .schema(FACT_SPARK_DDL)  # given, so that Spark does not start a Python process to ask the source
         .option("paths", json.dumps(list(opts.paths)))
         .option("partitionBytes", str(opts.partition_bytes))
         .option("rows", "facts")
