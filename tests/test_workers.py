@@ -218,3 +218,17 @@ def test_a_bad_secret_file_stops_serve_before_any_worker_starts(tmp_path, config
                   "--listen", f"127.0.0.1:{free_port()}", "--admin-listen", "", "--workers", "2")
     assert (2, 1) == (out.returncode, len(out.stderr.strip().splitlines())), out.stderr
     assert key in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_worker_that_cannot_start_says_so_in_one_line(tmp_path: Path) -> None:
+    """A start-up failure inside worker 1 that the supervisor's checks cannot see (here its admin socket path
+    is a directory it cannot replace) ends serve with status 1 and one ``mtaq: cannot serve: worker 1: ...``
+    line naming the path, as one process says it from the CLI; it was status 70 and a traceback."""
+    blocker = tmp_path / "spool" / "shard-1" / "admin.sock"
+    (blocker / "x").mkdir(parents=True)
+    out = _mtaq("serve", "--spool", str(tmp_path / "spool"), "--listen", f"127.0.0.1:{free_port()}",
+                "--admin-listen", f"127.0.0.1:{free_port()}", "--relayhost", "[127.0.0.1]:9", "--workers", "2")
+    assert 1 == out.returncode, out.stderr
+    lines = [ln for ln in out.stderr.splitlines() if ln.startswith("mtaq: ")]
+    assert [f"mtaq: cannot serve: worker 1: Is a directory: {blocker}"] == lines, out.stderr
+    assert "Traceback" not in out.stderr

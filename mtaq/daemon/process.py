@@ -21,6 +21,7 @@ import gc
 import importlib
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -30,7 +31,7 @@ import msgspec
 from mtaq.admin.metrics import Metrics
 from mtaq.config import Config, Listener, listeners_of, parse_hostport
 from mtaq.core.checkpoint import Checkpoint
-from mtaq.core.errors import CorruptRecord, StorageError, StorageFatal
+from mtaq.core.errors import CorruptRecord, MtaqError, StorageError, StorageFatal
 from mtaq.core.frame import Problem
 from mtaq.core.records import EnvelopeRecord, Outcome, Pos
 from mtaq.core.state import Attempt, RetryPolicy, format_reply
@@ -637,7 +638,20 @@ def _run_worker(cfg: Config, shard: int, n: int) -> None:
     api = bool(cfg.admin_listen.strip())
     peers = {k: admin_socket(cfg.spool_dir, k) for k in range(1, n)} if api and shard == 0 else {}
     sock = admin_socket(cfg.spool_dir, shard) if api and shard > 0 else ""
-    _run_loop(Daemon(shard_cfg, reuse_port=True, admin_socket=sock, admin_peers=peers))
+    try:
+        _run_loop(Daemon(shard_cfg, reuse_port=True, admin_socket=sock, admin_peers=peers))
+    except (OSError, MtaqError) as exc:
+        # What one process says from the CLI (a start-up failure: a port taken since the supervisor's check,
+        # an admin socket path it cannot replace, an unreadable spool): one line and status 1, no traceback.
+        print(f"mtaq: cannot serve: worker {shard}: {oserror_line(exc) if isinstance(exc, OSError) else exc}",
+              file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+def oserror_line(exc: OSError) -> str:
+    """An OSError in one line for an administrator: its strerror and the file it names, if any."""
+    text = exc.strerror or str(exc)
+    return f"{text}: {exc.filename}" if exc.filename else text
 
 
 def _check_bindable(cfg: Config, listeners: list[Listener]) -> None:
