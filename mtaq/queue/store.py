@@ -395,7 +395,16 @@ class Queue:
         c = conclude(attempt, now, self.policy)
         env = attempt.envelope
         rec = c.record
-        if isinstance(rec, EnvelopeRecord) and body is None:
+        copied: Pos | None = None
+        if isinstance(rec, EnvelopeRecord) and body is None and not c.dsn_groups and env.size >= self.stream_bytes_min:
+            # A large message retried later is copied forward in pieces (two passes: the checksum, then the
+            # copy), never held whole. CorruptRecord leaves the log as it was; on a read error (EIO, EMFILE)
+            # or a full disk the replacement names the old DATA.
+            try:
+                copied, _ = self.log.append_data(env.queue_id, StoredBody(self.log, env).pieces, env.size)
+            except StorageError:
+                copied = None
+        elif isinstance(rec, EnvelopeRecord) and body is None:
             # Read before anything is appended: CorruptRecord here leaves the log as it was, so a caller that
             # bounces the rest and concludes again does not queue this attempt's DSNs twice.
             try:
@@ -411,7 +420,7 @@ class Queue:
                 data_pos, _ = self.log.append(DataRecord(queue_id=env.queue_id, body=body))
                 rec = msgspec.structs.replace(rec, data=data_pos)
             else:
-                rec = msgspec.structs.replace(rec, data=env.data)
+                rec = msgspec.structs.replace(rec, data=copied if copied is not None else env.data)
             c = Conclusion(rec, c.failed, c.delayed, c.succeeded, c.expired)
         pos, _ = self.log.append(rec)
         self.working.concluded(attempt.start_pos)
