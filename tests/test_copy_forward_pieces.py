@@ -125,3 +125,35 @@ def test_the_daemon_delivers_a_deferred_streamed_message_byte_for_byte_after_a_c
         assert ["later@y.test"] == offered and 1 == len(h.sink.to("later@y.test"))
 
     run(tmp_path, body, retry_intervals_s=[1000.0])
+
+
+def test_checking_a_large_body_for_delivery_lets_other_tasks_run_between_pieces(tmp_path):
+    """The daemon checks a large body just after START with StoredBody.verify_yielding: every 64 KiB piece
+    is followed by a turn of the event loop (other sessions go on), and damage still raises CorruptRecord."""
+    from mtaq.queue.store import StoredBody
+
+    async def scenario(log, q, env, attempt, _body) -> None:
+        body = q.body_for_delivery(env, check=False)
+        assert isinstance(body, StoredBody)
+        turns = 0
+        done = False
+
+        async def other_session() -> None:
+            nonlocal turns
+            while not done:
+                turns += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(other_session())
+        await asyncio.sleep(0)
+        await body.verify_yielding()
+        done = True
+        await task
+        pieces = -(-SIZE // body.piece_bytes)
+        assert turns >= pieces - 1, (turns, pieces)
+        path = segment_path(log.directory, env.data.segment)
+        flip_bit(path, env.data.offset + FRAME_HEADER_BYTES + len(encode_data_prefix(env.queue_id, env.size)) + 7, 1)
+        with pytest.raises(CorruptRecord):
+            await body.verify_yielding()
+
+    _with_deferred(tmp_path, scenario)

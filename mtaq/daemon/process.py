@@ -299,7 +299,8 @@ class Daemon:
                 continue
             body: bytes | StoredBody | None
             try:
-                body = q.body_for_delivery(env)  # checked; a large one is sent from the log in pieces
+                # Checked now; a large one (sent from the log in pieces) just after START, yielding between pieces.
+                body = q.body_for_delivery(env, check=False)
                 problem = ""
             except CorruptRecord as exc:
                 body, problem = None, str(exc)  # damaged for good: bounced (554 5.3.0) with a DSN
@@ -316,6 +317,13 @@ class Daemon:
                 continue
             offer.accept()
             try:
+                if isinstance(body, StoredBody):
+                    try:
+                        await body.verify_yielding()  # the other sessions go on while a large body is checked
+                    except CorruptRecord as exc:
+                        body, problem = None, str(exc)  # damaged for good: bounced (554 5.3.0) with a DSN
+                    except StorageError as exc:
+                        body, problem = None, f"temporary: {exc}"  # deferred, tried again
                 await self._attempt(attempt, body, problem, pool)
             except StorageFatal:
                 return  # the process is exiting

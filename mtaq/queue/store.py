@@ -90,6 +90,12 @@ class StoredBody:
         for _piece in self.pieces():
             pass
 
+    async def verify_yielding(self) -> None:
+        """:meth:`verify`, letting the event loop run other tasks after each piece: checking a large body
+        never stalls the other sessions of the process. Same errors."""
+        for _piece in self.pieces():
+            await asyncio.sleep(0)
+
 _B32 = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"  # Crockford base32: no I, L, O, U
 _last_us = 0
 _shard = -1
@@ -350,16 +356,19 @@ class Queue:
             self.parked.add(pos, rec)
         return rec, pos, lsn
 
-    def body_for_delivery(self, env: EnvelopeRecord) -> bytes | StoredBody:
+    def body_for_delivery(self, env: EnvelopeRecord, *, check: bool = True) -> bytes | StoredBody:
         """The message content to send: the bytes when smaller than :attr:`stream_bytes_min`, else a
         :class:`StoredBody` read from the log in pieces while it is sent (memory bounded by the piece size,
         not the message; issue 15.2). Either way the DATA record has been checked (its checksum in a
-        streaming pass) before anything is sent. Raises CorruptRecord, StorageError as :meth:`read_body`.
+        streaming pass) before this returns; with ``check=False`` a StoredBody is not checked yet, and the
+        caller must await :meth:`StoredBody.verify_yielding` before sending anything. Raises CorruptRecord,
+        StorageError as :meth:`read_body`.
         """
         if env.size < self.stream_bytes_min:
             return self.read_body(env)
         body = StoredBody(self.log, env)
-        body.verify()
+        if check:
+            body.verify()
         return body
 
     def read_body(self, env: EnvelopeRecord) -> bytes:
