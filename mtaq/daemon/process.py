@@ -483,15 +483,19 @@ class Daemon:
         garbage = tuple(tuple(sorted(r.garbage)) for r in self.runners)
         suffix = working.earliest_start() or head
         parked = self.queue.parked
-        true_garbage_end = min((*positions, working.earliest_envelope() or head, parked.earliest() or head, head))
+        pins = self.queue.data_pins  # replacements naming DATA far behind them (a failed copy forward)
+        true_garbage_end = min((*positions, working.earliest_envelope() or head, parked.earliest() or head, head,
+                                *pins.values()))
         # Revoked envelopes that every runner has passed can no longer be offered by a runner.
         self.queue.revoked = {p for p in self.queue.revoked if p >= min(positions, default=head)}
         cp = Checkpoint(head=head, suffix=suffix, runners=positions, garbage=garbage, written_ts=self.clock(),
-                        parked=tuple(sorted(parked.entries)), counts=self.queue.counts.snapshot())
+                        parked=tuple(sorted(parked.entries)), counts=self.queue.counts.snapshot(),
+                        pins=tuple(sorted(pins.items())))
         await qlog.sync()  # every START behind the positions is durable before the checkpoint says so
         await asyncio.to_thread(write_checkpoint, self.fs, self.cfg.spool_dir, cp)
         self.checkpoints += 1
-        # Keep the segment before the garbage end too: an envelope's DATA may sit at the end of it.
+        # Keep the segment before the garbage end too: an envelope's DATA may sit at the end of it (DATA
+        # further behind its envelope is pinned above).
         limit = true_garbage_end.segment - 1
         if self.archive is not None:
             self._reclaim_soon(limit)

@@ -44,7 +44,7 @@ from mtaq.core.state import Attempt, Conclusion, DsnItem, RetryPolicy, WorkingSe
 from mtaq.storage.log import PIECE_BYTES, Log, storage_error
 from mtaq.storage.spill import MEMORY_BYTES, BodyBuffer
 
-__all__ = ["STREAM_BYTES_MIN", "Queue", "StoredBody", "new_queue_id", "queue_id_shard", "set_queue_id_shard"]
+__all__ = ["STREAM_BYTES_MIN", "Queue", "StoredBody", "far_data", "new_queue_id", "queue_id_shard", "set_queue_id_shard"]
 
 STREAM_BYTES_MIN = 256 * 1024  # a body of this many bytes or more is sent from the log in pieces
 
@@ -95,6 +95,12 @@ class StoredBody:
         never stalls the other sessions of the process. Same errors."""
         for _piece in self.pieces():
             await asyncio.sleep(0)
+
+def far_data(pos: Pos, env: EnvelopeRecord) -> bool:
+    """True when the envelope at ``pos`` names DATA more than one segment before it: reclamation, which
+    keeps only the segment before the earliest live envelope, must keep that DATA's segment explicitly."""
+    return env.data.segment < pos.segment - 1
+
 
 _B32 = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"  # Crockford base32: no I, L, O, U
 _last_us = 0
@@ -178,6 +184,10 @@ class Queue:
         # Envelopes an administrator's action started while a runner or the parked scheduler may still offer
         # them: a worker that takes such an offer drops it (the message was deleted, held, ... meanwhile).
         self.revoked: set[Pos] = set()
+        # Live envelopes whose DATA could not be copied forward (a read error, a full disk): envelope position
+        # -> the old DATA it names, more than a segment behind it. Reclamation keeps those segments until the
+        # envelope is concluded again (Daemon.checkpoint; kept in the checkpoint, rebuilt by recovery).
+        self.data_pins: dict[Pos, Pos] = {}
         # Called with each new envelope and its position once it is durable (the daemon logs `queued`).
         self.on_durable: Callable[[EnvelopeRecord, Pos], None] = lambda env, pos: None
         # Called for each DSN queued: (dsn envelope, original queue ID, kind).
@@ -351,6 +361,7 @@ class Queue:
             rec = msgspec.structs.replace(rec, data=data_pos)
         pos, lsn = self.log.append(rec)
         self.working.concluded(attempt.start_pos)
+        self.data_pins.pop(attempt.envelope_pos, None)  # an admin action copies the DATA forward or ends it
         self.counts.concluded(rec if isinstance(rec, EnvelopeRecord) else None)
         if isinstance(rec, EnvelopeRecord) and rec.runner == PARKED:
             self.parked.add(pos, rec)
@@ -433,6 +444,9 @@ class Queue:
             c = Conclusion(rec, c.failed, c.delayed, c.succeeded, c.expired)
         pos, _ = self.log.append(rec)
         self.working.concluded(attempt.start_pos)
+        self.data_pins.pop(attempt.envelope_pos, None)
+        if isinstance(rec, EnvelopeRecord) and far_data(pos, rec):
+            self.data_pins[pos] = rec.data  # not copied forward: its segment must outlive the retry
         self.counts.concluded(rec if isinstance(rec, EnvelopeRecord) else None)
         if isinstance(rec, EnvelopeRecord) and rec.runner == PARKED:
             self.parked.add(pos, rec)
