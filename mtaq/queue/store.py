@@ -431,10 +431,11 @@ class Queue:
                 body = self.read_body(env)
             except StorageError:
                 body = None  # EIO, EMFILE: not copied forward this time; the replacement names the old DATA
-        if c.dsn_groups:
+        if c.dsn_groups[attempt.dsns_queued:]:
             original = body if body is not None else self._body_or_empty(env)
-            for group in c.dsn_groups:
+            for group in c.dsn_groups[attempt.dsns_queued:]:
                 self._queue_dsn(env, group, original, now)
+                attempt.dsns_queued += 1
         if isinstance(rec, EnvelopeRecord):
             if body is not None:
                 data_pos, _ = self.log.append(DataRecord(queue_id=env.queue_id, body=body))
