@@ -157,3 +157,36 @@ def test_checking_a_large_body_for_delivery_lets_other_tasks_run_between_pieces(
             await body.verify_yielding()
 
     _with_deferred(tmp_path, scenario)
+
+
+def test_holding_and_copying_a_large_parked_message_forward_never_reads_it_whole(tmp_path):
+    """An administrator's hold (DATA copied with the replacement) and the checkpoint's copy of parked mail
+    (Queue.copy_forward) copy a large message in pieces too: bounded memory, byte-for-byte copies."""
+    log, _report = Log.open(OsFileSystem(), os.path.join(str(tmp_path), "log"), segment_bytes_max=64 << 20)
+    q = Queue(log, policy=RetryPolicy(intervals_s=(60.0,)), clock=lambda: 1000.0, reporting_mta="mx.test")
+    durable: list = []
+    q.on_durable = lambda env, pos: durable.append((pos, env))
+    body = b"Subject: held\r\n\r\n" + os.urandom(SIZE // 2).hex().encode()[: SIZE - 19] + b"\r\n"
+    peaks: list[int] = []
+    qid: list[str] = []
+
+    async def main() -> None:
+        env = await q.receive("s@x.test", ["r@y.test"], body)
+        [(pos, env)] = [(p, e) for p, e in durable if e.queue_id == env.queue_id]
+        qid.append(env.queue_id)
+        tracemalloc.start()
+        try:
+            held, held_pos, _lsn = q.admin(pos, env, "hold")
+            peaks.append(tracemalloc.get_traced_memory()[1])
+            tracemalloc.reset_peak()
+            assert isinstance(held, EnvelopeRecord)
+            q.copy_forward(held_pos, held)
+            peaks.append(tracemalloc.get_traced_memory()[1])
+        finally:
+            tracemalloc.stop()
+        await log.sync()
+
+    asyncio.run(main())
+    log.close()
+    assert all(p < SIZE // 8 for p in peaks), peaks
+    assert [body, body, body] == _datas(tmp_path, qid[0])

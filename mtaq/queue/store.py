@@ -336,7 +336,7 @@ class Queue:
         stays held, a delayed one keeps its due time; counts do not change): START(admin="copy") and a
         replacement, appended as book-keeping. Returns the new envelope's position. Raises CorruptRecord
         (the DATA does not check out; the message stays where it is), StorageError."""
-        self.read_body(env)  # before the START: damaged data is reported by the caller, not half-copied
+        self.check_body(env)  # before the START: damaged data is reported by the caller, not half-copied
         attempt = self.start(envelope_pos, env, admin=COPY_FORWARD)
         self.revoked.add(envelope_pos)
         _rec, pos, _lsn = self.finish_admin(attempt, COPY_FORWARD)
@@ -357,8 +357,7 @@ class Queue:
             release_ts = self.clock()  # recovery completing a delay cut short: due now rather than lost
         rec = admin_conclusion(env, attempt.start_pos, action, self.clock(), release_ts)
         if isinstance(rec, EnvelopeRecord):
-            data_pos, _ = self.log.append(DataRecord(queue_id=env.queue_id, body=self.read_body(env)))
-            rec = msgspec.structs.replace(rec, data=data_pos)
+            rec = msgspec.structs.replace(rec, data=self.copy_data(env))
         pos, lsn = self.log.append(rec)
         self.working.concluded(attempt.start_pos)
         self.data_pins.pop(attempt.envelope_pos, None)  # an admin action copies the DATA forward or ends it
@@ -381,6 +380,24 @@ class Queue:
         if check:
             body.verify()
         return body
+
+    def check_body(self, env: EnvelopeRecord) -> None:
+        """Read the DATA record of ``env`` and check it (a large one in pieces, never whole). Raises
+        CorruptRecord, StorageError as :meth:`read_body`."""
+        if env.size >= self.stream_bytes_min:
+            StoredBody(self.log, env).verify()
+        else:
+            self.read_body(env)
+
+    def copy_data(self, env: EnvelopeRecord) -> Pos:
+        """Append a copy of the DATA record of ``env`` (a large one in pieces: a checksum pass, then the
+        copy, never held whole); return its position. Raises CorruptRecord (nothing appended),
+        StorageError (nothing of the record left in the log)."""
+        if env.size >= self.stream_bytes_min:
+            pos, _ = self.log.append_data(env.queue_id, StoredBody(self.log, env).pieces, env.size)
+        else:
+            pos, _ = self.log.append(DataRecord(queue_id=env.queue_id, body=self.read_body(env)))
+        return pos
 
     def read_body(self, env: EnvelopeRecord) -> bytes:
         """The message content. Raises CorruptRecord when the DATA record does not check out."""
@@ -421,7 +438,7 @@ class Queue:
             # copy), never held whole. CorruptRecord leaves the log as it was; on a read error (EIO, EMFILE)
             # or a full disk the replacement names the old DATA.
             try:
-                copied, _ = self.log.append_data(env.queue_id, StoredBody(self.log, env).pieces, env.size)
+                copied = self.copy_data(env)
             except StorageError:
                 copied = None
         elif isinstance(rec, EnvelopeRecord) and body is None:
