@@ -158,3 +158,30 @@ def test_a_segment_waiting_for_its_fsync_is_not_closed_by_the_reader_cache(tmp_p
 
     asyncio.run(main())
     log.close()
+
+
+def test_committers_wake_before_readers_of_the_durable_end(tmp_path):
+    """After a commit round, the tasks waiting for their records to be durable (a client's 250) resume a
+    loop turn before those waiting for the durable end to move (the queue runners, which start deliveries),
+    even when the reader started waiting first."""
+    log, _ = Log.open(OsFileSystem(), str(tmp_path / "log"), segment_bytes_max=1 << 20)
+    order: list[str] = []
+
+    async def main() -> None:
+        _pos, lsn = log.append(FinishRecord(queue_id="Q1", start=Pos(1, 32), ts=1.0))
+
+        async def runner() -> None:
+            await log.durable_advanced()
+            order.append("runner")
+
+        async def client() -> None:
+            await log.commit(lsn)
+            order.append("250")
+
+        r = asyncio.create_task(runner())
+        await asyncio.sleep(0)
+        await asyncio.gather(client(), r)
+
+    asyncio.run(main())
+    log.close()
+    assert ["250", "runner"] == order

@@ -101,6 +101,12 @@ def scan_log(fs: FileSystem, directory: str, *, decode: bool = True) -> Iterator
         yield scan_segment(n, fs.read_file(segment_path(directory, n)), decode=decode)
 
 
+def _wake(waiters: list[asyncio.Future[None]]) -> None:
+    for f in waiters:
+        if not f.done():
+            f.set_result(None)
+
+
 @dataclass
 class LogStats:
     """Counters since the process started."""
@@ -528,12 +534,6 @@ class Log:
                 self.stats.fsync_calls += calls
                 self.stats.commit_rounds += 1
                 self._durable_lsn = max(self._durable_lsn, target)
-                if target_end > self._durable_end:
-                    self._durable_end = target_end
-                    waiters, self._durable_waiters = self._durable_waiters, []
-                    for f in waiters:
-                        if not f.done():
-                            f.set_result(None)
                 waiting = []
                 for lsn, fut in self._waiters:
                     if lsn <= target:
@@ -542,6 +542,13 @@ class Log:
                     else:
                         waiting.append((lsn, fut))
                 self._waiters = waiting
+                if target_end > self._durable_end:
+                    self._durable_end = target_end
+                    waiters, self._durable_waiters = self._durable_waiters, []
+                    # Readers of the durable end (the queue runners, which start deliveries) wake a loop turn
+                    # after the committers of this round: a client's 250 goes out before the delivery of the
+                    # message it acknowledges begins in the same process (the reply is what the client waits for).
+                    loop.call_soon(_wake, waiters)
         finally:
             self._commit_task = None
 
