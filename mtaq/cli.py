@@ -173,7 +173,9 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     except OSError as exc:
-        print(f"mtaq: cannot serve: {exc.strerror or exc}", file=sys.stderr)
+        from mtaq.daemon.process import oserror_line
+
+        print(f"mtaq: cannot serve: {oserror_line(exc)}", file=sys.stderr)
         return 1
 
 

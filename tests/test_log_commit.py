@@ -116,3 +116,72 @@ def test_free_space_is_asked_at_most_every_ttl_and_counts_what_was_appended_sinc
     assert 5 == log.free_bytes()
     assert 2 == fs.calls
     log.close()
+
+
+def test_a_segment_waiting_for_its_fsync_is_not_closed_by_the_reader_cache(tmp_path):
+    """Review: the commit round takes the dirty files, then fsyncs them in its thread. A segment that
+    rolled just before was no longer 'dirty' for the reader cache (least recently used closed first), so
+    reads of old segments during the fsync closed it: the fsync then hit EBADF (the daemon exited), or a
+    file opened meanwhile got the same descriptor number and was fsync'd instead, and the rolled segment's
+    tail counted as durable without being so (a power cut would lose acknowledged mail). The disk is held
+    at the fsync by FaultyFileSystem.fsync_gate while a reader opens old segments."""
+    import threading
+
+    positions: list[Pos] = []
+
+    async def fill(log: Log) -> None:  # several sealed, durable segments to read from later
+        for i in range(400):
+            pos, _lsn = log.append(FinishRecord(queue_id=f"Q{i:04d}", start=Pos(1, 32), ts=1.0))
+            positions.append(pos)
+        await log.sync()
+
+    old, _ = Log.open(OsFileSystem(), str(tmp_path / "log"), segment_bytes_max=4096)
+    asyncio.run(fill(old))
+    old.close()
+    assert len({p.segment for p in positions}) >= 3
+    fs = FaultyFileSystem()
+    log, _ = Log.open(fs, str(tmp_path / "log"), segment_bytes_max=4096)  # the old segments are not open
+    log.files_open_max = 2
+
+    async def main() -> None:
+        rolled = log.current_segment
+        while log.current_segment == rolled:  # roll: `rolled` is sealed, its records not yet fsync'd
+            log.append(FinishRecord(queue_id="QTAIL", start=Pos(1, 32), ts=1.0))
+        fs.fsync_gate = threading.Event()
+        commit = asyncio.create_task(log.sync())
+        while log._dirty:  # the round has taken the dirty files and waits in its fsync thread
+            await asyncio.sleep(0.001)
+        for pos in positions:  # readers open the old segments meanwhile (more than files_open_max)
+            log.read(pos)
+        fs.fsync_gate.set()
+        await commit  # StorageFatal (fsync after close) before
+
+    asyncio.run(main())
+    log.close()
+
+
+def test_committers_wake_before_readers_of_the_durable_end(tmp_path):
+    """After a commit round, the tasks waiting for their records to be durable (a client's 250) resume a
+    loop turn before those waiting for the durable end to move (the queue runners, which start deliveries),
+    even when the reader started waiting first."""
+    log, _ = Log.open(OsFileSystem(), str(tmp_path / "log"), segment_bytes_max=1 << 20)
+    order: list[str] = []
+
+    async def main() -> None:
+        _pos, lsn = log.append(FinishRecord(queue_id="Q1", start=Pos(1, 32), ts=1.0))
+
+        async def runner() -> None:
+            await log.durable_advanced()
+            order.append("runner")
+
+        async def client() -> None:
+            await log.commit(lsn)
+            order.append("250")
+
+        r = asyncio.create_task(runner())
+        await asyncio.sleep(0)
+        await asyncio.gather(client(), r)
+
+    asyncio.run(main())
+    log.close()
+    assert ["250", "runner"] == order

@@ -67,3 +67,49 @@ def test_a_body_damaged_at_conclusion_bounces_each_recipient_once(tmp_path):
              if isinstance(rec, DataRecord) and rec.queue_id == qid[0]]
     assert [] == [len(d.body) for d in datas if len(d.body) != len(body)]  # never an empty copy of the message
     assert not isinstance(ended[0], EnvelopeRecord)  # no replacement: the message ended (bounced)
+
+
+def test_a_conclusion_that_fails_after_its_dsn_does_not_queue_the_dsn_again(tmp_path):
+    """Review: Queue.conclude queues the DSNs, then appends the replacement; a full disk there (StorageFull)
+    sent the daemon's worker to conclude again, which queued the same bounce a second time. The disk fills
+    (FaultyFileSystem: ENOSPC) right after the bounce is queued; the second conclusion queues none."""
+    import errno
+
+    from mtaq.core.errors import StorageFull
+    from mtaq.testing.faults import FaultyFileSystem
+
+    fs = FaultyFileSystem()
+    log, _report = Log.open(fs, os.path.join(str(tmp_path), "log"), segment_bytes_max=64 << 20)
+    q = Queue(log, policy=RetryPolicy(intervals_s=(60.0,)), clock=lambda: 1000.0, reporting_mta="mx.test")
+    durable: list = []
+    dsns: list[str] = []
+
+    def disk_full_after_the_dsn(env, qid, kind) -> None:
+        dsns.append(qid)
+        fs.fail_append = errno.ENOSPC
+
+    q.on_durable = lambda env, pos: durable.append((pos, env))
+    q.on_dsn = disk_full_after_the_dsn
+    ended: list = []
+
+    async def main() -> None:
+        env = await q.receive("s@x.test", ["refused@y.test", "later@y.test"], b"Subject: s\r\n\r\nsmall\r\n")
+        [(pos, env)] = [(p, e) for p, e in durable if e.queue_id == env.queue_id]
+        attempt = q.start(pos, env)
+        await q.record_outcomes(attempt, "mx", [Outcome(0, "failed", 550, "5.1.1", "no such user"),
+                                                Outcome(1, "deferred", 451, "4.4.1", "try later")])
+        with pytest.raises(StorageFull):
+            q.conclude(attempt, None)
+        fs.fail_append = None  # space again: what the daemon's worker does after the failure
+        c, _pos = q.conclude(attempt, None)
+        ended.append(c.record)
+        await log.sync()
+
+    asyncio.run(main())
+    log.close()
+    assert 1 == len(dsns), dsns
+    bounces = [rec for seg in scan_log(OsFileSystem(), os.path.join(str(tmp_path), "log")) for _p, rec in seg.records
+               if isinstance(rec, EnvelopeRecord) and rec.bounce_of]
+    assert 1 == len(bounces)
+    assert isinstance(ended[0], EnvelopeRecord) and ["later@y.test"] == [r.address for r in ended[0].recipients
+                                                                         if r.index == 1]

@@ -313,7 +313,7 @@ def test_sender_login_reply_lookup_order_and_case():
 
 def test_two_workers_listen_on_every_listener(tmp_path, pki, passwd_file):
     """workers = 2: each worker (shard 0 and 1) logs its own `listening` event naming all the listeners
-    (SO_REUSEPORT on each), and mail submitted on the smtps port is delivered."""
+    (the sockets bound once, every worker accepting on them), and mail submitted on the smtps port is delivered."""
     submission, smtps = free_port(), free_port()
     conf = tmp_path / "mtaq.toml"
     conf.write_text(f'workers = 2\nmyhostname = "{HOST}"\ntls_cert_file = "{pki["cert"]}"\n'

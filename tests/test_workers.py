@@ -35,12 +35,12 @@ def _shard_of(queue_id: str) -> int:
     return _B32.index(queue_id[-1]) & 0xF
 
 
-def _send(port: int, n: int, tag: str) -> list[str]:
-    """``n`` messages, each on its own connection (so that the kernel spreads them over the workers)."""
+def _send(port: int, n: int, tag: str, *, timeout: float = 30) -> list[str]:
+    """``n`` messages, each on its own connection (so that they spread over the workers)."""
     replies = []
     for i in range(n):
         msg = f"From: a@example.org\r\nTo: b@example.net\r\nMessage-ID: <{tag}.{i}@test>\r\n\r\nbody {i}\r\n"
-        with smtplib.SMTP("127.0.0.1", port, timeout=30) as s:
+        with smtplib.SMTP("127.0.0.1", port, timeout=timeout) as s:
             s.ehlo("client.test")
             s.mail("a@example.org")
             s.rcpt("b@example.net")
@@ -87,19 +87,28 @@ def test_queue_ids_of_a_worker_carry_its_shard(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_two_workers_share_the_port_and_deliver_every_message_once(tmp_path: Path) -> None:
-    """With workers = 2, both workers take connections on the one port; each message is delivered exactly
-    once; every line of the shared log file is one whole JSON event; each shard's log holds only IDs of its
-    shard; log verify checks both shards and passes."""
+    """With workers = 2, both workers accept from the one port, and a worker that is busy (here: stopped)
+    holds no new connection: with one worker stopped, 20 clients in a row are all served by the other (with
+    SO_REUSEPORT, the kernel gave about half of them to the stopped one, where they waited for a greeting);
+    then the other way round. Each message is delivered exactly once; every line of the shared log file is
+    one whole JSON event; each shard's log holds only IDs of its shard, 20 each; log verify checks both
+    shards and passes."""
     sink = start_sink(str(tmp_path / "maildir"), str(tmp_path / "sink.log"))
     (tmp_path / "mtaq.toml").write_text("workers = 2\n")
     spool = str(tmp_path / "spool")
     daemon = start_daemon(spool, sink.port, str(tmp_path / "daemon.log"), config=str(tmp_path / "mtaq.toml"), workers=None)
     try:
-        wait_for(lambda: len(daemon.children()) == 2, 20, "two workers")
-        _send(daemon.port, 40, "w2")
-        wait_for(lambda: len(maildir_message_ids(str(tmp_path / "maildir"))) >= 40, 60, "40 deliveries")
+        kids = wait_for(lambda: (k := daemon.children()) and len(k) == 2 and k, 20, "two workers")
+        for n, (stopped, tag) in enumerate(((kids[0], "w2a"), (kids[1], "w2b"))):
+            os.kill(stopped, signal.SIGSTOP)
+            try:
+                _send(daemon.port, 20, tag, timeout=10)
+            finally:
+                os.kill(stopped, signal.SIGCONT)
+            want = 20 * (n + 1)
+            wait_for(lambda: len(maildir_message_ids(str(tmp_path / "maildir"))) >= want, 60, "deliveries")  # noqa: B023
         ids = maildir_message_ids(str(tmp_path / "maildir"))
-        assert {f"<w2.{i}@test>": 1 for i in range(40)} == dict(ids)
+        assert {f"<{t}.{i}@test>": 1 for t in ("w2a", "w2b") for i in range(20)} == dict(ids)
     finally:
         daemon.kill9()
         sink.kill9()
@@ -116,8 +125,7 @@ def test_two_workers_share_the_port_and_deliver_every_message_once(tmp_path: Pat
             shard = int(m.group(1))
         elif " ENVELOPE " in line:
             per_shard.setdefault(shard, set()).add(line.split()[2])
-    assert {0, 1} == set(per_shard)
-    assert 40 == sum(len(v) for v in per_shard.values())
+    assert {0: 20, 1: 20} == {k: len(v) for k, v in per_shard.items()}
     for k, qids in per_shard.items():
         assert {k} == {_shard_of(q) for q in qids}
     verify = _mtaq("log", "verify", "--spool", spool)
@@ -218,3 +226,35 @@ def test_a_bad_secret_file_stops_serve_before_any_worker_starts(tmp_path, config
                   "--listen", f"127.0.0.1:{free_port()}", "--admin-listen", "", "--workers", "2")
     assert (2, 1) == (out.returncode, len(out.stderr.strip().splitlines())), out.stderr
     assert key in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_worker_that_cannot_start_says_so_in_one_line(tmp_path: Path) -> None:
+    """A start-up failure inside worker 1 that the supervisor's checks cannot see (here its admin socket path
+    is a directory it cannot replace) ends serve with status 1 and one ``mtaq: cannot serve: worker 1: ...``
+    line naming the path, as one process says it from the CLI; it was status 70 and a traceback."""
+    blocker = tmp_path / "spool" / "shard-1" / "admin.sock"
+    (blocker / "x").mkdir(parents=True)
+    out = _mtaq("serve", "--spool", str(tmp_path / "spool"), "--listen", f"127.0.0.1:{free_port()}",
+                "--admin-listen", f"127.0.0.1:{free_port()}", "--relayhost", "[127.0.0.1]:9", "--workers", "2")
+    assert 1 == out.returncode, out.stderr
+    lines = [ln for ln in out.stderr.splitlines() if ln.startswith("mtaq: ")]
+    assert [f"mtaq: cannot serve: worker 1: Is a directory: {blocker}"] == lines, out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_a_second_daemon_on_the_same_port_is_refused(tmp_path: Path) -> None:
+    """A second ``mtaq serve --workers 2`` started by mistake on the port of a running one (another spool)
+    exits 1 with one line, and the first keeps every connection: with SO_REUSEPORT on both, the second
+    bound the same port and the kernel silently split new mail between the two spools."""
+    sink = start_sink(str(tmp_path / "maildir"), str(tmp_path / "sink.log"))
+    daemon = start_daemon(str(tmp_path / "spool1"), sink.port, str(tmp_path / "daemon.log"), workers=2)
+    try:
+        out = _mtaq("serve", "--spool", str(tmp_path / "spool2"), "--listen", f"127.0.0.1:{daemon.port}",
+                    "--admin-listen", "", "--relayhost", "[127.0.0.1]:9", "--workers", "2")
+        assert (1, [f"mtaq: cannot serve: listen 127.0.0.1:{daemon.port}: Address already in use"]) == (
+            out.returncode, out.stderr.strip().splitlines()), out.stderr
+        _send(daemon.port, 4, "one")
+        wait_for(lambda: len(maildir_message_ids(str(tmp_path / "maildir"))) >= 4, 60, "4 deliveries")
+    finally:
+        daemon.kill9()
+        sink.kill9()

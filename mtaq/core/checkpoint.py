@@ -50,6 +50,9 @@ class Checkpoint(msgspec.Struct, frozen=True, array_like=True):
     written_ts: float
     parked: tuple[Pos, ...] = ()  # live parked envelopes (held or delayed) as of head
     counts: tuple[tuple[str, int], ...] = ()  # messages by state as of head (QueueCounts), for a cheap size
+    # (envelope, DATA) of live envelopes naming DATA more than a segment before them (a failed copy
+    # forward): those segments are kept (mtaq.queue.store.Queue.data_pins)
+    pins: tuple[tuple[Pos, Pos], ...] = ()
 
 
 _ENC = msgspec.msgpack.Encoder()

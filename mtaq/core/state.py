@@ -59,6 +59,9 @@ class Attempt:
     start_pos: Pos
     outcomes: dict[int, Outcome] = field(default_factory=dict)
     remote_dsn: bool = False
+    # DSN groups of the conclusion already queued: a conclusion that failed after queueing them (a full
+    # disk at the replacement) is concluded again without queueing them twice.
+    dsns_queued: int = 0
 
     @property
     def queue_id(self) -> str:

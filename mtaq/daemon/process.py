@@ -21,6 +21,7 @@ import gc
 import importlib
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -28,13 +29,13 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from mtaq.admin.metrics import Metrics
-from mtaq.config import Config, Listener, listeners_of, parse_hostport
+from mtaq.config import Config, listeners_of, parse_hostport
 from mtaq.core.checkpoint import Checkpoint
-from mtaq.core.errors import CorruptRecord, StorageError, StorageFatal
+from mtaq.core.errors import CorruptRecord, MtaqError, StorageError, StorageFatal
 from mtaq.core.frame import Problem
 from mtaq.core.records import EnvelopeRecord, Outcome, Pos
 from mtaq.core.state import Attempt, RetryPolicy, format_reply
-from mtaq.daemon.workers import admin_socket, shard_count, shard_dir, supervise, workers_wanted
+from mtaq.daemon.workers import admin_socket, bind_listeners, shard_count, shard_dir, supervise, workers_wanted
 from mtaq.delivery.relay import Reply, classify
 from mtaq.delivery.routing import Router
 from mtaq.delivery.sasl import SaslClient
@@ -70,8 +71,8 @@ _STATUS_OF = {"delivered": "sent", "deferred": "deferred", "failed": "bounced"}
 class Daemon:
     """The running relay: one log, its SMTP listeners, the runners, ``delivery_concurrency`` workers."""
 
-    def __init__(self, cfg: Config, *, clock: Callable[[], float] = time.time, reuse_port: bool = False,
-                 fs: FileSystem | None = None, admin_socket: str = "", admin_peers: dict[int, str] | None = None) -> None:
+    def __init__(self, cfg: Config, *, clock: Callable[[], float] = time.time,
+                 listen_sockets: list[list[socket.socket]] | None = None, fs: FileSystem | None = None, admin_socket: str = "", admin_peers: dict[int, str] | None = None) -> None:
         self.cfg = cfg
         # Several workers (mtaq.daemon.workers): worker k >= 1 serves the admin API on ``admin_socket`` for
         # worker 0, whose public API reaches the other shards through ``admin_peers`` {shard: socket}.
@@ -79,7 +80,9 @@ class Daemon:
         self.admin_peers = dict(admin_peers or {})
         self.clock = clock
         self._fs_given = fs  # tests pass a failing one; else the real file system (or MTAQ_TEST_FS)
-        self.reuse_port = reuse_port  # one of several worker processes sharing the port (mtaq.daemon.workers)
+        # One of several worker processes (mtaq.daemon.workers): per listener, the sockets the supervisor bound,
+        # which every worker accepts from (None: bind the listeners here).
+        self.listen_sockets = listen_sockets
         self._copy_failed: set[Pos] = set()  # parked envelopes whose DATA could not be copied forward
         self.log = get_logger()
         self.router = Router(cfg)
@@ -174,22 +177,26 @@ class Daemon:
         # connections_max and the per-client limits count the daemon's connections, whatever the port.
         gate = connection_gate(self.edge, asyncio.get_running_loop().time)
         handler = QueueHandler(self.queue, self.signer)
-        self.servers = []
-        for lst in self.listeners:
-            self.servers.append(await start_server(
-                handler,
-                lst.host,
-                lst.port,
-                hostname=cfg.hostname(),
-                data_size_limit=cfg.message_size_limit_bytes,
-                timeout_s=cfg.smtp_server_timeout_s,
-                policy=self.edge,
-                reuse_port=self.reuse_port,
-                gate=gate,
-                auth_required=lst.auth_required,
-                tls_required=lst.tls_required,
-                implicit_tls=lst.wrappermode,
-            ))
+        self.servers = []  # one per listener (the first socket's, when the supervisor bound several)
+        for i, lst in enumerate(self.listeners):
+            socks: list[socket.socket | None] = list(self.listen_sockets[i]) if self.listen_sockets else [None]
+            for j, sock in enumerate(socks):
+                server = await start_server(
+                    handler,
+                    lst.host,
+                    lst.port,
+                    hostname=cfg.hostname(),
+                    data_size_limit=cfg.message_size_limit_bytes,
+                    timeout_s=cfg.smtp_server_timeout_s,
+                    policy=self.edge,
+                    sock=sock,
+                    gate=gate,
+                    auth_required=lst.auth_required,
+                    tls_required=lst.tls_required,
+                    implicit_tls=lst.wrappermode,
+                )
+                if j == 0:
+                    self.servers.append(server)
         self.server = self.servers[0]
         described = []
         for lst, server in zip(self.listeners, self.servers, strict=True):
@@ -298,7 +305,8 @@ class Daemon:
                 continue
             body: bytes | StoredBody | None
             try:
-                body = q.body_for_delivery(env)  # checked; a large one is sent from the log in pieces
+                # Checked now; a large one (sent from the log in pieces) just after START, yielding between pieces.
+                body = q.body_for_delivery(env, check=False)
                 problem = ""
             except CorruptRecord as exc:
                 body, problem = None, str(exc)  # damaged for good: bounced (554 5.3.0) with a DSN
@@ -315,6 +323,13 @@ class Daemon:
                 continue
             offer.accept()
             try:
+                if isinstance(body, StoredBody):
+                    try:
+                        await body.verify_yielding()  # the other sessions go on while a large body is checked
+                    except CorruptRecord as exc:
+                        body, problem = None, str(exc)  # damaged for good: bounced (554 5.3.0) with a DSN
+                    except StorageError as exc:
+                        body, problem = None, f"temporary: {exc}"  # deferred, tried again
                 await self._attempt(attempt, body, problem, pool)
             except StorageFatal:
                 return  # the process is exiting
@@ -474,15 +489,19 @@ class Daemon:
         garbage = tuple(tuple(sorted(r.garbage)) for r in self.runners)
         suffix = working.earliest_start() or head
         parked = self.queue.parked
-        true_garbage_end = min((*positions, working.earliest_envelope() or head, parked.earliest() or head, head))
+        pins = self.queue.data_pins  # replacements naming DATA far behind them (a failed copy forward)
+        true_garbage_end = min((*positions, working.earliest_envelope() or head, parked.earliest() or head, head,
+                                *pins.values()))
         # Revoked envelopes that every runner has passed can no longer be offered by a runner.
         self.queue.revoked = {p for p in self.queue.revoked if p >= min(positions, default=head)}
         cp = Checkpoint(head=head, suffix=suffix, runners=positions, garbage=garbage, written_ts=self.clock(),
-                        parked=tuple(sorted(parked.entries)), counts=self.queue.counts.snapshot())
+                        parked=tuple(sorted(parked.entries)), counts=self.queue.counts.snapshot(),
+                        pins=tuple(sorted(pins.items())))
         await qlog.sync()  # every START behind the positions is durable before the checkpoint says so
         await asyncio.to_thread(write_checkpoint, self.fs, self.cfg.spool_dir, cp)
         self.checkpoints += 1
-        # Keep the segment before the garbage end too: an envelope's DATA may sit at the end of it.
+        # Keep the segment before the garbage end too: an envelope's DATA may sit at the end of it (DATA
+        # further behind its envelope is pinned above).
         limit = true_garbage_end.segment - 1
         if self.archive is not None:
             self._reclaim_soon(limit)
@@ -622,8 +641,9 @@ def _run_loop(daemon: Daemon) -> None:
     runner(_run_or_crash(daemon))
 
 
-def _run_worker(cfg: Config, shard: int, n: int) -> None:
-    """Worker ``shard`` of ``n`` (in its own process): a whole daemon on its shard of the spool."""
+def _run_worker(cfg: Config, shard: int, n: int, sockets: list[list[socket.socket]]) -> None:
+    """Worker ``shard`` of ``n`` (in its own process): a whole daemon on its shard of the spool, accepting SMTP
+    connections from ``sockets`` (per listener, bound by the supervisor: :func:`mtaq.daemon.workers.bind_listeners`)."""
     set_queue_id_shard(shard)
     configure_logging(cfg.log_format, shard=shard)
     shard_cfg = msgspec.structs.replace(
@@ -637,34 +657,43 @@ def _run_worker(cfg: Config, shard: int, n: int) -> None:
     api = bool(cfg.admin_listen.strip())
     peers = {k: admin_socket(cfg.spool_dir, k) for k in range(1, n)} if api and shard == 0 else {}
     sock = admin_socket(cfg.spool_dir, shard) if api and shard > 0 else ""
-    _run_loop(Daemon(shard_cfg, reuse_port=True, admin_socket=sock, admin_peers=peers))
+    try:
+        _run_loop(Daemon(shard_cfg, listen_sockets=sockets, admin_socket=sock, admin_peers=peers))
+    except (OSError, MtaqError) as exc:
+        # What one process says from the CLI (a start-up failure: a port taken since the supervisor's check,
+        # an admin socket path it cannot replace, an unreadable spool): one line and status 1, no traceback.
+        print(f"mtaq: cannot serve: worker {shard}: {oserror_line(exc) if isinstance(exc, OSError) else exc}",
+              file=sys.stderr)
+        raise SystemExit(1) from None
 
 
-def _check_bindable(cfg: Config, listeners: list[Listener]) -> None:
-    """Several workers: bind every SMTP listener (SO_REUSEPORT, as the workers will) and ``admin_listen`` once
-    in the supervisor, so that an address in use is the one-line error of one worker (OSError), not a worker's
-    exit. A resolver failure is left to the worker, which reports it as one worker would."""
-    addrs = [(lst.host, lst.port, True, "listen") for lst in listeners]
-    if cfg.admin_listen.strip():
-        host, port = parse_hostport(cfg.admin_listen, key="admin_listen")
-        addrs.append((host, port, False, "admin_listen"))
-    for host, port, reuse_port, key in addrs:
-        try:
-            infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        except socket.gaierror:
-            continue
-        for family, type_, proto, _name, sa in infos:
-            with socket.socket(family, type_, proto) as s:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                if reuse_port:
-                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-                if family == socket.AF_INET6:
-                    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-                try:
-                    s.bind(sa)
-                except OSError as exc:
-                    why = os.strerror(exc.errno) if exc.errno else str(exc)
-                    raise OSError(exc.errno, f"{key} {host}:{port}: {why}") from exc
+def oserror_line(exc: OSError) -> str:
+    """An OSError in one line for an administrator: its strerror and the file it names, if any."""
+    text = exc.strerror or str(exc)
+    return f"{text}: {exc.filename}" if exc.filename else text
+
+
+def _check_admin_bindable(cfg: Config) -> None:
+    """Several workers: bind ``admin_listen`` once in the supervisor (and let it go: worker 0 binds it), so that
+    an address in use is the one-line error of one worker (OSError), not a worker's exit. A resolver failure
+    is left to worker 0, which reports it as one worker would."""
+    if not cfg.admin_listen.strip():
+        return
+    host, port = parse_hostport(cfg.admin_listen, key="admin_listen")
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return
+    for family, type_, proto, _name, sa in infos:
+        with socket.socket(family, type_, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                s.bind(sa)
+            except OSError as exc:
+                why = os.strerror(exc.errno) if exc.errno else str(exc)
+                raise OSError(exc.errno, f"admin_listen {host}:{port}: {why}") from exc
 
 
 def serve(cfg: Config) -> int:
@@ -686,7 +715,7 @@ def serve(cfg: Config) -> int:
     EdgePolicy.from_config(cfg)
     SaslClient.from_config(cfg)
     Signer.from_config(cfg)
-    _check_bindable(cfg, listeners)
+    _check_admin_bindable(cfg)
     if cfg.admin_listen.strip() and not cfg.admin_token:
         # One token for worker 0's public API and the other workers' sockets, made before any worker starts.
         from mtaq.admin.token import spool_token
@@ -698,4 +727,12 @@ def serve(cfg: Config) -> int:
     def on_exit(shard: int, status: int) -> None:
         log.critical("worker_exited", shard=shard, exit_status=status, action="stopping every worker")
 
-    return supervise(n, lambda k: _run_worker(cfg, k, n), on_exit)
+    # Bound once here, accepted from by every worker (mtaq.daemon.workers); an address in use is one line.
+    sockets = bind_listeners([(lst.host, lst.port) for lst in listeners])
+
+    def forked() -> None:
+        for socks in sockets:
+            for s in socks:
+                s.close()  # the workers hold them now
+
+    return supervise(n, lambda k: _run_worker(cfg, k, n, sockets), on_exit, forked)

@@ -1,11 +1,15 @@
-"""Several worker processes sharing the SMTP port (SO_REUSEPORT), each owning one shard of the spool.
+"""Several worker processes sharing the SMTP port (one accept queue), each owning one shard of the spool.
 
 One Python process runs on one core. With ``workers = N > 1``, ``mtaq serve`` becomes a small supervisor
 that forks N workers, and worker k is a whole daemon (its own log, checkpoint, ``corrupt`` area, recovery,
 runners and delivery workers) on shard k of the spool: shard 0 is the spool directory itself (``SPOOL/log``,
-as with one worker), shard k >= 1 is ``SPOOL/shard-k``. Every worker listens on the same address with
-SO_REUSEPORT, and the kernel spreads new SMTP connections over them. A message stays in the shard that
-accepted it, and so do its DSNs and retries. Nothing is shared between workers but the listening port.
+as with one worker), shard k >= 1 is ``SPOOL/shard-k``. The supervisor binds every SMTP listener once
+(:func:`bind_listeners`) before it forks, and every worker accepts from those same sockets: a new connection
+goes to whichever worker asks first, which is a worker with nothing else to do (as Postfix's smtpd processes
+share the master's listening socket). With SO_REUSEPORT, as before, the kernel hashed each connection to
+one worker whatever that worker was doing, and half the time a lone client's next message waited behind
+the delivery of its previous one. A message stays in the shard that accepted it, and so do its DSNs and
+retries. Nothing is shared between workers but the listening sockets.
 
 What must always hold:
 
@@ -27,20 +31,22 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
 import sys
 import traceback
 from collections.abc import Callable
 
 from mtaq.storage.shards import SHARD_PREFIX, existing_shards, shard_dir
 
-__all__ = ["ADMIN_SOCKET", "SHARD_PREFIX", "WORKERS_AUTO_MAX", "WORKERS_MAX", "admin_socket", "auto_workers",
-           "existing_shards", "log_dirs", "shard_count", "shard_dir", "supervise", "workers_wanted"]
+__all__ = ["ADMIN_SOCKET", "LISTEN_BACKLOG", "SHARD_PREFIX", "WORKERS_AUTO_MAX", "WORKERS_MAX", "admin_socket",
+           "auto_workers", "bind_listeners", "existing_shards", "log_dirs", "shard_count", "shard_dir", "supervise", "workers_wanted"]
 
 WORKERS_MAX = 16  # the queue ID carries the shard in 4 bits
 # "auto" stops here: past a few workers the shared disk's fsyncs, not the CPU, bound a relay, and every
 # worker is a whole daemon (memory, connections, a log of its own).
 WORKERS_AUTO_MAX = 8
 ADMIN_SOCKET = "admin.sock"  # in each shard k >= 1: the admin API of worker k, for worker 0 only
+LISTEN_BACKLOG = 100  # connections the kernel queues per listening socket (asyncio's and Postfix's default)
 
 
 def auto_workers() -> int:
@@ -84,6 +90,48 @@ def log_dirs(spool: str) -> list[tuple[int, str]]:
     return [(k, os.path.join(shard_dir(spool, k), "log")) for k in [0, *existing_shards(spool)]]
 
 
+def bind_listeners(addrs: list[tuple[str, int]], *, backlog: int = LISTEN_BACKLOG) -> list[list[socket.socket]]:
+    """Bind and listen on every ``(host, port)`` of ``addrs`` once, for all the workers to accept from.
+
+    Returns, per address, its listening sockets (non-blocking; one per address family ``host`` resolves to,
+    ``""`` meaning every interface, as asyncio's ``create_server`` does; IPv6 ones IPV6_V6ONLY), to be
+    inherited by the forked workers. Raises OSError ``"listen HOST:PORT: <why>"`` (the sockets bound so far
+    are closed) when one cannot be resolved or bound.
+    """
+    out: list[list[socket.socket]] = []
+    try:
+        for host, port in addrs:
+            socks: list[socket.socket] = []
+            out.append(socks)
+            seen: set[tuple[int, object]] = set()
+            try:
+                infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+            except socket.gaierror as exc:
+                raise OSError(exc.errno, f"listen {host}:{port}: {exc.strerror}") from exc
+            for family, type_, proto, _name, sa in infos:
+                if (family, sa) in seen:
+                    continue
+                seen.add((family, sa))
+                s = socket.socket(family, type_, proto)
+                socks.append(s)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                try:
+                    s.bind(sa)
+                except OSError as exc:
+                    why = os.strerror(exc.errno) if exc.errno else str(exc)
+                    raise OSError(exc.errno, f"listen {host}:{port}: {why}") from exc
+                s.listen(backlog)
+                s.setblocking(False)
+    except BaseException:
+        for socks in out:
+            for s in socks:
+                s.close()
+        raise
+    return out
+
+
 def _die_with_parent(parent: int) -> None:
     """Linux: get SIGKILL when the supervisor dies (no worker outlives it); exit at once if it already has."""
     try:
@@ -100,11 +148,13 @@ def _status(wait_status: int) -> int:
     return code if code >= 0 else 128 - code
 
 
-def supervise(n: int, run_worker: Callable[[int], None], on_exit: Callable[[int, int], None]) -> int:
+def supervise(n: int, run_worker: Callable[[int], None], on_exit: Callable[[int, int], None],
+              forked: Callable[[], None] = lambda: None) -> int:
     """Fork ``n`` workers, each running ``run_worker(k)``; return the exit status of the first to end.
 
     The others are SIGKILLed and reaped first. ``on_exit(shard, status)`` is called (in the supervisor) for
-    the worker that ended. Call this before any thread or event loop exists in the process (fork).
+    the worker that ended; ``forked()`` once every worker is forked (the supervisor closes its copies of the
+    listening sockets there). Call this before any thread or event loop exists in the process (fork).
     """
     me = os.getpid()
     pids: dict[int, int] = {}
@@ -126,6 +176,7 @@ def supervise(n: int, run_worker: Callable[[int], None], on_exit: Callable[[int,
                 sys.stderr.flush()
                 os._exit(status)
         pids[pid] = k
+    forked()
     status = 1
     try:
         while True:

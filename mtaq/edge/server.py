@@ -13,6 +13,7 @@ answered ``451 4.3.0`` (``452 4.3.1`` when the spool is full) and the message is
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -116,7 +117,7 @@ async def start_server(
     data_size_limit: int,
     timeout_s: float,
     policy: EdgePolicy | None = None,
-    reuse_port: bool = False,
+    sock: socket.socket | None = None,
     gate: ConnectionGate | None = None,
     auth_required: bool = False,
     tls_required: bool = False,
@@ -126,7 +127,8 @@ async def start_server(
 
     ``data_size_limit`` in bytes (SIZE, ``552 5.3.4``); ``timeout_s`` the idle time before ``421 4.4.2``;
     ``policy`` the relay control, limits, TLS and AUTH (default: :class:`EdgePolicy`'s safe defaults);
-    ``reuse_port``: SO_REUSEPORT, for several worker processes on one port (mtaq.daemon.workers).
+    ``sock``: a bound, listening socket to serve instead of ``host:port`` (several worker processes share one
+    accept queue: :func:`mtaq.daemon.workers.bind_listeners`).
     ``gate``: the connection admission to use (default: a new one for this listener's connections alone).
 
     The listener's mode (a submission or smtps service, :class:`mtaq.config.Listener`):
@@ -168,8 +170,7 @@ async def start_server(
             loop=loop,
         )
 
+    where: dict[str, Any] = {"sock": sock} if sock is not None else {"host": host, "port": port, "reuse_address": True}
     if implicit_tls:
-        return await loop.create_server(factory, host=host, port=port, reuse_address=True,
-                                        reuse_port=reuse_port or None, ssl=pol.tls_context,
-                                        ssl_handshake_timeout=timeout_s)
-    return await loop.create_server(factory, host=host, port=port, reuse_address=True, reuse_port=reuse_port or None)
+        return await loop.create_server(factory, **where, ssl=pol.tls_context, ssl_handshake_timeout=timeout_s)
+    return await loop.create_server(factory, **where)

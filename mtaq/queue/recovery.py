@@ -37,7 +37,7 @@ from mtaq.core.frame import SEGMENT_HEADER_BYTES, Problem, scan_segment
 from mtaq.core.parking import QueueCounts
 from mtaq.core.records import PARKED, DeliveryRecord, EnvelopeRecord, FinishRecord, Outcome, Pos, StartRecord
 from mtaq.core.state import Attempt
-from mtaq.queue.store import Queue
+from mtaq.queue.store import Queue, far_data
 from mtaq.storage.checkpoint import read_checkpoint
 from mtaq.storage.log import OpenReport
 from mtaq.storage.quarantine import list_quarantine, quarantine
@@ -142,6 +142,7 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
         replay_from = clamp(cp.head)
         queue.counts = QueueCounts.restore(cp.counts)
         parked_before = [p for p in cp.parked if p >= first]
+        pins: dict[Pos, Pos] = {e: d for e, d in cp.pins if e >= first}
     else:
         logger.info("checkpoint_unused", reason=why, action="scanning every segment")
         scan_from = first
@@ -150,6 +151,7 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
         replay_from = first
         queue.counts = QueueCounts()
         parked_before = []
+        pins = {}
     res.scan_from = scan_from
     # Mail is accepted while recovery runs (into the new segment, which it does not read): keep its counts.
     queue.counts.by_state.update(since_start)
@@ -264,6 +266,8 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
                     replacements.setdefault(rec.replaces, []).append(pos)
                 if pos >= replay_from and rec.runner == PARKED:
                     parked_after[pos] = rec
+                if far_data(pos, rec):
+                    pins[pos] = rec.data  # its DATA was not copied forward: kept until it is concluded again
                 if rec.bounce_of and rec.replaces is None:
                     dsns.setdefault(rec.bounce_of, []).append((pos, rec))
                 d = rec.data
@@ -285,6 +289,7 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
     for ppos, penv in parked_after.items():
         if ppos not in dropped:
             queue.parked.add(ppos, penv)
+    queue.data_pins.update((e, d) for e, d in pins.items() if e not in started)
     for pos, env in unreadable.items():
         if pos in started or pos in dropped:
             continue

@@ -44,7 +44,7 @@ from mtaq.core.state import Attempt, Conclusion, DsnItem, RetryPolicy, WorkingSe
 from mtaq.storage.log import PIECE_BYTES, Log, storage_error
 from mtaq.storage.spill import MEMORY_BYTES, BodyBuffer
 
-__all__ = ["STREAM_BYTES_MIN", "Queue", "StoredBody", "new_queue_id", "queue_id_shard", "set_queue_id_shard"]
+__all__ = ["STREAM_BYTES_MIN", "Queue", "StoredBody", "far_data", "new_queue_id", "queue_id_shard", "set_queue_id_shard"]
 
 STREAM_BYTES_MIN = 256 * 1024  # a body of this many bytes or more is sent from the log in pieces
 
@@ -89,6 +89,18 @@ class StoredBody:
         """Read the whole body once (in pieces) and check it. Raises CorruptRecord, StorageError."""
         for _piece in self.pieces():
             pass
+
+    async def verify_yielding(self) -> None:
+        """:meth:`verify`, letting the event loop run other tasks after each piece: checking a large body
+        never stalls the other sessions of the process. Same errors."""
+        for _piece in self.pieces():
+            await asyncio.sleep(0)
+
+def far_data(pos: Pos, env: EnvelopeRecord) -> bool:
+    """True when the envelope at ``pos`` names DATA more than one segment before it: reclamation, which
+    keeps only the segment before the earliest live envelope, must keep that DATA's segment explicitly."""
+    return env.data.segment < pos.segment - 1
+
 
 _B32 = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"  # Crockford base32: no I, L, O, U
 _last_us = 0
@@ -172,6 +184,10 @@ class Queue:
         # Envelopes an administrator's action started while a runner or the parked scheduler may still offer
         # them: a worker that takes such an offer drops it (the message was deleted, held, ... meanwhile).
         self.revoked: set[Pos] = set()
+        # Live envelopes whose DATA could not be copied forward (a read error, a full disk): envelope position
+        # -> the old DATA it names, more than a segment behind it. Reclamation keeps those segments until the
+        # envelope is concluded again (Daemon.checkpoint; kept in the checkpoint, rebuilt by recovery).
+        self.data_pins: dict[Pos, Pos] = {}
         # Called with each new envelope and its position once it is durable (the daemon logs `queued`).
         self.on_durable: Callable[[EnvelopeRecord, Pos], None] = lambda env, pos: None
         # Called for each DSN queued: (dsn envelope, original queue ID, kind).
@@ -320,7 +336,7 @@ class Queue:
         stays held, a delayed one keeps its due time; counts do not change): START(admin="copy") and a
         replacement, appended as book-keeping. Returns the new envelope's position. Raises CorruptRecord
         (the DATA does not check out; the message stays where it is), StorageError."""
-        self.read_body(env)  # before the START: damaged data is reported by the caller, not half-copied
+        self.check_body(env)  # before the START: damaged data is reported by the caller, not half-copied
         attempt = self.start(envelope_pos, env, admin=COPY_FORWARD)
         self.revoked.add(envelope_pos)
         _rec, pos, _lsn = self.finish_admin(attempt, COPY_FORWARD)
@@ -341,26 +357,47 @@ class Queue:
             release_ts = self.clock()  # recovery completing a delay cut short: due now rather than lost
         rec = admin_conclusion(env, attempt.start_pos, action, self.clock(), release_ts)
         if isinstance(rec, EnvelopeRecord):
-            data_pos, _ = self.log.append(DataRecord(queue_id=env.queue_id, body=self.read_body(env)))
-            rec = msgspec.structs.replace(rec, data=data_pos)
+            rec = msgspec.structs.replace(rec, data=self.copy_data(env))
         pos, lsn = self.log.append(rec)
         self.working.concluded(attempt.start_pos)
+        self.data_pins.pop(attempt.envelope_pos, None)  # an admin action copies the DATA forward or ends it
         self.counts.concluded(rec if isinstance(rec, EnvelopeRecord) else None)
         if isinstance(rec, EnvelopeRecord) and rec.runner == PARKED:
             self.parked.add(pos, rec)
         return rec, pos, lsn
 
-    def body_for_delivery(self, env: EnvelopeRecord) -> bytes | StoredBody:
+    def body_for_delivery(self, env: EnvelopeRecord, *, check: bool = True) -> bytes | StoredBody:
         """The message content to send: the bytes when smaller than :attr:`stream_bytes_min`, else a
         :class:`StoredBody` read from the log in pieces while it is sent (memory bounded by the piece size,
         not the message; issue 15.2). Either way the DATA record has been checked (its checksum in a
-        streaming pass) before anything is sent. Raises CorruptRecord, StorageError as :meth:`read_body`.
+        streaming pass) before this returns; with ``check=False`` a StoredBody is not checked yet, and the
+        caller must await :meth:`StoredBody.verify_yielding` before sending anything. Raises CorruptRecord,
+        StorageError as :meth:`read_body`.
         """
         if env.size < self.stream_bytes_min:
             return self.read_body(env)
         body = StoredBody(self.log, env)
-        body.verify()
+        if check:
+            body.verify()
         return body
+
+    def check_body(self, env: EnvelopeRecord) -> None:
+        """Read the DATA record of ``env`` and check it (a large one in pieces, never whole). Raises
+        CorruptRecord, StorageError as :meth:`read_body`."""
+        if env.size >= self.stream_bytes_min:
+            StoredBody(self.log, env).verify()
+        else:
+            self.read_body(env)
+
+    def copy_data(self, env: EnvelopeRecord) -> Pos:
+        """Append a copy of the DATA record of ``env`` (a large one in pieces: a checksum pass, then the
+        copy, never held whole); return its position. Raises CorruptRecord (nothing appended),
+        StorageError (nothing of the record left in the log)."""
+        if env.size >= self.stream_bytes_min:
+            pos, _ = self.log.append_data(env.queue_id, StoredBody(self.log, env).pieces, env.size)
+        else:
+            pos, _ = self.log.append(DataRecord(queue_id=env.queue_id, body=self.read_body(env)))
+        return pos
 
     def read_body(self, env: EnvelopeRecord) -> bytes:
         """The message content. Raises CorruptRecord when the DATA record does not check out."""
@@ -395,26 +432,39 @@ class Queue:
         c = conclude(attempt, now, self.policy)
         env = attempt.envelope
         rec = c.record
-        if isinstance(rec, EnvelopeRecord) and body is None:
+        copied: Pos | None = None
+        if isinstance(rec, EnvelopeRecord) and body is None and not c.dsn_groups and env.size >= self.stream_bytes_min:
+            # A large message retried later is copied forward in pieces (two passes: the checksum, then the
+            # copy), never held whole. CorruptRecord leaves the log as it was; on a read error (EIO, EMFILE)
+            # or a full disk the replacement names the old DATA.
+            try:
+                copied = self.copy_data(env)
+            except StorageError:
+                copied = None
+        elif isinstance(rec, EnvelopeRecord) and body is None:
             # Read before anything is appended: CorruptRecord here leaves the log as it was, so a caller that
             # bounces the rest and concludes again does not queue this attempt's DSNs twice.
             try:
                 body = self.read_body(env)
             except StorageError:
                 body = None  # EIO, EMFILE: not copied forward this time; the replacement names the old DATA
-        if c.dsn_groups:
+        if c.dsn_groups[attempt.dsns_queued:]:
             original = body if body is not None else self._body_or_empty(env)
-            for group in c.dsn_groups:
+            for group in c.dsn_groups[attempt.dsns_queued:]:
                 self._queue_dsn(env, group, original, now)
+                attempt.dsns_queued += 1
         if isinstance(rec, EnvelopeRecord):
             if body is not None:
                 data_pos, _ = self.log.append(DataRecord(queue_id=env.queue_id, body=body))
                 rec = msgspec.structs.replace(rec, data=data_pos)
             else:
-                rec = msgspec.structs.replace(rec, data=env.data)
+                rec = msgspec.structs.replace(rec, data=copied if copied is not None else env.data)
             c = Conclusion(rec, c.failed, c.delayed, c.succeeded, c.expired)
         pos, _ = self.log.append(rec)
         self.working.concluded(attempt.start_pos)
+        self.data_pins.pop(attempt.envelope_pos, None)
+        if isinstance(rec, EnvelopeRecord) and far_data(pos, rec):
+            self.data_pins[pos] = rec.data  # not copied forward: its segment must outlive the retry
         self.counts.concluded(rec if isinstance(rec, EnvelopeRecord) else None)
         if isinstance(rec, EnvelopeRecord) and rec.runner == PARKED:
             self.parked.add(pos, rec)

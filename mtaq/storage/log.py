@@ -101,6 +101,12 @@ def scan_log(fs: FileSystem, directory: str, *, decode: bool = True) -> Iterator
         yield scan_segment(n, fs.read_file(segment_path(directory, n)), decode=decode)
 
 
+def _wake(waiters: list[asyncio.Future[None]]) -> None:
+    for f in waiters:
+        if not f.done():
+            f.set_result(None)
+
+
 @dataclass
 class LogStats:
     """Counters since the process started."""
@@ -190,6 +196,7 @@ class Log:
         self._durable_end = Pos(0, 0)  # just past the last durable record
         self._durable_waiters: list[asyncio.Future[None]] = []
         self._dirty: dict[int, File] = {}
+        self._syncing: set[int] = set()  # segments whose files the running commit round is fsyncing
         self._dir_dirty = False
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._commit_task: asyncio.Task[None] | None = None
@@ -345,8 +352,8 @@ class Log:
         gone = []
         try:
             for n in self.segments():
-                if n >= number or n >= self._cur_no:
-                    break
+                if n >= number or n >= self._cur_no or n in self._dirty or n in self._syncing:
+                    break  # never a file a commit round has still to fsync (it would be closed under it)
                 f = self._files.pop(n, None)
                 if f is not None:
                     f.close()
@@ -511,6 +518,8 @@ class Log:
                 target = self._appended_lsn
                 target_end = self._end
                 files = [self._dirty[k] for k in sorted(self._dirty)]
+                # The files stay open until their fsync is done: the reader cache and reclamation skip them.
+                self._syncing = set(self._dirty)
                 self._dirty.clear()
                 sync_dir, self._dir_dirty = self._dir_dirty, False
                 t0 = time.monotonic()
@@ -519,16 +528,12 @@ class Log:
                 except OSError as exc:
                     self._fail(exc)
                     return
+                finally:
+                    self._syncing = set()
                 self.stats.fsync_seconds += time.monotonic() - t0
                 self.stats.fsync_calls += calls
                 self.stats.commit_rounds += 1
                 self._durable_lsn = max(self._durable_lsn, target)
-                if target_end > self._durable_end:
-                    self._durable_end = target_end
-                    waiters, self._durable_waiters = self._durable_waiters, []
-                    for f in waiters:
-                        if not f.done():
-                            f.set_result(None)
                 waiting = []
                 for lsn, fut in self._waiters:
                     if lsn <= target:
@@ -537,6 +542,13 @@ class Log:
                     else:
                         waiting.append((lsn, fut))
                 self._waiters = waiting
+                if target_end > self._durable_end:
+                    self._durable_end = target_end
+                    waiters, self._durable_waiters = self._durable_waiters, []
+                    # Readers of the durable end (the queue runners, which start deliveries) wake a loop turn
+                    # after the committers of this round: a client's 250 goes out before the delivery of the
+                    # message it acknowledges begins in the same process (the reply is what the client waits for).
+                    loop.call_soon(_wake, waiters)
         finally:
             self._commit_task = None
 
@@ -589,11 +601,11 @@ class Log:
 
     def _close_readers(self, keep: int) -> None:
         """Close the least recently read segment files (never the one being written, nor one waiting for
-        its fsync) until at most ``keep`` are open for reading."""
+        its fsync or being fsync'd) until at most ``keep`` are open for reading."""
         for n in list(self._readers):
             if len(self._readers) <= max(0, keep):
                 break
-            if n == self._cur_no or n in self._dirty:
+            if n == self._cur_no or n in self._dirty or n in self._syncing:
                 continue
             del self._readers[n]
             f = self._files.pop(n, None)

@@ -20,9 +20,14 @@ class _FaultyFile:
         self._inner = inner
         self._fs = fs
         self.path = inner.path
+        self.closed = False
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+    def close(self) -> None:
+        self.closed = True
+        self._inner.close()
 
     def fsync(self) -> None:
         if self._fs.fsync_delay_s:
@@ -31,6 +36,10 @@ class _FaultyFile:
             self._fs.fsync_gate.wait()  # a disk that answers only when the test says so
         if self._fs.fail_fsync:
             raise OSError(errno.EIO, "Input/output error")
+        if self.closed:
+            # What the closed descriptor gives when its number was not reused; when it was, the real
+            # os.fsync would silently sync another file: a use after close is always reported here.
+            raise OSError(errno.EBADF, f"fsync of {self.path} after it was closed")
         self._inner.fsync()
 
     def pread(self, offset: int, n: int) -> bytes:
