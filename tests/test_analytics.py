@@ -303,6 +303,34 @@ def test_queue_shape_over_time_and_at_the_end(script, result):
     assert ("z.example", 1, 1) == (now["domain"], now["recipients"], now["0-5m"])
 
 
+def _comparable(res) -> dict:
+    """A Result's totals and tables, rows in a fixed order (some tables come in no particular order)."""
+    tables = {k: sorted(map(repr, rows)) for k, rows in res.tables.items()}
+    return {"totals": {k: v for k, v in res.totals.items()}, "tables": tables}
+
+
+@pytest.mark.parametrize("until", [None, T0 + 2000])
+def test_facts_from_the_data_source_equal_the_spark_merge(spark, script, tmp_path, until):
+    """Each message's facts computed in the data source's task (messages a partition holds whole) or merged
+    by Spark from its record rows (messages spread over partitions: here, or all of them with
+    close_messages=False, or none with one partition) give the same totals and the same tables; with
+    --until before carol's expiry her message is still queued at the end (qshape_now) in every way."""
+    from mtaq.analytics.job import Options, analyze
+
+    u = None if until is None else dt.datetime.fromtimestamp(until, dt.UTC)
+    paths = [script["archive"], script["spool"]]
+    runs = {
+        (pb, close): _comparable(analyze(spark, Options(paths=paths, out=str(tmp_path / f"{pb}-{close}"), top=5,
+                                                        partition_bytes=pb, until=u, plots=False, close_messages=close)))
+        for pb, close in ((150_000, True), (150_000, False), (1 << 40, True))
+    }
+    first = runs[(150_000, False)]
+    assert all(first == other for other in runs.values())
+    if until is not None:
+        assert [("z.example", 1)] == [(r["domain"], r["recipients"]) for r in analyze(
+            spark, Options(paths=paths, out=str(tmp_path / "q"), until=u, plots=False)).tables["qshape_now"]]
+
+
 def test_report_and_parquet_tables_are_written(spark, result):
     """report.md holds the totals and links PNG plots that exist; the Parquet tables read back."""
     out = result.out

@@ -11,6 +11,10 @@ Options: ``path`` (what ``load`` is given) or ``paths`` (a JSON list; both may b
 directories, archive directories, segment files or globs, local or ``s3://`` / ``hdfs://`` (see
 :mod:`mtaq.analytics.source`). ``partitionBytes`` (default 67108864) packs whole segments into partitions
 of about that many stored bytes; a segment is never split, because its tail rules need the whole file.
+``rows``: ``records`` (default: the schema below) or ``facts`` (:mod:`mtaq.analytics.facts`: per-message and
+per-outcome facts of the messages a partition holds whole, record rows for the rest; what ``mtaq analyze``
+reads); with ``facts``, ``untilMicros`` is the job's ``--until`` (microseconds since the epoch) and
+``closeMessages`` ``false`` leaves every message to Spark (record rows only; the tests compare both ways).
 
 The schema is :data:`mtaq.analytics.source.SPARK_DDL`: one row per envelope recipient, START, delivery
 outcome, FINISH, problem and segment file. Files are listed on the driver; executors read them through
@@ -29,6 +33,7 @@ from pyspark.sql import SparkSession
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 from pyspark.sql.types import StructType
 
+from mtaq.analytics.facts import FACT_SPARK_DDL, fact_batches
 from mtaq.analytics.source import SPARK_DDL, SegmentFile, batches, discover, plan_partitions
 
 __all__ = ["MtaqDataSource", "SegmentPartition", "register"]
@@ -60,19 +65,34 @@ def paths_of(options: Any) -> list[str]:
     return out
 
 
+def rows_of(options: Any) -> str:
+    """The ``rows`` option: ``records`` (default) or ``facts``. Raises ValueError otherwise."""
+    rows = str(options.get("rows") or "records")
+    if rows not in ("records", "facts"):
+        raise ValueError(f"option rows: expected 'records' or 'facts', got {rows!r}")
+    return rows
+
+
 class MtaqReader(DataSourceReader):
     """Plans partitions on the driver (listing files), reads them on executors."""
 
     def __init__(self, options: Any) -> None:
         self.files = discover(paths_of(options))
         self.partition_bytes = int(options.get("partitionBytes") or PARTITION_BYTES_DEFAULT)
+        self.facts = rows_of(options) == "facts"
+        until = options.get("untilMicros")
+        self.until_us = int(until) if until else None
+        self.close = str(options.get("closeMessages") or "true").lower() != "false"
 
     def partitions(self) -> list[SegmentPartition]:
         return [SegmentPartition(g) for g in plan_partitions(self.files, self.partition_bytes)]
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
         assert isinstance(partition, SegmentPartition)
-        yield from batches(partition.files)
+        if self.facts:
+            yield from fact_batches(partition.files, self.until_us, close=self.close)
+        else:
+            yield from batches(partition.files)
 
 
 class MtaqDataSource(DataSource):
@@ -83,7 +103,7 @@ class MtaqDataSource(DataSource):
         return "mtaq"
 
     def schema(self) -> str:
-        return SPARK_DDL
+        return FACT_SPARK_DDL if rows_of(self.options) == "facts" else SPARK_DDL
 
     def reader(self, schema: StructType) -> MtaqReader:
         return MtaqReader(self.options)

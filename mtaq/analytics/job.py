@@ -43,6 +43,7 @@ from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
 from mtaq.analytics.datasource import PARTITION_BYTES_DEFAULT, register
+from mtaq.analytics.facts import FACT_SPARK_DDL
 from mtaq.analytics.report import write_report
 from mtaq.analytics.source import discover
 from mtaq.analytics.tables import AGE_BUCKETS_MIN, DELAY_BUCKETS_S, Result, bucket_labels
@@ -70,6 +71,7 @@ class Options:
     partition_bytes: int = PARTITION_BYTES_DEFAULT
     plots: bool = True
     parquet_out: str | None = None  # where Spark writes the big tables (a shared URI on a cluster); None: OUT/tables
+    close_messages: bool = True  # False: every message's facts by Spark, none by the data source (tests compare)
     progress: Callable[[str], None] = field(default=lambda msg: None)
 
 
@@ -86,8 +88,10 @@ def spark_session(master: str | None = None, conf: Sequence[tuple[str, str]] = (
     elif "PYSPARK_GATEWAY_PORT" not in os.environ:  # not launched by spark-submit
         b = b.master("local[*]")
     b = b.config("spark.sql.session.timeZone", "UTC").config("spark.ui.showConsoleProgress", "true")
-    # The tables are small after aggregation: Spark's 200 shuffle partitions cost more than they bring here.
-    b = b.config("spark.sql.shuffle.partitions", "16")
+    # The tables are small after aggregation: Spark's 200 shuffle partitions cost more than they bring here;
+    # on this machine two per core (on local[2], 4 instead of 16 took about 3 s off the job: each of its
+    # few dozen small stages ran 16 tasks).
+    b = b.config("spark.sql.shuffle.partitions", str(_shuffle_partitions(master)))
     if (master or "local").startswith("local") and not (master is None and "PYSPARK_GATEWAY_PORT" in os.environ):
         b = b.config("spark.ui.enabled", "false")  # no web UI for a batch job on this machine
     for k, v in conf:
@@ -96,6 +100,22 @@ def spark_session(master: str | None = None, conf: Sequence[tuple[str, str]] = (
     spark.sparkContext.setLogLevel("ERROR")
     spark.conf.set("spark.sql.session.timeZone", "UTC")
     return spark
+
+
+def _shuffle_partitions(master: str | None) -> int:
+    """Shuffle partitions for ``master``: two per core on ``local[N]``/``local[*]``/``local``, else 16."""
+    import re
+
+    m = re.fullmatch(r"local(?:\[(\d+|\*)(?:,\d+)?\])?", master or "local[*]")
+    if m is None:
+        return 16
+    if m.group(1) is None:
+        cores = 1
+    elif m.group(1) == "*":
+        cores = os.cpu_count() or 2
+    else:
+        cores = int(m.group(1))
+    return max(4, 2 * cores)
 
 
 def _worker_python(master: str | None) -> str | None:
@@ -249,10 +269,12 @@ class _Rev:
 def analyze(spark: SparkSession, opts: Options) -> Result:
     """Run the whole analysis; write Parquet tables, ``totals.json`` and the report under ``opts.out``.
 
-    How (docs/performance.md, "Analytics"): the segments are decoded once into one cached DataFrame,
-    hash-partitioned by queue ID, so the per-message and per-recipient facts (joins, the last-outcome
-    window) need no further shuffle; the small tables are then collected together, and the big tables (outcomes, messages, senders, recipients) are written
-    as Parquet by the executors, never collected.
+    How (docs/performance.md, "Analytics"): the segments are read once, as the data source's ``facts`` rows
+    (:mod:`mtaq.analytics.facts`): the per-message and per-outcome facts of every message a partition holds
+    whole are computed in the Python task; the record rows of the other messages are hash-partitioned by
+    queue ID and merged by Spark (groupings, joins, the last-outcome window). The small tables come from a
+    dozen collects made together (two of them GROUPING SETS aggregations), and the big tables (outcomes,
+    messages, senders, recipients) are written as Parquet by the executors, never collected.
 
     Raises :class:`mtaq.analytics.source.SourceError` when a path names no segments.
     """
@@ -265,33 +287,29 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
     tables_dir = os.path.join(opts.out, "tables")
     big = (opts.parquet_out or tables_dir).rstrip("/")
     say(f"reading segments from {', '.join(opts.paths)}")
-    # One cache only: the rows the job reads (28 of the source's 35 columns), hash-partitioned by queue ID,
-    # so that the per-message and per-recipient facts below (groupings, joins, the last-outcome window) need
-    # no further shuffle. PROBLEM and SEGMENT rows (no queue ID) are few and sit in one partition.
-    # (Caching the source as it comes and then shuffling it cost a second columnar cache of every row.)
-    # Partitions of about PARTITION_STORED_BYTES of segments each (at least one per core): the shuffle-hash
-    # joins below hold one partition's recipients and messages in memory (2 partitions of 10,000,000
-    # records ran a 4 GiB driver out of heap).
+    # One read, cached as it comes: the data source's ``facts`` rows (mtaq/analytics/facts.py). The Python
+    # tasks compute the per-message and per-outcome facts of every message a partition holds whole (nearly
+    # all of them) with pyarrow, so only the record rows of the others (spread over partitions, or still
+    # queued) are shuffled by queue ID and merged by the Spark plan below.
     stored = sum(f.size for f in discover(opts.paths))
     parts = max(2, spark.sparkContext.defaultParallelism, -(-stored // PARTITION_STORED_BYTES))
-    base = (
+    reader = (
         spark.read.format("mtaq")
+        .schema(FACT_SPARK_DDL)  # given, so that Spark does not start a Python process to ask the source
         .option("paths", json.dumps(list(opts.paths)))
         .option("partitionBytes", str(opts.partition_bytes))
-        .load()
-        .select("record_type", "queue_id", "ts", "arrival_ts", "not_before_ts", "generation", "size", "sender",
-                "sender_domain", "bounce_of", "rcpt_index", "rcpt_address", "rcpt_domain", "rcpt_unknown",
-                "last_reply", "status", "code", "enhanced", "text", "relay", "segment", "offset", "file", "records",
-                "sealed", "problem_kind", "problem_end", "problem_reason")
-        .repartition(parts, "queue_id")
-        .persist(StorageLevel.MEMORY_AND_DISK)
+        .option("rows", "facts")
+        .option("closeMessages", "true" if opts.close_messages else "false")
     )
+    if until is not None:
+        reader = reader.option("untilMicros", str(int(until.timestamp() * 1_000_000)))
+    base = reader.load().persist(StorageLevel.MEMORY_AND_DISK)
     rt = F.col("record_type")
     inventory = base.agg(
         F.count(F.when(rt == "SEGMENT", 1)).alias("segments"),
         F.sum(F.when(rt == "SEGMENT", F.col("records"))).alias("records"),
         F.sum(F.when(rt == "SEGMENT", F.col("size"))).alias("bytes_read"),
-        F.max(F.when(rt.isin(*_KEYED), F.col("ts"))).alias("last_ts"),
+        F.max(F.when(rt.isin(*_KEYED, "MESSAGE"), F.col("ts"))).alias("last_ts"),
     ).first()
     assert inventory is not None
     say(f"decoded {inventory['records'] or 0} records from {inventory['segments']} segments "
@@ -306,10 +324,15 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
     # message instead (docs/performance.md). Every envelope of a message carries the same recipients (index
     # and address), sender and bounce_of (a replacement copies them), so these groups are one per
     # recipient and one per message.
-    rcpts = base.filter(env).select("queue_id", "rcpt_index", "rcpt_address", "rcpt_domain").distinct()
-    who = base.filter(env).select("queue_id", "sender", "sender_domain", "bounce_of").distinct()
-    msgs = (
-        base.filter(rt.isin("ENVELOPE", "START", "FINISH"))
+    # The record rows of the messages no partition held whole, hash-partitioned by queue ID once, so that the
+    # groupings, joins and the last-outcome window below need no further shuffle.
+    raw = base.filter(rt.isin(*_KEYED)).repartition(parts, "queue_id").persist(StorageLevel.MEMORY_AND_DISK)
+    rcpts = raw.filter(env).select("queue_id", "rcpt_index", "rcpt_address", "rcpt_domain").distinct()
+    who = raw.filter(env).select("queue_id", "sender", "sender_domain", "bounce_of").distinct()
+    msg_cols = ("queue_id", "arrival_ts", "size", "sender", "sender_domain", "bounce_of", "first_seen", "recipients",
+                "attempts", "finish_ts")
+    open_msgs = (
+        raw.filter(rt.isin("ENVELOPE", "START", "FINISH"))
         .groupBy("queue_id")
         .agg(
             F.min(F.when(env, F.col("arrival_ts"))).alias("arrival_ts"),
@@ -323,15 +346,13 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
         .drop("_envelope_rows")
         .join(who.hint("shuffle_hash"), "queue_id", "left")
         .join(rcpts.groupBy("queue_id").agg(F.count("*").alias("recipients")).hint("shuffle_hash"), "queue_id", "left")
-        .select("queue_id", "arrival_ts", "size", "sender", "sender_domain", "bounce_of", "first_seen", "recipients",
-                "attempts", "finish_ts")
-        .persist(StorageLevel.MEMORY_AND_DISK)
+        .select(*msg_cols)
     )
     outcomes = (
-        base.filter(rt == "DELIVERY")
+        raw.filter(rt == "DELIVERY")
         .select("queue_id", "rcpt_index", "ts", "status", "code", "enhanced", "text", "relay", "segment", "offset")
         .join(rcpts.hint("shuffle_hash"), ["queue_id", "rcpt_index"], "left")
-        .join(msgs.select("queue_id", "arrival_ts", "size", "sender", "bounce_of", "finish_ts").hint("shuffle_hash"),
+        .join(open_msgs.select("queue_id", "arrival_ts", "size", "sender", "bounce_of", "finish_ts").hint("shuffle_hash"),
               "queue_id", "left")
         .withColumn("delay_s", _seconds_between(F.col("ts"), F.col("arrival_ts")))
     )
@@ -348,7 +369,19 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
             "finish_ts", _seconds_between(F.col("finish_ts"), F.col("arrival_ts")).alias("delay_s"),
         )
     )
-    every = outcomes.unionByName(expired).persist(StorageLevel.MEMORY_AND_DISK)  # all outcomes, any time
+    every_cols = ("queue_id", "rcpt_index", "ts", "status", "code", "enhanced", "text", "relay", "segment", "offset",
+                  "rcpt_address", "rcpt_domain", "arrival_ts", "size", "sender", "bounce_of", "finish_ts", "delay_s")
+    msgs = (base.filter(rt == "MESSAGE").select(*msg_cols).unionByName(open_msgs)
+            .persist(StorageLevel.MEMORY_AND_DISK))
+    every = (  # all outcomes, any time
+        base.filter(rt == "OUTCOME").select(*every_cols)
+        .unionByName(outcomes.unionByName(expired).select(*every_cols))
+        .persist(StorageLevel.MEMORY_AND_DISK)
+    )
+    # Recipients of the messages still queued at the end (qshape_now): the merged ones', and those of the
+    # messages closed in a partition but queued at --until (RCPT rows).
+    rcpts_all = rcpts.unionByName(base.filter(rt == "RCPT").select("queue_id", "rcpt_index", "rcpt_address",
+                                                                   "rcpt_domain"))
     # Materialise the caches once, before the many branches below start at the same time (each would
     # otherwise compute the same partitions again).
     say(f"per message and per recipient facts: {every.count()} outcomes")
@@ -360,26 +393,12 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
 
     # --------------------------------------------------------------------------- the small tables
     say("computing every table (one Spark job)")
-    totals_r = received.agg(
-        F.count("*").alias("received"), F.coalesce(F.sum("size"), F.lit(0)).alias("bytes_received"))
-    totals_d = msgs.filter(F.col("first_seen") & (F.col("bounce_of") != "") & _window(F.col("arrival_ts"), since, until)
-                           ).agg(F.count("*").alias("dsn_generated"))
-    totals_o = oe.agg(
-        F.sum(F.when(delivered, 1).otherwise(0)).alias("delivered"),
-        F.sum(F.when(delivered, F.col("size")).otherwise(0)).alias("bytes_delivered"),
-        F.sum(F.when(st == "deferred", 1).otherwise(0)).alias("deferrals"),
-        F.sum(F.when(is_bounce, 1).otherwise(0)).alias("bounced"),
-        F.sum(F.when(st == "expired", 1).otherwise(0)).alias("expired"),
-        F.percentile_approx(F.when(delivered, F.col("delay_s")), [0.5, 0.9, 0.99], 10000).alias("p"),
-        F.avg(F.when(delivered, F.col("delay_s"))).alias("delay_mean_s"),
-        F.max(F.when(delivered, F.col("delay_s"))).alias("delay_max_s"),
-    )
-    side = base.filter(rt.isin("PROBLEM", "SEGMENT") | ((rt == "ENVELOPE") & F.col("rcpt_unknown")
+    side = base.filter(rt.isin("PROBLEM", "SEGMENT") | (rt.isin("ENVELOPE", "FLAGGED") & F.col("rcpt_unknown")
                                                        & _window(F.col("not_before_ts"), since, until)))
     problems_df = side.filter(rt == "PROBLEM").select(
         "file", "segment", "offset", "problem_end", "problem_kind", "problem_reason")
     unknown_df = (
-        side.filter(rt == "ENVELOPE")
+        side.filter(rt.isin("ENVELOPE", "FLAGGED"))
         .select("queue_id", "rcpt_index", "rcpt_address", "generation", F.col("not_before_ts").alias("flagged_ts"),
                 "last_reply")
         .dropDuplicates(["queue_id", "rcpt_index", "generation"])
@@ -392,21 +411,6 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
     deferred_rcpts = (
         oe.filter(st == "deferred").select("queue_id", "rcpt_index", "rcpt_domain").distinct()
         .groupBy(domain).agg(F.count("*").alias("deferred"))
-    )
-    domains = (
-        oe.groupBy(domain)
-        .agg(
-            F.sum(F.when(delivered, 1).otherwise(0)).alias("delivered"),
-            F.sum(F.when(delivered, F.col("size")).otherwise(0)).alias("bytes_delivered"),
-            F.sum(F.when(st == "deferred", 1).otherwise(0)).alias("deferrals"),
-            F.sum(F.when(is_bounce, 1).otherwise(0)).alias("bounced"),
-            F.avg(F.when(delivered, F.col("delay_s"))).alias("delay_mean_s"),
-            F.max(F.when(delivered, F.col("delay_s"))).alias("delay_max_s"),
-            F.percentile_approx(F.when(delivered, F.col("delay_s")), [0.5, 0.9, 0.99], 10000).alias("p"),
-        )
-        .select("*", F.col("p")[0].alias("delay_p50_s"), F.col("p")[1].alias("delay_p90_s"),
-                F.col("p")[2].alias("delay_p99_s"))
-        .drop("p")
     )
     senders = received.groupBy("sender", "sender_domain").agg(F.count("*").alias("messages"),
                                                                F.sum("size").alias("bytes"))
@@ -463,24 +467,59 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
     pending = (
         msgs.filter((F.col("arrival_ts") <= end_ts) & (F.col("finish_ts").isNull() | (F.col("finish_ts") > end_ts)))
         .select("queue_id", "arrival_ts")
-        .join(rcpts, "queue_id")
+        .join(rcpts_all, "queue_id")
         .join(final, ["queue_id", "rcpt_index"], "left_anti")
         .withColumn("age", _bucket_label(AGE_BUCKETS_MIN, "m", _seconds_between(end_ts, F.col("arrival_ts")) / 60))
     )
     qshape_now = pending.groupBy(F.coalesce("rcpt_domain", F.lit("?")).alias("domain")).agg(
         F.count("*").alias("recipients"), *(F.count(F.when(F.col("age") == a, 1)).alias(a) for a in age_labels))
+    # Most small tables are a few aggregations over the same rows: one GROUPING SETS aggregation over the
+    # outcomes (totals, domains, delay buckets, the outcomes' hours) and one over the received messages
+    # (totals, sending domains, attempts, the arrivals' hours) instead of a job each; the problem, unknown
+    # and segment rows in one collect. Their rows are split on the driver into the tables defined above
+    # (whose DataFrames give the Parquet schemas and are never run).
+    o_aggs = [
+        F.sum(F.when(delivered, 1).otherwise(0)).alias("delivered"),
+        F.sum(F.when(delivered, F.col("size")).otherwise(0)).alias("bytes_delivered"),
+        F.sum(F.when(st == "deferred", 1).otherwise(0)).alias("deferrals"),
+        F.sum(F.when(is_bounce, 1).otherwise(0)).alias("bounced"),
+        F.sum(F.when(st == "expired", 1).otherwise(0)).alias("expired"),
+        F.percentile_approx(F.when(delivered, F.col("delay_s")), [0.5, 0.9, 0.99], 10000).alias("p"),
+        F.avg(F.when(delivered, F.col("delay_s"))).alias("delay_mean_s"),
+        F.max(F.when(delivered, F.col("delay_s"))).alias("delay_max_s"),
+    ]
+    o_sets = (
+        oe.select("status", "size", "delay_s", domain, F.date_trunc("hour", F.col("ts")).alias("hour"),
+                  F.when(delivered, _bucket_label(DELAY_BUCKETS_S, "s", F.col("delay_s"))).alias("bucket"))
+        .groupingSets([[], ["domain"], ["hour"], ["bucket"]], "domain", "hour", "bucket")
+        .agg(F.grouping("domain").alias("g_domain"), F.grouping("hour").alias("g_hour"),
+             F.grouping("bucket").alias("g_bucket"), *o_aggs)
+    )
+    recv = (F.col("bounce_of") == "")
+    m_sets = (
+        msgs.filter(F.col("first_seen") & _window(F.col("arrival_ts"), since, until))
+        .select("bounce_of", "size", "attempts", F.col("sender_domain").alias("domain"),
+                F.date_trunc("hour", F.col("arrival_ts")).alias("hour"))
+        .groupingSets([[], ["domain"], ["attempts"], ["hour"]], "domain", "attempts", "hour")
+        .agg(F.grouping("domain").alias("g_domain"), F.grouping("attempts").alias("g_attempts"),
+             F.grouping("hour").alias("g_hour"), F.count(F.when(recv, 1)).alias("received"),
+             F.coalesce(F.sum(F.when(recv, F.col("size"))), F.lit(0)).alias("bytes_received"),
+             F.count(F.when(F.col("bounce_of") != "", 1)).alias("dsn_generated"))
+    )
+    side_rows = side.select("record_type", "file", "segment", "offset", "problem_end", "problem_kind", "problem_reason",
+                            "queue_id", "rcpt_index", "rcpt_address", "generation", "not_before_ts", "last_reply",
+                            "size", "records", "sealed", "ts")
     got = _collect_tables({
-        "totals_r": totals_r, "totals_d": totals_d, "totals_o": totals_o, "deferred_rcpts": deferred_rcpts,
+        "o_sets": o_sets, "m_sets": m_sets, "side": side_rows, "deferred_rcpts": deferred_rcpts,
         "counts": senders.agg(F.count("*").alias("senders")).crossJoin(
             recipients.filter(F.col("rcpt_address").isNotNull()).agg(F.count("*").alias("recipients"))),
-        "problems": problems_df, "unknown": unknown_df, "segments": segments_df,
-        "domains": domains, "sender_domains": sender_domains, "reasons": reasons, "hourly": hourly,
-        "delays": delays, "attempts": attempts, "qshape": qshape, "qshape_now": qshape_now,
+        "reasons": reasons, "qshape": qshape, "qshape_now": qshape_now,
         "senders_by_count": senders.orderBy(F.desc("messages"), F.desc("bytes"), "sender").limit(shown),
         "senders_by_bytes": senders.orderBy(F.desc("bytes"), "sender").limit(shown),
         "recipients_by_count": recipients.orderBy(F.desc("delivered"), F.desc("bytes"), "rcpt_address").limit(shown),
         "recipients_by_bytes": recipients.orderBy(F.desc("bytes"), "rcpt_address").limit(shown),
     })
+    got |= _split_sets(got.pop("o_sets"), got.pop("m_sets"), got.pop("side"))
     say("tables collected")
     [r] = got["totals_r"]
     [d] = got["totals_d"]
@@ -568,6 +607,9 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
     say(f"writing the outcomes, messages, senders and recipients tables (Parquet, {big})")
     senders.write.mode("overwrite").parquet(f"{tables_dir}/senders")
     recipients.write.mode("overwrite").parquet(f"{tables_dir}/recipients")
+    # Outcomes by date: one open file per date in each task instead of sorting every row by date first.
+    spark.conf.set("spark.sql.optimizer.plannedWrite.enabled", "false")
+    spark.conf.set("spark.sql.maxConcurrentOutputFileWriters", "400")
     oe.withColumn("date", F.to_date("ts")).write.mode("overwrite").partitionBy("date").parquet(f"{big}/outcomes")
     msgs.write.mode("overwrite").parquet(f"{big}/messages")
     os.makedirs(opts.out, exist_ok=True)
@@ -577,11 +619,69 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
     say("writing the report")
     result = Result(totals, tables, time.monotonic() - t0)
     write_report(opts.out, result, top=opts.top, plots=opts.plots)
-    for df in (senders, recipients, every, msgs, base):
+    for df in (senders, recipients, every, msgs, raw, base):
         df.unpersist()
     result.seconds = time.monotonic() - t0
     say(f"done in {result.seconds:.1f} s: {opts.out}/report.md")
     return result
+
+
+def _split_sets(o_sets: list[dict[str, Any]], m_sets: list[dict[str, Any]],
+                side: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """The rows of the small tables, from the rows of the two GROUPING SETS aggregations and the side rows
+    (see ``analyze``), as their own aggregations would have given them."""
+    o_keys = ("delivered", "bytes_delivered", "deferrals", "bounced", "expired", "p", "delay_mean_s", "delay_max_s")
+    out: dict[str, list[dict[str, Any]]] = {
+        "totals_o": [{k: None for k in o_keys}], "domains": [], "delays": [], "totals_r": [{"received": 0, "bytes_received": 0}],
+        "totals_d": [{"dsn_generated": 0}], "sender_domains": [], "attempts": []}
+    hours: dict[Any, dict[str, Any]] = {}
+
+    def hour(h: Any) -> dict[str, Any]:
+        return hours.setdefault(h, {"hour": h, "received": 0, "delivered": 0, "deferrals": 0, "bounced": 0,
+                                    "bytes_received": 0, "bytes_delivered": 0})
+
+    for r in o_sets:
+        if not r["g_domain"]:
+            p = r["p"] or [None, None, None]
+            out["domains"].append({"domain": r["domain"], **{k: r[k] for k in o_keys[:4]}, "delay_mean_s": r["delay_mean_s"],
+                                   "delay_max_s": r["delay_max_s"], "delay_p50_s": p[0], "delay_p90_s": p[1],
+                                   "delay_p99_s": p[2]})
+        elif not r["g_hour"]:
+            h = hour(r["hour"])
+            for k in ("delivered", "deferrals", "bounced", "bytes_delivered"):
+                h[k] = r[k]
+        elif not r["g_bucket"]:
+            if r["bucket"] is not None:
+                out["delays"].append({"bucket": r["bucket"], "delivered": r["delivered"]})
+        else:
+            out["totals_o"] = [{k: r[k] for k in o_keys}]
+    for r in m_sets:
+        if r["g_domain"] and r["g_attempts"] and r["g_hour"]:
+            out["totals_r"] = [{"received": r["received"], "bytes_received": r["bytes_received"]}]
+            out["totals_d"] = [{"dsn_generated": r["dsn_generated"]}]
+        elif not r["received"]:
+            continue  # DSNs only: not in the received tables
+        elif not r["g_domain"]:
+            out["sender_domains"].append({"domain": r["domain"], "messages": r["received"], "bytes": r["bytes_received"]})
+        elif not r["g_attempts"]:
+            out["attempts"].append({"attempts": r["attempts"], "messages": r["received"]})
+        else:
+            h = hour(r["hour"])
+            h["received"], h["bytes_received"] = r["received"], r["bytes_received"]
+    out["hourly"] = list(hours.values())
+    out["problems"] = [{k: r[k] for k in ("file", "segment", "offset", "problem_end", "problem_kind", "problem_reason")}
+                       for r in side if r["record_type"] == "PROBLEM"]
+    out["segments"] = [{"file": r["file"], "segment": r["segment"], "size": r["size"], "records": r["records"],
+                        "sealed": r["sealed"], "created_ts": r["ts"]} for r in side if r["record_type"] == "SEGMENT"]
+    seen: set[tuple[Any, ...]] = set()
+    out["unknown"] = []
+    for r in side:
+        if r["record_type"] in ("ENVELOPE", "FLAGGED") and (key := (r["queue_id"], r["rcpt_index"], r["generation"])) not in seen:
+            seen.add(key)
+            out["unknown"].append({"queue_id": r["queue_id"], "rcpt_index": r["rcpt_index"],
+                                   "rcpt_address": r["rcpt_address"], "generation": r["generation"],
+                                   "flagged_ts": r["not_before_ts"], "last_reply": r["last_reply"]})
+    return out
 
 
 def _merge_top(by_count: list[dict[str, Any]], by_bytes: list[dict[str, Any]], key: str,

@@ -1,0 +1,172 @@
+"""Per-message and per-outcome facts computed where the segments are decoded (the data source's ``facts`` rows).
+
+The job (:mod:`mtaq.analytics.job`) needs, per message, its arrival, size, sender, recipients, attempts and
+FINISH time, and per recipient outcome that outcome joined with its recipient and its message (plus the
+``expired`` rule: a recipient whose last reply was 4xx in a message that then FINISHed). Computing that in
+Spark meant shuffling every decoded row by queue ID and joining them in the JVM. Here the data source's
+Python task does it for the messages it can see whole, with pyarrow's C++ group-bys and joins, and hands
+Spark only the results.
+
+A message is *closed* in a partition when the partition holds its first envelope (generation 0) and a
+FINISH. A partition is a run of whole segments in log order (:func:`mtaq.analytics.source.plan_partitions`)
+and nothing of a message is logged before its first envelope except its DATA, or after its FINISH, so a
+closed message has all its records in that partition and none anywhere else. Its facts are final there.
+Every other message (its records spread over partitions, or still queued) keeps its record rows, which
+the job merges with Spark as before; so do PROBLEM and SEGMENT rows. Same definitions as the job's Spark
+plan (job.py's docstring), value for value: the job's tests compare both with the plain scan.
+
+Rows (:data:`FACT_SCHEMA`: the record columns the job reads plus five of facts), by ``record_type``:
+
+* ``MESSAGE``: one per closed message: queue_id, arrival_ts (earliest), size (largest), sender,
+  sender_domain, bounce_of, first_seen (true), recipients, attempts (START records), finish_ts (latest
+  FINISH), and ts, the latest time of any of its records (the job's end of the log);
+* ``OUTCOME``: one per recipient outcome of a closed message, and one ``expired`` outcome per recipient
+  that ran out of queue lifetime: queue_id, rcpt_index, ts, status, code, enhanced, text, relay, segment,
+  offset, rcpt_address, rcpt_domain, arrival_ts, size, sender, bounce_of, finish_ts, delay_s;
+* ``FLAGGED``: the ENVELOPE rows of closed messages with ``rcpt_unknown`` set (the outcome-unknown table);
+* ``RCPT``: with ``until`` given, the recipients (queue_id, rcpt_index, rcpt_address, rcpt_domain) of
+  closed messages still queued at ``until`` (the queue-shape-now table);
+* ENVELOPE, START, DELIVERY, FINISH, PROBLEM, SEGMENT: record rows as :data:`mtaq.analytics.source.SCHEMA`
+  has them, for everything else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from mtaq.analytics.source import COLUMNS, SegmentFile, batches
+
+__all__ = ["FACT_COLUMNS", "FACT_SCHEMA", "FACT_SPARK_DDL", "fact_batches"]
+
+_RECORD_COLUMNS = (
+    "record_type", "queue_id", "ts", "arrival_ts", "not_before_ts", "generation", "size", "sender", "sender_domain",
+    "bounce_of", "rcpt_index", "rcpt_address", "rcpt_domain", "rcpt_unknown", "last_reply", "status", "code",
+    "enhanced", "text", "relay", "segment", "offset", "file", "records", "sealed", "problem_kind", "problem_end",
+    "problem_reason")
+_TS = pa.timestamp("us", tz="UTC")
+_EXTRA: list[tuple[str, pa.DataType, str, str]] = [
+    ("first_seen", pa.bool_(), "boolean", "MESSAGE: its first envelope (generation 0) is in the log"),
+    ("recipients", pa.int64(), "bigint", "MESSAGE: recipients"),
+    ("attempts", pa.int64(), "bigint", "MESSAGE: delivery attempts (START records)"),
+    ("finish_ts", _TS, "timestamp", "MESSAGE/OUTCOME: when the message FINISHed (UTC)"),
+    ("delay_s", pa.float64(), "double", "OUTCOME: outcome time minus arrival, seconds"),
+]
+_BY_NAME = {c[0]: c for c in COLUMNS}
+FACT_COLUMNS = [_BY_NAME[n] for n in _RECORD_COLUMNS] + _EXTRA
+FACT_SCHEMA = pa.schema([(n, t) for n, t, _, _ in FACT_COLUMNS])
+FACT_SPARK_DDL = ", ".join(f"{n} {s}" for n, _, s, _ in FACT_COLUMNS)
+_KEYED = pa.array(["ENVELOPE", "START", "DELIVERY", "FINISH"])
+
+
+def _out(t: pa.Table, rtype: str | None = None) -> pa.Table:
+    """``t`` in FACT_SCHEMA: missing columns null, types cast, ``record_type`` set when given."""
+    n = t.num_rows
+    cols = []
+    for name, typ in zip(FACT_SCHEMA.names, FACT_SCHEMA.types, strict=True):
+        if name == "record_type" and rtype is not None:
+            cols.append(pa.repeat(pa.scalar(rtype, pa.string()), n))
+        elif name in t.column_names:
+            c = t[name]
+            cols.append(c.cast(typ) if c.type != typ else c)
+        else:
+            cols.append(pa.nulls(n, typ))
+    return pa.Table.from_arrays(cols, schema=FACT_SCHEMA)
+
+
+def _seconds(later: pa.ChunkedArray, earlier: pa.ChunkedArray) -> pa.ChunkedArray:
+    """(later - earlier) in seconds as the job's Spark expression computes it: microseconds, then / 1e6."""
+    diff = pc.subtract(later.cast(pa.int64()), earlier.cast(pa.int64()))
+    return pc.divide(diff.cast(pa.float64()), 1e6)
+
+
+def facts_of(t: pa.Table, until: pa.Scalar | None = None, *, close: bool = True) -> Iterator[pa.Table]:
+    """Fact tables (FACT_SCHEMA) of one partition's record rows ``t`` (see the module docstring).
+    ``close=False`` closes no message: every row stays a record row (the tests compare both ways)."""
+    rt, qid = t["record_type"], t["queue_id"]
+    is_env = pc.equal(rt, "ENVELOPE")
+    env0 = pc.unique(pc.filter(qid, pc.and_(is_env, pc.equal(t["generation"], 0))))
+    finished = pc.unique(pc.filter(qid, pc.equal(rt, "FINISH")))
+    closed = pc.filter(env0, pc.is_in(env0, value_set=finished))
+    if not close:
+        closed = closed.slice(0, 0)
+    in_closed = pc.fill_null(pc.and_(pc.is_in(rt, value_set=_KEYED), pc.is_in(qid, value_set=closed)), False)
+    yield _out(t.filter(pc.invert(in_closed)))  # record rows: messages not closed here, problems, segments
+    c = t.filter(in_closed)
+    if c.num_rows == 0:
+        return
+    crt = c["record_type"]
+    e = c.filter(pc.equal(crt, "ENVELOPE"))
+    rc = e.select(["queue_id", "rcpt_index", "rcpt_address", "rcpt_domain"]).group_by(
+        ["queue_id", "rcpt_index", "rcpt_address", "rcpt_domain"], use_threads=False).aggregate([])
+    m = (
+        e.group_by("queue_id", use_threads=False).aggregate([("arrival_ts", "min"), ("size", "max")])
+        .rename_columns(["queue_id", "arrival_ts", "size"])
+        .join(c.group_by("queue_id", use_threads=False).aggregate([("ts", "max")]), "queue_id")
+        .join(e.select(["queue_id", "sender", "sender_domain", "bounce_of"]).group_by(
+            ["queue_id", "sender", "sender_domain", "bounce_of"], use_threads=False).aggregate([]), "queue_id",
+            join_type="left outer")
+        .join(rc.group_by("queue_id", use_threads=False).aggregate([([], "count_all")])
+              .rename_columns(["queue_id", "recipients"]), "queue_id", join_type="left outer")
+        .join(c.filter(pc.equal(crt, "START")).group_by("queue_id", use_threads=False).aggregate([([], "count_all")])
+              .rename_columns(["queue_id", "attempts"]), "queue_id", join_type="left outer")
+        .join(c.filter(pc.equal(crt, "FINISH")).group_by("queue_id", use_threads=False).aggregate([("ts", "max")])
+              .rename_columns(["queue_id", "finish_ts"]), "queue_id", join_type="left outer")
+    )
+    m = m.set_column(m.schema.get_field_index("attempts"), "attempts", pc.fill_null(m["attempts"], 0))
+    m = m.rename_columns(["ts" if n == "ts_max" else n for n in m.column_names])
+    m = m.append_column("first_seen", pa.repeat(pa.scalar(True), m.num_rows))
+    yield _out(m, "MESSAGE")
+    o = (
+        c.filter(pc.equal(crt, "DELIVERY"))
+        .select(["queue_id", "rcpt_index", "ts", "status", "code", "enhanced", "text", "relay", "segment", "offset"])
+        .join(rc, ["queue_id", "rcpt_index"], join_type="left outer")
+        .join(m.select(["queue_id", "arrival_ts", "size", "sender", "bounce_of", "finish_ts"]), "queue_id",
+              join_type="left outer")
+    )
+    o = o.append_column("delay_s", _seconds(o["ts"], o["arrival_ts"]))
+    yield _out(o, "OUTCOME")
+    # The last outcome of each recipient (latest ts, then log position): sorted, the last row of each run.
+    s = o.sort_by([("queue_id", "ascending"), ("rcpt_index", "ascending"), ("ts", "ascending"),
+                   ("segment", "ascending"), ("offset", "ascending")])
+    n = s.num_rows
+    if n:
+        q, i = s["queue_id"], s["rcpt_index"]
+        differs = pc.or_(pc.not_equal(q.slice(0, n - 1), q.slice(1)), pc.not_equal(i.slice(0, n - 1), i.slice(1)))
+        last = pa.concat_arrays([*(ch for ch in differs.chunks), pa.array([True])])
+        s = s.filter(last)
+        s = s.filter(pc.fill_null(pc.and_(pc.equal(s["status"], "deferred"),
+                                          pc.greater_equal(s["finish_ts"], s["ts"])), False))
+        if s.num_rows:
+            k = s.num_rows
+            x = s.drop_columns(["ts", "status", "code", "enhanced", "text", "delay_s"])
+            x = x.append_column("ts", s["finish_ts"]).append_column("status", pa.repeat(pa.scalar("expired"), k))
+            x = x.append_column("enhanced", pa.repeat(pa.scalar("4.4.7"), k))
+            x = x.append_column("text", pc.binary_join_element_wise(
+                pa.repeat(pa.scalar("queue lifetime exceeded; last reply: "), k), s["text"], ""))
+            x = x.append_column("delay_s", _seconds(s["finish_ts"], s["arrival_ts"]))
+            yield _out(x, "OUTCOME")
+    flagged = e.filter(pc.fill_null(e["rcpt_unknown"], False))
+    if flagged.num_rows:
+        yield _out(flagged, "FLAGGED")
+    if until is not None:
+        queued = m.filter(pc.and_(pc.less_equal(m["arrival_ts"], until), pc.greater(m["finish_ts"], until)))
+        if queued.num_rows:
+            yield _out(rc.filter(pc.is_in(rc["queue_id"], value_set=queued["queue_id"])), "RCPT")
+
+
+def fact_batches(files: Iterable[SegmentFile], until_us: int | None = None, *,
+                 close: bool = True) -> Iterator[pa.RecordBatch]:
+    """Read ``files`` (one partition: whole segments in log order) and yield FACT_SCHEMA batches.
+    ``until_us``: the job's ``--until`` in microseconds since the epoch (None: unbounded); ``close``: see
+    :func:`facts_of`."""
+    got = list(batches(files))
+    if not got:
+        return
+    t = pa.Table.from_batches(got).select(list(_RECORD_COLUMNS))
+    del got
+    until = None if until_us is None else pa.scalar(until_us, pa.int64()).cast(_TS)
+    for part in facts_of(t, until, close=close):
+        yield from part.to_batches(max_chunksize=65536)
