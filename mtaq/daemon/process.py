@@ -675,25 +675,11 @@ def oserror_line(exc: OSError) -> str:
 
 def _check_admin_bindable(cfg: Config) -> None:
     """Several workers: bind ``admin_listen`` once in the supervisor (and let it go: worker 0 binds it), so that
-    an address in use is the one-line error of one worker (OSError), not a worker's exit. A resolver failure
-    is left to worker 0, which reports it as one worker would."""
-    if not cfg.admin_listen.strip():
-        return
-    host, port = parse_hostport(cfg.admin_listen, key="admin_listen")
-    try:
-        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror:
-        return
-    for family, type_, proto, _name, sa in infos:
-        with socket.socket(family, type_, proto) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:
-                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            try:
-                s.bind(sa)
-            except OSError as exc:
-                why = os.strerror(exc.errno) if exc.errno else str(exc)
-                raise OSError(exc.errno, f"admin_listen {host}:{port}: {why}") from exc
+    an address in use is one line (OSError ``admin_listen HOST:PORT: ...``), not a worker's exit."""
+    if cfg.admin_listen.strip():
+        for socks in bind_listeners([parse_hostport(cfg.admin_listen, key="admin_listen")], key="admin_listen"):
+            for s in socks:
+                s.close()
 
 
 def serve(cfg: Config) -> int:

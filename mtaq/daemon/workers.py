@@ -90,13 +90,14 @@ def log_dirs(spool: str) -> list[tuple[int, str]]:
     return [(k, os.path.join(shard_dir(spool, k), "log")) for k in [0, *existing_shards(spool)]]
 
 
-def bind_listeners(addrs: list[tuple[str, int]], *, backlog: int = LISTEN_BACKLOG) -> list[list[socket.socket]]:
+def bind_listeners(addrs: list[tuple[str, int]], *, backlog: int = LISTEN_BACKLOG,
+                   key: str = "listen") -> list[list[socket.socket]]:
     """Bind and listen on every ``(host, port)`` of ``addrs`` once, for all the workers to accept from.
 
     Returns, per address, its listening sockets (non-blocking; one per address family ``host`` resolves to,
     ``""`` meaning every interface, as asyncio's ``create_server`` does; IPv6 ones IPV6_V6ONLY), to be
-    inherited by the forked workers. Raises OSError ``"listen HOST:PORT: <why>"`` (the sockets bound so far
-    are closed) when one cannot be resolved or bound.
+    inherited by the forked workers. Raises OSError ``"<key> HOST:PORT: <why>"`` (the sockets bound so far
+    are closed) when one cannot be resolved or bound; ``key`` is the setting that names the addresses.
     """
     out: list[list[socket.socket]] = []
     try:
@@ -107,7 +108,7 @@ def bind_listeners(addrs: list[tuple[str, int]], *, backlog: int = LISTEN_BACKLO
             try:
                 infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
             except socket.gaierror as exc:
-                raise OSError(exc.errno, f"listen {host}:{port}: {exc.strerror}") from exc
+                raise OSError(exc.errno, f"{key} {host}:{port}: {exc.strerror}") from exc
             for family, type_, proto, _name, sa in infos:
                 if (family, sa) in seen:
                     continue
@@ -121,7 +122,7 @@ def bind_listeners(addrs: list[tuple[str, int]], *, backlog: int = LISTEN_BACKLO
                     s.bind(sa)
                 except OSError as exc:
                     why = os.strerror(exc.errno) if exc.errno else str(exc)
-                    raise OSError(exc.errno, f"listen {host}:{port}: {why}") from exc
+                    raise OSError(exc.errno, f"{key} {host}:{port}: {why}") from exc
                 s.listen(backlog)
                 s.setblocking(False)
     except BaseException:
