@@ -12,7 +12,6 @@ import re
 import pytest
 from test_runners import Harness, Sink
 
-from mtaq.config import load_config
 from mtaq.daemon.process import Daemon
 from mtaq.testing.faults import FaultyFileSystem
 
@@ -41,15 +40,7 @@ def test_a_replacement_naming_old_data_keeps_that_segment_until_the_retry(tmp_pa
     h.sink = HeldSink()
 
     async def start() -> Daemon:
-        cfg = load_config(None, {"spool_dir": h.spool, "listen": "127.0.0.1:0",
-                                 "relayhost": f"[127.0.0.1]:{h.sink_port}", "stats_interval_s": 0,
-                                 "checkpoint_interval_s": 3600, "admin_listen": "127.0.0.1:0", **h.config})
-        h.daemon = Daemon(cfg, clock=h.clock, fs=fs)
-        h.task = asyncio.create_task(h.daemon.run())
-        while not h.daemon.runners:
-            await asyncio.sleep(0.01)
-        h.port = h.daemon.server.sockets[0].getsockname()[1]
-        return h.daemon
+        return await h.start(fs)
 
     async def main() -> None:
         await h.start_sink()

@@ -17,9 +17,7 @@ import structlog
 from test_corrupt_area import receive, start
 from test_runners import Harness
 
-from mtaq.config import load_config
 from mtaq.core.records import EnvelopeRecord
-from mtaq.daemon.process import Daemon
 from mtaq.storage.fs import OsFileSystem
 from mtaq.storage.log import Log, scan_log
 from mtaq.testing.faults import FaultyFileSystem
@@ -54,18 +52,11 @@ def test_runners_survive_emfile_and_eio_and_deliver_once_they_pass(tmp_path):
     runner logs runner_read_failed and keeps its place; the daemon keeps running; when reads work again
     the message is delivered once (before: the runner task died and the daemon exited with status 70)."""
     fs = FaultyFileSystem()
-    h = Harness(tmp_path, retry_intervals_s=[1000.0], segment_bytes_max=65536)
+    h = Harness(tmp_path, retry_intervals_s=[1000.0], segment_bytes_max=65536, admin_listen="")
 
     async def main() -> None:
         await h.start_sink()
-        cfg = load_config(None, {"spool_dir": h.spool, "listen": "127.0.0.1:0",
-                                 "relayhost": f"[127.0.0.1]:{h.sink_port}", "stats_interval_s": 0,
-                                 "checkpoint_interval_s": 3600, "admin_listen": "", **h.config})
-        h.daemon = Daemon(cfg, clock=h.clock, fs=fs)
-        h.task = asyncio.create_task(h.daemon.run())
-        while not h.daemon.runners:
-            await asyncio.sleep(0.01)
-        h.port = h.daemon.server.sockets[0].getsockname()[1]
+        await h.start(fs)
         try:
             h.sink.defer = re.compile("^slow@")
             await h.send("alice@example.org", ["slow@example.net"], "r1")

@@ -20,7 +20,7 @@ from aiosmtpd.smtp import SMTP
 from mtaq.config import load_config
 from mtaq.core.records import DataRecord, EnvelopeRecord, Recipient
 from mtaq.daemon.process import Daemon
-from mtaq.storage.fs import OsFileSystem
+from mtaq.storage.fs import FileSystem, OsFileSystem
 from mtaq.storage.log import Log
 
 
@@ -76,11 +76,12 @@ class Harness:
         self.sink_server = await loop.create_server(lambda: SMTP(self.sink, hostname="sink", loop=loop), "127.0.0.1", 0)
         self.sink_port = self.sink_server.sockets[0].getsockname()[1]
 
-    async def start(self) -> Daemon:
+    async def start(self, fs: FileSystem | None = None) -> Daemon:
+        """Start the daemon (on ``fs``: default the real file system) and return once its runners exist."""
         cfg = load_config(None, {"spool_dir": self.spool, "listen": "127.0.0.1:0",
                                  "relayhost": f"[127.0.0.1]:{self.sink_port}", "stats_interval_s": 0,
                                  "checkpoint_interval_s": 3600, "admin_listen": "127.0.0.1:0", **self.config})
-        self.daemon = Daemon(cfg, clock=self.clock)
+        self.daemon = Daemon(cfg, clock=self.clock, fs=fs)
         self.task = asyncio.create_task(self.daemon.run())
         while not self.daemon.runners:
             if self.task.done():
