@@ -258,3 +258,16 @@ def test_a_second_daemon_on_the_same_port_is_refused(tmp_path: Path) -> None:
     finally:
         daemon.kill9()
         sink.kill9()
+
+
+def test_admin_listen_on_an_smtp_listener_is_one_line(tmp_path: Path) -> None:
+    """``admin_listen`` on the address of an SMTP listener: with two workers as with one, exit 1 and the one
+    line ``mtaq: cannot serve: admin_listen HOST:PORT: Address already in use``, nothing else. The supervisor
+    checked admin_listen before it bound the SMTP listeners, so the clash was found by worker 0 (a line
+    naming worker 0, then a worker_exited event)."""
+    port = free_port()
+    for workers in ("1", "2"):
+        out = _mtaq("serve", "--spool", str(tmp_path / f"spool{workers}"), "--listen", f"127.0.0.1:{port}",
+                    "--admin-listen", f"127.0.0.1:{port}", "--relayhost", "[127.0.0.1]:9", "--workers", workers)
+        assert (1, [f"mtaq: cannot serve: admin_listen 127.0.0.1:{port}: Address already in use"]) == (
+            out.returncode, (out.stdout + out.stderr).strip().splitlines()), (workers, out.stdout, out.stderr)
