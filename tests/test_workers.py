@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import smtplib
+import socket
 import subprocess
 import sys
 import time
@@ -258,3 +259,32 @@ def test_a_second_daemon_on_the_same_port_is_refused(tmp_path: Path) -> None:
     finally:
         daemon.kill9()
         sink.kill9()
+
+
+def test_admin_listen_on_an_smtp_listener_is_one_line(tmp_path: Path) -> None:
+    """``admin_listen`` on the address of an SMTP listener: with two workers as with one, exit 1 and the one
+    line ``mtaq: cannot serve: admin_listen HOST:PORT: Address already in use``, nothing else. The supervisor
+    checked admin_listen before it bound the SMTP listeners, so the clash was found by worker 0 (a line
+    naming worker 0, then a worker_exited event)."""
+    port = free_port()
+    for workers in ("1", "2"):
+        out = _mtaq("serve", "--spool", str(tmp_path / f"spool{workers}"), "--listen", f"127.0.0.1:{port}",
+                    "--admin-listen", f"127.0.0.1:{port}", "--relayhost", "[127.0.0.1]:9", "--workers", workers)
+        assert (1, [f"mtaq: cannot serve: admin_listen 127.0.0.1:{port}: Address already in use"]) == (
+            out.returncode, (out.stdout + out.stderr).strip().splitlines()), (workers, out.stdout, out.stderr)
+
+
+def test_an_ipv6_listener_in_use_is_named_in_brackets(tmp_path: Path) -> None:
+    """The one line for an IPv6 listener that cannot be bound names it as it is written, ``[::1]:PORT`` (it
+    said ``listen ::1:PORT``, which reads as another address)."""
+    with socket.socket(socket.AF_INET6) as taken:
+        try:
+            taken.bind(("::1", 0))
+        except OSError:
+            pytest.skip("no IPv6 loopback")
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = _mtaq("serve", "--spool", str(tmp_path / "spool"), "--listen", f"[::1]:{port}",
+                    "--admin-listen", "", "--relayhost", "[127.0.0.1]:9", "--workers", "2")
+    assert (1, [f"mtaq: cannot serve: listen [::1]:{port}: Address already in use"]) == (
+        out.returncode, out.stderr.strip().splitlines()), out.stderr

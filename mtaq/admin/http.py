@@ -524,7 +524,8 @@ class AdminHttp:
         except OSError as exc:
             await runner.cleanup()
             why = os.strerror(exc.errno) if exc.errno else str(exc)
-            raise OSError(exc.errno, f"admin_listen {self.host}:{self.port}: {why}") from exc
+            where = f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+            raise OSError(exc.errno, f"admin_listen {where}: {why}") from exc
         self._runner = runner
         addr = runner.addresses[0]
         host, port = str(addr[0]), int(addr[1])

@@ -660,7 +660,7 @@ def _run_worker(cfg: Config, shard: int, n: int, sockets: list[list[socket.socke
     try:
         _run_loop(Daemon(shard_cfg, listen_sockets=sockets, admin_socket=sock, admin_peers=peers))
     except (OSError, MtaqError) as exc:
-        # What one process says from the CLI (a start-up failure: a port taken since the supervisor's check,
+        # What one process says from the CLI (a start-up failure: admin_listen taken since the supervisor's check,
         # an admin socket path it cannot replace, an unreadable spool): one line and status 1, no traceback.
         print(f"mtaq: cannot serve: worker {shard}: {oserror_line(exc) if isinstance(exc, OSError) else exc}",
               file=sys.stderr)
@@ -675,7 +675,8 @@ def oserror_line(exc: OSError) -> str:
 
 def _check_admin_bindable(cfg: Config) -> None:
     """Several workers: bind ``admin_listen`` once in the supervisor (and let it go: worker 0 binds it), so that
-    an address in use is one line (OSError ``admin_listen HOST:PORT: ...``), not a worker's exit."""
+    an address in use is one line (OSError ``admin_listen HOST:PORT: ...``), not a worker's exit. Called while
+    the supervisor holds the SMTP listeners, so that admin_listen on one of their addresses is found too."""
     if cfg.admin_listen.strip():
         for socks in bind_listeners([parse_hostport(cfg.admin_listen, key="admin_listen")], key="admin_listen"):
             for s in socks:
@@ -701,20 +702,25 @@ def serve(cfg: Config) -> int:
     EdgePolicy.from_config(cfg)
     SaslClient.from_config(cfg)
     Signer.from_config(cfg)
-    _check_admin_bindable(cfg)
-    if cfg.admin_listen.strip() and not cfg.admin_token:
-        # One token for worker 0's public API and the other workers' sockets, made before any worker starts.
-        from mtaq.admin.token import spool_token
+    # Bound once here, accepted from by every worker (mtaq.daemon.workers); an address in use is one line.
+    sockets = bind_listeners([(lst.host, lst.port) for lst in listeners])
+    try:
+        _check_admin_bindable(cfg)  # while the SMTP listeners are held: admin_listen on one of them is one line too
+        if cfg.admin_listen.strip() and not cfg.admin_token:
+            # One token for worker 0's public API and the other workers' sockets, made before any worker starts.
+            from mtaq.admin.token import spool_token
 
-        os.makedirs(cfg.spool_dir, exist_ok=True)
-        cfg = msgspec.structs.replace(cfg, admin_token=spool_token(cfg.spool_dir))
+            os.makedirs(cfg.spool_dir, exist_ok=True)
+            cfg = msgspec.structs.replace(cfg, admin_token=spool_token(cfg.spool_dir))
+    except BaseException:
+        for socks in sockets:
+            for s in socks:
+                s.close()
+        raise
     log = get_logger()
 
     def on_exit(shard: int, status: int) -> None:
         log.critical("worker_exited", shard=shard, exit_status=status, action="stopping every worker")
-
-    # Bound once here, accepted from by every worker (mtaq.daemon.workers); an address in use is one line.
-    sockets = bind_listeners([(lst.host, lst.port) for lst in listeners])
 
     def forked() -> None:
         for socks in sockets:

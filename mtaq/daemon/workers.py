@@ -96,19 +96,21 @@ def bind_listeners(addrs: list[tuple[str, int]], *, backlog: int = LISTEN_BACKLO
 
     Returns, per address, its listening sockets (non-blocking; one per address family ``host`` resolves to,
     ``""`` meaning every interface, as asyncio's ``create_server`` does; IPv6 ones IPV6_V6ONLY), to be
-    inherited by the forked workers. Raises OSError ``"<key> HOST:PORT: <why>"`` (the sockets bound so far
-    are closed) when one cannot be resolved or bound; ``key`` is the setting that names the addresses.
+    inherited by the forked workers. Raises OSError ``"<key> HOST:PORT: <why>"`` (``[HOST]:PORT`` for an IPv6
+    address; the sockets bound so far are closed) when one cannot be resolved or bound; ``key`` is the
+    setting that names the addresses.
     """
     out: list[list[socket.socket]] = []
     try:
         for host, port in addrs:
+            where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # as written in the config
             socks: list[socket.socket] = []
             out.append(socks)
             seen: set[tuple[int, object]] = set()
             try:
                 infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
             except socket.gaierror as exc:
-                raise OSError(exc.errno, f"{key} {host}:{port}: {exc.strerror}") from exc
+                raise OSError(exc.errno, f"{key} {where}: {exc.strerror}") from exc
             for family, type_, proto, _name, sa in infos:
                 if (family, sa) in seen:
                     continue
@@ -122,7 +124,7 @@ def bind_listeners(addrs: list[tuple[str, int]], *, backlog: int = LISTEN_BACKLO
                     s.bind(sa)
                 except OSError as exc:
                     why = os.strerror(exc.errno) if exc.errno else str(exc)
-                    raise OSError(exc.errno, f"{key} {host}:{port}: {why}") from exc
+                    raise OSError(exc.errno, f"{key} {where}: {why}") from exc
                 s.listen(backlog)
                 s.setblocking(False)
     except BaseException:
