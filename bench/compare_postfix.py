@@ -79,7 +79,21 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import mtaq
 from mtaq.testing.procs import children, peak_rss_kib
+
+# The daemon runs the mtaq this script imported (PYTHONPATH=TREE chooses the tree, for an A/B of two
+# commits), from its work directory: with the working directory inside another tree, ``python -m`` would
+# import that tree's mtaq first, ahead of PYTHONPATH.
+MTAQ_TREE = os.path.dirname(os.path.dirname(os.path.abspath(mtaq.__file__)))
+
+
+def _tree_commit(tree: str) -> str | None:
+    try:
+        return subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip() or None
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 SENDER = "bench@source.example"
 RCPT = "rcpt@dest.example"
@@ -361,7 +375,7 @@ def run_postfix(args: argparse.Namespace, sink_port: int) -> dict[str, Any]:
 
 
 def run_mtaq(args: argparse.Namespace, sink_port: int, workdir: str, i: int) -> dict[str, Any]:
-    work = tempfile.mkdtemp(prefix=f"mtaq-{i}-", dir=workdir)
+    work = os.path.abspath(tempfile.mkdtemp(prefix=f"mtaq-{i}-", dir=workdir))
     conf = os.path.join(work, "mtaq.toml")
     with open(conf, "w", encoding="utf-8") as f:
         f.write("stats_interval_s = 0.5\n" + "".join(line + "\n" for line in args.mtaq_config))
@@ -373,7 +387,8 @@ def run_mtaq(args: argparse.Namespace, sink_port: int, workdir: str, i: int) -> 
         [*args.mtaq, "--log-format", args.log_format, "serve", "--spool", os.path.join(work, "spool"),
          "--listen", f"127.0.0.1:{port}", "--relayhost", f"[127.0.0.1]:{sink_port}", "--config", conf,
          *(["--workers", str(args.workers)] if args.workers is not None else [])],
-        stdout=out, stderr=out, stdin=subprocess.DEVNULL,
+        stdout=out, stderr=out, stdin=subprocess.DEVNULL, cwd=work,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([MTAQ_TREE, *filter(None, [os.environ.get("PYTHONPATH")])])},
     )
     try:
         wait_port(port)
@@ -630,7 +645,8 @@ def main(argv: list[str] | None = None) -> int:
     ensure_postfix_installed()
     sink_port = free_port()
     os.makedirs(args.workdir, exist_ok=True)
-    head: dict[str, Any] = {"bench": "compare_postfix", "cpus": os.cpu_count()}
+    head: dict[str, Any] = {"bench": "compare_postfix", "cpus": os.cpu_count(), "mtaq_tree": MTAQ_TREE,
+                            "mtaq_commit": _tree_commit(MTAQ_TREE)}
     if args.only != "mtaq":
         head.update(configure_postfix(args.postfix_port, sink_port))
     if not args.suite:
