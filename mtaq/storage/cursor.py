@@ -41,6 +41,10 @@ DECODED_MAX = 4096  # records decoded by one cursor and kept (Log.decoded) for t
 CONFIRMED_MAX = 65536  # frame positions checksummed by one cursor and kept (Log.confirmed) for the others
 
 
+def _is_envelope(rtype: int) -> bool:
+    return rtype == RecordType.ENVELOPE
+
+
 class LogCursor:
     """A position in the log that moves forward. ``pos`` is the next frame not yet passed over."""
 
@@ -186,6 +190,25 @@ class LogCursor:
                 continue
             self.pos = Pos(seg, self.pos.offset + FRAME_HEADER_BYTES + length)
         return None
+
+    def peek_envelope(self, end: Pos, *, max_frames: int | None = None) -> tuple[Pos, Record] | Literal[False] | None:
+        """:meth:`peek` for ENVELOPE records only (the queue runners), with the same results and errors.
+
+        Where the log lists the envelopes it appended itself (:meth:`Log.next_envelope`), the cursor goes
+        straight to the next one (or to ``end``) without reading the frames in between; it reads and checks
+        the envelope it stops at as :meth:`peek` does. Elsewhere (segments of an earlier run) it reads
+        frame by frame.
+        """
+        nxt = self.log.next_envelope(self.pos, end)
+        if nxt is False:
+            return self.peek(end, _is_envelope, max_frames=max_frames)
+        if nxt is None:
+            if self.pos < end:
+                self.pos = end
+            return None
+        assert isinstance(nxt, Pos)
+        self.pos = nxt
+        return self.peek(end, _is_envelope, max_frames=1)
 
     def skip(self) -> None:
         """Move past the frame at the cursor."""
