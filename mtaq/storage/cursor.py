@@ -7,6 +7,8 @@ never goes stale. It never reads past ``end``, which the caller sets to the log'
 never acts on a record that is not durable. A record one cursor decoded (and checked) is kept for a while
 in ``Log.decoded`` for the others (one runner per retry interval reads every envelope): segments are
 append-only and their numbers never reused, so the bytes at a position never change while it is read.
+Over the stretch of the log this process appended, :meth:`LogCursor.peek_envelope` does not read the frames
+in between at all: the log lists where it appended each envelope (``Log.next_envelope``).
 
 A frame that does not check out in the middle of a segment is reported once through ``on_corrupt`` and
 passed over to the next good frame (found by :func:`scan_segment`); it is never silently skipped. That holds

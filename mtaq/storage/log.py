@@ -81,9 +81,9 @@ _SUFFIX = ".seg"
 FREE_BYTES_TTL_S = 0.25  # how old the free-space figure of Log.free_bytes may be, in seconds
 
 
-ENVELOPES_LISTED_MAX = 65536
-"""Positions of the ENVELOPE frames a Log appended that it keeps listed for the queue runners (16 bytes each
-and a list slot); when there are more, the oldest half is dropped."""
+ENVELOPES_LISTED_MAX = 16384
+"""Positions of the ENVELOPE frames a Log appended that it keeps listed for the queue runners (about 90 bytes
+each with its list slot: 1.4 MiB at most); when there are more, the oldest half is dropped."""
 
 
 def segment_path(directory: str, number: int) -> str:
