@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from mtaq.core.errors import StorageError
 from mtaq.core.frame import Problem
-from mtaq.core.records import EnvelopeRecord, Pos, RecordType
+from mtaq.core.records import EnvelopeRecord, Pos
 from mtaq.storage.cursor import LogCursor
 from mtaq.storage.log import Log
 
@@ -166,15 +166,12 @@ class Runner:
         self._flush_until = self.log.end
         self._poke.set()
 
-    def _mine(self, rtype: int) -> bool:
-        return rtype == RecordType.ENVELOPE
-
     async def run(self) -> None:
         budget = _SCAN_BUDGET
         while True:
             end = self.log.durable_end
             try:
-                found = self.cursor.peek(end, self._mine, max_frames=_SCAN_BUDGET)
+                found = self.cursor.peek_envelope(end, max_frames=_SCAN_BUDGET)
             except StorageError as exc:
                 # Out of file descriptors, an I/O error: the runner must not die (the daemon would exit and
                 # restart into the same state). It keeps its position and reads again a little later.

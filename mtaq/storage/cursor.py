@@ -7,6 +7,8 @@ never goes stale. It never reads past ``end``, which the caller sets to the log'
 never acts on a record that is not durable. A record one cursor decoded (and checked) is kept for a while
 in ``Log.decoded`` for the others (one runner per retry interval reads every envelope): segments are
 append-only and their numbers never reused, so the bytes at a position never change while it is read.
+Over the stretch of the log this process appended, :meth:`LogCursor.peek_envelope` does not read the frames
+in between at all: the log lists where it appended each envelope (``Log.next_envelope``).
 
 A frame that does not check out in the middle of a segment is reported once through ``on_corrupt`` and
 passed over to the next good frame (found by :func:`scan_segment`); it is never silently skipped. That holds
@@ -39,6 +41,10 @@ __all__ = ["CHUNK_BYTES", "CONFIRMED_MAX", "DECODED_MAX", "LogCursor"]
 CHUNK_BYTES = 256 * 1024
 DECODED_MAX = 4096  # records decoded by one cursor and kept (Log.decoded) for the others
 CONFIRMED_MAX = 65536  # frame positions checksummed by one cursor and kept (Log.confirmed) for the others
+
+
+def _is_envelope(rtype: int) -> bool:
+    return rtype == RecordType.ENVELOPE
 
 
 class LogCursor:
@@ -186,6 +192,25 @@ class LogCursor:
                 continue
             self.pos = Pos(seg, self.pos.offset + FRAME_HEADER_BYTES + length)
         return None
+
+    def peek_envelope(self, end: Pos, *, max_frames: int | None = None) -> tuple[Pos, Record] | Literal[False] | None:
+        """:meth:`peek` for ENVELOPE records only (the queue runners), with the same results and errors.
+
+        Where the log lists the envelopes it appended itself (:meth:`Log.next_envelope`), the cursor goes
+        straight to the next one (or to ``end``) without reading the frames in between; it reads and checks
+        the envelope it stops at as :meth:`peek` does. Elsewhere (segments of an earlier run) it reads
+        frame by frame.
+        """
+        nxt = self.log.next_envelope(self.pos, end)
+        if nxt is False:
+            return self.peek(end, _is_envelope, max_frames=max_frames)
+        if nxt is None:
+            if self.pos < end:
+                self.pos = end
+            return None
+        assert isinstance(nxt, Pos)
+        self.pos = nxt
+        return self.peek(end, _is_envelope, max_frames=1)
 
     def skip(self) -> None:
         """Move past the frame at the cursor."""

@@ -29,6 +29,7 @@ import os
 import secrets
 import time
 import zlib
+from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -73,11 +74,16 @@ from mtaq.testing import killpoints
 FILES_OPEN_MAX = 64  # segment files kept open for reading (besides those being written)
 PIECE_BYTES = 64 * 1024  # bytes per read of Log.read_payload
 
-__all__ = ["FILES_OPEN_MAX", "FREE_BYTES_TTL_S", "PIECE_BYTES", "Log", "LogStats", "OpenReport", "list_segments", "scan_log", "segment_path",
+__all__ = ["ENVELOPES_LISTED_MAX", "FILES_OPEN_MAX", "FREE_BYTES_TTL_S", "PIECE_BYTES", "Log", "LogStats", "OpenReport", "list_segments", "scan_log", "segment_path",
            "storage_error"]
 
 _SUFFIX = ".seg"
 FREE_BYTES_TTL_S = 0.25  # how old the free-space figure of Log.free_bytes may be, in seconds
+
+
+ENVELOPES_LISTED_MAX = 16384
+"""Positions of the ENVELOPE frames a Log appended that it keeps listed for the queue runners (about 90 bytes
+each with its list slot: 1.4 MiB at most); when there are more, the oldest half is dropped."""
 
 
 def segment_path(directory: str, number: int) -> str:
@@ -207,6 +213,10 @@ class Log:
         self.on_commit_seconds: Callable[[float], None] | None = None
         self.decoded: dict[Pos, Record] = {}  # records the cursors decoded lately (mtaq.storage.cursor)
         self.confirmed: dict[Pos, None] = {}  # frames a cursor checksummed before stepping over them lately
+        # Where this process appended ENVELOPE frames, in log order: every one at or after _envelopes_floor
+        # is listed (None: nothing listed yet). The queue runners jump from one to the next (next_envelope).
+        self._envelopes: list[Pos] = []
+        self._envelopes_floor: Pos | None = None
         self.files_open_max = FILES_OPEN_MAX
         self._readers: OrderedDict[int, None] = OrderedDict()  # segments opened for reading, oldest first
         self._free = 0  # free_bytes(): the last statvfs answer, when, and bytes_appended then
@@ -271,6 +281,7 @@ class Log:
             log._dirty.clear()
             log._dir_dirty = False
             log._end = log._durable_end = Pos(log._cur_no, SEGMENT_HEADER_BYTES)
+            log._envelopes_floor = log._end  # everything from here on is appended by this Log
         except OSError as exc:
             raise storage_error(exc, f"opening log {directory}") from exc
         return log, report
@@ -393,7 +404,30 @@ class Log:
             offset = self._cur.append(frame)
         except OSError as exc:
             raise storage_error(exc, f"appending to segment {self._cur_no}") from exc
-        return self._appended(offset, size)
+        pos, lsn = self._appended(offset, size)
+        if rtype == RecordType.ENVELOPE and self._envelopes_floor is not None:
+            listed = self._envelopes
+            listed.append(pos)
+            if len(listed) > ENVELOPES_LISTED_MAX:  # the oldest half goes: cursors behind it walk the frames
+                del listed[: len(listed) // 2]
+                self._envelopes_floor = listed[0]
+        return pos, lsn
+
+    def next_envelope(self, pos: Pos, end: Pos) -> Pos | None | bool:
+        """The position of the first ENVELOPE frame at or after ``pos`` and before ``end``, from memory.
+
+        None if there is none; False if this Log cannot tell (``pos`` is before the frames it appended
+        itself, or the oldest of those it still lists): the caller reads the frames. Costs a binary search
+        over at most ``ENVELOPES_LISTED_MAX`` positions; no I/O.
+        """
+        floor = self._envelopes_floor
+        if floor is None or pos < floor:
+            return False
+        listed = self._envelopes
+        i = bisect_left(listed, pos)
+        if i < len(listed) and listed[i] < end:
+            return listed[i]
+        return None
 
     def _appended(self, offset: int, size: int) -> tuple[Pos, int]:
         """Book-keeping after a frame of ``size`` bytes was written at ``offset`` of the current segment:
