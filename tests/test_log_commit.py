@@ -185,3 +185,60 @@ def test_committers_wake_before_readers_of_the_durable_end(tmp_path):
     asyncio.run(main())
     log.close()
     assert ["250", "runner"] == order
+
+
+def test_a_lingering_commit_rides_on_the_round_of_a_commit_that_does_not_wait(tmp_path):
+    """A delivery's commit (linger_s) waits for a client's commit that comes meanwhile: one fsync round makes
+    both durable. Before, the delivery's round started at once and the client's record needed a second."""
+
+    async def main() -> Log:
+        log, _ = Log.open(OsFileSystem(), str(tmp_path), segment_bytes_max=1 << 20)
+        _, delivered = log.append(FinishRecord("QD", Pos(1, 32), 1.0))
+        lingering = asyncio.ensure_future(log.commit(delivered, linger_s=30.0))
+        await asyncio.sleep(0)  # the commit loop is waiting for company
+        await asyncio.sleep(0)
+        assert log.durable_lsn < delivered
+        _, received = log.append(StartRecord("QR", Pos(1, 32), 1.0))
+        await log.commit(received)
+        await lingering
+        return log
+
+    log = asyncio.run(main())
+    assert 1 == log.stats.commit_rounds
+    assert 2 == log.durable_lsn
+    log.close()
+
+
+def test_a_lingering_commit_alone_is_made_durable_at_its_deadline(tmp_path):
+    """No one else commits: the lingering record is still made durable, by a round of its own."""
+
+    async def main() -> Log:
+        log, _ = Log.open(OsFileSystem(), str(tmp_path), segment_bytes_max=1 << 20)
+        _, lsn = log.append(FinishRecord("QD", Pos(1, 32), 1.0))
+        await log.commit(lsn, linger_s=0.01)
+        assert log.durable_lsn >= lsn
+        return log
+
+    log = asyncio.run(main())
+    assert 1 == log.stats.commit_rounds
+    log.close()
+
+
+def test_a_failed_fsync_during_a_linger_fails_the_lingering_commit(tmp_path):
+    """A lingering commit behind a failing fsync gets StorageFatal (I6), like any other waiter."""
+    fs = FaultyFileSystem()
+
+    async def main() -> list[object]:
+        log, _ = Log.open(fs, str(tmp_path), segment_bytes_max=1 << 20)
+        fs.fail_fsync = True
+        _, a = log.append(FinishRecord("QD", Pos(1, 32), 1.0))
+        lingering = asyncio.ensure_future(log.commit(a, linger_s=30.0))
+        await asyncio.sleep(0)
+        _, b = log.append(StartRecord("QR", Pos(1, 32), 1.0))
+        res = await asyncio.gather(log.commit(b), lingering, return_exceptions=True)
+        fs.fail_fsync = False
+        log.close()
+        return res
+
+    res = asyncio.run(main())
+    assert all(isinstance(r, StorageFatal) for r in res)

@@ -47,6 +47,10 @@ from mtaq.storage.spill import MEMORY_BYTES, BodyBuffer
 __all__ = ["STREAM_BYTES_MIN", "Queue", "StoredBody", "far_data", "new_queue_id", "queue_id_shard", "set_queue_id_shard"]
 
 STREAM_BYTES_MIN = 256 * 1024  # a body of this many bytes or more is sent from the log in pieces
+DELIVERY_LINGER_S = 0.002
+"""Seconds a DELIVERY record's fsync may wait for a commit that does not wait (a client's 250), so that one fsync
+covers both (Log.commit ``linger_s``). A power cut in that time can deliver the recipients again, as in the
+fsync itself; a kill -9 cannot (the page cache keeps what was written)."""
 
 
 class StoredBody:
@@ -179,6 +183,7 @@ class Queue:
         # in the log's directory, and copied into the log in pieces (issue 13.4; see new_body).
         self.body_memory_bytes = MEMORY_BYTES
         self.stream_bytes_min = STREAM_BYTES_MIN  # bodies this large are delivered from the log in pieces
+        self.delivery_linger_s = DELIVERY_LINGER_S
         self.counts = QueueCounts()  # messages by state (mtaq queue size)
         self.parked = Parked()  # held and delayed envelopes, which no runner reads
         # Envelopes an administrator's action started while a runner or the parked scheduler may still offer
@@ -409,7 +414,8 @@ class Queue:
     async def record_outcomes(
         self, attempt: Attempt, relay: str, outcomes: Sequence[Outcome], *, remote_dsn: bool = False
     ) -> None:
-        """Append a DELIVERY record for ``outcomes`` and wait until it is durable (GUIDE I2)."""
+        """Append a DELIVERY record for ``outcomes`` and wait until it is durable (GUIDE I2); its fsync waits up
+        to ``delivery_linger_s`` for a client's commit to share."""
         rec = DeliveryRecord(
             queue_id=attempt.queue_id,
             start=attempt.start_pos,
@@ -420,7 +426,7 @@ class Queue:
         )
         _pos, lsn = self.log.append(rec)
         self.working.delivery(rec)
-        await self.log.commit(lsn)
+        await self.log.commit(lsn, linger_s=self.delivery_linger_s)
 
     def conclude(self, attempt: Attempt, body: bytes | None = None) -> tuple[Conclusion, Pos]:
         """End ``attempt``: queue the DSNs it calls for, then append FINISH or a replacement envelope.

@@ -107,6 +107,11 @@ def scan_log(fs: FileSystem, directory: str, *, decode: bool = True) -> Iterator
         yield scan_segment(n, fs.read_file(segment_path(directory, n)), decode=decode)
 
 
+def _set_result(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 def _wake(waiters: list[asyncio.Future[None]]) -> None:
     for f in waiters:
         if not f.done():
@@ -204,7 +209,9 @@ class Log:
         self._dirty: dict[int, File] = {}
         self._syncing: set[int] = set()  # segments whose files the running commit round is fsyncing
         self._dir_dirty = False
-        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+        # (lsn, future, when the round may wait until: 0.0 = at once); see commit(linger_s=)
+        self._waiters: list[tuple[int, asyncio.Future[None], float]] = []
+        self._hurry: asyncio.Future[None] | None = None  # a lingering round's wait; done when it may go on
         self._commit_task: asyncio.Task[None] | None = None
         self._failed: StorageFatal | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtaq-fsync")
@@ -495,8 +502,14 @@ class Log:
             raise storage_error(exc, f"appending to segment {self._cur_no}") from exc
         return self._appended(offset, size)
 
-    async def commit(self, lsn: int) -> None:
+    async def commit(self, lsn: int, *, linger_s: float = 0.0) -> None:
         """Return once every record up to ``lsn`` is durable (one shared fsync round covers many callers).
+
+        ``linger_s`` (seconds) lets the round that covers ``lsn`` start up to that long after this call when
+        only lingering callers are waiting: a commit without it (a client waiting for its 250) starts the
+        round at once and takes the lingering records with it, so that one fsync covers both (seed 001: "if
+        we delay a little we can piggy-back it on a delivery fsync()", here the other way round). The
+        delivery records of the queue linger (``Queue.delivery_linger_s``).
 
         Raises StorageFatal if the covering fsync failed (the caller must not acknowledge anything).
         """
@@ -507,12 +520,37 @@ class Log:
         loop = asyncio.get_running_loop()
         t0 = time.monotonic()
         fut: asyncio.Future[None] = loop.create_future()
-        self._waiters.append((lsn, fut))
+        self._waiters.append((lsn, fut, t0 + linger_s if linger_s > 0 else 0.0))
+        if linger_s <= 0:
+            self._go_on()
         if self._commit_task is None:
             self._commit_task = loop.create_task(self._commit_loop())
         await fut
         if self.on_commit_seconds is not None:
             self.on_commit_seconds(time.monotonic() - t0)
+
+    def _go_on(self) -> None:
+        hurry = self._hurry
+        if hurry is not None and not hurry.done():
+            hurry.set_result(None)
+
+    async def _linger(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Before a round: while every caller waiting lingers, wait until the earliest of their deadlines or
+        until a caller that does not linger comes."""
+        waiters = self._waiters
+        if not waiters or any(deadline == 0.0 for _lsn, _fut, deadline in waiters):
+            return
+        delay = min(deadline for _lsn, _fut, deadline in waiters) - time.monotonic()
+        if delay <= 0:
+            return
+        hurry: asyncio.Future[None] = loop.create_future()
+        self._hurry = hurry
+        timer = loop.call_later(delay, _set_result, hurry)
+        try:
+            await hurry
+        finally:
+            timer.cancel()
+            self._hurry = None
 
     async def sync(self) -> None:
         """Make everything appended so far durable (book-keeping included)."""
@@ -531,7 +569,8 @@ class Log:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-        self._waiters.append((lsn, fut))
+        self._waiters.append((lsn, fut, 0.0))
+        self._go_on()
         if self._commit_task is None:
             self._commit_task = loop.create_task(self._commit_loop())
 
@@ -549,6 +588,9 @@ class Log:
         loop = asyncio.get_running_loop()
         try:
             while self._waiters and self._failed is None:
+                await self._linger(loop)
+                if self._failed is not None:
+                    return
                 target = self._appended_lsn
                 target_end = self._end
                 files = [self._dirty[k] for k in sorted(self._dirty)]
@@ -569,12 +611,12 @@ class Log:
                 self.stats.commit_rounds += 1
                 self._durable_lsn = max(self._durable_lsn, target)
                 waiting = []
-                for lsn, fut in self._waiters:
-                    if lsn <= target:
-                        if not fut.done():
-                            fut.set_result(None)
+                for w in self._waiters:
+                    if w[0] <= target:
+                        if not w[1].done():
+                            w[1].set_result(None)
                     else:
-                        waiting.append((lsn, fut))
+                        waiting.append(w)
                 self._waiters = waiting
                 if target_end > self._durable_end:
                     self._durable_end = target_end
@@ -588,10 +630,11 @@ class Log:
 
     def _fail(self, exc: OSError, what: str = "fsync failed") -> None:
         self._failed = StorageFatal(f"{what}: {exc.strerror or exc}; exiting, recovery will re-read the disk")
-        for _lsn, fut in self._waiters:
+        for _lsn, fut, _deadline in self._waiters:
             if not fut.done():
                 fut.set_exception(self._failed)
         self._waiters = []
+        self._go_on()
         for cb in self.on_fatal:
             cb(self._failed)
 
