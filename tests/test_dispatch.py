@@ -71,3 +71,59 @@ def test_workers_alternate_between_new_and_deferred_mail(tmp_path):
         return order
 
     assert [0, 1, 0, 1, 0, 1, 0, 1] == asyncio.run(main())
+
+
+def _envelope(qid: str) -> EnvelopeRecord:
+    return EnvelopeRecord(qid, 0, 1.0, 1.0, "s@x", (Recipient(0, "r@y"),), Pos(1, 32), 1, runner=0)
+
+
+def test_an_offer_wakes_one_idle_worker_not_all(monkeypatch):
+    """20 idle delivery workers, one offer: one worker looks for it (before, an asyncio.Event woke all 20,
+    and 19 found nothing and went back to sleep, for every message)."""
+    looks = {"n": 0}
+    real = Dispatcher._pick
+
+    def counted(self):
+        looks["n"] += 1
+        return real(self)
+
+    monkeypatch.setattr(Dispatcher, "_pick", counted)
+
+    async def main() -> tuple[int, int]:
+        d = Dispatcher(2)
+        takers = [asyncio.create_task(d.take()) for _ in range(20)]
+        await asyncio.sleep(0)
+        assert looks["n"] == 20  # each looked once and waits
+        offering = asyncio.create_task(d.offer(0, Pos(1, 32), _envelope("Q1")))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        done = [t for t in takers if t.done()]
+        assert len(done) == 1
+        done[0].result().accept()
+        await offering
+        for t in takers:
+            t.cancel()
+        return looks["n"], len(done)
+
+    n, done = asyncio.run(main())
+    assert (n, done) == (21, 1)
+
+
+def test_a_worker_cancelled_after_it_was_woken_passes_the_offer_on():
+    """The woken worker is cancelled before it runs (the daemon stopping one): the next idle worker takes
+    the offer, which is never left waiting with idle workers asleep."""
+
+    async def main() -> str:
+        d = Dispatcher(2)
+        first = asyncio.create_task(d.take())
+        second = asyncio.create_task(d.take())
+        await asyncio.sleep(0)
+        offering = asyncio.create_task(d.offer(0, Pos(1, 32), _envelope("Q1")))
+        await asyncio.sleep(0)  # the offer is made and wakes the first worker
+        first.cancel()
+        o = await asyncio.wait_for(second, 5)
+        o.accept()
+        await offering
+        return o.envelope.queue_id
+
+    assert asyncio.run(main()) == "Q1"

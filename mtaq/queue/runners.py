@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -73,7 +74,9 @@ class Dispatcher:
 
     def __init__(self, runners: int) -> None:
         self._slots: list[Offer | None] = [None] * runners
-        self._wakeup = asyncio.Event()
+        # Workers waiting for an offer, longest waiting first: an offer wakes one of them, not all (with an
+        # asyncio.Event every idle worker woke for every message, found nothing and went back to sleep).
+        self._idle: deque[asyncio.Future[None]] = deque()
         self._prefer_deferred = False
         self._next_deferred = 1
 
@@ -81,11 +84,19 @@ class Dispatcher:
         """Offer one envelope; return when a worker has started it (raises Declined if it could not)."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._slots[runner] = Offer(runner, pos, env, fut)
-        self._wakeup.set()
+        self._wake_one()
         try:
             await fut
         finally:
             self._slots[runner] = None
+
+    def _wake_one(self) -> None:
+        idle = self._idle
+        while idle:
+            w = idle.popleft()
+            if not w.done():  # done: cancelled while waiting
+                w.set_result(None)
+                return
 
     def _ready(self, k: int) -> Offer | None:
         s = self._slots[k]
@@ -116,8 +127,14 @@ class Dispatcher:
             if o is not None:
                 o.claimed = True
                 return o
-            self._wakeup.clear()
-            await self._wakeup.wait()
+            w: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._idle.append(w)
+            try:
+                await w
+            except asyncio.CancelledError:
+                if w.done() and not w.cancelled():
+                    self._wake_one()  # woken for an offer, then cancelled: another worker takes it
+                raise
 
 
 
