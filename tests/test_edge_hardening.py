@@ -374,3 +374,22 @@ def test_parallel_guesses_cannot_exceed_the_auth_failure_limit(tmp_path, cert): 
             s.sock.close()
     checked = sum(r.startswith("535") for r in replies)
     assert checked <= 3 and all(r.startswith(("535", "450 4.7.1")) for r in replies), replies
+
+
+def test_the_mynetworks_answer_is_remembered_per_address_and_a_replaced_policy_asks_again():
+    """in_mynetworks answers from memory for an address seen before, the same as computed; a policy made
+    by dataclasses.replace with other networks does not inherit the old answers; the memory is bounded."""
+    import dataclasses
+
+    from mtaq.edge import policy as policy_mod
+
+    pol = EdgePolicy(mynetworks=LOCAL_ONLY)
+    assert pol.in_mynetworks("127.0.0.1") and pol.in_mynetworks("127.0.0.1")
+    assert not pol.in_mynetworks("192.0.2.7") and not pol.in_mynetworks("192.0.2.7")
+    assert pol.in_mynetworks("::ffff:127.0.0.1") and not pol.in_mynetworks("not an address")
+    other = dataclasses.replace(pol, mynetworks=parse_networks(["192.0.2.0/24"]))
+    assert other.in_mynetworks("192.0.2.7") and not other.in_mynetworks("127.0.0.1")
+    for i in range(policy_mod.MYNETWORKS_SEEN_MAX + 10):
+        pol.in_mynetworks(f"10.0.{i // 256}.{i % 256}")
+    assert len(pol._mynetworks_seen) <= policy_mod.MYNETWORKS_SEEN_MAX
+    assert pol.in_mynetworks("127.0.0.1")

@@ -56,6 +56,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_MYNETWORKS",
+    "MYNETWORKS_SEEN_MAX",
     "EdgePolicy",
     "IPNetwork",
     "address_problem",
@@ -294,6 +295,10 @@ def server_tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:
     return ctx
 
 
+MYNETWORKS_SEEN_MAX = 4096
+"""Client addresses whose in_mynetworks answer is kept (the cache is emptied when it reaches this many)."""
+
+
 @dataclass(frozen=True)
 class EdgePolicy:
     """The settings of the SMTP edge, checked and loaded (networks parsed, TLS context and passwords read).
@@ -322,6 +327,8 @@ class EdgePolicy:
     # Postfix smtpd_sender_login_maps (+ reject_authenticated_sender_login_mismatch): lookup key
     # (parse_sender_logins) -> login names; None: authenticated clients may use any sender.
     sender_logins: dict[str, frozenset[str]] | None = field(default=None, repr=False)
+    # in_mynetworks answers by client address (asked at every connection and RCPT; clients repeat)
+    _mynetworks_seen: dict[str, bool] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def from_config(cls, cfg: Config) -> EdgePolicy:
@@ -355,7 +362,17 @@ class EdgePolicy:
         return int(self.connections_max * self.mynetworks_reserve_percent / 100)
 
     def in_mynetworks(self, ip: str) -> bool:
-        """Whether the client address ``ip`` (text; IPv4-mapped IPv6 counts as IPv4) is in ``mynetworks``."""
+        """Whether the client address ``ip`` (text; IPv4-mapped IPv6 counts as IPv4) is in ``mynetworks``;
+        the last ``MYNETWORKS_SEEN_MAX`` answers are remembered."""
+        seen = self._mynetworks_seen
+        hit = seen.get(ip)
+        if hit is None:
+            if len(seen) >= MYNETWORKS_SEEN_MAX:
+                seen.clear()
+            hit = seen[ip] = self._in_mynetworks(ip)
+        return hit
+
+    def _in_mynetworks(self, ip: str) -> bool:
         try:
             addr = ipaddress.ip_address(ip.split("%", 1)[0])
         except ValueError:

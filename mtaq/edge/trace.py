@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime as dt
 import email.utils
+import functools
 import ipaddress
 from collections.abc import Sequence
 
@@ -40,6 +41,7 @@ def _date(when_ts: float) -> str:
     return text
 
 
+@functools.lru_cache(maxsize=4096)
 def address_literal(ip: str) -> str:
     """``192.0.2.1`` -> ``[192.0.2.1]``, ``::1`` -> ``[IPv6:::1]`` (RFC 5321 §4.1.3); else ``[unknown]``."""
     try:
