@@ -420,7 +420,7 @@ class Log:
                 self._envelopes_floor = listed[0]
         return pos, lsn
 
-    def next_envelope(self, pos: Pos, end: Pos) -> Pos | None | bool:
+    def next_envelope(self, pos: Pos, end: Pos) -> Pos | bool | None:
         """The position of the first ENVELOPE frame at or after ``pos`` and before ``end``, from memory.
 
         None if there is none; False if this Log cannot tell (``pos`` is before the frames it appended
