@@ -76,3 +76,18 @@ def spark():
     s = spark_session("local[2]", [("spark.ui.enabled", "false")], app="mtaq tests")
     yield s
     s.stop()
+
+
+@pytest.fixture
+def ipv6_port_taken() -> Iterator[int]:
+    """A port on ``::1`` that a listening socket of the test holds (so binding it fails with EADDRINUSE);
+    skips the test where the machine has no IPv6 loopback."""
+    import socket
+
+    with socket.socket(socket.AF_INET6) as taken:
+        try:
+            taken.bind(("::1", 0))
+        except OSError:
+            pytest.skip("no IPv6 loopback")
+        taken.listen()
+        yield taken.getsockname()[1]

@@ -290,19 +290,11 @@ def test_admin_address_in_use_is_a_one_line_error_naming_the_key(tmp_path):
 
 
 
-def test_an_ipv6_admin_address_in_use_is_named_in_brackets(tmp_path):
+def test_an_ipv6_admin_address_in_use_is_named_in_brackets(tmp_path, ipv6_port_taken):
     """The one line for an IPv6 admin_listen that cannot be bound names it as written, ``[::1]:PORT``, as the
     supervisor of several workers does (one worker said ``admin_listen ::1:PORT``)."""
-    import socket
-
-    with socket.socket(socket.AF_INET6) as s:
-        try:
-            s.bind(("::1", 0))
-        except OSError:
-            pytest.skip("no IPv6 loopback")
-        s.listen()
-        port = s.getsockname()[1]
-        out = mtaq("serve", "--spool", str(tmp_path / "s"), "--listen", "127.0.0.1:0", "--admin-listen", f"[::1]:{port}")
+    port = ipv6_port_taken
+    out = mtaq("serve", "--spool", str(tmp_path / "s"), "--listen", "127.0.0.1:0", "--admin-listen", f"[::1]:{port}")
     assert (1, [f"mtaq: cannot serve: admin_listen [::1]:{port}: Address already in use"]) == (
         out.returncode, out.stderr.splitlines())
 

@@ -7,7 +7,6 @@ import os
 import re
 import signal
 import smtplib
-import socket
 import subprocess
 import sys
 import time
@@ -274,17 +273,11 @@ def test_admin_listen_on_an_smtp_listener_is_one_line(tmp_path: Path) -> None:
             out.returncode, (out.stdout + out.stderr).strip().splitlines()), (workers, out.stdout, out.stderr)
 
 
-def test_an_ipv6_listener_in_use_is_named_in_brackets(tmp_path: Path) -> None:
+def test_an_ipv6_listener_in_use_is_named_in_brackets(tmp_path: Path, ipv6_port_taken: int) -> None:
     """The one line for an IPv6 listener that cannot be bound names it as it is written, ``[::1]:PORT`` (it
     said ``listen ::1:PORT``, which reads as another address)."""
-    with socket.socket(socket.AF_INET6) as taken:
-        try:
-            taken.bind(("::1", 0))
-        except OSError:
-            pytest.skip("no IPv6 loopback")
-        taken.listen()
-        port = taken.getsockname()[1]
-        out = _mtaq("serve", "--spool", str(tmp_path / "spool"), "--listen", f"[::1]:{port}",
-                    "--admin-listen", "", "--relayhost", "[127.0.0.1]:9", "--workers", "2")
+    port = ipv6_port_taken
+    out = _mtaq("serve", "--spool", str(tmp_path / "spool"), "--listen", f"[::1]:{port}",
+                "--admin-listen", "", "--relayhost", "[127.0.0.1]:9", "--workers", "2")
     assert (1, [f"mtaq: cannot serve: listen [::1]:{port}: Address already in use"]) == (
         out.returncode, out.stderr.strip().splitlines()), out.stderr
