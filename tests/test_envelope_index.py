@@ -15,6 +15,7 @@ import os
 
 from test_corrupt_area import receive, start
 
+from mtaq.core.frame import FRAME_HEADER_BYTES
 from mtaq.core.records import EnvelopeRecord, Pos, RecordType
 from mtaq.storage import cursor as cursor_mod
 from mtaq.storage import log as log_mod
@@ -54,8 +55,9 @@ def first_pos(spool: str) -> Pos:
 
 def test_jumping_finds_what_walking_finds_and_reads_only_the_envelopes(tmp_path, monkeypatch):
     """60 messages over several segments, all appended by this Log: the same envelopes in the same order
-    as the walk and as the segments hold them; the walk reads a header per frame, the jump about two per
-    envelope (the one it stops at, and skip)."""
+    as the walk and as the segments hold them; the walk reads a header per frame; so does the first
+    jumping cursor (it checks each frame once, for all), the next one about two per envelope (the one it
+    stops at, and skip)."""
     spool = str(tmp_path)
     log, q, _ = start(spool, segment_bytes_max=16384)
     receive(q, 60)
@@ -70,12 +72,52 @@ def test_jumping_finds_what_walking_finds_and_reads_only_the_envelopes(tmp_path,
     monkeypatch.setattr(cursor_mod.LogCursor, "_header", counted)
     want = walked(log, first_pos(spool), end)
     walk_reads, reads["n"] = reads["n"], 0
+    first = jumped(log, first_pos(spool), end)
+    first_reads, reads["n"] = reads["n"], 0
+    assert log.checked_end == end
     got = jumped(log, first_pos(spool), end)
     jump_reads = reads["n"]
     log.close()
-    assert len(want) == 60 and got == want == on_disk(spool)
+    assert len(want) == 60 and got == first == want == on_disk(spool)
     assert walk_reads > 2 * 60 + 60  # every DATA frame too, and the seals
+    assert first_reads > 2 * 60 + 60
     assert jump_reads <= 2 * 60 + 2
+
+
+def test_damage_between_listed_envelopes_is_reported_by_the_first_cursor_to_pass(tmp_path):
+    """One byte of a message body that no runner asks for (between two listed envelopes) flipped on disk
+    after it was written: the first jumping cursor checks every frame it passes once and reports the
+    damaged DATA frame, as a frame-by-frame walk does (found by review: the jump stepped over it unreported);
+    both envelopes are found, and a later cursor jumps without reading the frames again."""
+    spool = str(tmp_path)
+    log, q, _ = start(spool)
+    envs = receive(q, 2)
+    end = log.durable_end
+    data = envs[1].data
+    with open(log_mod.segment_path(os.path.join(spool, "log"), data.segment), "r+b") as f:
+        f.seek(data.offset + FRAME_HEADER_BYTES + 100)  # inside the body's payload
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+    log.confirmed.clear()
+    log.decoded.clear()
+
+    def run() -> tuple[list[str], list]:
+        problems: list = []
+        cur = LogCursor(log, first_pos(spool), problems.append)
+        got = []
+        while (found := cur.peek_envelope(end)) is not None:
+            if found is not False:
+                got.append(found[1].queue_id)
+                cur.skip()
+        return got, problems
+
+    got, problems = run()
+    again, problems_again = run()
+    log.close()
+    assert got == again == [e.queue_id for e in envs]
+    assert len(problems) == 1 and problems[0].segment == data.segment, problems
+    assert problems_again == []  # the first cursor checked that stretch; this one jumps
 
 
 def test_an_old_segments_envelopes_are_walked_then_the_listed_ones_jumped(tmp_path):

@@ -252,5 +252,7 @@ def decode_payload(rtype: int, payload: bytes | memoryview) -> Record:
         raise PayloadError(f"unknown record type {rtype}")
     try:
         return decoder.decode(payload)  # type: ignore[no-any-return]
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+        # ValueError: msgspec lets a UnicodeDecodeError through for a string that is not UTF-8 (a payload of
+        # garbage whose checksum a salvaged salt happened to satisfy)
         raise PayloadError(f"record type {rtype}: {exc}") from exc

@@ -15,7 +15,8 @@ passed over to the next good frame (found by :func:`scan_segment`); it is never 
 for the frames a cursor steps over too: it moves past a frame only after the frame's checksum, which covers
 its length field, confirmed that length (a flipped bit in the length of a DATA frame would otherwise send
 the cursor past the end of the file or into a body, skipping envelopes unreported). Frames confirmed by
-one cursor are remembered a while in ``Log.confirmed`` for the others.
+one cursor are remembered a while in ``Log.confirmed`` for the others. A damaged segment header is reported
+too, once (salvaged: its records are still read; beyond salvage: the whole segment is one problem).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class LogCursor:
         self.log = log
         self.pos = pos
         self.on_corrupt = on_corrupt or (lambda problem: None)
+        self._reports = on_corrupt is not None  # takes (and so reports) the log's damaged segment headers
         self._seg = -1  # the chunk: bytes [_start, _start + len(_buf)) of segment _seg
         self._start = 0
         self._buf = b""
@@ -63,6 +65,10 @@ class LogCursor:
         off = pos.offset - self._start
         if pos.segment != self._seg or off < 0 or off + n > len(self._buf):
             f, _salt = self.log._file(pos.segment)
+            if self._reports and self.log.header_problems:
+                damaged = self.log.header_problems.pop(pos.segment, None)
+                if damaged is not None:  # a salvaged header: its records are read, the damage is reported
+                    self.on_corrupt(damaged)
             self._buf = f.pread(pos.offset, max(n, CHUNK_BYTES))
             self._seg, self._start, off = pos.segment, pos.offset, 0
             if len(self._buf) < n:
@@ -164,7 +170,18 @@ class LogCursor:
             seg = self.pos.segment
             try:
                 hdr = self._header(self.pos)
-            except (CorruptRecord, FileNotFoundError):  # the segment file is gone (reclaimed) or has no valid header
+            except FileNotFoundError:  # the segment file is gone (reclaimed)
+                if not self._next_segment():
+                    return None
+                continue
+            except CorruptRecord as exc:  # a header beyond salvage: the whole segment is one problem, reported
+                if self._reports and seg not in self.log.unreadable_reported:
+                    self.log.unreadable_reported.add(seg)
+                    try:
+                        size = len(self.log.read_segment(seg))
+                    except OSError:
+                        size = SEGMENT_HEADER_BYTES
+                    self.on_corrupt(Problem("corrupt", seg, 0, max(size, 1), str(exc)))
                 if not self._next_segment():
                     return None
                 continue
@@ -197,20 +214,45 @@ class LogCursor:
         """:meth:`peek` for ENVELOPE records only (the queue runners), with the same results and errors.
 
         Where the log lists the envelopes it appended itself (:meth:`Log.next_envelope`), the cursor goes
-        straight to the next one (or to ``end``) without reading the frames in between; it reads and checks
-        the envelope it stops at as :meth:`peek` does. Elsewhere (segments of an earlier run) it reads
-        frame by frame.
+        straight to the next one (or to ``end``) without reading the frames in between, once some cursor
+        has walked them frame by frame and checked each (``Log.checked_end``: so every frame this process
+        appended is checksummed once, by the first cursor to pass, and damage is reported as :meth:`peek`
+        reports it); it reads and checks the envelope it stops at as :meth:`peek` does. Elsewhere
+        (segments of an earlier run) it reads frame by frame.
         """
-        nxt = self.log.next_envelope(self.pos, end)
+        log = self.log
+        nxt = log.next_envelope(self.pos, end)
         if nxt is False:
             return self.peek(end, _is_envelope, max_frames=max_frames)
+        assert nxt is None or isinstance(nxt, Pos)
+        checked = log.checked_end
+        if checked is not None and checked < (end if nxt is None else nxt):
+            # not yet checked past ``checked``: walk from there (no envelope lies before ``nxt``)
+            if self.pos < checked:
+                self.pos = checked
+            extends = self.pos == checked
+            found = self.peek(end, _is_envelope, max_frames=max_frames)
+            if extends and log.checked_end is not None and self.pos > log.checked_end:
+                log.checked_end = self.pos
+            return self._checked_through(found)
         if nxt is None:
             if self.pos < end:
                 self.pos = end
             return None
         assert isinstance(nxt, Pos)
         self.pos = nxt
-        return self.peek(end, _is_envelope, max_frames=1)
+        return self._checked_through(self.peek(end, _is_envelope, max_frames=1))
+
+    def _checked_through(
+        self, found: tuple[Pos, Record] | Literal[False] | None
+    ) -> tuple[Pos, Record] | Literal[False] | None:
+        """An envelope read (and so checked) right at ``Log.checked_end`` moves that mark past its frame."""
+        log = self.log
+        if found and found[0] == log.checked_end:
+            hdr = self._header(found[0])
+            if hdr is not None:
+                log.checked_end = Pos(found[0].segment, found[0].offset + FRAME_HEADER_BYTES + hdr[1])
+        return found
 
     def skip(self) -> None:
         """Move past the frame at the cursor."""

@@ -224,6 +224,13 @@ class Log:
         # is listed (None: nothing listed yet). The queue runners jump from one to the next (next_envelope).
         self._envelopes: list[Pos] = []
         self._envelopes_floor: Pos | None = None
+        # Every frame this process appended before this position has been checksummed by some cursor once
+        # (or reported): a cursor that jumps from envelope to envelope walks, checking, what lies past it.
+        self.checked_end: Pos | None = None
+        # Segment headers found damaged (and salvaged) when a segment was opened for reading, not yet reported
+        # by a cursor (LogCursor reports each once through its on_corrupt).
+        self.header_problems: dict[int, Problem] = {}
+        self.unreadable_reported: set[int] = set()  # segments whose header is beyond salvage, reported once
         self.files_open_max = FILES_OPEN_MAX
         self._readers: OrderedDict[int, None] = OrderedDict()  # segments opened for reading, oldest first
         self._free = 0  # free_bytes(): the last statvfs answer, when, and bytes_appended then
@@ -289,6 +296,7 @@ class Log:
             log._dir_dirty = False
             log._end = log._durable_end = Pos(log._cur_no, SEGMENT_HEADER_BYTES)
             log._envelopes_floor = log._end  # everything from here on is appended by this Log
+            log.checked_end = log._end
         except OSError as exc:
             raise storage_error(exc, f"opening log {directory}") from exc
         return log, report
@@ -672,6 +680,10 @@ class Log:
                 f.close()
                 raise CorruptRecord(f"segment {number}: {exc}") from exc
             self._salts[number] = salvaged.salt
+            # for the cursors to report (scan_segment names the same problem over the same bytes)
+            self.header_problems[number] = Problem(
+                "corrupt", number, 0, SEGMENT_HEADER_BYTES,
+                f"{exc}; checksum salt recovered from the records, which are kept")
         self._files[number] = f
         self._readers[number] = None
         return f, self._salts[number]
