@@ -216,7 +216,9 @@ def test_hole_left_by_a_crash_after_the_checkpoint_is_an_unsynced_hole_not_corru
     assert 1 == sum(1 for r in recs if isinstance(r, StartRecord) and r.envelope == env_pos)
 
 
-def _runner_walk(log: Log, first: Pos, end: Pos) -> tuple[list[str], list]:
+def runner_walk(log: Log, first: Pos, end: Pos) -> tuple[list[str], list]:
+    """The queue IDs of the envelopes a runner's cursor finds from ``first`` to ``end``, and the problems it
+    reports on the way."""
     problems: list = []
     cur = LogCursor(log, first, problems.append)
     got = []
@@ -254,8 +256,8 @@ def test_a_damaged_segment_header_is_reported_by_the_runners_cursor(tmp_path, fl
     data = bytes(buf)
     log, _report = Log.open(OsFileSystem(), log_dir, segment_bytes_max=8192)
     end = log.durable_end
-    got, problems = _runner_walk(log, Pos(victim, 32), end)
-    again, problems_again = _runner_walk(log, Pos(victim, 32), end)
+    got, problems = runner_walk(log, Pos(victim, 32), end)
+    again, problems_again = runner_walk(log, Pos(victim, 32), end)
     log.close()
     assert [(p.segment, p.offset) for p in problems] == [(victim, 0)], problems
     assert problems_again == []  # once per process

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 
-from test_corrupt_area import receive, start
+from test_corrupt_area import receive, runner_walk, start
 
 from mtaq.core.frame import FRAME_HEADER_BYTES
 from mtaq.core.records import EnvelopeRecord, Pos, RecordType
@@ -101,19 +101,8 @@ def test_damage_between_listed_envelopes_is_reported_by_the_first_cursor_to_pass
         f.write(bytes([byte[0] ^ 0x01]))
     log.confirmed.clear()
     log.decoded.clear()
-
-    def run() -> tuple[list[str], list]:
-        problems: list = []
-        cur = LogCursor(log, first_pos(spool), problems.append)
-        got = []
-        while (found := cur.peek_envelope(end)) is not None:
-            if found is not False:
-                got.append(found[1].queue_id)
-                cur.skip()
-        return got, problems
-
-    got, problems = run()
-    again, problems_again = run()
+    got, problems = runner_walk(log, first_pos(spool), end)
+    again, problems_again = runner_walk(log, first_pos(spool), end)
     log.close()
     assert got == again == [e.queue_id for e in envs]
     assert len(problems) == 1 and problems[0].segment == data.segment, problems
