@@ -224,7 +224,6 @@ class LogCursor:
         nxt = log.next_envelope(self.pos, end)
         if nxt is False:
             return self.peek(end, _is_envelope, max_frames=max_frames)
-        assert nxt is None or isinstance(nxt, Pos)
         checked = log.checked_end
         if checked is not None and checked < (end if nxt is None else nxt):
             # not yet checked past ``checked``: walk from there (no envelope lies before ``nxt``)
@@ -239,7 +238,6 @@ class LogCursor:
             if self.pos < end:
                 self.pos = end
             return None
-        assert isinstance(nxt, Pos)
         self.pos = nxt
         return self._checked_through(self.peek(end, _is_envelope, max_frames=1))
 

@@ -33,6 +33,7 @@ from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Literal
 
 import msgspec
 
@@ -428,7 +429,7 @@ class Log:
                 self._envelopes_floor = listed[0]
         return pos, lsn
 
-    def next_envelope(self, pos: Pos, end: Pos) -> Pos | bool | None:
+    def next_envelope(self, pos: Pos, end: Pos) -> Pos | Literal[False] | None:
         """The position of the first ENVELOPE frame at or after ``pos`` and before ``end``, from memory.
 
         None if there is none; False if this Log cannot tell (``pos`` is before the frames it appended
