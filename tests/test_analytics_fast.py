@@ -134,3 +134,40 @@ def test_a_record_that_does_not_decode_is_named_by_the_codec(tmp_path):
     assert [("PROBLEM", bad_at, "corrupt")] == [(r["record_type"], r["offset"], r["problem_kind"]) for r in got
                                                  if r["record_type"] == "PROBLEM"]
     assert {"START", "FINISH", "SEGMENT", "PROBLEM"} == {r["record_type"] for r in got}
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_domains_by_arrow_equal_pythons(mixed):
+    """Domains of an all-ASCII column come from Arrow kernels, of any other from Python: both as _domain says
+    (after the last @, lower case, '' without one; control characters and a trailing newline kept)."""
+    import pyarrow as pa
+
+    from mtaq.analytics.source import _domain, _domains
+
+    addresses = ["a@B.Example", "NoAt", "", "a@b@C.COM", "@", "a@", "x\n@y\n@Z.Org", "q@r.example\n", "A@\tB.c"]
+    if mixed:
+        addresses += ["Ü@Ä.de", "q@MÜNCHEN.de", "i@İ.example"]
+    assert _domains(pa.array(addresses, pa.string())).to_pylist() == [_domain(a) for a in addresses]
+
+
+def test_a_damaged_header_after_many_like_it_is_caught(spool, tmp_path):
+    """The walk checks each distinct frame header once per segment: a bit flipped in any of the 12 header
+    bytes of a later frame whose like came before (a START, same type and length) still sends the segment to
+    scan_segment, and the rows are the codec's."""
+    import random
+
+    f = discover([spool])[2]
+    clean = read_segment_bytes(f)
+    starts = [r["offset"] for r in rows([f.path], False) if r["record_type"] == "START"]
+    assert len(starts) >= 2
+    rnd = random.Random(5)
+    for _ in range(12):
+        raw = bytearray(clean)
+        at = starts[-1] + rnd.randrange(12)
+        raw[at] ^= 1 << rnd.randrange(8)
+        assert not read_segment(f.segment, bytes(raw)).fast, at
+        bad = tmp_path / os.path.basename(f.path)
+        bad.write_bytes(bytes(raw))
+        fast, slow = rows([str(bad)], True), rows([str(bad)], False)
+        assert slow == fast
+        assert [r for r in fast if r["record_type"] == "PROBLEM"]

@@ -38,7 +38,7 @@ import struct
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import chain
+from itertools import chain, compress
 from operator import attrgetter
 from typing import Any
 
@@ -280,7 +280,7 @@ def read_segment_bytes(sf: SegmentFile, fs: pafs.FileSystem | None = None) -> by
 # itself, whose tail rules decide; its records go through the same step (2). So there is one set of tail
 # rules and one codec.
 
-_FRAME = struct.Struct("<HBBII")
+_HEAD = struct.Struct("<QI")  # a frame header: its first 8 bytes as one number, then the CRC
 _DATA, _ENVELOPE, _START, _DELIVERY, _FINISH, _SEAL = (int(t) for t in (
     RecordType.DATA, RecordType.ENVELOPE, RecordType.START, RecordType.DELIVERY, RecordType.FINISH, RecordType.SEAL))
 _VALID_TYPES = frozenset(int(t) for t in RecordType)
@@ -294,7 +294,11 @@ _BULK: dict[int, msgspec.msgpack.Decoder[Any]] = {
 
 def _walk(segment: int, buf: bytes) -> tuple[dict[int, list[int]], dict[int, list[memoryview]], int, bool] | None:
     """Walk the frames of a clean segment: (offsets by type, payloads by type, good frames, sealed), or None
-    when anything does not check out (then :func:`scan_segment` must read it)."""
+    when anything does not check out (then :func:`scan_segment` must read it).
+
+    Each distinct first 8 bytes of a frame header (magic, type, flags, length) is checked, and its part of
+    the CRC computed, once per segment: a log has a few hundred of them (a type and a length), not one per
+    frame. Call it with the cyclic GC paused (:func:`_gc_paused`): it makes a memoryview per record."""
     try:
         header = decode_segment_header(buf)
     except HeaderError:
@@ -302,28 +306,51 @@ def _walk(segment: int, buf: bytes) -> tuple[dict[int, list[int]], dict[int, lis
     if header.segment != segment:
         return None
     salt, n, mv = header.salt, len(buf), memoryview(buf)
-    unpack, crc32 = _FRAME.unpack_from, zlib.crc32
-    offsets: dict[int, list[int]] = {t: [] for t in (_ENVELOPE, _START, _DELIVERY, _FINISH)}
-    payloads: dict[int, list[memoryview]] = {t: [] for t in (_ENVELOPE, _START, _DELIVERY, _FINISH)}
-    off, frames, sealed = SEGMENT_HEADER_BYTES, 0, False
+    unpack, crc32 = _HEAD.unpack_from, zlib.crc32
+    heads: dict[int, tuple[int, int, int]] = {}  # first 8 header bytes -> (type, payload length, their CRC)
+    types: list[int] = []
+    offs: list[int] = []
+    pays: list[memoryview] = []
+    type_app, off_app, pay_app = types.append, offs.append, pays.append
+    off, frames, sealed, last = SEGMENT_HEADER_BYTES, 0, False, n - FRAME_HEADER_BYTES
     while off < n:
-        if sealed or n - off < FRAME_HEADER_BYTES:
-            return None  # bytes after a seal, or a cut-off frame header
-        magic, rtype, flags, length, crc = unpack(mv, off)
-        end = off + FRAME_HEADER_BYTES + length
-        if magic != FRAME_MAGIC or flags or rtype not in _VALID_TYPES or length > RECORD_BYTES_MAX or end > n:
+        if off > last:
+            return None  # a cut-off frame header
+        head, crc = unpack(buf, off)
+        known = heads.get(head)
+        if known is None:
+            rtype, length = (head >> 16) & 0xFF, head >> 32
+            if head & 0xFFFF != FRAME_MAGIC or (head >> 24) & 0xFF or rtype not in _VALID_TYPES or length > RECORD_BYTES_MAX:
+                return None
+            known = heads[head] = (rtype, length, crc32(mv[off : off + 8], salt))
+        rtype, length, head_crc = known
+        start = off + FRAME_HEADER_BYTES
+        end = start + length
+        if end > n:
             return None
-        payload = mv[off + FRAME_HEADER_BYTES : end]
-        if crc32(payload, crc32(mv[off : off + 8], salt)) != crc:
+        payload = mv[start:end]
+        if crc32(payload, head_crc) != crc:
             return None
-        if rtype == _SEAL:
-            sealed = True
-        else:
-            frames += 1
-            if rtype != _DATA:
-                offsets[rtype].append(off)
-                payloads[rtype].append(payload)
+        if rtype != _DATA:
+            if rtype == _SEAL:
+                if end != n:
+                    return None  # bytes after a seal
+                sealed = True
+                break
+            type_app(rtype)
+            off_app(off)
+            pay_app(payload)
+        frames += 1
         off = end
+    import numpy as np
+
+    by_type = np.asarray(types, dtype=np.int64)
+    offsets: dict[int, list[int]] = {}
+    payloads: dict[int, list[memoryview]] = {}
+    for t in (_ENVELOPE, _START, _DELIVERY, _FINISH):
+        keep = (by_type == t).tolist()
+        offsets[t] = list(compress(offs, keep))
+        payloads[t] = list(compress(pays, keep))
     return offsets, payloads, frames, sealed
 
 
@@ -345,7 +372,12 @@ def _domain(address: str) -> str:
 
 
 def _domains(addresses: pa.Array) -> pa.Array:
-    """The lower-cased domain of each address ('' without an @): Python once per distinct address."""
+    """The lower-cased domain of each address ('' without an @), as :func:`_domain` gives it: by Arrow
+    kernels when every address is ASCII (then ``ascii_lower`` is ``str.lower``), else by Python once per
+    distinct address."""
+    if pc.all(pc.string_is_ascii(addresses)).as_py() is not False:
+        found = pc.struct_field(pc.extract_regex(addresses, r"(?s)@(?P<d>[^@]*)$"), [0])
+        return pc.ascii_lower(pc.fill_null(found, ""))
     enc = pc.dictionary_encode(addresses)
     doms = pa.array([_domain(a) for a in enc.dictionary.to_pylist()], pa.string())
     return doms.take(enc.indices)
@@ -509,14 +541,15 @@ def _gc_paused() -> Iterator[None]:
 
 def read_segment(segment: int, buf: bytes, *, fast: bool = True) -> SegmentRead:
     """Decode segment ``segment`` from ``buf`` (see the comment above): the fast path when everything checks
-    out, else :func:`scan_segment` with DATA skipped. Both give the same records and problems."""
+    out, else :func:`scan_segment` with DATA skipped. Both give the same records and problems. Call it with
+    the cyclic GC paused (:func:`_gc_paused`) and free the records before resuming it: it makes an object
+    per record, and every collection would walk them all again."""
     if fast:
         walked = _walk(segment, buf)
         if walked is not None:
             offsets, payloads, frames, sealed = walked
             try:
-                with _gc_paused():
-                    decoded = {t: _bulk_decode(t, p) for t, p in payloads.items()}
+                decoded = {t: _bulk_decode(t, p) for t, p in payloads.items()}
             except (msgspec.DecodeError, msgspec.ValidationError):
                 pass  # scan_segment names the record
             else:
@@ -557,10 +590,10 @@ def batches(files: Iterable[SegmentFile], *, fast: bool = True) -> Iterator[pa.R
         except Exception as exc:  # any I/O or decompression failure: report, never fail the job
             yield _problem_batch(name, [(sf.segment, 0, "unreadable", sf.size, f"{type(exc).__name__}: {exc}")])
             continue
-        seg = read_segment(sf.segment, buf, fast=fast)
-        with _gc_paused():
+        with _gc_paused():  # and the records are freed before it runs again (it would walk them all)
+            seg = read_segment(sf.segment, buf, fast=fast)
             made = list(_record_batches(name, sf.segment, seg.offsets, seg.records))
-        seg.records = {}  # the records are in the batches now: let them go
+            seg.records = {}  # the records are in the batches now: let them go
         yield from made
         problems = []
         for p in seg.problems:
