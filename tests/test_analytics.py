@@ -343,6 +343,27 @@ def test_report_and_parquet_tables_are_written(spark, result):
     assert 4 == page.count('src="data:image/png;base64,') and "<td>received</td><td class=\"n\">14</td>" in page
     assert 17 == spark.read.parquet(f"{out}/tables/outcomes").filter("status = 'delivered'").count()
     assert json.load(open(f"{out}/totals.json"))["received"] == 14
+    assert not os.path.exists(f"{out}/tables/_facts")  # the staged facts are removed at the end
+
+
+def test_staged_facts_are_one_parquet_file_per_partition(spark, script, tmp_path):
+    """rows=staged: each task writes its partition's facts under the option stage and yields (file, rows); the
+    files read back are the facts rows, sorted by record type. Without stage the option is refused."""
+    from mtaq.analytics.datasource import STAGED_DDL
+    from mtaq.analytics.facts import FACT_SPARK_DDL
+
+    paths = json.dumps([script["archive"], script["spool"]])
+    stage = str(tmp_path / "stage")
+    got = (spark.read.format("mtaq").schema(STAGED_DDL).option("rows", "staged").option("stage", stage)
+           .option("partitionBytes", "1").option("paths", paths).load().collect())
+    files = discover(json.loads(paths))
+    assert len(got) == len(files) > 1 and all(os.path.exists(r["path"]) for r in got)
+    facts = spark.read.format("mtaq").option("rows", "facts").option("partitionBytes", "1").option("paths", paths).load()
+    staged = spark.read.schema(FACT_SPARK_DDL).parquet(*(r["path"] for r in got))
+    assert sum(r["rows"] for r in got) == staged.count() == facts.count()
+    assert staged.exceptAll(facts).count() == 0 and facts.exceptAll(staged).count() == 0
+    with pytest.raises(Exception, match="needs the option stage"):
+        spark.read.format("mtaq").option("rows", "staged").option("paths", paths).load().collect()
 
 
 def test_a_corrupt_record_is_reported_and_the_records_after_it_are_kept(spark, script, tmp_path):

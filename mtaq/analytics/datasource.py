@@ -11,10 +11,13 @@ Options: ``path`` (what ``load`` is given) or ``paths`` (a JSON list; both may b
 directories, archive directories, segment files or globs, local or ``s3://`` / ``hdfs://`` (see
 :mod:`mtaq.analytics.source`). ``partitionBytes`` (default 67108864) packs whole segments into partitions
 of about that many stored bytes; a segment is never split, because its tail rules need the whole file.
-``rows``: ``records`` (default: the schema below) or ``facts`` (:mod:`mtaq.analytics.facts`: per-message and
-per-outcome facts of the messages a partition holds whole, record rows for the rest; what ``mtaq analyze``
-reads); with ``facts``, ``untilMicros`` is the job's ``--until`` (microseconds since the epoch) and
-``closeMessages`` ``false`` leaves every message to Spark (record rows only; the tests compare both ways).
+``rows``: ``records`` (default: the schema below), ``facts`` (:mod:`mtaq.analytics.facts`: per-message and
+per-outcome facts of the messages a partition holds whole, record rows for the rest) or ``staged`` (what
+``mtaq analyze`` reads: each task writes its partition's facts as one Parquet file under the option
+``stage``, a directory or URI every executor can write and the driver can read, and yields one row,
+:data:`STAGED_DDL`: the file and its row count); with ``facts`` and ``staged``, ``untilMicros`` is the
+job's ``--until`` (microseconds since the epoch) and ``closeMessages`` ``false`` leaves every message to
+Spark (record rows only; the tests compare both ways).
 
 The schema is :data:`mtaq.analytics.source.SPARK_DDL`: one row per envelope recipient, START, delivery
 outcome, FINISH, problem and segment file. Files are listed on the driver; executors read them through
@@ -66,11 +69,39 @@ def paths_of(options: Any) -> list[str]:
 
 
 def rows_of(options: Any) -> str:
-    """The ``rows`` option: ``records`` (default) or ``facts``. Raises ValueError otherwise."""
+    """The ``rows`` option: ``records`` (default), ``facts`` or ``staged``. Raises ValueError otherwise."""
     rows = str(options.get("rows") or "records")
-    if rows not in ("records", "facts"):
-        raise ValueError(f"option rows: expected 'records' or 'facts', got {rows!r}")
+    if rows not in ("records", "facts", "staged"):
+        raise ValueError(f"option rows: expected 'records', 'facts' or 'staged', got {rows!r}")
+    if rows == "staged" and not options.get("stage"):
+        raise ValueError("option rows 'staged' needs the option stage (a directory or URI)")
     return rows
+
+
+STAGED_DDL = "path string, rows bigint"
+
+
+def stage_facts(files: Sequence[SegmentFile], stage: str, until_us: int | None, close: bool) -> tuple[str, int]:
+    """Write the facts of one partition (``files``) as one Parquet file under ``stage`` (local directory or
+    URI, as :mod:`mtaq.analytics.source` resolves them): ``facts-FIRST-LAST.parquet``, FIRST and LAST the
+    segment numbers, so that a retried task writes the same file again. Rows are sorted by ``record_type``,
+    in row groups of 65,536 rows, so that a reader filtering on it skips the groups of other types.
+    Returns (the file's path or URI, rows)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from mtaq.analytics.facts import FACT_SCHEMA
+    from mtaq.analytics.source import resolve
+
+    table = pa.Table.from_batches(list(fact_batches(files, until_us, close=close)), schema=FACT_SCHEMA)
+    table = table.take(pc.sort_indices(table["record_type"]))
+    name = f"facts-{files[0].segment:012d}-{files[-1].segment:012d}.parquet"
+    fs, inner, _ = resolve(stage)
+    fs.create_dir(inner, recursive=True)
+    target = f"{inner.rstrip('/')}/{name}"
+    pq.write_table(table, target, filesystem=fs, row_group_size=65536)
+    return f"{stage.rstrip('/')}/{name}", table.num_rows
 
 
 class MtaqReader(DataSourceReader):
@@ -83,13 +114,16 @@ class MtaqReader(DataSourceReader):
         until = options.get("untilMicros")
         self.until_us = int(until) if until else None
         self.close = str(options.get("closeMessages") or "true").lower() != "false"
+        self.stage = str(options.get("stage")) if rows_of(options) == "staged" else None
 
     def partitions(self) -> list[SegmentPartition]:
         return [SegmentPartition(g) for g in plan_partitions(self.files, self.partition_bytes)]
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
         assert isinstance(partition, SegmentPartition)
-        if self.facts:
+        if self.stage is not None:
+            yield stage_facts(partition.files, self.stage, self.until_us, self.close)
+        elif self.facts:
             yield from fact_batches(partition.files, self.until_us, close=self.close)
         else:
             yield from batches(partition.files)
@@ -103,7 +137,8 @@ class MtaqDataSource(DataSource):
         return "mtaq"
 
     def schema(self) -> str:
-        return FACT_SPARK_DDL if rows_of(self.options) == "facts" else SPARK_DDL
+        rows = rows_of(self.options)
+        return FACT_SPARK_DDL if rows == "facts" else STAGED_DDL if rows == "staged" else SPARK_DDL
 
     def reader(self, schema: StructType) -> MtaqReader:
         return MtaqReader(self.options)

@@ -42,7 +42,7 @@ from pyspark import StorageLevel
 from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
-from mtaq.analytics.datasource import PARTITION_BYTES_DEFAULT, register
+from mtaq.analytics.datasource import PARTITION_BYTES_DEFAULT, STAGED_DDL, register
 from mtaq.analytics.facts import FACT_SPARK_DDL
 from mtaq.analytics.report import write_report
 from mtaq.analytics.source import discover
@@ -50,7 +50,7 @@ from mtaq.analytics.tables import AGE_BUCKETS_MIN, DELAY_BUCKETS_S, Result, buck
 
 __all__ = ["AGE_BUCKETS_MIN", "DELAY_BUCKETS_S", "Options", "Result", "analyze", "spark_session"]
 
-PARTITION_STORED_BYTES = 32 * 1024 * 1024  # segment bytes per partition of the cached rows (see analyze)
+PARTITION_STORED_BYTES = 32 * 1024 * 1024  # segment bytes per partition of the merged rows (see analyze)
 TOP_ROWS_COLLECTED = 1000  # rows of the senders and recipients tables the driver gets (by count and by bytes)
 
 REJECTED_NOTE = (
@@ -271,7 +271,8 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
 
     How (docs/performance.md, "Analytics"): the segments are read once, as the data source's ``facts`` rows
     (:mod:`mtaq.analytics.facts`): the per-message and per-outcome facts of every message a partition holds
-    whole are computed in the Python task; the record rows of the other messages are hash-partitioned by
+    whole are computed in the Python task, which writes them as Parquet under ``BIG/_facts`` (BIG is
+    ``parquet_out`` or ``OUT/tables``; removed at the end); the record rows of the other messages are hash-partitioned by
     queue ID and merged by Spark (groupings, joins, the last-outcome window). The small tables come from a
     dozen collects made together (two of them GROUPING SETS aggregations), and the big tables (outcomes,
     messages, senders, recipients) are written as Parquet by the executors, never collected.
@@ -287,23 +288,30 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
     tables_dir = os.path.join(opts.out, "tables")
     big = (opts.parquet_out or tables_dir).rstrip("/")
     say(f"reading segments from {', '.join(opts.paths)}")
-    # One read, cached as it comes: the data source's ``facts`` rows (mtaq/analytics/facts.py). The Python
-    # tasks compute the per-message and per-outcome facts of every message a partition holds whole (nearly
-    # all of them) with pyarrow, so only the record rows of the others (spread over partitions, or still
-    # queued) are shuffled by queue ID and merged by the Spark plan below.
+    # One read of the segments, staged as Parquet: the data source's ``facts`` rows (mtaq/analytics/facts.py).
+    # The Python tasks compute the per-message and per-outcome facts of every message a partition holds whole
+    # (nearly all of them) with pyarrow, so only the record rows of the others (spread over partitions, or
+    # still queued) are shuffled by queue ID and merged by the Spark plan below. Each task writes its facts
+    # as one Parquet file (sorted by record type) under ``big``/_facts, removed at the end: the queries below
+    # read only the columns and row groups they need, vectorised. Spark's own cache of the same rows cost
+    # more JVM CPU than the decoding (building 33 columns of every row; docs/performance.md, fifth round).
     stored = sum(f.size for f in discover(opts.paths))
     parts = max(2, spark.sparkContext.defaultParallelism, -(-stored // PARTITION_STORED_BYTES))
+    stage = f"{big}/_facts"
+    _remove_dir(stage)
     reader = (
         spark.read.format("mtaq")
-        .schema(FACT_SPARK_DDL)  # given, so that Spark does not start a Python process to ask the source
+        .schema(STAGED_DDL)  # given, so that Spark does not start a Python process to ask the source
         .option("paths", json.dumps(list(opts.paths)))
         .option("partitionBytes", str(opts.partition_bytes))
-        .option("rows", "facts")
+        .option("rows", "staged")
+        .option("stage", stage)
         .option("closeMessages", "true" if opts.close_messages else "false")
     )
     if until is not None:
         reader = reader.option("untilMicros", str(int(until.timestamp() * 1_000_000)))
-    base = reader.load().persist(StorageLevel.MEMORY_AND_DISK)
+    staged = reader.load().collect()
+    base = spark.read.schema(FACT_SPARK_DDL).parquet(*(r["path"] for r in staged))
     rt = F.col("record_type")
     inventory = base.agg(
         F.count(F.when(rt == "SEGMENT", 1)).alias("segments"),
@@ -619,11 +627,23 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
     say("writing the report")
     result = Result(totals, tables, time.monotonic() - t0)
     write_report(opts.out, result, top=opts.top, plots=opts.plots)
-    for df in (senders, recipients, every, msgs, raw, base):
+    for df in (senders, recipients, every, msgs, raw):
         df.unpersist()
+    _remove_dir(stage)
     result.seconds = time.monotonic() - t0
     say(f"done in {result.seconds:.1f} s: {opts.out}/report.md")
     return result
+
+
+def _remove_dir(uri: str) -> None:
+    """Delete the directory ``uri`` (local path or URI) and everything in it, if it exists."""
+    from pyarrow import fs as pafs
+
+    from mtaq.analytics.source import resolve
+
+    fs, inner, _ = resolve(uri)
+    if fs.get_file_info(inner).type == pafs.FileType.Directory:
+        fs.delete_dir(inner)
 
 
 def _split_sets(o_sets: list[dict[str, Any]], m_sets: list[dict[str, Any]],

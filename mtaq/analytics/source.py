@@ -147,7 +147,7 @@ class SegmentFile:
         return self.path
 
 
-def _resolve(path: str) -> tuple[pafs.FileSystem, str, str]:
+def resolve(path: str) -> tuple[pafs.FileSystem, str, str]:
     """(file system, path in it, root to re-resolve it on an executor). Local paths become absolute."""
     if "://" not in path:
         path = os.path.abspath(path)
@@ -197,7 +197,7 @@ def discover(paths: Sequence[str]) -> list[SegmentFile]:
     """
     found: list[SegmentFile] = []
     for raw in paths:
-        fs, inner, root = _resolve(raw)
+        fs, inner, root = resolve(raw)
         if _GLOB.search(inner):
             files = _glob(fs, root, inner)
         else:
@@ -254,7 +254,7 @@ def read_segment_bytes(sf: SegmentFile, fs: pafs.FileSystem | None = None) -> by
     Raises OSError, pyarrow or zstandard errors.
     """
     if fs is None:
-        fs, _, _ = _resolve(sf.root)
+        fs, _, _ = resolve(sf.root)
     with fs.open_input_stream(sf.path, compression=None) as f:
         raw = f.read()
     if not sf.compressed:
@@ -583,7 +583,7 @@ def batches(files: Iterable[SegmentFile], *, fast: bool = True) -> Iterator[pa.R
     for sf in files:
         fs = filesystems.get(sf.root)
         if fs is None:
-            fs = filesystems[sf.root] = _resolve(sf.root)[0]
+            fs = filesystems[sf.root] = resolve(sf.root)[0]
         name = sf.display
         try:
             buf = read_segment_bytes(sf, fs)
