@@ -294,7 +294,7 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
     # still queued) are shuffled by queue ID and merged by the Spark plan below. Each task writes its facts
     # as one Parquet file (sorted by record type) under ``big``/_facts, removed at the end: the queries below
     # read only the columns and row groups they need, vectorised. Spark's own cache of the same rows cost
-    # more JVM CPU than the decoding (building 33 columns of every row; docs/performance.md, fifth round).
+    # more JVM CPU than the decoding (building 33 columns of every row; docs/performance.md, "Fourth round (issue 17)").
     stored = sum(f.size for f in discover(opts.paths))
     parts = max(2, spark.sparkContext.defaultParallelism, -(-stored // PARTITION_STORED_BYTES))
     stage = f"{big}/_facts"
