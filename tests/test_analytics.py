@@ -417,6 +417,16 @@ def test_paths_that_name_no_segments_are_errors(tmp_path):
             discover([str(p)])
 
 
+def test_hadoop_s3_uris_resolve_to_pyarrows_s3():
+    """--parquet-out is a Hadoop URI for Spark (s3a://); the tasks stage the facts under it through pyarrow,
+    which names the same store s3:// (no network here: the endpoint is never contacted)."""
+    from mtaq.analytics.source import resolve
+
+    for scheme in ("s3a", "s3n", "s3"):
+        fs, inner, root = resolve(f"{scheme}://bucket/tables/_facts?region=us-east-1&endpoint_override=127.0.0.1:9")
+        assert type(fs).__name__ == "S3FileSystem" and inner == "bucket/tables/_facts" and root.startswith("s3://")
+
+
 def test_analyze_cli_rejects_bad_flags_with_one_line(tmp_path):
     """Bad --since, or a path without segments: exit 2 and one line naming the flag (before Spark starts)."""
     for args, needle in ((["--since", "yesterday"], "--since"), ([], "--segments")):

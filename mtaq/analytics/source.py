@@ -148,9 +148,12 @@ class SegmentFile:
 
 
 def resolve(path: str) -> tuple[pafs.FileSystem, str, str]:
-    """(file system, path in it, root to re-resolve it on an executor). Local paths become absolute."""
+    """(file system, path in it, root to re-resolve it on an executor). Local paths become absolute; Hadoop's
+    names for S3 (``s3a://``, ``s3n://``, what Spark is given for ``--parquet-out``) are pyarrow's ``s3://``."""
     if "://" not in path:
         path = os.path.abspath(path)
+    elif path.startswith(("s3a://", "s3n://")):
+        path = "s3://" + path.split("://", 1)[1]
     try:
         fs, inner = pafs.FileSystem.from_uri(path)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as exc:
