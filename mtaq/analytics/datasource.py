@@ -29,6 +29,8 @@ with a zip of ``mtaq/``) and ``msgspec``, ``pyarrow`` and ``zstandard`` installe
 from __future__ import annotations
 
 import json
+import os
+import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -100,7 +102,11 @@ def stage_facts(files: Sequence[SegmentFile], stage: str, until_us: int | None, 
     fs, inner, _ = resolve(stage)
     fs.create_dir(inner, recursive=True)
     target = f"{inner.rstrip('/')}/{name}"
-    pq.write_table(table, target, filesystem=fs, row_group_size=65536)
+    # Written whole under a name of this attempt's own, then renamed: two attempts of one task (a retry
+    # after a lost executor, speculation) never write into the same file, and the name is whole or absent.
+    part = f"{inner.rstrip('/')}/.{name}.{os.getpid()}-{uuid.uuid4().hex}.tmp"
+    pq.write_table(table, part, filesystem=fs, row_group_size=65536)
+    fs.move(part, target)
     return f"{stage.rstrip('/')}/{name}", table.num_rows
 
 
