@@ -343,7 +343,22 @@ def test_report_and_parquet_tables_are_written(spark, result):
     assert 4 == page.count('src="data:image/png;base64,') and "<td>received</td><td class=\"n\">14</td>" in page
     assert 17 == spark.read.parquet(f"{out}/tables/outcomes").filter("status = 'delivered'").count()
     assert json.load(open(f"{out}/totals.json"))["received"] == 14
-    assert not os.path.exists(f"{out}/tables/_facts")  # the staged facts are removed at the end
+    assert not glob.glob(f"{out}/tables/_facts*")  # the staged facts are removed at the end
+
+
+def test_a_job_that_fails_leaves_no_staged_facts(spark, script, tmp_path, monkeypatch):
+    """The staged copy of the facts is removed when the job fails after staging, too (review)."""
+    import mtaq.analytics.job as job
+    from mtaq.analytics.job import Options, analyze
+
+    def broken(*_a, **_k):
+        raise RuntimeError("report writer broke")
+
+    monkeypatch.setattr(job, "write_report", broken)
+    out = str(tmp_path / "out")
+    with pytest.raises(RuntimeError, match="report writer broke"):
+        analyze(spark, Options(paths=[script["archive"], script["spool"]], out=out, plots=False))
+    assert os.path.isdir(f"{out}/tables/outcomes") and not glob.glob(f"{out}/tables/_facts*")
 
 
 def test_staged_facts_are_one_parquet_file_per_partition(spark, script, tmp_path):
@@ -353,12 +368,12 @@ def test_staged_facts_are_one_parquet_file_per_partition(spark, script, tmp_path
     from mtaq.analytics.facts import FACT_SPARK_DDL
 
     paths = json.dumps([script["archive"], script["spool"]])
-    stage = str(tmp_path / "stage")
+    stage = str(tmp_path / "stage" / "_facts-x")
     got = (spark.read.format("mtaq").schema(STAGED_DDL).option("rows", "staged").option("stage", stage)
            .option("partitionBytes", "1").option("paths", paths).load().collect())
     files = discover(json.loads(paths))
     assert len(got) == len(files) > 1
-    assert sorted(os.listdir(stage)) == sorted(os.path.basename(r["path"]) for r in got)  # no attempt's temporary left
+    assert sorted(os.listdir(stage)) == sorted(os.path.basename(r["path"]) for r in got)
     facts = spark.read.format("mtaq").option("rows", "facts").option("partitionBytes", "1").option("paths", paths).load()
     staged = spark.read.schema(FACT_SPARK_DDL).parquet(*(r["path"] for r in got))
     assert sum(r["rows"] for r in got) == staged.count() == facts.count()

@@ -171,3 +171,35 @@ def test_a_damaged_header_after_many_like_it_is_caught(spool, tmp_path):
         fast, slow = rows([str(bad)], True), rows([str(bad)], False)
         assert slow == fast
         assert [r for r in fast if r["record_type"] == "PROBLEM"]
+
+
+def test_two_logs_with_the_same_segment_numbers_stage_every_fact(tmp_path):
+    """Worker shards (or two hosts) number their segments alike: each partition's staged file is its own, so
+    the facts of both logs are all there (review: the files of one shard overwrote the other's)."""
+    import pyarrow.parquet as pq
+
+    from mtaq.analytics.datasource import stage_facts
+    from mtaq.analytics.facts import fact_batches
+    from mtaq.analytics.source import plan_partitions
+
+    shards = [str(tmp_path / f"shard-{k}") for k in (0, 1)]
+    for s in shards:
+        write_spool(s, messages=120)
+    files = discover(shards)
+    assert len({f.segment for f in files}) < len(files)  # the same numbers in both
+    stage = str(tmp_path / "stage" / "_facts-x")
+    got = [stage_facts(group, stage, None, True) for group in plan_partitions(files, 1)]
+    assert len({path for path, _ in got}) == len(got) == len(files)
+    want = sum(b.num_rows for f in files for b in fact_batches([f]))
+    assert sum(n for _, n in got) == want == sum(pq.read_table(path).num_rows for path, _ in got)
+
+
+def test_stage_paths_keep_a_uris_query_at_the_end():
+    """The stage directory goes into the path of a URI (its query string stays last), and a relative --out is
+    made absolute so that an executor in another working directory writes where the driver reads."""
+    from mtaq.analytics.source import join_path, resolve
+
+    uri = join_path("s3a://bucket/tables?region=us-east-1&endpoint_override=127.0.0.1:9", "_facts-1")
+    assert uri == "s3a://bucket/tables/_facts-1?region=us-east-1&endpoint_override=127.0.0.1:9"
+    assert resolve(uri)[1] == "bucket/tables/_facts-1"
+    assert join_path("out/tables/", "_facts-1") == os.path.join(os.getcwd(), "out", "tables", "_facts-1")

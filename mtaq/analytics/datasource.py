@@ -29,7 +29,6 @@ with a zip of ``mtaq/``) and ``msgspec``, ``pyarrow`` and ``zstandard`` installe
 from __future__ import annotations
 
 import json
-import os
 import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -84,30 +83,26 @@ STAGED_DDL = "path string, rows bigint"
 
 
 def stage_facts(files: Sequence[SegmentFile], stage: str, until_us: int | None, close: bool) -> tuple[str, int]:
-    """Write the facts of one partition (``files``) as one Parquet file under ``stage`` (local directory or
-    URI, as :mod:`mtaq.analytics.source` resolves them): ``facts-FIRST-LAST.parquet``, FIRST and LAST the
-    segment numbers, so that a retried task writes the same file again. Rows are sorted by ``record_type``,
-    in row groups of 65,536 rows, so that a reader filtering on it skips the groups of other types.
-    Returns (the file's path or URI, rows)."""
+    """Write the facts of one partition (``files``) as one Parquet file under ``stage`` (a directory: local
+    path or URI, as :mod:`mtaq.analytics.source` resolves them) and return (the file, its rows). The file's
+    name is this attempt's own (``facts-FIRST-LAST-RANDOM.parquet``, FIRST and LAST the segment numbers): two
+    logs with the same segment numbers (worker shards, two hosts) or two attempts of one task never write
+    the same file, and the reader reads only the files the successful attempts return. Rows are sorted by
+    ``record_type``, in row groups of 65,536 rows, so that a reader filtering on it skips the other types."""
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     from mtaq.analytics.facts import FACT_SCHEMA
-    from mtaq.analytics.source import resolve
+    from mtaq.analytics.source import join_path, resolve
 
     table = pa.Table.from_batches(list(fact_batches(files, until_us, close=close)), schema=FACT_SCHEMA)
     table = table.take(pc.sort_indices(table["record_type"]))
-    name = f"facts-{files[0].segment:012d}-{files[-1].segment:012d}.parquet"
-    fs, inner, _ = resolve(stage)
-    fs.create_dir(inner, recursive=True)
-    target = f"{inner.rstrip('/')}/{name}"
-    # Written whole under a name of this attempt's own, then renamed: two attempts of one task (a retry
-    # after a lost executor, speculation) never write into the same file, and the name is whole or absent.
-    part = f"{inner.rstrip('/')}/.{name}.{os.getpid()}-{uuid.uuid4().hex}.tmp"
-    pq.write_table(table, part, filesystem=fs, row_group_size=65536)
-    fs.move(part, target)
-    return f"{stage.rstrip('/')}/{name}", table.num_rows
+    target = join_path(stage, f"facts-{files[0].segment:012d}-{files[-1].segment:012d}-{uuid.uuid4().hex}.parquet")
+    fs, inner, _ = resolve(target)
+    fs.create_dir(inner.rsplit("/", 1)[0], recursive=True)
+    pq.write_table(table, inner, filesystem=fs, row_group_size=65536)
+    return target, table.num_rows
 
 
 class MtaqReader(DataSourceReader):

@@ -34,6 +34,7 @@ import json
 import os
 import sys
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,7 +46,7 @@ from pyspark.sql import functions as F
 from mtaq.analytics.datasource import PARTITION_BYTES_DEFAULT, STAGED_DDL, register
 from mtaq.analytics.facts import FACT_SPARK_DDL
 from mtaq.analytics.report import write_report
-from mtaq.analytics.source import discover
+from mtaq.analytics.source import discover, join_path
 from mtaq.analytics.tables import AGE_BUCKETS_MIN, DELAY_BUCKETS_S, Result, bucket_labels
 
 __all__ = ["AGE_BUCKETS_MIN", "DELAY_BUCKETS_S", "Options", "Result", "analyze", "spark_session"]
@@ -271,14 +272,23 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
 
     How (docs/performance.md, "Analytics"): the segments are read once, as the data source's ``facts`` rows
     (:mod:`mtaq.analytics.facts`): the per-message and per-outcome facts of every message a partition holds
-    whole are computed in the Python task, which writes them as Parquet under ``BIG/_facts`` (BIG is
-    ``parquet_out`` or ``OUT/tables``; removed at the end); the record rows of the other messages are hash-partitioned by
+    whole are computed in the Python task, which writes them as Parquet under ``BIG/_facts-RANDOM`` (BIG is
+    ``parquet_out`` or ``OUT/tables``; removed at the end, also when the job fails); the record rows of the other messages are hash-partitioned by
     queue ID and merged by Spark (groupings, joins, the last-outcome window). The small tables come from a
     dozen collects made together (two of them GROUPING SETS aggregations), and the big tables (outcomes,
     messages, senders, recipients) are written as Parquet by the executors, never collected.
 
     Raises :class:`mtaq.analytics.source.SourceError` when a path names no segments.
     """
+    big = (opts.parquet_out or os.path.join(opts.out, "tables")).rstrip("/")
+    stage = join_path(big, f"_facts-{uuid.uuid4().hex}")  # this run's own: two runs never share one
+    try:
+        return _analyze(spark, opts, stage)
+    finally:
+        _remove_stage(stage)
+
+
+def _analyze(spark: SparkSession, opts: Options, stage: str) -> Result:
     t0 = time.monotonic()
     say = opts.progress
     since, until = opts.since, opts.until
@@ -292,13 +302,11 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
     # The Python tasks compute the per-message and per-outcome facts of every message a partition holds whole
     # (nearly all of them) with pyarrow, so only the record rows of the others (spread over partitions, or
     # still queued) are shuffled by queue ID and merged by the Spark plan below. Each task writes its facts
-    # as one Parquet file (sorted by record type) under ``big``/_facts, removed at the end: the queries below
+    # as one Parquet file (sorted by record type) under ``stage``, removed at the end: the queries below
     # read only the columns and row groups they need, vectorised. Spark's own cache of the same rows cost
     # more JVM CPU than the decoding (building 33 columns of every row; docs/performance.md, "Fourth round (issue 17)").
     stored = sum(f.size for f in discover(opts.paths))
     parts = max(2, spark.sparkContext.defaultParallelism, -(-stored // PARTITION_STORED_BYTES))
-    stage = f"{big}/_facts"
-    _remove_dir(stage)
     reader = (
         spark.read.format("mtaq")
         .schema(STAGED_DDL)  # given, so that Spark does not start a Python process to ask the source
@@ -630,19 +638,21 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
     write_report(opts.out, result, top=opts.top, plots=opts.plots)
     for df in (senders, recipients, merged, open_msgs, raw):
         df.unpersist()
-    _remove_dir(stage)
     result.seconds = time.monotonic() - t0
     say(f"done in {result.seconds:.1f} s: {opts.out}/report.md")
     return result
 
 
-def _remove_dir(uri: str) -> None:
-    """Delete the directory ``uri`` (local path or URI) and everything in it, if it exists."""
+def _remove_stage(uri: str) -> None:
+    """Delete this run's stage directory ``uri`` (local path or URI) and everything in it, if it exists; only
+    a directory named ``_facts-...`` (made by :func:`analyze`), whatever the URI around it says."""
     from pyarrow import fs as pafs
 
     from mtaq.analytics.source import resolve
 
     fs, inner, _ = resolve(uri)
+    if not inner.rstrip("/").rsplit("/", 1)[-1].startswith("_facts-"):
+        raise ValueError(f"not a stage directory of mtaq analyze: {uri}")
     if fs.get_file_info(inner).type == pafs.FileType.Directory:
         fs.delete_dir(inner)
 

@@ -161,6 +161,17 @@ def resolve(path: str) -> tuple[pafs.FileSystem, str, str]:
     return fs, inner, path
 
 
+def join_path(base: str, name: str) -> str:
+    """``name`` under the directory ``base``: a local path (made absolute, so that every process means the same
+    file) or a URI, whose query string (``?endpoint_override=...``) stays at the end."""
+    if "://" not in base:
+        return os.path.join(os.path.abspath(base), name)
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(base)
+    return urlunsplit(parts._replace(path=f"{parts.path.rstrip('/')}/{name}"))
+
+
 def _segment_file(root: str, info: pafs.FileInfo) -> SegmentFile | None:
     m = SEGMENT_FILE.match(info.base_name)
     if m is None or info.type != pafs.FileType.File:
