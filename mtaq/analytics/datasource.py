@@ -33,12 +33,15 @@ import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 from pyspark.sql import SparkSession
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 from pyspark.sql.types import StructType
 
-from mtaq.analytics.facts import FACT_SPARK_DDL, fact_batches
-from mtaq.analytics.source import SPARK_DDL, SegmentFile, batches, discover, plan_partitions
+from mtaq.analytics.facts import FACT_SCHEMA, FACT_SPARK_DDL, fact_batches
+from mtaq.analytics.source import SPARK_DDL, SegmentFile, batches, discover, join_path, plan_partitions, resolve
 
 __all__ = ["MtaqDataSource", "SegmentPartition", "register"]
 
@@ -89,13 +92,6 @@ def stage_facts(files: Sequence[SegmentFile], stage: str, until_us: int | None, 
     logs with the same segment numbers (worker shards, two hosts) or two attempts of one task never write
     the same file, and the reader reads only the files the successful attempts return. Rows are sorted by
     ``record_type``, in row groups of 65,536 rows, so that a reader filtering on it skips the other types."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
-    from mtaq.analytics.facts import FACT_SCHEMA
-    from mtaq.analytics.source import join_path, resolve
-
     table = pa.Table.from_batches(list(fact_batches(files, until_us, close=close)), schema=FACT_SCHEMA)
     table = table.take(pc.sort_indices(table["record_type"]))
     target = join_path(stage, f"facts-{files[0].segment:012d}-{files[-1].segment:012d}-{uuid.uuid4().hex}.parquet")

@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pyarrow import fs as pafs
 from pyspark import StorageLevel
 from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
@@ -46,7 +47,7 @@ from pyspark.sql import functions as F
 from mtaq.analytics.datasource import PARTITION_BYTES_DEFAULT, STAGED_DDL, register
 from mtaq.analytics.facts import FACT_SPARK_DDL
 from mtaq.analytics.report import write_report
-from mtaq.analytics.source import discover, join_path
+from mtaq.analytics.source import discover, join_path, resolve
 from mtaq.analytics.tables import AGE_BUCKETS_MIN, DELAY_BUCKETS_S, Result, bucket_labels
 
 __all__ = ["AGE_BUCKETS_MIN", "DELAY_BUCKETS_S", "Options", "Result", "analyze", "spark_session"]
@@ -283,12 +284,12 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
     big = (opts.parquet_out or os.path.join(opts.out, "tables")).rstrip("/")
     stage = join_path(big, f"_facts-{uuid.uuid4().hex}")  # this run's own: two runs never share one
     try:
-        return _analyze(spark, opts, stage)
+        return _analyze(spark, opts, big, stage)
     finally:
         _remove_stage(stage)
 
 
-def _analyze(spark: SparkSession, opts: Options, stage: str) -> Result:
+def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result:
     t0 = time.monotonic()
     say = opts.progress
     since, until = opts.since, opts.until
@@ -296,7 +297,6 @@ def _analyze(spark: SparkSession, opts: Options, stage: str) -> Result:
     # Joins on (queue_id, rcpt_index) of sides both partitioned by queue_id: no new shuffle.
     spark.conf.set("spark.sql.requireAllClusterKeysForCoPartition", "false")
     tables_dir = os.path.join(opts.out, "tables")
-    big = (opts.parquet_out or tables_dir).rstrip("/")
     say(f"reading segments from {', '.join(opts.paths)}")
     # One read of the segments, staged as Parquet: the data source's ``facts`` rows (mtaq/analytics/facts.py).
     # The Python tasks compute the per-message and per-outcome facts of every message a partition holds whole
@@ -646,10 +646,6 @@ def _analyze(spark: SparkSession, opts: Options, stage: str) -> Result:
 def _remove_stage(uri: str) -> None:
     """Delete this run's stage directory ``uri`` (local path or URI) and everything in it, if it exists; only
     a directory named ``_facts-...`` (made by :func:`analyze`), whatever the URI around it says."""
-    from pyarrow import fs as pafs
-
-    from mtaq.analytics.source import resolve
-
     fs, inner, _ = resolve(uri)
     if not inner.rstrip("/").rsplit("/", 1)[-1].startswith("_facts-"):
         raise ValueError(f"not a stage directory of mtaq analyze: {uri}")

@@ -539,9 +539,8 @@ class Log:
             self.on_commit_seconds(time.monotonic() - t0)
 
     def _go_on(self) -> None:
-        hurry = self._hurry
-        if hurry is not None and not hurry.done():
-            hurry.set_result(None)
+        if self._hurry is not None:
+            _set_result(self._hurry)
 
     async def _linger(self, loop: asyncio.AbstractEventLoop) -> None:
         """Before a round: while every caller waiting lingers, wait until the earliest of their deadlines or
