@@ -242,3 +242,112 @@ def test_a_failed_fsync_during_a_linger_fails_the_lingering_commit(tmp_path):
 
     res = asyncio.run(main())
     assert all(isinstance(r, StorageFatal) for r in res)
+
+
+def test_a_received_message_is_acknowledged_before_the_runner_for_new_mail_sees_it(tmp_path):
+    """Queue.receive returns (the client's 250 goes out) in the loop turn after its fsync round, before the
+    readers of the durable end (the runner that starts its delivery) resume, even when the reader waited
+    first and under uvloop, the daemon's loop. Before, the settling ran as a shielded task and the receive
+    resumed two turns after the reader, so the delivery's first steps ran ahead of the 250."""
+    import uvloop
+
+    from mtaq.core.state import RetryPolicy
+    from mtaq.queue.store import Queue
+
+    order: list[str] = []
+
+    async def main() -> Log:
+        log, _ = Log.open(OsFileSystem(), str(tmp_path), segment_bytes_max=1 << 20)
+        queue = Queue(log, policy=RetryPolicy())
+        queue.on_durable = lambda env, pos: order.append("queued")
+
+        async def runner() -> None:
+            await log.durable_advanced()
+            order.append("runner")
+
+        async def client() -> None:
+            await queue.receive("a@example.org", ["b@example.net"], b"Subject: t\r\n\r\nbody\r\n")
+            order.append("250")
+
+        r = asyncio.create_task(runner())
+        await asyncio.sleep(0)
+        await asyncio.gather(client(), r)
+        return log
+
+    log = uvloop.run(main())
+    log.close()
+    assert ["queued", "250", "runner"] == order
+
+
+def test_when_durable_calls_back_once_with_none_or_the_fatal_error(tmp_path):
+    """Log.when_durable: None once the records are durable (at once when they already are), the
+    StorageFatal of a failed fsync otherwise; a callback that raises goes to the loop's exception handler and
+    the other waiters of the round are answered all the same."""
+    fs = FaultyFileSystem()
+    got: list[object] = []
+    handled: list[dict[str, object]] = []
+
+    def boom(_err: object) -> None:
+        raise RuntimeError("callback bug")
+
+    async def main() -> Log:
+        asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: handled.append(ctx))
+        log, _ = Log.open(fs, str(tmp_path), segment_bytes_max=1 << 20)
+        _, first = log.append(StartRecord("Q1", Pos(1, 32), 1.0))
+        log.when_durable(first, boom)
+        log.when_durable(first, got.append)
+        waiter = asyncio.ensure_future(log.commit(first))
+        await waiter
+        assert [None] == got
+        log.when_durable(first, got.append)  # already durable: called at once
+        assert [None, None] == got
+        fs.fail_fsync = True
+        _, second = log.append(StartRecord("Q2", Pos(1, 32), 1.0))
+        log.when_durable(second, got.append)
+        with pytest.raises(StorageFatal):
+            await log.commit(second)
+        log.when_durable(second, got.append)  # after the failure: the same error at once
+        return log
+
+    asyncio.run(main())
+    assert [None, None] == got[:2]
+    assert [StorageFatal, StorageFatal] == [type(x) for x in got[2:]]
+    assert got[2] is got[3]
+    assert 1 == len(handled) and isinstance(handled[0]["exception"], RuntimeError)
+
+
+def test_readers_of_the_durable_end_wake_durable_wake_s_after_it_moves_together_for_several_rounds(tmp_path):
+    """With durable_wake_s the readers (the queue runners) are woken that long after the durable end moved,
+    while the committers (the clients' 250) are answered at the end of their rounds; the readers waiting
+    across two rounds in that time are woken by one timer."""
+    woke: list[tuple[str, float]] = []
+
+    async def main() -> Log:
+        log, _ = Log.open(OsFileSystem(), str(tmp_path), segment_bytes_max=1 << 20)
+        log.durable_wake_s = 0.2
+        loop = asyncio.get_running_loop()
+
+        async def reader(name: str) -> None:
+            await log.durable_advanced()
+            woke.append((name, loop.time()))
+
+        first = asyncio.create_task(reader("first"))
+        await asyncio.sleep(0)
+        t0 = loop.time()
+        _, lsn = log.append(StartRecord("Q1", Pos(1, 32), 1.0))
+        await log.commit(lsn)
+        committed = loop.time()
+        second = asyncio.create_task(reader("second"))
+        await asyncio.sleep(0)
+        _, lsn = log.append(StartRecord("Q2", Pos(1, 32), 1.0))
+        await log.commit(lsn)
+        assert [] == woke  # both rounds are durable, no reader woken yet
+        await asyncio.gather(first, second)
+        assert committed - t0 < 0.2
+        assert all(t - t0 >= 0.19 for _, t in woke)
+        return log
+
+    log = asyncio.run(main())
+    log.close()
+    assert ["first", "second"] == [n for n, _ in woke]
+    assert woke[1][1] - woke[0][1] < 0.05  # one timer for both

@@ -62,6 +62,11 @@ __all__ = ["Daemon", "serve"]
 
 PARKED_COPIES_MAX = 1000  # parked envelopes copied forward per checkpoint (each: its DATA and envelope)
 GC_THRESHOLDS = (20_000, 20, 20)  # gc.set_threshold: collect the young generation every 20,000 allocations
+RUNNER_WAKE_S = 0.001
+"""Seconds after the durable end of the log moves before the queue runners are woken (Log.durable_wake_s):
+the SMTP client whose message was just acknowledged gets the reply to its next command (QUIT, or MAIL of its
+next message) before the delivery of that message takes the event loop, and the runners take the messages
+of several commit rounds in one pass. A message's delivery starts up to this much later."""
 EXIT_FSYNC_FAILED = 75
 EXIT_SOFTWARE = 70  # an unexpected exception in a daemon task: crash, recovery will pick up
 _EVENT_OF = {"delivered": "delivered", "deferred": "deferred", "failed": "bounced"}
@@ -173,6 +178,7 @@ class Daemon:
         self.queue.sign = self.signer.sign  # DSNs are DKIM-signed too (with the key of myhostname's domain)
         self.metrics.queue = self.queue
         qlog.on_commit_seconds = self.metrics.commit_latency.observe
+        qlog.durable_wake_s = RUNNER_WAKE_S
         # Every listener before recovery (I5: mail is accepted at once on each); one gate for all of them, so
         # connections_max and the per-client limits count the daemon's connections, whatever the port.
         gate = connection_gate(self.edge, asyncio.get_running_loop().time)

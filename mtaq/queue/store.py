@@ -17,6 +17,7 @@ old segment (reclamation deletes a prefix of segments).
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import socket
 import time
@@ -25,7 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 import msgspec
 
 from mtaq.core.dsn import DsnRecipient, build_dsn
-from mtaq.core.errors import CorruptRecord, QueueBusy, StorageError, StorageFull
+from mtaq.core.errors import CorruptRecord, QueueBusy, StorageError, StorageFatal, StorageFull
 from mtaq.core.parking import ADMIN_ACTIONS, ADMIN_BOUNCE, COPY_FORWARD, Parked, QueueCounts, admin_conclusion
 from mtaq.core.records import (
     PARKED,
@@ -239,7 +240,13 @@ class Queue:
         env, pos, lsn = self._append_message(
             sender, recipients, body, mail_params, rcpt_params, client, helo, not_before_ts=not_before_ts
         )
-        await asyncio.shield(self._settle(env, pos, lsn))
+        # Settled by a callback at the end of the covering fsync round, which runs even if this caller is
+        # cancelled meanwhile (the client hung up) and lets the 250 out one loop turn after the fsync, before
+        # the delivery of the message starts (Log.when_durable).
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.settling += 1
+        self.log.when_durable(lsn, functools.partial(self._settled, env, pos, done))
+        await done
         return env
 
     def new_body(self) -> BodyBuffer:
@@ -301,14 +308,18 @@ class Queue:
             self.parked.add(pos, env)
         return env, pos, lsn
 
-    async def _settle(self, env: EnvelopeRecord, pos: Pos, lsn: int) -> None:
-        self.settling += 1
-        try:
-            await self.log.commit(lsn)
-        finally:
-            self.settling -= 1
+    def _settled(self, env: EnvelopeRecord, pos: Pos, done: asyncio.Future[None], error: StorageFatal | None) -> None:
+        self.settling -= 1
+        if error is not None:
+            if not done.done():
+                done.set_exception(error)
+            return
         self.received += 1
-        self.on_durable(env, pos)
+        try:
+            self.on_durable(env, pos)
+        finally:
+            if not done.done():  # cancelled: the caller is gone, the message is queued all the same
+                done.set_result(None)
 
     def start(self, envelope_pos: Pos, env: EnvelopeRecord, *, admin: str = "") -> Attempt:
         """Begin an attempt (or, with ``admin``, an administrator's action): append START (not waited for);

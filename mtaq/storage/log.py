@@ -119,6 +119,41 @@ def _wake(waiters: list[asyncio.Future[None]]) -> None:
             f.set_result(None)
 
 
+class _Callback:
+    """A commit waiter that is a function called at the end of the covering round (see Log.when_durable); it
+    answers the part of the Future interface that the commit loop and Log._fail use."""
+
+    __slots__ = ("_done", "fn", "t0", "timer")
+
+    def __init__(self, fn: Callable[[StorageFatal | None], None], timer: Callable[[float], None] | None) -> None:
+        self.fn = fn
+        self.t0 = time.monotonic()
+        self.timer = timer
+        self._done = False
+
+    def done(self) -> bool:
+        return self._done
+
+    def set_result(self, _result: None) -> None:
+        self._finish(None)
+
+    def set_exception(self, exc: BaseException) -> None:
+        assert isinstance(exc, StorageFatal)
+        self._finish(exc)
+
+    def _finish(self, exc: StorageFatal | None) -> None:
+        if self._done:
+            return
+        self._done = True
+        try:
+            if exc is None and self.timer is not None:
+                self.timer(time.monotonic() - self.t0)
+            self.fn(exc)
+        except Exception as err:  # never break the commit loop: report it as asyncio reports a callback's error
+            asyncio.get_running_loop().call_exception_handler(
+                {"message": "exception in a Log.when_durable callback", "exception": err})
+
+
 @dataclass
 class LogStats:
     """Counters since the process started."""
@@ -207,11 +242,15 @@ class Log:
         self._end = Pos(0, 0)  # just past the last appended record
         self._durable_end = Pos(0, 0)  # just past the last durable record
         self._durable_waiters: list[asyncio.Future[None]] = []
+        # Seconds the readers of the durable end wait after it moves before they are woken (0: the next loop
+        # turn); those of several rounds in that time are woken together. See durable_advanced.
+        self.durable_wake_s = 0.0
+        self._wake_pending: list[asyncio.Future[None]] | None = None  # readers a timer will wake
         self._dirty: dict[int, File] = {}
         self._syncing: set[int] = set()  # segments whose files the running commit round is fsyncing
         self._dir_dirty = False
-        # (lsn, future, when the round may wait until: 0.0 = at once); see commit(linger_s=)
-        self._waiters: list[tuple[int, asyncio.Future[None], float]] = []
+        # (lsn, future or callback, when the round may wait until: 0.0 = at once); see commit(linger_s=), when_durable
+        self._waiters: list[tuple[int, asyncio.Future[None] | _Callback, float]] = []
         self._hurry: asyncio.Future[None] | None = None  # a lingering round's wait; done when it may go on
         self._commit_task: asyncio.Task[None] | None = None
         self._failed: StorageFatal | None = None
@@ -364,7 +403,8 @@ class Log:
         return self._durable_end
 
     async def durable_advanced(self) -> None:
-        """Wait until :attr:`durable_end` moves forward."""
+        """Wait until :attr:`durable_end` moves forward: woken in the loop turn after the commit round that moved
+        it, or :attr:`durable_wake_s` seconds after (the readers of every round in between together)."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._durable_waiters.append(fut)
         await fut
@@ -538,6 +578,27 @@ class Log:
         if self.on_commit_seconds is not None:
             self.on_commit_seconds(time.monotonic() - t0)
 
+    def when_durable(self, lsn: int, callback: Callable[[StorageFatal | None], None]) -> None:
+        """Call ``callback(None)`` once every record up to ``lsn`` is durable, or ``callback(error)`` with the
+        StorageFatal of a failed fsync: at once when that is already so, else from the end of the covering
+        round (which starts at once, as for commit() without a linger), before any task waiting in commit()
+        resumes and before the readers of the durable end. A client's 250 waits for this (Queue.receive):
+        the path from the fsync to the reply takes one loop turn, and the delivery of the same message
+        (started by a reader) cannot run first. ``callback`` must be quick and must not raise (an exception
+        goes to the loop's exception handler). ``on_commit_seconds`` is told the wait, as for commit().
+        """
+        if self._failed is not None:
+            callback(self._failed)
+            return
+        if lsn <= self._durable_lsn:
+            callback(None)
+            return
+        loop = asyncio.get_running_loop()
+        self._waiters.append((lsn, _Callback(callback, self.on_commit_seconds), 0.0))
+        self._go_on()
+        if self._commit_task is None:
+            self._commit_task = loop.create_task(self._commit_loop())
+
     def _go_on(self) -> None:
         if self._hurry is not None:
             _set_result(self._hurry)
@@ -629,12 +690,23 @@ class Log:
                 if target_end > self._durable_end:
                     self._durable_end = target_end
                     waiters, self._durable_waiters = self._durable_waiters, []
-                    # Readers of the durable end (the queue runners, which start deliveries) wake a loop turn
-                    # after the committers of this round: a client's 250 goes out before the delivery of the
-                    # message it acknowledges begins in the same process (the reply is what the client waits for).
-                    loop.call_soon(_wake, waiters)
+                    # Readers of the durable end (the queue runners, which start deliveries) wake after the
+                    # committers of this round: a client's 250 goes out before the delivery of the message it
+                    # acknowledges begins in the same process (the reply is what the client waits for); with
+                    # durable_wake_s, that much later, so that the client's next command is answered first too.
+                    if self.durable_wake_s <= 0:
+                        loop.call_soon(_wake, waiters)
+                    elif self._wake_pending is not None:
+                        self._wake_pending += waiters
+                    elif waiters:
+                        self._wake_pending = waiters
+                        loop.call_later(self.durable_wake_s, self._wake_readers)
         finally:
             self._commit_task = None
+
+    def _wake_readers(self) -> None:
+        waiters, self._wake_pending = self._wake_pending or [], None
+        _wake(waiters)
 
     def _fail(self, exc: OSError, what: str = "fsync failed") -> None:
         self._failed = StorageFatal(f"{what}: {exc.strerror or exc}; exiting, recovery will re-read the disk")
