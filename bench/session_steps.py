@@ -1,0 +1,78 @@
+"""Where one SMTP session's time goes: one session after another (like ``smtp-source -s 1``), each step timed.
+
+Connects to HOST:PORT, and for each of ``--sessions`` sessions: connect and read the banner, EHLO, MAIL,
+RCPT, DATA, the message and its final dot, QUIT; one connection per message, TCP_NODELAY, the message sent
+in one write. Prints one JSON object: the median milliseconds of each step over the sessions after the
+first tenth (warm-up), the whole session, and messages/s from the mean session time. Works against any
+SMTP server (run it against Postfix and mtaq in turn, both relaying to ``smtp-sink -c``); the client's own
+time is in every figure alike. docs/performance.md, "Fifth round (issue 15)".
+
+    .venv/bin/python bench/session_steps.py --port 2525 --sessions 3000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import sys
+import time
+
+STEPS = ("connect+banner", "EHLO", "MAIL", "RCPT", "DATA", "dot", "QUIT", "total")
+
+
+def _reply(s: socket.socket, buf: bytes = b"") -> None:
+    """Read up to the last line of one reply ("NNN " after any "NNN-" lines)."""
+    while True:
+        lines = buf.split(b"\r\n")
+        if any(len(line) >= 4 and line[3:4] == b" " for line in lines[:-1]):
+            return
+        chunk = s.recv(65536)
+        if not chunk:
+            raise EOFError("the server closed the connection")
+        buf += chunk
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=2525)
+    ap.add_argument("--sessions", type=int, default=3000)
+    ap.add_argument("--size", type=int, default=2048, help="payload bytes of the message, headers not counted")
+    args = ap.parse_args(argv)
+    if args.sessions < 10:
+        ap.error("--sessions must be >= 10")
+    line = b"x" * 78 + b"\r\n"
+    body = (b"From: a@example.org\r\nTo: b@example.com\r\nSubject: steps\r\n\r\n"
+            + line * max(1, args.size // len(line)) + b".\r\n")
+    times: dict[str, list[float]] = {k: [] for k in STEPS}
+    clock = time.perf_counter_ns
+    for i in range(args.sessions):
+        t = [clock()]
+        try:
+            s = socket.create_connection((args.host, args.port), timeout=30)
+        except OSError as exc:
+            print(f"session_steps: connect {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
+            return 1
+        with s:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _reply(s)
+            t.append(clock())
+            for cmd in (b"EHLO client.example\r\n", b"MAIL FROM:<a@example.org>\r\n", b"RCPT TO:<b@example.com>\r\n",
+                        b"DATA\r\n", body, b"QUIT\r\n"):
+                s.sendall(cmd)
+                _reply(s)
+                t.append(clock())
+        if i >= args.sessions // 10:
+            for k, a, b in zip(STEPS, (*t[:-1], t[0]), (*t[1:], t[-1]), strict=True):
+                times[k].append((b - a) / 1e6)
+    out = {"bench": "session_steps", "host": args.host, "port": args.port, "sessions": args.sessions,
+           "size_bytes": args.size, "median_ms": {k: round(statistics.median(v), 3) for k, v in times.items()},
+           "msg_per_s": round(1000 / statistics.mean(times["total"]), 1)}
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
