@@ -41,8 +41,10 @@ from dataclasses import dataclass
 from itertools import chain, compress
 from operator import attrgetter
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
@@ -166,8 +168,6 @@ def join_path(base: str, name: str) -> str:
     file) or a URI, whose query string (``?endpoint_override=...``) stays at the end."""
     if "://" not in base:
         return os.path.join(os.path.abspath(base), name)
-    from urllib.parse import urlsplit, urlunsplit
-
     parts = urlsplit(base)
     return urlunsplit(parts._replace(path=f"{parts.path.rstrip('/')}/{name}"))
 
@@ -356,8 +356,6 @@ def _walk(segment: int, buf: bytes) -> tuple[dict[int, list[int]], dict[int, lis
             pay_app(payload)
         frames += 1
         off = end
-    import numpy as np
-
     by_type = np.asarray(types, dtype=np.int64)
     offsets: dict[int, list[int]] = {}
     payloads: dict[int, list[memoryview]] = {}
@@ -399,8 +397,6 @@ def _domains(addresses: pa.Array) -> pa.Array:
 
 def _repeat_index(counts: Sequence[int]) -> pa.Array:
     """[0]*counts[0] + [1]*counts[1] + ...: the row of the parent record of each exploded row."""
-    import numpy as np
-
     return pa.array(np.repeat(np.arange(len(counts), dtype=np.int64), np.asarray(counts, dtype=np.int64)))
 
 

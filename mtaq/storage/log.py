@@ -566,14 +566,9 @@ class Log:
             raise self._failed
         if lsn <= self._durable_lsn:
             return
-        loop = asyncio.get_running_loop()
         t0 = time.monotonic()
-        fut: asyncio.Future[None] = loop.create_future()
-        self._waiters.append((lsn, fut, t0 + linger_s if linger_s > 0 else 0.0))
-        if linger_s <= 0:
-            self._go_on()
-        if self._commit_task is None:
-            self._commit_task = loop.create_task(self._commit_loop())
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._enqueue(lsn, fut, t0 + linger_s if linger_s > 0 else 0.0)
         await fut
         if self.on_commit_seconds is not None:
             self.on_commit_seconds(time.monotonic() - t0)
@@ -593,11 +588,16 @@ class Log:
         if lsn <= self._durable_lsn:
             callback(None)
             return
-        loop = asyncio.get_running_loop()
-        self._waiters.append((lsn, _Callback(callback, self.on_commit_seconds), 0.0))
-        self._go_on()
+        self._enqueue(lsn, _Callback(callback, self.on_commit_seconds), 0.0)
+
+    def _enqueue(self, lsn: int, waiter: asyncio.Future[None] | _Callback, deadline: float) -> None:
+        """Add a waiter for ``lsn`` (``deadline``: when the round may wait until, 0.0 = at once) and see that a
+        commit loop runs; one that does not linger ends a lingering round's wait."""
+        self._waiters.append((lsn, waiter, deadline))
+        if deadline == 0.0:
+            self._go_on()
         if self._commit_task is None:
-            self._commit_task = loop.create_task(self._commit_loop())
+            self._commit_task = asyncio.get_running_loop().create_task(self._commit_loop())
 
     def _go_on(self) -> None:
         if self._hurry is not None:
@@ -635,13 +635,7 @@ class Log:
         lsn = self._appended_lsn
         if self._failed is not None or lsn <= self._durable_lsn:
             return
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[None] = loop.create_future()
-        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-        self._waiters.append((lsn, fut, 0.0))
-        self._go_on()
-        if self._commit_task is None:
-            self._commit_task = loop.create_task(self._commit_loop())
+        self._enqueue(lsn, _Callback(lambda _error: None, None), 0.0)  # a failure reaches on_fatal
 
     def _sync_files(self, files: list[File], sync_dir: bool) -> int:
         calls = 0
