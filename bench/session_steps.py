@@ -5,7 +5,9 @@ RCPT, DATA, the message and its final dot, QUIT; one connection per message, TCP
 in one write. Prints one JSON object: the median milliseconds of each step over the sessions after the
 first tenth (warm-up), the whole session, and messages/s from the mean session time. Works against any
 SMTP server (run it against Postfix and mtaq in turn, both relaying to ``smtp-sink -c``); the client's own
-time is in every figure alike. docs/performance.md, "Fifth round (issue 15)".
+time is in every figure alike. ``--cpu-pid PID`` adds the user + system CPU of that process and all its
+descendants over the run, in ms per session (from /proc; for Postfix give its master, whose reaped children
+count too). docs/performance.md, "Fifth round (issue 15)".
 
     .venv/bin/python bench/session_steps.py --port 2525 --sessions 3000
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import statistics
 import sys
@@ -34,15 +37,41 @@ def _reply(s: socket.socket, buf: bytes = b"") -> None:
         buf += chunk
 
 
+def tree_cpu_s(root: int) -> float:
+    """User + system CPU seconds of process ``root`` and its descendants (with what they reaped), from /proc."""
+    tck = os.sysconf("SC_CLK_TCK")
+    parent: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat", encoding="ascii", errors="replace") as f:
+                    fields = f.read().rpartition(")")[2].split()
+            except OSError:
+                continue
+            parent[int(name)] = int(fields[1])
+            cpu[int(name)] = sum(int(x) for x in fields[11:15]) / tck
+    total, todo = 0.0, [root]
+    while todo:
+        pid = todo.pop()
+        total += cpu.get(pid, 0.0)
+        todo.extend(p for p, pp in parent.items() if pp == pid)
+    return total
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=2525)
     ap.add_argument("--sessions", type=int, default=3000)
     ap.add_argument("--size", type=int, default=2048, help="payload bytes of the message, headers not counted")
+    ap.add_argument("--cpu-pid", type=int, help="report the CPU of this process tree per session")
     args = ap.parse_args(argv)
     if args.sessions < 10:
         ap.error("--sessions must be >= 10")
+    if args.cpu_pid is not None and not os.path.exists(f"/proc/{args.cpu_pid}"):
+        ap.error(f"--cpu-pid {args.cpu_pid}: no such process")
+    cpu0 = tree_cpu_s(args.cpu_pid) if args.cpu_pid is not None else 0.0
     line = b"x" * 78 + b"\r\n"
     body = (b"From: a@example.org\r\nTo: b@example.com\r\nSubject: steps\r\n\r\n"
             + line * max(1, args.size // len(line)) + b".\r\n")
@@ -70,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     out = {"bench": "session_steps", "host": args.host, "port": args.port, "sessions": args.sessions,
            "size_bytes": args.size, "median_ms": {k: round(statistics.median(v), 3) for k, v in times.items()},
            "msg_per_s": round(1000 / statistics.mean(times["total"]), 1)}
+    if args.cpu_pid is not None:
+        out["cpu_ms_per_session"] = round((tree_cpu_s(args.cpu_pid) - cpu0) * 1000 / args.sessions, 3)
     print(json.dumps(out))
     return 0
 
