@@ -64,8 +64,9 @@ class PlainConsoleRenderer:
     """structlog's ``ConsoleRenderer(colors=False)``, the same text character for character
     (``tests/test_logs_console.py`` compares them), at about a quarter of its CPU for an ordinary event (a
     timestamp, a level, an event name and fields: 4.3 against 17-18 µs for a ``delivered`` line with 10
-    fields; ``bench/log_lines.py``); the daemon writes three such lines a message. An event with anything else of the renderer's own
-    columns (a logger name, a stack, an exception, a field named "") goes to structlog's."""
+    fields; ``bench/log_lines.py``); the daemon writes three such lines a message. An event with anything
+    else of the renderer's own columns (a logger name, a stack, an exception, a field named "") goes to
+    structlog's."""
 
     def __init__(self) -> None:
         self.full = structlog.dev.ConsoleRenderer(colors=False)
