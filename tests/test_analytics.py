@@ -362,17 +362,24 @@ def test_a_job_that_fails_leaves_no_staged_facts(spark, script, tmp_path, monkey
 
 
 def test_staged_facts_are_one_parquet_file_per_partition(spark, script, tmp_path):
-    """rows=staged: each task writes its partition's facts under the option stage and yields (file, rows); the
-    files read back are the facts rows, sorted by record type. Without stage the option is refused."""
+    """rows=staged: each task writes its partition's facts under the option stage and yields (file, rows), then
+    its partial tables (part, data); the files read back are the facts rows, sorted by record type. Without
+    stage the option is refused."""
     from mtaq.analytics.datasource import STAGED_DDL
     from mtaq.analytics.facts import FACT_SPARK_DDL
+    from mtaq.analytics.partials import PARTS
 
     paths = json.dumps([script["archive"], script["spool"]])
     stage = str(tmp_path / "stage" / "_facts-x")
     got = (spark.read.format("mtaq").schema(STAGED_DDL).option("rows", "staged").option("stage", stage)
            .option("partitionBytes", "1").option("paths", paths).load().collect())
     files = discover(json.loads(paths))
+    parts = [r for r in got if r["part"] is not None]
+    got = [r for r in got if r["path"] is not None]
     assert len(got) == len(files) > 1
+    # every part but the queue shape at --until (none given): the closed messages are all FINISHed by the end
+    assert sorted(r["part"] for r in parts) == sorted(len(files) * [p for p in PARTS if not p.startswith("qshape_now")])
+    assert all(r["path"] is None and r["data"] for r in parts)
     assert sorted(os.listdir(stage)) == sorted(os.path.basename(r["path"]) for r in got)
     facts = spark.read.format("mtaq").option("rows", "facts").option("partitionBytes", "1").option("paths", paths).load()
     staged = spark.read.schema(FACT_SPARK_DDL).parquet(*(r["path"] for r in got))

@@ -33,14 +33,14 @@ import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from pyspark.sql import SparkSession
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 from pyspark.sql.types import StructType
 
-from mtaq.analytics.facts import FACT_SCHEMA, FACT_SPARK_DDL, fact_batches
+from mtaq.analytics.facts import FACT_SPARK_DDL, fact_batches, fact_table
+from mtaq.analytics.partials import encode, partials
 from mtaq.analytics.source import SPARK_DDL, SegmentFile, batches, discover, join_path, plan_partitions, resolve
 
 __all__ = ["MtaqDataSource", "SegmentPartition", "register"]
@@ -82,23 +82,29 @@ def rows_of(options: Any) -> str:
     return rows
 
 
-STAGED_DDL = "path string, rows bigint"
+STAGED_DDL = "path string, rows bigint, part string, data binary"
 
 
-def stage_facts(files: Sequence[SegmentFile], stage: str, until_us: int | None, close: bool) -> tuple[str, int]:
+def stage_facts(files: Sequence[SegmentFile], stage: str, until_us: int | None, close: bool,
+                since_us: int | None = None) -> Iterator[tuple[str | None, int | None, str | None, bytes | None]]:
     """Write the facts of one partition (``files``) as one Parquet file under ``stage`` (a directory: local
-    path or URI, as :mod:`mtaq.analytics.source` resolves them) and return (the file, its rows). The file's
-    name is this attempt's own (``facts-FIRST-LAST-RANDOM.parquet``, FIRST and LAST the segment numbers): two
-    logs with the same segment numbers (worker shards, two hosts) or two attempts of one task never write
-    the same file, and the reader reads only the files the successful attempts return. Rows are sorted by
-    ``record_type``, in row groups of 65,536 rows, so that a reader filtering on it skips the other types."""
-    table = pa.Table.from_batches(list(fact_batches(files, until_us, close=close)), schema=FACT_SCHEMA)
+    path or URI, as :mod:`mtaq.analytics.source` resolves them); yield (the file, its rows, None, None), then
+    (None, None, part, data) for each partial table of the small tables (:mod:`mtaq.analytics.partials`,
+    window ``since_us``/``until_us``). The file's name is this attempt's own (``facts-FIRST-LAST-RANDOM.parquet``,
+    FIRST and LAST the segment numbers): two logs with the same segment numbers (worker shards, two hosts) or
+    two attempts of one task never write the same file, and the reader reads only the files the successful
+    attempts return. Rows are sorted by ``record_type``, in row groups of 65,536 rows, so that a reader
+    filtering on it skips the other types."""
+    table = fact_table(files, until_us, close=close)
+    parts = partials(table, since_us, until_us, until_us)
     table = table.take(pc.sort_indices(table["record_type"]))
     target = join_path(stage, f"facts-{files[0].segment:012d}-{files[-1].segment:012d}-{uuid.uuid4().hex}.parquet")
     fs, inner, _ = resolve(target)
     fs.create_dir(inner.rsplit("/", 1)[0], recursive=True)
     pq.write_table(table, inner, filesystem=fs, row_group_size=65536)
-    return target, table.num_rows
+    yield target, table.num_rows, None, None
+    for name, data in encode(parts):
+        yield None, None, name, data
 
 
 class MtaqReader(DataSourceReader):
@@ -108,8 +114,9 @@ class MtaqReader(DataSourceReader):
         self.files = discover(paths_of(options))
         self.partition_bytes = int(options.get("partitionBytes") or PARTITION_BYTES_DEFAULT)
         self.facts = rows_of(options) == "facts"
-        until = options.get("untilMicros")
+        until, since = options.get("untilMicros"), options.get("sinceMicros")
         self.until_us = int(until) if until else None
+        self.since_us = int(since) if since else None
         self.close = str(options.get("closeMessages") or "true").lower() != "false"
         self.stage = str(options.get("stage")) if rows_of(options) == "staged" else None
 
@@ -119,7 +126,7 @@ class MtaqReader(DataSourceReader):
     def read(self, partition: InputPartition) -> Iterator[Any]:
         assert isinstance(partition, SegmentPartition)
         if self.stage is not None:
-            yield stage_facts(partition.files, self.stage, self.until_us, self.close)
+            yield from stage_facts(partition.files, self.stage, self.until_us, self.close, self.since_us)
         elif self.facts:
             yield from fact_batches(partition.files, self.until_us, close=self.close)
         else:

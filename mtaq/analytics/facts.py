@@ -39,7 +39,7 @@ import pyarrow.compute as pc
 
 from mtaq.analytics.source import COLUMNS, SegmentFile, batches
 
-__all__ = ["FACT_COLUMNS", "FACT_SCHEMA", "FACT_SPARK_DDL", "fact_batches"]
+__all__ = ["FACT_COLUMNS", "FACT_SCHEMA", "FACT_SPARK_DDL", "fact_batches", "fact_table"]
 
 _RECORD_COLUMNS = (
     "record_type", "queue_id", "ts", "arrival_ts", "not_before_ts", "generation", "size", "sender", "sender_domain",
@@ -157,16 +157,20 @@ def facts_of(t: pa.Table, until: pa.Scalar | None = None, *, close: bool = True)
             yield _out(rc.filter(pc.is_in(rc["queue_id"], value_set=queued["queue_id"])), "RCPT")
 
 
-def fact_batches(files: Iterable[SegmentFile], until_us: int | None = None, *,
-                 close: bool = True) -> Iterator[pa.RecordBatch]:
-    """Read ``files`` (one partition: whole segments in log order) and yield FACT_SCHEMA batches.
+def fact_table(files: Iterable[SegmentFile], until_us: int | None = None, *, close: bool = True) -> pa.Table:
+    """Read ``files`` (one partition: whole segments in log order): its fact rows (FACT_SCHEMA) in one table.
     ``until_us``: the job's ``--until`` in microseconds since the epoch (None: unbounded); ``close``: see
     :func:`facts_of`."""
     got = list(batches(files))
     if not got:
-        return
+        return FACT_SCHEMA.empty_table()
     t = pa.Table.from_batches(got).select(list(_RECORD_COLUMNS))
     del got
     until = None if until_us is None else pa.scalar(until_us, pa.int64()).cast(_TS)
-    for part in facts_of(t, until, close=close):
-        yield from part.to_batches(max_chunksize=65536)
+    return pa.concat_tables(list(facts_of(t, until, close=close)))
+
+
+def fact_batches(files: Iterable[SegmentFile], until_us: int | None = None, *,
+                 close: bool = True) -> Iterator[pa.RecordBatch]:
+    """:func:`fact_table` as record batches of at most 65,536 rows."""
+    yield from fact_table(files, until_us, close=close).to_batches(max_chunksize=65536)

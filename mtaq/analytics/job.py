@@ -37,15 +37,18 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
+import pyarrow as pa
 from pyarrow import fs as pafs
 from pyspark import StorageLevel
 from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
 from mtaq.analytics.datasource import PARTITION_BYTES_DEFAULT, STAGED_DDL, register
-from mtaq.analytics.facts import FACT_SPARK_DDL
+from mtaq.analytics.facts import FACT_COLUMNS, FACT_SPARK_DDL
+from mtaq.analytics.partials import merge, partial_rows
 from mtaq.analytics.report import write_report
 from mtaq.analytics.source import discover, join_path, resolve
 from mtaq.analytics.tables import AGE_BUCKETS_MIN, DELAY_BUCKETS_S, Result, bucket_labels
@@ -181,18 +184,122 @@ def _rows(df: DataFrame) -> list[dict[str, Any]]:
     return [r.asDict(recursive=True) for r in df.collect()]
 
 
-def _write_small(directory: str, rows: list[dict[str, Any]], df: DataFrame | None) -> None:
-    """Write collected rows as ``directory/part-0.parquet`` on the driver (no second Spark job)."""
-    import pyarrow as pa
+def _write_small(directory: str, rows: list[dict[str, Any]], schema: pa.Schema | None) -> None:
+    """Write collected rows as ``directory/part-0.parquet`` on the driver (no second Spark job); ``schema``
+    None: inferred from the rows (their None values left out)."""
     import pyarrow.parquet as pq
-    from pyspark.sql.pandas.types import to_arrow_schema
 
     os.makedirs(directory, exist_ok=True)
-    if df is not None:
-        table = pa.Table.from_pylist(rows, schema=to_arrow_schema(df.schema, timezone="UTC"))
+    if schema is not None:
+        table = pa.Table.from_pylist(rows, schema=schema)
     else:
         table = pa.Table.from_pylist([{k: v for k, v in r.items() if v is not None} for r in rows])
     pq.write_table(table, os.path.join(directory, "part-0.parquet"))
+
+
+def _small_schemas() -> dict[str, pa.Schema]:
+    """The Parquet schemas of the small tables that have one (the others are inferred from their rows)."""
+    ts, i64, s = pa.timestamp("us", tz="UTC"), pa.int64(), pa.string()
+    ages = [(a, i64) for a in bucket_labels(AGE_BUCKETS_MIN, "m")]
+    return {name: pa.schema(fields) for name, fields in {
+        "problems": [("file", s), ("segment", i64), ("offset", i64), ("problem_end", i64), ("problem_kind", s),
+                     ("problem_reason", s)],
+        "unknown": [("queue_id", s), ("rcpt_index", pa.int32()), ("rcpt_address", s), ("generation", pa.int32()),
+                    ("flagged_ts", ts), ("last_reply", s)],
+        "sender_domains": [("domain", s), ("messages", i64), ("bytes", i64)],
+        "reasons": [("status", s), ("enhanced", s), ("relay", s), ("count", i64), ("recipients", i64),
+                    ("messages", i64), ("example", s)],
+        "hourly": [("hour", ts), *((k, i64) for k in ("received", "delivered", "deferrals", "bounced", "bytes_received",
+                                                       "bytes_delivered"))],
+        "delays": [("bucket", s), ("delivered", i64)],
+        "attempts": [("attempts", i64), ("messages", i64)],
+        "qshape": [("tick", ts), ("messages", i64), ("bytes", i64), *ages],
+        "qshape_now": [("domain", s), ("recipients", i64), *ages],
+        "segments": [("file", s), ("segment", i64), ("size", i64), ("records", i64), ("sealed", pa.bool_()),
+                     ("created_ts", ts)],
+    }.items()}
+
+
+def _micros(t: dt.datetime) -> int:
+    """An aware datetime as microseconds since the epoch (UTC), exactly."""
+    return (t - dt.datetime(1970, 1, 1, tzinfo=dt.UTC)) // dt.timedelta(microseconds=1)
+
+
+def _pylist(t: pa.Table) -> list[dict[str, Any]]:
+    """Rows of an Arrow table as ``collect()`` gives them with TZ=UTC (timestamps as naive UTC datetimes)."""
+    cols = [c.cast(pa.timestamp("us", tz="UTC")).cast(pa.timestamp("us")) if pa.types.is_timestamp(c.type) else c
+            for c in t.columns]
+    rows: list[dict[str, Any]] = pa.Table.from_arrays(cols, names=t.column_names).to_pylist()
+    return rows
+
+
+def _as_facts(df: DataFrame, rtype: str) -> DataFrame:
+    """``df``'s rows as fact rows (FACT_SPARK_DDL columns, in order; missing ones null) of type ``rtype``."""
+    have = set(df.columns)
+    return df.select(*(
+        F.lit(rtype).alias(n) if n == "record_type" else F.col(n).cast(s) if n in have else F.lit(None).cast(s).alias(n)
+        for n, _, s, _ in FACT_COLUMNS))
+
+
+def _merge_open(base: DataFrame, nparts: int) -> tuple[DataFrame, DataFrame, DataFrame, list[DataFrame]]:
+    """The facts of the messages no task closed, from their record rows in ``base``: (messages, outcomes with
+    the ``expired`` ones, recipients, the DataFrames cached for them), as mtaq/analytics/facts.py computes
+    them for closed messages. Every row of a message lands in one of ``nparts`` partitions."""
+    rt = F.col("record_type")
+    env, start, fin = rt == "ENVELOPE", rt == "START", rt == "FINISH"
+    # Record rows hash-partitioned by queue ID once, so that the groupings, joins and the last-outcome window
+    # below need no further shuffle. Strings are grouping keys here, never aggregated: Spark's hash
+    # aggregation keeps only fixed-width buffers, so a max() of a string (or a distinct count, or
+    # collect_set) made it sort every row of every message instead (docs/performance.md). Every envelope of
+    # a message carries the same recipients (index and address), sender and bounce_of (a replacement copies
+    # them), so these groups are one per recipient and one per message.
+    raw = base.filter(rt.isin(*_KEYED)).repartition(nparts, "queue_id").persist(StorageLevel.MEMORY_AND_DISK)
+    rcpts = raw.filter(env).select("queue_id", "rcpt_index", "rcpt_address", "rcpt_domain").distinct()
+    who = raw.filter(env).select("queue_id", "sender", "sender_domain", "bounce_of").distinct()
+    msgs = (
+        raw.filter(rt.isin("ENVELOPE", "START", "FINISH"))
+        .groupBy("queue_id")
+        .agg(
+            F.min(F.when(env, F.col("arrival_ts"))).alias("arrival_ts"),
+            F.max(F.when(env, F.col("size"))).alias("size"),
+            F.max(F.when(env, F.col("generation") == 0)).alias("first_seen"),
+            F.count(F.when(start, 1)).alias("attempts"),
+            F.max(F.when(fin, F.col("ts"))).alias("finish_ts"),
+            F.count(F.when(env, 1)).alias("_envelope_rows"),
+        )
+        .filter(F.col("_envelope_rows") > 0)
+        .drop("_envelope_rows")
+        .join(who.hint("shuffle_hash"), "queue_id", "left")
+        .join(rcpts.groupBy("queue_id").agg(F.count("*").alias("recipients")).hint("shuffle_hash"), "queue_id", "left")
+        .select(*_MSG_COLS)
+    )
+    outcomes = (
+        raw.filter(rt == "DELIVERY")
+        .select("queue_id", "rcpt_index", "ts", "status", "code", "enhanced", "text", "relay", "segment", "offset")
+        .join(rcpts.hint("shuffle_hash"), ["queue_id", "rcpt_index"], "left")
+        .join(msgs.select("queue_id", "arrival_ts", "size", "sender", "bounce_of", "finish_ts").hint("shuffle_hash"),
+              "queue_id", "left")
+        .withColumn("delay_s", _seconds_between(F.col("ts"), F.col("arrival_ts")))
+    )
+    last = Window.partitionBy("queue_id", "rcpt_index").orderBy(F.desc("ts"), F.desc("segment"), F.desc("offset"))
+    expired = (
+        outcomes.withColumn("rn", F.row_number().over(last))
+        .filter((F.col("rn") == 1) & (F.col("status") == "deferred") & F.col("finish_ts").isNotNull()
+                & (F.col("finish_ts") >= F.col("ts")))
+        .select(
+            "queue_id", "rcpt_index", F.col("finish_ts").alias("ts"), F.lit("expired").alias("status"),
+            F.lit(None).cast("int").alias("code"), F.lit("4.4.7").alias("enhanced"),
+            F.concat(F.lit("queue lifetime exceeded; last reply: "), F.col("text")).alias("text"), "relay",
+            "segment", "offset", "rcpt_address", "rcpt_domain", "arrival_ts", "size", "sender", "bounce_of",
+            "finish_ts", _seconds_between(F.col("finish_ts"), F.col("arrival_ts")).alias("delay_s"),
+        )
+    )
+    # Only what Spark merged is cached (few rows); the facts the tasks computed are read from the staged
+    # Parquet by each query, the columns it needs. Caching all of them again (4 million outcomes at 10
+    # million records) cost 20 s of JVM CPU for a copy of what is on disk.
+    msgs = msgs.persist(StorageLevel.MEMORY_AND_DISK)
+    merged = outcomes.unionByName(expired).select(*_EVERY_COLS).persist(StorageLevel.MEMORY_AND_DISK)
+    return msgs, merged, rcpts, [raw, msgs, merged]
 
 
 def _bucket_label(bounds: Sequence[int], unit: str, value: Column) -> Column:
@@ -208,6 +315,10 @@ def _bucket_label(bounds: Sequence[int], unit: str, value: Column) -> Column:
 
 
 _KEYED = ("ENVELOPE", "START", "DELIVERY", "FINISH")
+_MSG_COLS = ("queue_id", "arrival_ts", "size", "sender", "sender_domain", "bounce_of", "first_seen", "recipients",
+             "attempts", "finish_ts")
+_EVERY_COLS = ("queue_id", "rcpt_index", "ts", "status", "code", "enhanced", "text", "relay", "segment", "offset",
+               "rcpt_address", "rcpt_domain", "arrival_ts", "size", "sender", "bounce_of", "finish_ts", "delay_s")
 
 
 def _collect_tables(named: dict[str, DataFrame]) -> dict[str, list[dict[str, Any]]]:
@@ -306,7 +417,7 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
     # read only the columns and row groups they need, vectorised. Spark's own cache of the same rows cost
     # more JVM CPU than the decoding (building 33 columns of every row; docs/performance.md, "Fourth round (issue 17)").
     stored = sum(f.size for f in discover(opts.paths))
-    parts = max(2, spark.sparkContext.defaultParallelism, -(-stored // PARTITION_STORED_BYTES))
+    nparts = max(2, spark.sparkContext.defaultParallelism, -(-stored // PARTITION_STORED_BYTES))
     reader = (
         spark.read.format("mtaq")
         .schema(STAGED_DDL)  # given, so that Spark does not start a Python process to ask the source
@@ -317,233 +428,85 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
         .option("closeMessages", "true" if opts.close_messages else "false")
     )
     if until is not None:
-        reader = reader.option("untilMicros", str(int(until.timestamp() * 1_000_000)))
+        reader = reader.option("untilMicros", str(_micros(until)))
+    if since is not None:
+        reader = reader.option("sinceMicros", str(_micros(since)))
     staged = reader.load().collect()
-    base = spark.read.schema(FACT_SPARK_DDL).parquet(*(r["path"] for r in staged))
-    rt = F.col("record_type")
-    inventory = base.agg(
-        F.count(F.when(rt == "SEGMENT", 1)).alias("segments"),
-        F.sum(F.when(rt == "SEGMENT", F.col("records"))).alias("records"),
-        F.sum(F.when(rt == "SEGMENT", F.col("size"))).alias("bytes_read"),
-        F.max(F.when(rt.isin(*_KEYED, "MESSAGE"), F.col("ts"))).alias("last_ts"),
-    ).first()
-    assert inventory is not None
-    say(f"decoded {inventory['records'] or 0} records from {inventory['segments']} segments "
-        f"({inventory['bytes_read'] or 0} bytes)")
+    base = spark.read.schema(FACT_SPARK_DDL).parquet(*(r["path"] for r in staged if r["path"] is not None))
+    # The small tables' partial aggregates, one set per task (mtaq/analytics/partials.py); Spark's merge of the
+    # open messages adds its own below, and the driver adds them all up.
+    part_rows = [(r["part"], bytes(r["data"])) for r in staged if r["part"] is not None]
+    [inventory] = _pylist(merge(part_rows)["inventory"])
+    say(f"decoded {inventory['records']} records from {inventory['segments']} segments "
+        f"({inventory['bytes_read']} bytes)")
     end_value = until if until is not None else inventory["last_ts"]
-    end_ts = F.lit(end_value).cast("timestamp")
-
-    env, start, fin = rt == "ENVELOPE", rt == "START", rt == "FINISH"
-    # Per recipient (queue_id, rcpt_index): its address. Grouped within the queue-ID partitions: no shuffle.
-    # Strings are grouping keys here, never aggregated: Spark's hash aggregation keeps only fixed-width
-    # buffers, so a max() of a string (or a distinct count, or collect_set) made it sort every row of every
-    # message instead (docs/performance.md). Every envelope of a message carries the same recipients (index
-    # and address), sender and bounce_of (a replacement copies them), so these groups are one per
-    # recipient and one per message.
-    # The record rows of the messages no partition held whole, hash-partitioned by queue ID once, so that the
-    # groupings, joins and the last-outcome window below need no further shuffle.
-    raw = base.filter(rt.isin(*_KEYED)).repartition(parts, "queue_id").persist(StorageLevel.MEMORY_AND_DISK)
-    rcpts = raw.filter(env).select("queue_id", "rcpt_index", "rcpt_address", "rcpt_domain").distinct()
-    who = raw.filter(env).select("queue_id", "sender", "sender_domain", "bounce_of").distinct()
-    msg_cols = ("queue_id", "arrival_ts", "size", "sender", "sender_domain", "bounce_of", "first_seen", "recipients",
-                "attempts", "finish_ts")
-    open_msgs = (
-        raw.filter(rt.isin("ENVELOPE", "START", "FINISH"))
-        .groupBy("queue_id")
-        .agg(
-            F.min(F.when(env, F.col("arrival_ts"))).alias("arrival_ts"),
-            F.max(F.when(env, F.col("size"))).alias("size"),
-            F.max(F.when(env, F.col("generation") == 0)).alias("first_seen"),
-            F.count(F.when(start, 1)).alias("attempts"),
-            F.max(F.when(fin, F.col("ts"))).alias("finish_ts"),
-            F.count(F.when(env, 1)).alias("_envelope_rows"),
-        )
-        .filter(F.col("_envelope_rows") > 0)
-        .drop("_envelope_rows")
-        .join(who.hint("shuffle_hash"), "queue_id", "left")
-        .join(rcpts.groupBy("queue_id").agg(F.count("*").alias("recipients")).hint("shuffle_hash"), "queue_id", "left")
-        .select(*msg_cols)
-    )
-    outcomes = (
-        raw.filter(rt == "DELIVERY")
-        .select("queue_id", "rcpt_index", "ts", "status", "code", "enhanced", "text", "relay", "segment", "offset")
-        .join(rcpts.hint("shuffle_hash"), ["queue_id", "rcpt_index"], "left")
-        .join(open_msgs.select("queue_id", "arrival_ts", "size", "sender", "bounce_of", "finish_ts").hint("shuffle_hash"),
-              "queue_id", "left")
-        .withColumn("delay_s", _seconds_between(F.col("ts"), F.col("arrival_ts")))
-    )
-    last = Window.partitionBy("queue_id", "rcpt_index").orderBy(F.desc("ts"), F.desc("segment"), F.desc("offset"))
-    expired = (
-        outcomes.withColumn("rn", F.row_number().over(last))
-        .filter((F.col("rn") == 1) & (F.col("status") == "deferred") & F.col("finish_ts").isNotNull()
-                & (F.col("finish_ts") >= F.col("ts")))
-        .select(
-            "queue_id", "rcpt_index", F.col("finish_ts").alias("ts"), F.lit("expired").alias("status"),
-            F.lit(None).cast("int").alias("code"), F.lit("4.4.7").alias("enhanced"),
-            F.concat(F.lit("queue lifetime exceeded; last reply: "), F.col("text")).alias("text"), "relay",
-            "segment", "offset", "rcpt_address", "rcpt_domain", "arrival_ts", "size", "sender", "bounce_of",
-            "finish_ts", _seconds_between(F.col("finish_ts"), F.col("arrival_ts")).alias("delay_s"),
-        )
-    )
-    every_cols = ("queue_id", "rcpt_index", "ts", "status", "code", "enhanced", "text", "relay", "segment", "offset",
-                  "rcpt_address", "rcpt_domain", "arrival_ts", "size", "sender", "bounce_of", "finish_ts", "delay_s")
-    # Only what Spark merged is cached (the messages no partition held whole: few); the facts the tasks
-    # computed are read from the staged Parquet by each query, the columns it needs. Caching all of them
-    # again (4 million outcomes at 10 million records) cost 20 s of JVM CPU for a copy of what is on disk.
-    open_msgs = open_msgs.persist(StorageLevel.MEMORY_AND_DISK)
-    merged = outcomes.unionByName(expired).select(*every_cols).persist(StorageLevel.MEMORY_AND_DISK)
-    msgs = base.filter(rt == "MESSAGE").select(*msg_cols).unionByName(open_msgs)
-    every = base.filter(rt == "OUTCOME").select(*every_cols).unionByName(merged)  # all outcomes, any time
-    # Recipients of the messages still queued at the end (qshape_now): the merged ones', and those of the
-    # messages closed in a partition but queued at --until (RCPT rows).
-    rcpts_all = rcpts.unionByName(base.filter(rt == "RCPT").select("queue_id", "rcpt_index", "rcpt_address",
-                                                                   "rcpt_domain"))
-    # Materialise the caches once, before the many branches below start at the same time (each would
-    # otherwise compute the same partitions again).
-    say(f"per message and per recipient facts: {merged.count()} outcomes and {open_msgs.count()} messages merged "
-        f"by Spark, {every.count()} outcomes in all")
+    if isinstance(end_value, dt.datetime) and end_value.tzinfo is None:
+        end_value = end_value.replace(tzinfo=dt.UTC)  # _pylist's naive UTC
+    age_labels = bucket_labels(AGE_BUCKETS_MIN, "m")
+    rt = F.col("record_type")
+    msgs = base.filter(rt == "MESSAGE").select(*_MSG_COLS)
+    every = base.filter(rt == "OUTCOME").select(*_EVERY_COLS)  # all outcomes, any time
+    cached: list[DataFrame] = []
+    if inventory["open_rows"]:
+        # Messages no task held whole (spread over partitions, or still queued): their record rows merged by
+        # Spark into the same facts, then the same partial aggregates as the tasks'.
+        open_msgs, merged, open_rcpts, merge_cached = _merge_open(base, nparts)
+        cached += merge_cached
+        say(f"per message and per recipient facts: {merged.count()} outcomes and {open_msgs.count()} messages "
+            "merged by Spark")
+        msgs = msgs.unionByName(open_msgs)
+        every = every.unionByName(merged)
+        since_us, until_us = (None if x is None else _micros(x) for x in (since, until))
+        end_us = None if end_value is None else _micros(end_value)
+        facts = _as_facts(open_msgs, "MESSAGE").unionByName(_as_facts(merged, "OUTCOME")).unionByName(
+            _as_facts(open_rcpts, "RCPT")).repartition(nparts, "queue_id")
+        names = facts.columns
+        facts = facts.select(*(F.unix_micros(F.col(f.name)).alias(f.name) if f.dataType.typeName() == "timestamp"
+                               else F.col(f.name) for f in facts.schema.fields))
+        got_open = facts.rdd.mapPartitions(partial(partial_rows, names=names, since_us=since_us, until_us=until_us,
+                                                   end_us=end_us)).collect()
+        part_rows += [(name, bytes(data)) for name, data in got_open]
+    parts = merge(part_rows)
     oe = every.filter(_window(F.col("ts"), since, until))
     st = F.col("status")
-    is_bounce = st.isin("failed", "expired")
     delivered = st == "delivered"
     received = msgs.filter(F.col("first_seen") & (F.col("bounce_of") == "") & _window(F.col("arrival_ts"), since, until))
 
-    # --------------------------------------------------------------------------- the small tables
-    say("computing every table (one Spark job)")
-    side = base.filter(rt.isin("PROBLEM", "SEGMENT") | (rt.isin("ENVELOPE", "FLAGGED") & F.col("rcpt_unknown")
-                                                       & _window(F.col("not_before_ts"), since, until)))
-    problems_df = side.filter(rt == "PROBLEM").select(
-        "file", "segment", "offset", "problem_end", "problem_kind", "problem_reason")
-    unknown_df = (
-        side.filter(rt.isin("ENVELOPE", "FLAGGED"))
-        .select("queue_id", "rcpt_index", "rcpt_address", "generation", F.col("not_before_ts").alias("flagged_ts"),
-                "last_reply")
-        .dropDuplicates(["queue_id", "rcpt_index", "generation"])
-    )
-    segments_df = side.filter(rt == "SEGMENT").select("file", "segment", "size", "records", "sealed",
-                                                      F.col("ts").alias("created_ts"))
-    # Recipients deferred at least once (in the window), counted per recipient first: grouping by queue ID
-    # and index needs no shuffle, and no distinct count is left for Spark to expand.
+    # --------------------------------------------------------------------------- what stays in Spark
+    say("computing the tables")
     domain = F.coalesce(F.col("rcpt_domain"), F.lit("?")).alias("domain")
-    deferred_rcpts = (
-        oe.filter(st == "deferred").select("queue_id", "rcpt_index", "rcpt_domain").distinct()
-        .groupBy(domain).agg(F.count("*").alias("deferred"))
-    )
     senders = received.groupBy("sender", "sender_domain").agg(F.count("*").alias("messages"),
                                                                F.sum("size").alias("bytes"))
-    sender_domains = received.groupBy(F.col("sender_domain").alias("domain")).agg(
-        F.count("*").alias("messages"), F.sum("size").alias("bytes"))
     recipients = oe.filter(delivered).groupBy("rcpt_address", "rcpt_domain").agg(
         F.count("*").alias("delivered"), F.sum("size").alias("bytes"))
     senders = senders.persist(StorageLevel.MEMORY_AND_DISK)
     recipients = recipients.persist(StorageLevel.MEMORY_AND_DISK)
+    cached += [senders, recipients]
     shown = max(opts.top, TOP_ROWS_COLLECTED)
-    # Distinct recipients and messages per reason by three plain aggregations: per recipient and per message
-    # within the queue-ID partitions (no shuffle), then per reason.
-    reason: list[Column | str] = [F.when(st == "failed", "bounced").otherwise(st).alias("status"), "enhanced", "relay"]
-    reasons = (
-        oe.filter(st.isin("deferred", "failed", "expired"))
-        .groupBy(*reason, "queue_id", "rcpt_index").agg(F.count("*").alias("n"), F.min("text").alias("example"))
-        .groupBy("status", "enhanced", "relay", "queue_id").agg(
-            F.sum("n").alias("n"), F.count("*").alias("recipients"), F.min("example").alias("example"))
-        .groupBy("status", "enhanced", "relay").agg(
-            F.sum("n").alias("count"), F.sum("recipients").alias("recipients"), F.count("*").alias("messages"),
-            F.min("example").alias("example"))
+    # Nearest-rank percentiles need every value of a group in one place: the one aggregation left over the
+    # outcomes (all delivered outcomes, and per recipient domain).
+    percentiles = (
+        oe.filter(delivered).select(domain, "delay_s")
+        .groupingSets([[], ["domain"]], "domain")
+        .agg(F.grouping("domain").alias("g_domain"), F.percentile_approx("delay_s", [0.5, 0.9, 0.99], 10000).alias("p"))
     )
-    kind = F.when(st.isin("expired", "failed"), "bounced").otherwise(st)
-    facts = (
-        received.select(F.col("arrival_ts").alias("t"), F.lit("received").alias("kind"), F.col("size").alias("bytes"))
-        .unionByName(oe.select(F.col("ts").alias("t"), kind.alias("kind"),
-                               F.when(delivered, F.col("size")).otherwise(0).alias("bytes")))
-    )
-    hourly = facts.groupBy(F.date_trunc("hour", F.col("t")).alias("hour")).agg(
-        *(F.count(F.when(F.col("kind") == k, 1)).alias("deferrals" if k == "deferred" else k)
-          for k in ("received", "delivered", "deferred", "bounced")),
-        F.coalesce(F.sum(F.when(F.col("kind") == "received", F.col("bytes"))), F.lit(0)).alias("bytes_received"),
-        F.coalesce(F.sum(F.when(F.col("kind") == "delivered", F.col("bytes"))), F.lit(0)).alias("bytes_delivered"),
-    )
-    delays = oe.filter(delivered).groupBy(_bucket_label(DELAY_BUCKETS_S, "s", F.col("delay_s")).alias("bucket")).agg(
-        F.count("*").alias("delivered"))
-    attempts = received.groupBy("attempts").agg(F.count("*").alias("messages"))
-    first_tick = F.date_trunc("hour", F.col("arrival_ts"))
-    first_tick = F.when(first_tick == F.col("arrival_ts"), first_tick).otherwise(first_tick + F.expr("INTERVAL 1 HOUR"))
-    gone = F.coalesce(F.col("finish_ts") - F.expr("INTERVAL 1 MICROSECOND"), end_ts)
-    last_tick = F.date_trunc("hour", F.least(gone, end_ts))
-    age_labels = bucket_labels(AGE_BUCKETS_MIN, "m")
-    ticks = (
-        msgs.select("arrival_ts", "size", first_tick.alias("a"), last_tick.alias("b"))
-        .filter(F.col("a") <= F.col("b"))
-        .select("arrival_ts", "size", F.explode(F.sequence("a", "b", F.expr("INTERVAL 1 HOUR"))).alias("tick"))
-        .filter(_window(F.col("tick"), since, until))
-        .withColumn("age", _bucket_label(AGE_BUCKETS_MIN, "m", _seconds_between(F.col("tick"), F.col("arrival_ts")) / 60))
-    )
-    qshape = ticks.groupBy("tick").agg(
-        F.count("*").alias("messages"), F.sum("size").alias("bytes"),
-        *(F.count(F.when(F.col("age") == a, 1)).alias(a) for a in age_labels))
-    final = every.filter(st.isin("delivered", "failed") & (F.col("ts") <= end_ts)).select("queue_id", "rcpt_index")
-    pending = (
-        msgs.filter((F.col("arrival_ts") <= end_ts) & (F.col("finish_ts").isNull() | (F.col("finish_ts") > end_ts)))
-        .select("queue_id", "arrival_ts")
-        .join(rcpts_all, "queue_id")
-        .join(final, ["queue_id", "rcpt_index"], "left_anti")
-        .withColumn("age", _bucket_label(AGE_BUCKETS_MIN, "m", _seconds_between(end_ts, F.col("arrival_ts")) / 60))
-    )
-    qshape_now = pending.groupBy(F.coalesce("rcpt_domain", F.lit("?")).alias("domain")).agg(
-        F.count("*").alias("recipients"), *(F.count(F.when(F.col("age") == a, 1)).alias(a) for a in age_labels))
-    # Most small tables are a few aggregations over the same rows: one GROUPING SETS aggregation over the
-    # outcomes (totals, domains, delay buckets, the outcomes' hours) and one over the received messages
-    # (totals, sending domains, attempts, the arrivals' hours) instead of a job each; the problem, unknown
-    # and segment rows in one collect. Their rows are split on the driver into the tables defined above
-    # (whose DataFrames give the Parquet schemas and are never run).
-    o_aggs = [
-        F.sum(F.when(delivered, 1).otherwise(0)).alias("delivered"),
-        F.sum(F.when(delivered, F.col("size")).otherwise(0)).alias("bytes_delivered"),
-        F.sum(F.when(st == "deferred", 1).otherwise(0)).alias("deferrals"),
-        F.sum(F.when(is_bounce, 1).otherwise(0)).alias("bounced"),
-        F.sum(F.when(st == "expired", 1).otherwise(0)).alias("expired"),
-        F.percentile_approx(F.when(delivered, F.col("delay_s")), [0.5, 0.9, 0.99], 10000).alias("p"),
-        F.avg(F.when(delivered, F.col("delay_s"))).alias("delay_mean_s"),
-        F.max(F.when(delivered, F.col("delay_s"))).alias("delay_max_s"),
-    ]
-    o_sets = (
-        oe.select("status", "size", "delay_s", domain, F.date_trunc("hour", F.col("ts")).alias("hour"),
-                  F.when(delivered, _bucket_label(DELAY_BUCKETS_S, "s", F.col("delay_s"))).alias("bucket"))
-        .groupingSets([[], ["domain"], ["hour"], ["bucket"]], "domain", "hour", "bucket")
-        .agg(F.grouping("domain").alias("g_domain"), F.grouping("hour").alias("g_hour"),
-             F.grouping("bucket").alias("g_bucket"), *o_aggs)
-    )
-    recv = (F.col("bounce_of") == "")
-    m_sets = (
-        msgs.filter(F.col("first_seen") & _window(F.col("arrival_ts"), since, until))
-        .select("bounce_of", "size", "attempts", F.col("sender_domain").alias("domain"),
-                F.date_trunc("hour", F.col("arrival_ts")).alias("hour"))
-        .groupingSets([[], ["domain"], ["attempts"], ["hour"]], "domain", "attempts", "hour")
-        .agg(F.grouping("domain").alias("g_domain"), F.grouping("attempts").alias("g_attempts"),
-             F.grouping("hour").alias("g_hour"), F.count(F.when(recv, 1)).alias("received"),
-             F.coalesce(F.sum(F.when(recv, F.col("size"))), F.lit(0)).alias("bytes_received"),
-             F.count(F.when(F.col("bounce_of") != "", 1)).alias("dsn_generated"))
-    )
-    side_rows = side.select("record_type", "file", "segment", "offset", "problem_end", "problem_kind", "problem_reason",
-                            "queue_id", "rcpt_index", "rcpt_address", "generation", "not_before_ts", "last_reply",
-                            "size", "records", "sealed", "ts")
     got = _collect_tables({
-        "o_sets": o_sets, "m_sets": m_sets, "side": side_rows, "deferred_rcpts": deferred_rcpts,
+        "percentiles": percentiles,
         "counts": senders.agg(F.count("*").alias("senders")).crossJoin(
             recipients.filter(F.col("rcpt_address").isNotNull()).agg(F.count("*").alias("recipients"))),
-        "reasons": reasons, "qshape": qshape, "qshape_now": qshape_now,
         "senders_by_count": senders.orderBy(F.desc("messages"), F.desc("bytes"), "sender").limit(shown),
         "senders_by_bytes": senders.orderBy(F.desc("bytes"), "sender").limit(shown),
         "recipients_by_count": recipients.orderBy(F.desc("delivered"), F.desc("bytes"), "rcpt_address").limit(shown),
         "recipients_by_bytes": recipients.orderBy(F.desc("bytes"), "rcpt_address").limit(shown),
     })
-    got |= _split_sets(got.pop("o_sets"), got.pop("m_sets"), got.pop("side"))
+    got |= _split_parts(parts, got.pop("percentiles"))
     say("tables collected")
     [r] = got["totals_r"]
     [d] = got["totals_d"]
     [o] = got["totals_o"]
     problems = _sorted(got["problems"], "segment", "offset")
     unknown = _sorted(got["unknown"], "flagged_ts", "queue_id", "rcpt_index")
-    p = o["p"] or [None, None, None]
+    p = [o["delay_p50_s"], o["delay_p90_s"], o["delay_p99_s"]]
     [counts] = got["counts"]
     deferred_by_domain = {x["domain"]: x["deferred"] for x in got["deferred_rcpts"]}
     domain_rows = []
@@ -613,9 +576,7 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
     }
     say("writing the tables (Parquet)")
     os.makedirs(tables_dir, exist_ok=True)
-    schemas = {"problems": problems_df, "unknown": unknown_df, "sender_domains": sender_domains,
-               "reasons": reasons, "hourly": hourly, "delays": delays, "attempts": attempts, "qshape": qshape,
-               "qshape_now": qshape_now, "segments": segments_df}
+    schemas = _small_schemas()
     for name, rows in tables.items():
         if name in ("senders", "recipients"):
             continue
@@ -636,7 +597,7 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
     say("writing the report")
     result = Result(totals, tables, time.monotonic() - t0)
     write_report(opts.out, result, top=opts.top, plots=opts.plots)
-    for df in (senders, recipients, merged, open_msgs, raw):
+    for df in cached:
         df.unpersist()
     result.seconds = time.monotonic() - t0
     say(f"done in {result.seconds:.1f} s: {opts.out}/report.md")
@@ -653,49 +614,57 @@ def _remove_stage(uri: str) -> None:
         fs.delete_dir(inner)
 
 
-def _split_sets(o_sets: list[dict[str, Any]], m_sets: list[dict[str, Any]],
-                side: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    """The rows of the small tables, from the rows of the two GROUPING SETS aggregations and the side rows
-    (see ``analyze``), as their own aggregations would have given them."""
-    o_keys = ("delivered", "bytes_delivered", "deferrals", "bounced", "expired", "p", "delay_mean_s", "delay_max_s")
+def _split_parts(parts: dict[str, pa.Table], percentiles: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """The rows of the small tables from the merged partial tables (:func:`mtaq.analytics.partials.merge`) and
+    the rows of the percentile aggregation, as the job's definitions give them (see the module docstring)."""
+    rows = {name: _pylist(t) for name, t in parts.items()}
+    p_of = {r["domain"]: r["p"] for r in percentiles if not r["g_domain"]}
+    p_all = next((r["p"] for r in percentiles if r["g_domain"]), None)
+
+    def o_row(r: dict[str, Any], p: list[float | None] | None) -> dict[str, Any]:
+        p = p or [None, None, None]
+        n = r["delay_n"]
+        return {"delivered": r["delivered"], "bytes_delivered": r["bytes_delivered"], "deferrals": r["deferrals"],
+                "bounced": r["bounced"], "expired": r["expired"], "delay_mean_s": r["delay_us"] / 1e6 / n if n else None,
+                "delay_max_s": r["delay_max_s"], "delay_p50_s": p[0], "delay_p90_s": p[1], "delay_p99_s": p[2]}
+
     out: dict[str, list[dict[str, Any]]] = {
-        "totals_o": [{k: None for k in o_keys}], "domains": [], "delays": [], "totals_r": [{"received": 0, "bytes_received": 0}],
-        "totals_d": [{"dsn_generated": 0}], "sender_domains": [], "attempts": []}
+        "totals_o": [o_row(r, p_all) for r in rows["o_total"]] or [o_row({k: 0 for k in (
+            "delivered", "bytes_delivered", "deferrals", "bounced", "expired", "delay_us", "delay_n")} | {
+            "delay_max_s": None}, None)],
+        "domains": [{"domain": r["domain"], **o_row(r, p_of.get(r["domain"]))} for r in rows["o_domain"]],
+        "delays": [{"bucket": r["bucket"], "delivered": r["delivered"]} for r in rows["o_bucket"]],
+        "totals_r": [{"received": r["received"], "bytes_received": r["bytes_received"]} for r in rows["m_total"]]
+        or [{"received": 0, "bytes_received": 0}],
+        "totals_d": [{"dsn_generated": r["dsn_generated"]} for r in rows["m_total"]] or [{"dsn_generated": 0}],
+        "sender_domains": [{"domain": r["domain"], "messages": r["received"], "bytes": r["bytes_received"]}
+                           for r in rows["m_domain"] if r["received"]],
+        "attempts": [{"attempts": r["attempts"], "messages": r["received"]} for r in rows["m_attempts"] if r["received"]],
+        "deferred_rcpts": rows["deferred"],
+        "reasons": rows["reasons"],
+    }
     hours: dict[Any, dict[str, Any]] = {}
 
     def hour(h: Any) -> dict[str, Any]:
         return hours.setdefault(h, {"hour": h, "received": 0, "delivered": 0, "deferrals": 0, "bounced": 0,
                                     "bytes_received": 0, "bytes_delivered": 0})
 
-    for r in o_sets:
-        if not r["g_domain"]:
-            p = r["p"] or [None, None, None]
-            out["domains"].append({"domain": r["domain"], **{k: r[k] for k in o_keys[:4]}, "delay_mean_s": r["delay_mean_s"],
-                                   "delay_max_s": r["delay_max_s"], "delay_p50_s": p[0], "delay_p90_s": p[1],
-                                   "delay_p99_s": p[2]})
-        elif not r["g_hour"]:
-            h = hour(r["hour"])
-            for k in ("delivered", "deferrals", "bounced", "bytes_delivered"):
-                h[k] = r[k]
-        elif not r["g_bucket"]:
-            if r["bucket"] is not None:
-                out["delays"].append({"bucket": r["bucket"], "delivered": r["delivered"]})
-        else:
-            out["totals_o"] = [{k: r[k] for k in o_keys}]
-    for r in m_sets:
-        if r["g_domain"] and r["g_attempts"] and r["g_hour"]:
-            out["totals_r"] = [{"received": r["received"], "bytes_received": r["bytes_received"]}]
-            out["totals_d"] = [{"dsn_generated": r["dsn_generated"]}]
-        elif not r["received"]:
-            continue  # DSNs only: not in the received tables
-        elif not r["g_domain"]:
-            out["sender_domains"].append({"domain": r["domain"], "messages": r["received"], "bytes": r["bytes_received"]})
-        elif not r["g_attempts"]:
-            out["attempts"].append({"attempts": r["attempts"], "messages": r["received"]})
-        else:
+    for r in rows["o_hour"]:
+        h = hour(r["hour"])
+        for k in ("delivered", "deferrals", "bounced", "bytes_delivered"):
+            h[k] = r[k]
+    for r in rows["m_hour"]:
+        if r["received"]:
             h = hour(r["hour"])
             h["received"], h["bytes_received"] = r["received"], r["bytes_received"]
     out["hourly"] = list(hours.values())
+    ages = bucket_labels(AGE_BUCKETS_MIN, "m")
+    for name, col, count in (("qshape", "tick", "messages"), ("qshape_now", "domain", "recipients")):
+        by_age: dict[Any, dict[str, int]] = {}
+        for r in rows[f"{name}_age"]:
+            by_age.setdefault(r[col], {})[r["age"]] = r[count]
+        out[name] = [{**r, **{a: by_age.get(r[col], {}).get(a, 0) for a in ages}} for r in rows[name]]
+    side = rows["side"]
     out["problems"] = [{k: r[k] for k in ("file", "segment", "offset", "problem_end", "problem_kind", "problem_reason")}
                        for r in side if r["record_type"] == "PROBLEM"]
     out["segments"] = [{"file": r["file"], "segment": r["segment"], "size": r["size"], "records": r["records"],

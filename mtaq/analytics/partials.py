@@ -1,0 +1,327 @@
+"""The small tables as partial aggregates, computed where the facts are and merged on the driver (issue 17).
+
+The job's small tables (totals, per domain, per hour, time-to-deliver buckets, reasons, attempts, sending
+domains, queue shape over time and at the end) are sums, counts, minima and maxima over per-message and
+per-outcome facts, grouped by keys with few values. Each group's value is a sum of the values of the same
+group over any split of the messages, as long as no message is split: its distinct recipients (deferred,
+reasons) and its hours in the queue are then counted in one place only. The data source's tasks hold every
+message they close whole (:mod:`mtaq.analytics.facts`), and Spark's merge of the other messages is
+partitioned by queue ID, so :func:`partials` runs on each of them, and :func:`merge` adds the results up on
+the driver. This replaces some 40 Spark stages (a few seconds each on two cores; docs/performance.md,
+"Fifth round (issue 17)").
+
+What stays in Spark: the time-to-deliver percentiles (nearest rank needs all values of a group in one place),
+and the tables with a row per address (senders, recipients) or per fact (outcomes, messages), which are
+written by the executors.
+
+Definitions are those of :mod:`mtaq.analytics.job` (its docstring), value for value. Partial tables
+(``PARTS``), each an Arrow table of its keys and its values:
+
+* ``inventory``: segments, records, bytes_read (SEGMENT rows), last_ts (latest ``ts`` of a record or a
+  closed message), open_rows (record rows left for Spark's merge);
+* ``side``: PROBLEM and SEGMENT rows, and the envelopes with an outcome-unknown recipient (in the window);
+* ``o_total``, ``o_domain``, ``o_hour``, ``o_bucket``: outcomes in the window, by nothing, recipient domain
+  (``?`` when unknown), UTC hour, time-to-deliver bucket (delivered only): delivered, bytes_delivered,
+  deferrals, bounced (failed + expired), expired, delay_us (sum of delivered delays, microseconds),
+  delay_n, delay_max_s;
+* ``deferred``: recipients deferred at least once, by domain;
+* ``reasons``: deferred / bounced / expired outcomes by status, enhanced code and relay: count, recipients,
+  messages, example (the least reply text);
+* ``m_total``, ``m_domain``, ``m_attempts``, ``m_hour``: messages first seen in the log, arrived in the
+  window, by nothing, sending domain, attempts, UTC hour: received, bytes_received, dsn_generated;
+* ``qshape``, ``qshape_age``: at every whole hour in the window, the messages arrived and not FINISHed:
+  messages and bytes by tick, messages by tick and age bucket (minutes);
+* ``qshape_now``, ``qshape_now_age``: recipients of messages still queued at the end with no final outcome
+  by then, by domain, and by domain and age bucket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from mtaq.analytics.tables import AGE_BUCKETS_MIN, DELAY_BUCKETS_S, bucket_labels
+
+__all__ = ["PARTS", "decode", "encode", "merge", "partial_rows", "partials"]
+
+_TS = pa.timestamp("us", tz="UTC")
+_HOUR_US = 3_600_000_000
+_KEYED = pa.array(["ENVELOPE", "START", "DELIVERY", "FINISH"])
+_O_VALUES = ("delivered", "bytes_delivered", "deferrals", "bounced", "expired", "delay_us", "delay_n")
+_M_VALUES = ("received", "bytes_received", "dsn_generated")
+SIDE_COLUMNS = ("record_type", "file", "segment", "offset", "problem_end", "problem_kind", "problem_reason",
+                "queue_id", "rcpt_index", "rcpt_address", "generation", "not_before_ts", "last_reply", "size",
+                "records", "sealed", "ts")
+
+# part: (keys, {value column: how partials of it combine})
+PARTS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
+    "inventory": ((), {"segments": "sum", "records": "sum", "bytes_read": "sum", "last_ts": "max", "open_rows": "sum"}),
+    "side": ((), {}),  # rows, concatenated
+    **{f"o_{g}": (k, {**{v: "sum" for v in _O_VALUES}, "delay_max_s": "max"})
+       for g, k in (("total", ()), ("domain", ("domain",)), ("hour", ("hour",)), ("bucket", ("bucket",)))},
+    "deferred": (("domain",), {"deferred": "sum"}),
+    "reasons": (("status", "enhanced", "relay"),
+                {"count": "sum", "recipients": "sum", "messages": "sum", "example": "min"}),
+    **{f"m_{g}": (k, {v: "sum" for v in _M_VALUES})
+       for g, k in (("total", ()), ("domain", ("domain",)), ("attempts", ("attempts",)), ("hour", ("hour",)))},
+    "qshape": (("tick",), {"messages": "sum", "bytes": "sum"}),
+    "qshape_age": (("tick", "age"), {"messages": "sum"}),
+    "qshape_now": (("domain",), {"recipients": "sum"}),
+    "qshape_now_age": (("domain", "age"), {"recipients": "sum"}),
+}
+
+
+def _window(ts: pa.ChunkedArray | pa.Array, since_us: int | None, until_us: int | None) -> pa.ChunkedArray:
+    """True where ``ts`` is set and in [since, until) (the job's ``_window``); never null."""
+    us = ts.cast(_TS).cast(pa.int64())
+    cond = pc.is_valid(us)
+    if since_us is not None:
+        cond = pc.and_(cond, pc.fill_null(pc.greater_equal(us, since_us), False))
+    if until_us is not None:
+        cond = pc.and_(cond, pc.fill_null(pc.less(us, until_us), False))
+    return cond
+
+
+def _true(mask: pa.ChunkedArray | pa.Array) -> pa.ChunkedArray | pa.Array:
+    return pc.fill_null(mask, False)
+
+
+def _labels(values: np.ndarray, bounds: Sequence[int], unit: str) -> pa.Array:
+    """The bucket label of each value (NaN: the last, as the job's Spark expression gives a null value)."""
+    labels = pa.array(bucket_labels(bounds, unit))
+    return labels.take(pa.array(np.searchsorted(np.asarray(bounds, dtype=np.float64), values, side="right")))
+
+
+def _floats(a: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    return np.asarray(pc.fill_null(a.cast(pa.float64()), float("nan")), dtype=np.float64)
+
+
+def _hour(ts: pa.ChunkedArray | pa.Array) -> pa.ChunkedArray | pa.Array:
+    return pc.floor_temporal(ts.cast(_TS), unit="hour")
+
+
+def _group(t: pa.Table, keys: Sequence[str], sums: Sequence[str] = (), maxs: Sequence[str] = (),
+           mins: Sequence[str] = (), count: str | None = None) -> pa.Table:
+    """``t`` grouped by ``keys`` with the named aggregations, columns named as given (``count``: rows)."""
+    aggs: list[tuple[Any, str]] = [(c, "sum") for c in sums] + [(c, "max") for c in maxs] + [(c, "min") for c in mins]
+    if count is not None:
+        aggs.append(([], "count_all"))
+    g = t.group_by(list(keys), use_threads=False).aggregate(aggs)
+    names = [*sums, *maxs, *mins, *([count] if count else [])]
+    made = [f"{c}_{fn}" for c, fn in aggs[:len(aggs) - (count is not None)]] + (["count_all"] if count else [])
+    return g.select([*keys, *made]).rename_columns([*keys, *names])
+
+
+def partials(t: pa.Table, since_us: int | None, until_us: int | None, end_us: int | None) -> dict[str, pa.Table]:
+    """The partial tables (``PARTS``) of the fact rows ``t`` (:data:`mtaq.analytics.facts.FACT_SCHEMA`): its
+    MESSAGE, OUTCOME and RCPT rows (facts of whole messages), SEGMENT, PROBLEM and ENVELOPE/FLAGGED rows
+    (inventory and side rows) and the other record rows (counted only: Spark merges them).
+
+    ``since_us``/``until_us``: the job's window (microseconds since the epoch, UTC; None: unbounded).
+    ``end_us``: the job's end (``until``, or the latest record time of the whole log); None means that every
+    message in ``t`` FINISHed before the end (true of the messages a task closes when there is no ``until``),
+    so none is still queued then."""
+    rt = t["record_type"]
+    out: dict[str, pa.Table] = {}
+    seg = t.filter(_true(pc.equal(rt, "SEGMENT")))
+    keyed = _true(pc.is_in(rt, value_set=_KEYED))
+    with_ts = t.filter(pc.or_(keyed, _true(pc.equal(rt, "MESSAGE"))))["ts"]
+    out["inventory"] = pa.table({
+        "segments": pa.array([seg.num_rows], pa.int64()),
+        "records": pa.array([pc.sum(seg["records"]).as_py() or 0], pa.int64()),
+        "bytes_read": pa.array([pc.sum(seg["size"]).as_py() or 0], pa.int64()),
+        "last_ts": pa.array([pc.max(with_ts).as_py() if len(with_ts) else None], _TS),
+        "open_rows": pa.array([pc.sum(keyed.cast(pa.int64())).as_py() or 0], pa.int64()),
+    })
+    unknown = pc.and_(_true(pc.is_in(rt, value_set=pa.array(["ENVELOPE", "FLAGGED"]))),
+                      pc.and_(_true(t["rcpt_unknown"]), _window(t["not_before_ts"], since_us, until_us)))
+    out["side"] = t.filter(pc.or_(_true(pc.is_in(rt, value_set=pa.array(["PROBLEM", "SEGMENT"]))), unknown)).select(
+        list(SIDE_COLUMNS))
+    msgs = t.filter(_true(pc.equal(rt, "MESSAGE")))
+    outcomes = t.filter(_true(pc.equal(rt, "OUTCOME")))
+    out |= _outcome_parts(outcomes.filter(_window(outcomes["ts"], since_us, until_us)))
+    out |= _message_parts(msgs, since_us, until_us)
+    out |= _qshape(msgs, since_us, until_us, end_us)
+    if end_us is not None:
+        out |= _qshape_now(msgs, outcomes, t.filter(_true(pc.equal(rt, "RCPT"))), end_us)
+    return out
+
+
+def _outcome_parts(oe: pa.Table) -> dict[str, pa.Table]:
+    st = oe["status"]
+    delivered = _true(pc.equal(st, "delivered"))
+    one = pa.scalar(1, pa.int64())
+    zero = pa.scalar(0, pa.int64())
+    delay_us = pc.subtract(oe["ts"].cast(_TS).cast(pa.int64()), oe["arrival_ts"].cast(_TS).cast(pa.int64()))
+    delay_s = oe["delay_s"].cast(pa.float64())
+    d_delay = pc.and_(delivered, pc.is_valid(delay_us))
+    v = pa.table({
+        "domain": pc.fill_null(oe["rcpt_domain"], "?"),
+        "hour": _hour(oe["ts"]),
+        "bucket": pc.if_else(delivered, _labels(_floats(delay_s), DELAY_BUCKETS_S, "s"), pa.scalar(None, pa.string())),
+        "delivered": pc.if_else(delivered, one, zero),
+        "bytes_delivered": pc.if_else(delivered, pc.fill_null(oe["size"].cast(pa.int64()), 0), zero),
+        "deferrals": pc.if_else(_true(pc.equal(st, "deferred")), one, zero),
+        "bounced": pc.if_else(_true(pc.is_in(st, value_set=pa.array(["failed", "expired"]))), one, zero),
+        "expired": pc.if_else(_true(pc.equal(st, "expired")), one, zero),
+        "delay_us": pc.if_else(d_delay, delay_us, zero),
+        "delay_n": pc.if_else(d_delay, one, zero),
+        "delay_max_s": pc.if_else(delivered, delay_s, pa.scalar(None, pa.float64())),
+    })
+    out = {}
+    for name, keys in (("o_total", ()), ("o_domain", ("domain",)), ("o_hour", ("hour",))):
+        out[name] = _group(v, keys, sums=_O_VALUES, maxs=("delay_max_s",))
+    out["o_bucket"] = _group(v.filter(delivered), ("bucket",), sums=_O_VALUES, maxs=("delay_max_s",))
+    deferred = oe.filter(_true(pc.equal(st, "deferred"))).select(["queue_id", "rcpt_index", "rcpt_domain"])
+    deferred = deferred.group_by(["queue_id", "rcpt_index", "rcpt_domain"], use_threads=False).aggregate([])
+    out["deferred"] = _group(pa.table({"domain": pc.fill_null(deferred["rcpt_domain"], "?")}), ("domain",),
+                             count="deferred")
+    r = oe.filter(_true(pc.is_in(st, value_set=pa.array(["deferred", "failed", "expired"]))))
+    r = pa.table({
+        "status": pc.if_else(_true(pc.equal(r["status"], "failed")), pa.scalar("bounced"), r["status"]),
+        "enhanced": r["enhanced"], "relay": r["relay"], "queue_id": r["queue_id"], "rcpt_index": r["rcpt_index"],
+        "text": r["text"]})
+    why = ("status", "enhanced", "relay")
+    per_rcpt = _group(r, (*why, "queue_id", "rcpt_index"), mins=("text",), count="n")
+    per_msg = _group(per_rcpt, (*why, "queue_id"), sums=("n",), mins=("text",), count="recipients")
+    reasons = _group(per_msg, why, sums=("n", "recipients"), mins=("text",), count="messages")
+    out["reasons"] = reasons.rename_columns([*why, "count", "recipients", "example", "messages"]).select(
+        [*why, "count", "recipients", "messages", "example"])
+    return out
+
+
+def _message_parts(msgs: pa.Table, since_us: int | None, until_us: int | None) -> dict[str, pa.Table]:
+    m = msgs.filter(pc.and_(_true(msgs["first_seen"]), _window(msgs["arrival_ts"], since_us, until_us)))
+    bo = m["bounce_of"]
+    recv = _true(pc.equal(bo, ""))
+    one = pa.scalar(1, pa.int64())
+    zero = pa.scalar(0, pa.int64())
+    v = pa.table({
+        "domain": m["sender_domain"],
+        "attempts": m["attempts"].cast(pa.int64()),
+        "hour": _hour(m["arrival_ts"]),
+        "received": pc.if_else(recv, one, zero),
+        "bytes_received": pc.if_else(recv, pc.fill_null(m["size"].cast(pa.int64()), 0), zero),
+        "dsn_generated": pc.if_else(_true(pc.not_equal(bo, "")), one, zero),
+    })
+    return {name: _group(v, keys, sums=_M_VALUES) for name, keys in (
+        ("m_total", ()), ("m_domain", ("domain",)), ("m_attempts", ("attempts",)), ("m_hour", ("hour",)))}
+
+
+def _ints(a: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    return np.asarray(a.cast(_TS).cast(pa.int64()).to_numpy(zero_copy_only=False), dtype=np.int64)
+
+
+def _qshape(msgs: pa.Table, since_us: int | None, until_us: int | None, end_us: int | None) -> dict[str, pa.Table]:
+    """Every whole hour from the first after arrival to the last before the FINISH (or the end), as the job's
+    ``ticks`` explode them."""
+    m = msgs.filter(pc.is_valid(msgs["arrival_ts"]))
+    if end_us is None:
+        m = m.filter(pc.is_valid(m["finish_ts"]))
+    arr = _ints(m["arrival_ts"])
+    finish = m["finish_ts"].cast(_TS).cast(pa.int64())
+    gone = pc.subtract(finish, 1)
+    if end_us is not None:
+        gone = pc.min_element_wise(pc.fill_null(gone, end_us), pa.scalar(end_us, pa.int64()))
+    last = np.asarray(gone.to_numpy(zero_copy_only=False), dtype=np.int64)
+    first = arr // _HOUR_US * _HOUR_US
+    first = np.where(first == arr, first, first + _HOUR_US)
+    last = last // _HOUR_US * _HOUR_US
+    n = np.where(first <= last, (last - first) // _HOUR_US + 1, 0)
+    idx = np.repeat(np.arange(len(arr)), n)
+    starts = np.repeat(np.cumsum(n) - n, n)
+    tick = first[idx] + (np.arange(len(idx)) - starts) * _HOUR_US
+    keep = np.ones(len(tick), dtype=bool)
+    if since_us is not None:
+        keep &= tick >= since_us
+    if until_us is not None:
+        keep &= tick < until_us
+    idx, tick = idx[keep], tick[keep]
+    age_min = (tick - arr[idx]) / 1e6 / 60
+    size = pc.fill_null(m["size"].cast(pa.int64()), 0).to_numpy(zero_copy_only=False)
+    v = pa.table({"tick": pa.array(tick, pa.int64()).cast(_TS), "age": _labels(age_min, AGE_BUCKETS_MIN, "m"),
+                  "bytes": pa.array(size[idx] if len(size) else np.zeros(0, np.int64), pa.int64())})
+    return {"qshape": _group(v, ("tick",), sums=("bytes",), count="messages").select(["tick", "messages", "bytes"]),
+            "qshape_age": _group(v, ("tick", "age"), count="messages")}
+
+
+def _qshape_now(msgs: pa.Table, outcomes: pa.Table, rcpts: pa.Table, end_us: int) -> dict[str, pa.Table]:
+    """Recipients of the messages arrived by ``end_us`` and not FINISHed by then, without a final outcome
+    (delivered or failed) at or before it."""
+    end = pa.scalar(end_us, pa.int64())
+    arr = msgs["arrival_ts"].cast(_TS).cast(pa.int64())
+    fin = msgs["finish_ts"].cast(_TS).cast(pa.int64())
+    pending = msgs.filter(pc.and_(_true(pc.less_equal(arr, end)),
+                                  pc.or_(pc.is_null(fin), _true(pc.greater(fin, end)))))
+    final = outcomes.filter(pc.and_(_true(pc.is_in(outcomes["status"], value_set=pa.array(["delivered", "failed"]))),
+                                    _true(pc.less_equal(outcomes["ts"].cast(_TS).cast(pa.int64()), end))))
+    p = (pending.select(["queue_id", "arrival_ts"])
+         .join(rcpts.select(["queue_id", "rcpt_index", "rcpt_domain"]), "queue_id", join_type="inner")
+         .join(final.select(["queue_id", "rcpt_index"]), ["queue_id", "rcpt_index"], join_type="left anti"))
+    age_min = (end_us - _ints(p["arrival_ts"])) / 1e6 / 60
+    v = pa.table({"domain": pc.fill_null(p["rcpt_domain"], "?"), "age": _labels(age_min, AGE_BUCKETS_MIN, "m")})
+    return {"qshape_now": _group(v, ("domain",), count="recipients"),
+            "qshape_now_age": _group(v, ("domain", "age"), count="recipients")}
+
+
+def encode(parts: dict[str, pa.Table]) -> Iterator[tuple[str, bytes]]:
+    """(part, Arrow IPC stream bytes) for each partial table."""
+    for name, table in parts.items():
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, table.schema) as w:
+            w.write_table(table)
+        yield name, sink.getvalue().to_pybytes()
+
+
+def decode(data: bytes) -> pa.Table:
+    """The partial table of one :func:`encode` row."""
+    return pa.ipc.open_stream(pa.py_buffer(data)).read_all()
+
+
+def partial_rows(rows: Iterable[Sequence[Any]], names: Sequence[str], since_us: int | None, until_us: int | None,
+                 end_us: int | None) -> Iterator[tuple[str, bytes]]:
+    """For Spark's ``rdd.mapPartitions`` over fact rows partitioned by queue ID (every row of a message in one
+    partition): the partial tables of the partition as (part, data). ``rows`` are tuples of the columns
+    ``names`` of :data:`mtaq.analytics.facts.FACT_SCHEMA`, timestamps as microseconds since the epoch (so
+    that no time zone of an executor comes into it). A Python row API rather than ``mapInArrow``, which needs
+    pandas on the driver and every executor; the rows here are only those of the messages no task closed."""
+    got = list(rows)
+    if not got:
+        return
+    from mtaq.analytics.facts import FACT_SCHEMA
+
+    cols = list(zip(*got, strict=True)) if got else [() for _ in names]
+    arrays = []
+    for name, values in zip(names, cols, strict=True):
+        typ = FACT_SCHEMA.field(name).type
+        arrays.append(pa.array(values, pa.int64()).cast(typ) if pa.types.is_timestamp(typ) else pa.array(values, typ))
+    yield from encode(partials(pa.Table.from_arrays(arrays, names=list(names)), since_us, until_us, end_us))
+
+
+def merge(rows: Iterable[tuple[str, bytes]]) -> dict[str, pa.Table]:
+    """The partial tables of every task and partition, added up: one table per part of ``PARTS`` (absent
+    parts: empty), keys unique. Raises ValueError on a part this version does not know."""
+    got: dict[str, list[pa.Table]] = {}
+    for name, data in rows:
+        if name not in PARTS:
+            raise ValueError(f"unknown partial table {name!r}")
+        got.setdefault(name, []).append(decode(data))
+    out: dict[str, pa.Table] = {}
+    for name, (keys, how) in PARTS.items():
+        tables = got.get(name, [])
+        if not tables:
+            out[name] = pa.table({})
+            continue
+        t = pa.concat_tables(tables, promote_options="permissive")
+        if how:
+            by: dict[str, list[str]] = {}
+            for col, fn in how.items():
+                by.setdefault(fn, []).append(col)
+            t = _group(t, keys, sums=by.get("sum", ()), maxs=by.get("max", ()), mins=by.get("min", ()))
+            t = t.select([*keys, *how])
+        out[name] = t
+    return out
