@@ -319,13 +319,25 @@ def test_facts_from_the_data_source_equal_the_spark_merge(spark, script, tmp_pat
 
     u = None if until is None else dt.datetime.fromtimestamp(until, dt.UTC)
     paths = [script["archive"], script["spool"]]
-    runs = {
-        (pb, close): _comparable(analyze(spark, Options(paths=paths, out=str(tmp_path / f"{pb}-{close}"), top=5,
-                                                        partition_bytes=pb, until=u, plots=False, close_messages=close)))
-        for pb, close in ((150_000, True), (150_000, False), (1 << 40, True))
-    }
+    def run(pb: int, close: bool) -> dict:
+        out = str(tmp_path / f"{pb}-{close}")
+        got = _comparable(analyze(spark, Options(paths=paths, out=out, top=5, partition_bytes=pb, until=u, plots=False,
+                                                 close_messages=close)))
+        # the big tables too: files the tasks staged, moved in, and what Spark merged, appended
+        got["parquet"] = {t: sorted(map(repr, spark.read.parquet(f"{out}/tables/{t}").collect()))
+                          for t in ("outcomes", "messages")}
+        # one timestamp type in every file, Spark's and the tasks': a plain Parquet reader reads the table
+        import pyarrow.parquet as pq
+
+        assert str(pq.read_table(f"{out}/tables/outcomes").schema.field("ts").type) == "timestamp[us, tz=UTC]"
+        return got
+
+    runs = {(pb, close): run(pb, close) for pb, close in ((150_000, True), (150_000, False), (1 << 40, True))}
     first = runs[(150_000, False)]
     assert all(first == other for other in runs.values())
+    t = first["totals"]
+    assert len(first["parquet"]["outcomes"]) == t["delivered"] + t["deferrals"] + t["bounced"] > 0
+    assert run(150_000, True) == first  # again into the same OUT: the tables replaced, nothing twice
     if until is not None:
         assert [("z.example", 1)] == [(r["domain"], r["recipients"]) for r in analyze(
             spark, Options(paths=paths, out=str(tmp_path / "q"), until=u, plots=False)).tables["qshape_now"]]
@@ -361,12 +373,13 @@ def test_a_job_that_fails_leaves_no_staged_facts(spark, script, tmp_path, monkey
     assert os.path.isdir(f"{out}/tables/outcomes") and not glob.glob(f"{out}/tables/_facts*")
 
 
-def test_staged_facts_are_one_parquet_file_per_partition(spark, script, tmp_path):
-    """rows=staged: each task writes its partition's facts under the option stage and yields (file, rows), then
-    its partial tables (part, data); the files read back are the facts rows, sorted by record type. Without
-    stage the option is refused."""
+def test_staged_facts_are_parquet_files_of_each_partition(spark, script, tmp_path):
+    """rows=staged: each task writes its partition's facts under the option stage, the MESSAGE rows, the
+    OUTCOME rows by UTC date and the other rows in files of their own, and yields (table, file, rows) for
+    each, then its partial tables (part, data); the files read back are the facts rows. Without stage the
+    option is refused."""
     from mtaq.analytics.datasource import STAGED_DDL
-    from mtaq.analytics.facts import FACT_SPARK_DDL
+    from mtaq.analytics.facts import FACT_SPARK_DDL, MESSAGE_COLUMNS, MESSAGE_SPARK_DDL, OUTCOME_SPARK_DDL
     from mtaq.analytics.partials import PARTS
 
     paths = json.dumps([script["archive"], script["spool"]])
@@ -376,15 +389,27 @@ def test_staged_facts_are_one_parquet_file_per_partition(spark, script, tmp_path
     files = discover(json.loads(paths))
     parts = [r for r in got if r["part"] is not None]
     got = [r for r in got if r["path"] is not None]
-    assert len(got) == len(files) > 1
+    assert len(files) > 1
+    assert sorted(r["table"] for r in got if not r["table"].startswith("outcomes/")) == sorted(len(files) * ["facts", "messages"])
+    days = {r["table"] for r in got if r["table"].startswith("outcomes/")}
+    assert days == {"outcomes/date=2025-03-01", "outcomes/date=2025-03-02"}  # 23:00 on the 1st, 00:00 on the 2nd
     # every part but the queue shape at --until (none given): the closed messages are all FINISHed by the end
     assert sorted(r["part"] for r in parts) == sorted(len(files) * [p for p in PARTS if not p.startswith("qshape_now")])
     assert all(r["path"] is None and r["data"] for r in parts)
     assert sorted(os.listdir(stage)) == sorted(os.path.basename(r["path"]) for r in got)
     facts = spark.read.format("mtaq").option("rows", "facts").option("partitionBytes", "1").option("paths", paths).load()
-    staged = spark.read.schema(FACT_SPARK_DDL).parquet(*(r["path"] for r in got))
-    assert sum(r["rows"] for r in got) == staged.count() == facts.count()
-    assert staged.exceptAll(facts).count() == 0 and facts.exceptAll(staged).count() == 0
+
+    def of(table: str, ddl: str):
+        return spark.read.schema(ddl).parquet(*(r["path"] for r in got if r["table"].split("/")[0] == table))
+
+    staged = of("facts", FACT_SPARK_DDL)
+    assert sum(r["rows"] for r in got) == facts.count()
+    assert staged.filter("record_type in ('MESSAGE', 'OUTCOME')").count() == 0
+    assert staged.exceptAll(facts).count() == 0
+    msgs = facts.filter("record_type = 'MESSAGE'").select(*MESSAGE_COLUMNS)
+    assert of("messages", MESSAGE_SPARK_DDL).exceptAll(msgs).count() == 0 == msgs.exceptAll(of("messages", MESSAGE_SPARK_DDL)).count()
+    outcomes = of("outcomes", OUTCOME_SPARK_DDL)
+    assert outcomes.count() == facts.filter("record_type = 'OUTCOME'").count()
     with pytest.raises(Exception, match="needs the option stage"):
         spark.read.format("mtaq").option("rows", "staged").option("paths", paths).load().collect()
 

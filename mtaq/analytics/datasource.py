@@ -13,11 +13,12 @@ directories, archive directories, segment files or globs, local or ``s3://`` / `
 of about that many stored bytes; a segment is never split, because its tail rules need the whole file.
 ``rows``: ``records`` (default: the schema below), ``facts`` (:mod:`mtaq.analytics.facts`: per-message and
 per-outcome facts of the messages a partition holds whole, record rows for the rest) or ``staged`` (what
-``mtaq analyze`` reads: each task writes its partition's facts as one Parquet file under the option
-``stage``, a directory or URI every executor can write and the driver can read, and yields one row,
-:data:`STAGED_DDL`: the file and its row count); with ``facts`` and ``staged``, ``untilMicros`` is the
-job's ``--until`` (microseconds since the epoch) and ``closeMessages`` ``false`` leaves every message to
-Spark (record rows only; the tests compare both ways).
+``mtaq analyze`` reads: each task writes its partition's facts as Parquet files under the option
+``stage``, a directory or URI every executor can write and the driver can read, and yields
+:data:`STAGED_DDL` rows: each file with its table and row count, and the partial aggregates of the small
+tables, :func:`stage_facts`); with ``facts`` and ``staged``, ``untilMicros`` and ``sinceMicros`` are the
+job's ``--until`` and ``--since`` (microseconds since the epoch) and ``closeMessages`` ``false`` leaves
+every message to Spark (record rows only; the tests compare both ways).
 
 The schema is :data:`mtaq.analytics.source.SPARK_DDL`: one row per envelope recipient, START, delivery
 outcome, FINISH, problem and segment file. Files are listed on the driver; executors read them through
@@ -33,14 +34,15 @@ import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from pyspark.sql import SparkSession
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 from pyspark.sql.types import StructType
 
-from mtaq.analytics.facts import FACT_SPARK_DDL, fact_batches, fact_table
-from mtaq.analytics.partials import encode, partials
+from mtaq.analytics.facts import FACT_SPARK_DDL, MESSAGE_COLUMNS, OUTCOME_COLUMNS, fact_batches, fact_table
+from mtaq.analytics.partials import encode, in_window, partials
 from mtaq.analytics.source import SPARK_DDL, SegmentFile, batches, discover, join_path, plan_partitions, resolve
 
 __all__ = ["MtaqDataSource", "SegmentPartition", "register"]
@@ -82,29 +84,47 @@ def rows_of(options: Any) -> str:
     return rows
 
 
-STAGED_DDL = "path string, rows bigint, part string, data binary"
+STAGED_DDL = "table string, path string, rows bigint, part string, data binary"
 
 
 def stage_facts(files: Sequence[SegmentFile], stage: str, until_us: int | None, close: bool,
-                since_us: int | None = None) -> Iterator[tuple[str | None, int | None, str | None, bytes | None]]:
-    """Write the facts of one partition (``files``) as one Parquet file under ``stage`` (a directory: local
-    path or URI, as :mod:`mtaq.analytics.source` resolves them); yield (the file, its rows, None, None), then
-    (None, None, part, data) for each partial table of the small tables (:mod:`mtaq.analytics.partials`,
-    window ``since_us``/``until_us``). The file's name is this attempt's own (``facts-FIRST-LAST-RANDOM.parquet``,
-    FIRST and LAST the segment numbers): two logs with the same segment numbers (worker shards, two hosts) or
-    two attempts of one task never write the same file, and the reader reads only the files the successful
-    attempts return. Rows are sorted by ``record_type``, in row groups of 65,536 rows, so that a reader
-    filtering on it skips the other types."""
+                since_us: int | None = None) -> Iterator[tuple[str | None, str | None, int | None, str | None, bytes | None]]:
+    """Write the facts of one partition (``files``) as Parquet files under ``stage`` (a directory: local path
+    or URI, as :mod:`mtaq.analytics.source` resolves them) and yield the :data:`STAGED_DDL` rows that say so:
+
+    * (``"facts"``, file, rows, None, None): every row but the MESSAGE and OUTCOME rows (FACT_SCHEMA), sorted
+      by ``record_type``, in row groups of 65,536 rows, so that a reader filtering on it skips the other types;
+    * (``"messages"``, file, rows, None, None): the MESSAGE rows, :data:`MESSAGE_COLUMNS`;
+    * (``"outcomes/date=YYYY-MM-DD"``, file, rows, None, None): for each UTC date, the OUTCOME rows of that
+      date in the window ``since_us``/``until_us`` (microseconds since the epoch, None: unbounded),
+      :data:`OUTCOME_COLUMNS`; the job moves these files into its outcomes table as they are;
+    * (None, None, None, part, data) for each partial table of the small tables (:mod:`mtaq.analytics.partials`).
+
+    Each file's name is this attempt's own (``KIND-FIRST-LAST-RANDOM.parquet``, FIRST and LAST the segment
+    numbers): two logs with the same segment numbers (worker shards, two hosts) or two attempts of one task
+    never write the same file, and the job reads only the files the successful attempts return."""
     table = fact_table(files, until_us, close=close)
     parts = partials(table, since_us, until_us, until_us)
-    table = table.take(pc.sort_indices(table["record_type"]))
-    target = join_path(stage, f"facts-{files[0].segment:012d}-{files[-1].segment:012d}-{uuid.uuid4().hex}.parquet")
-    fs, inner, _ = resolve(target)
-    fs.create_dir(inner.rsplit("/", 1)[0], recursive=True)
-    pq.write_table(table, inner, filesystem=fs, row_group_size=65536)
-    yield target, table.num_rows, None, None
-    for name, data in encode(parts):
-        yield None, None, name, data
+    rt = table["record_type"]
+    is_m, is_o = pc.equal(rt, "MESSAGE"), pc.equal(rt, "OUTCOME")
+    rest = table.filter(pc.invert(pc.or_(is_m, is_o)))
+    outcomes = table.filter(is_o)
+    outcomes = outcomes.filter(in_window(outcomes["ts"], since_us, until_us)).select(list(OUTCOME_COLUMNS))
+    name = f"{files[0].segment:012d}-{files[-1].segment:012d}-{uuid.uuid4().hex}"
+    out = [("facts", rest.take(pc.sort_indices(rest["record_type"]))),
+           ("messages", table.filter(is_m).select(list(MESSAGE_COLUMNS)))]
+    days = pc.floor_temporal(outcomes["ts"], unit="day")
+    for day in pc.unique(days).to_pylist():
+        out.append((f"outcomes/date={day.date().isoformat()}", outcomes.filter(pc.equal(days, pa.scalar(day, days.type)))))
+    fs = None
+    for kind, t in out:
+        target = join_path(stage, f"{kind.split('/')[0]}-{name}{'-' + kind[-10:] if '/' in kind else ''}.parquet")
+        fs, inner, _ = resolve(target)
+        fs.create_dir(inner.rsplit("/", 1)[0], recursive=True)
+        pq.write_table(t, inner, filesystem=fs, row_group_size=65536)
+        yield kind, target, t.num_rows, None, None
+    for part, data in encode(parts):
+        yield None, None, None, part, data
 
 
 class MtaqReader(DataSourceReader):

@@ -39,7 +39,8 @@ import pyarrow.compute as pc
 
 from mtaq.analytics.source import COLUMNS, SegmentFile, batches
 
-__all__ = ["FACT_COLUMNS", "FACT_SCHEMA", "FACT_SPARK_DDL", "fact_batches", "fact_table"]
+__all__ = ["FACT_COLUMNS", "FACT_SCHEMA", "FACT_SPARK_DDL", "MESSAGE_COLUMNS", "MESSAGE_SPARK_DDL", "OUTCOME_COLUMNS",
+           "OUTCOME_SPARK_DDL", "fact_batches", "fact_table"]
 
 _RECORD_COLUMNS = (
     "record_type", "queue_id", "ts", "arrival_ts", "not_before_ts", "generation", "size", "sender", "sender_domain",
@@ -58,6 +59,15 @@ _BY_NAME = {c[0]: c for c in COLUMNS}
 FACT_COLUMNS = [_BY_NAME[n] for n in _RECORD_COLUMNS] + _EXTRA
 FACT_SCHEMA = pa.schema([(n, t) for n, t, _, _ in FACT_COLUMNS])
 FACT_SPARK_DDL = ", ".join(f"{n} {s}" for n, _, s, _ in FACT_COLUMNS)
+# The columns of the job's messages and outcomes tables (OUT/tables/messages, OUT/tables/outcomes): MESSAGE and
+# OUTCOME rows as the data source's tasks stage them, and as Spark merges the other messages.
+MESSAGE_COLUMNS = ("queue_id", "arrival_ts", "size", "sender", "sender_domain", "bounce_of", "first_seen", "recipients",
+                   "attempts", "finish_ts")
+OUTCOME_COLUMNS = ("queue_id", "rcpt_index", "ts", "status", "code", "enhanced", "text", "relay", "segment", "offset",
+                   "rcpt_address", "rcpt_domain", "arrival_ts", "size", "sender", "bounce_of", "finish_ts", "delay_s")
+_SPARK_TYPE = {n: s for n, _, s, _ in FACT_COLUMNS}
+MESSAGE_SPARK_DDL = ", ".join(f"{n} {_SPARK_TYPE[n]}" for n in MESSAGE_COLUMNS)
+OUTCOME_SPARK_DDL = ", ".join(f"{n} {_SPARK_TYPE[n]}" for n in OUTCOME_COLUMNS)
 _KEYED = pa.array(["ENVELOPE", "START", "DELIVERY", "FINISH"])
 
 

@@ -1,7 +1,9 @@
 """The delivery-statistics job: segments in, Parquet tables, ``totals.json`` and a report out (PySpark).
 
 ``analyze(spark, Options)`` reads segments through the ``mtaq`` data source, derives per-message and
-per-recipient facts with Spark SQL, writes every table as Parquet under ``OUT/tables/``, and renders
+per-recipient facts (in the data source's tasks, and with Spark SQL for messages spread over partitions),
+adds up the small tables' partial aggregates (:mod:`mtaq.analytics.partials`), writes every table as
+Parquet under ``OUT/tables/``, and renders
 ``OUT/report.md`` with PNG plots (:mod:`mtaq.analytics.report`). It runs unchanged on ``local[*]`` and
 under ``spark-submit`` on a cluster (``mtaq/analytics/submit.py`` is the entry file).
 
@@ -47,7 +49,14 @@ from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
 from mtaq.analytics.datasource import PARTITION_BYTES_DEFAULT, STAGED_DDL, register
-from mtaq.analytics.facts import FACT_COLUMNS, FACT_SPARK_DDL
+from mtaq.analytics.facts import (
+    FACT_COLUMNS,
+    FACT_SPARK_DDL,
+    MESSAGE_COLUMNS,
+    MESSAGE_SPARK_DDL,
+    OUTCOME_COLUMNS,
+    OUTCOME_SPARK_DDL,
+)
 from mtaq.analytics.partials import merge, partial_rows
 from mtaq.analytics.report import write_report
 from mtaq.analytics.source import discover, join_path, resolve
@@ -271,7 +280,7 @@ def _merge_open(base: DataFrame, nparts: int) -> tuple[DataFrame, DataFrame, Dat
         .drop("_envelope_rows")
         .join(who.hint("shuffle_hash"), "queue_id", "left")
         .join(rcpts.groupBy("queue_id").agg(F.count("*").alias("recipients")).hint("shuffle_hash"), "queue_id", "left")
-        .select(*_MSG_COLS)
+        .select(*MESSAGE_COLUMNS)
     )
     outcomes = (
         raw.filter(rt == "DELIVERY")
@@ -298,7 +307,7 @@ def _merge_open(base: DataFrame, nparts: int) -> tuple[DataFrame, DataFrame, Dat
     # Parquet by each query, the columns it needs. Caching all of them again (4 million outcomes at 10
     # million records) cost 20 s of JVM CPU for a copy of what is on disk.
     msgs = msgs.persist(StorageLevel.MEMORY_AND_DISK)
-    merged = outcomes.unionByName(expired).select(*_EVERY_COLS).persist(StorageLevel.MEMORY_AND_DISK)
+    merged = outcomes.unionByName(expired).select(*OUTCOME_COLUMNS).persist(StorageLevel.MEMORY_AND_DISK)
     return msgs, merged, rcpts, [raw, msgs, merged]
 
 
@@ -315,10 +324,6 @@ def _bucket_label(bounds: Sequence[int], unit: str, value: Column) -> Column:
 
 
 _KEYED = ("ENVELOPE", "START", "DELIVERY", "FINISH")
-_MSG_COLS = ("queue_id", "arrival_ts", "size", "sender", "sender_domain", "bounce_of", "first_seen", "recipients",
-             "attempts", "finish_ts")
-_EVERY_COLS = ("queue_id", "rcpt_index", "ts", "status", "code", "enhanced", "text", "relay", "segment", "offset",
-               "rcpt_address", "rcpt_domain", "arrival_ts", "size", "sender", "bounce_of", "finish_ts", "delay_s")
 
 
 def _collect_tables(named: dict[str, DataFrame]) -> dict[str, list[dict[str, Any]]]:
@@ -382,13 +387,15 @@ class _Rev:
 def analyze(spark: SparkSession, opts: Options) -> Result:
     """Run the whole analysis; write Parquet tables, ``totals.json`` and the report under ``opts.out``.
 
-    How (docs/performance.md, "Analytics"): the segments are read once, as the data source's ``facts`` rows
-    (:mod:`mtaq.analytics.facts`): the per-message and per-outcome facts of every message a partition holds
-    whole are computed in the Python task, which writes them as Parquet under ``BIG/_facts-RANDOM`` (BIG is
-    ``parquet_out`` or ``OUT/tables``; removed at the end, also when the job fails); the record rows of the other messages are hash-partitioned by
-    queue ID and merged by Spark (groupings, joins, the last-outcome window). The small tables come from a
-    dozen collects made together (two of them GROUPING SETS aggregations), and the big tables (outcomes,
-    messages, senders, recipients) are written as Parquet by the executors, never collected.
+    How (docs/performance.md, "Analytics"): the segments are read once, by the data source's ``staged``
+    rows: each Python task computes the per-message and per-outcome facts of every message its partition
+    holds whole (:mod:`mtaq.analytics.facts`) and the partial aggregates of the small tables over them
+    (:mod:`mtaq.analytics.partials`), and writes the facts as Parquet under ``BIG/_facts-RANDOM`` (BIG is
+    ``parquet_out`` or ``OUT/tables``; removed at the end, also when the job fails): the messages, the
+    outcomes by date, and the other rows. The record rows of the other messages are hash-partitioned by
+    queue ID and merged by Spark (groupings, joins, the last-outcome window) into the same facts and
+    partials. The driver adds the partials up; Spark computes the percentiles and the senders and
+    recipients tables; the staged messages and outcomes files are moved into those tables as they are.
 
     Raises :class:`mtaq.analytics.source.SourceError` when a path names no segments.
     """
@@ -407,15 +414,18 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
     register(spark)
     # Joins on (queue_id, rcpt_index) of sides both partitioned by queue_id: no new shuffle.
     spark.conf.set("spark.sql.requireAllClusterKeysForCoPartition", "false")
+    # Timestamps in every table as the tasks' files (pyarrow) have them: INT64 microseconds, UTC (Spark's
+    # default INT96 is deprecated in Parquet, and one table would mix both).
+    spark.conf.set("spark.sql.parquet.outputTimestampType", "TIMESTAMP_MICROS")
     tables_dir = os.path.join(opts.out, "tables")
     say(f"reading segments from {', '.join(opts.paths)}")
-    # One read of the segments, staged as Parquet: the data source's ``facts`` rows (mtaq/analytics/facts.py).
-    # The Python tasks compute the per-message and per-outcome facts of every message a partition holds whole
-    # (nearly all of them) with pyarrow, so only the record rows of the others (spread over partitions, or
-    # still queued) are shuffled by queue ID and merged by the Spark plan below. Each task writes its facts
-    # as one Parquet file (sorted by record type) under ``stage``, removed at the end: the queries below
-    # read only the columns and row groups they need, vectorised. Spark's own cache of the same rows cost
-    # more JVM CPU than the decoding (building 33 columns of every row; docs/performance.md, "Fourth round (issue 17)").
+    # One read of the segments, staged as Parquet (mtaq/analytics/datasource.py, stage_facts). The Python
+    # tasks compute the per-message and per-outcome facts of every message a partition holds whole (nearly
+    # all of them) with pyarrow, so only the record rows of the others (spread over partitions, or still
+    # queued) are shuffled by queue ID and merged by the Spark plan below; they also compute the small
+    # tables' partial aggregates (mtaq/analytics/partials.py), which replaced some 40 Spark stages. The
+    # queries below read only the columns and row groups they need, vectorised. Spark's own cache of the
+    # same rows cost more JVM CPU than the decoding (docs/performance.md, "Fourth round (issue 17)").
     stored = sum(f.size for f in discover(opts.paths))
     nparts = max(2, spark.sparkContext.defaultParallelism, -(-stored // PARTITION_STORED_BYTES))
     reader = (
@@ -432,10 +442,14 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
     if since is not None:
         reader = reader.option("sinceMicros", str(_micros(since)))
     staged = reader.load().collect()
-    base = spark.read.schema(FACT_SPARK_DDL).parquet(*(r["path"] for r in staged if r["path"] is not None))
+    files: dict[str, list[str]] = {}
+    for got_row in staged:
+        if got_row["path"] is not None:
+            files.setdefault(got_row["table"].split("/")[0], []).append(got_row["path"])
+    base = _read(spark, files.get("facts", []), FACT_SPARK_DDL)
     # The small tables' partial aggregates, one set per task (mtaq/analytics/partials.py); Spark's merge of the
     # open messages adds its own below, and the driver adds them all up.
-    part_rows = [(r["part"], bytes(r["data"])) for r in staged if r["part"] is not None]
+    part_rows = [(x["part"], bytes(x["data"])) for x in staged if x["part"] is not None]
     [inventory] = _pylist(merge(part_rows)["inventory"])
     say(f"decoded {inventory['records']} records from {inventory['segments']} segments "
         f"({inventory['bytes_read']} bytes)")
@@ -443,10 +457,10 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
     if isinstance(end_value, dt.datetime) and end_value.tzinfo is None:
         end_value = end_value.replace(tzinfo=dt.UTC)  # _pylist's naive UTC
     age_labels = bucket_labels(AGE_BUCKETS_MIN, "m")
-    rt = F.col("record_type")
-    msgs = base.filter(rt == "MESSAGE").select(*_MSG_COLS)
-    every = base.filter(rt == "OUTCOME").select(*_EVERY_COLS)  # all outcomes, any time
+    msgs = _read(spark, files.get("messages", []), MESSAGE_SPARK_DDL)
+    oe = _read(spark, files.get("outcomes", []), OUTCOME_SPARK_DDL)  # outcomes in the window (the tasks filtered)
     cached: list[DataFrame] = []
+    open_msgs: DataFrame | None = None
     if inventory["open_rows"]:
         # Messages no task held whole (spread over partitions, or still queued): their record rows merged by
         # Spark into the same facts, then the same partial aggregates as the tasks'.
@@ -455,7 +469,7 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
         say(f"per message and per recipient facts: {merged.count()} outcomes and {open_msgs.count()} messages "
             "merged by Spark")
         msgs = msgs.unionByName(open_msgs)
-        every = every.unionByName(merged)
+        oe = oe.unionByName(merged.filter(_window(F.col("ts"), since, until)))
         since_us, until_us = (None if x is None else _micros(x) for x in (since, until))
         end_us = None if end_value is None else _micros(end_value)
         facts = _as_facts(open_msgs, "MESSAGE").unionByName(_as_facts(merged, "OUTCOME")).unionByName(
@@ -467,7 +481,6 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
                                                    end_us=end_us)).collect()
         part_rows += [(name, bytes(data)) for name, data in got_open]
     parts = merge(part_rows)
-    oe = every.filter(_window(F.col("ts"), since, until))
     st = F.col("status")
     delivered = st == "delivered"
     received = msgs.filter(F.col("first_seen") & (F.col("bounce_of") == "") & _window(F.col("arrival_ts"), since, until))
@@ -585,11 +598,11 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
     say(f"writing the outcomes, messages, senders and recipients tables (Parquet, {big})")
     senders.write.mode("overwrite").parquet(f"{tables_dir}/senders")
     recipients.write.mode("overwrite").parquet(f"{tables_dir}/recipients")
-    # Outcomes by date: one open file per date in each task instead of sorting every row by date first.
-    spark.conf.set("spark.sql.optimizer.plannedWrite.enabled", "false")
-    spark.conf.set("spark.sql.maxConcurrentOutputFileWriters", "400")
-    oe.withColumn("date", F.to_date("ts")).write.mode("overwrite").partitionBy("date").parquet(f"{big}/outcomes")
-    msgs.write.mode("overwrite").parquet(f"{big}/messages")
+    # The outcomes (by date) and messages the tasks staged become those tables' files as they are, moved
+    # (no second copy by Spark); Spark appends what it merged.
+    _publish(spark, big, [(x["table"], x["path"]) for x in staged if x["path"] is not None and x["table"] != "facts"],
+             open_outcomes=None if open_msgs is None else merged.filter(_window(F.col("ts"), since, until)),
+             open_msgs=open_msgs)
     os.makedirs(opts.out, exist_ok=True)
     with open(os.path.join(opts.out, "totals.json"), "w", encoding="utf-8") as f:
         json.dump(totals, f, indent=2, default=str)
@@ -612,6 +625,41 @@ def _remove_stage(uri: str) -> None:
         raise ValueError(f"not a stage directory of mtaq analyze: {uri}")
     if fs.get_file_info(inner).type == pafs.FileType.Directory:
         fs.delete_dir(inner)
+
+
+def _read(spark: SparkSession, paths: Sequence[str], ddl: str) -> DataFrame:
+    """The staged Parquet files ``paths`` with the schema ``ddl`` (no files: no rows)."""
+    if not paths:
+        return spark.createDataFrame([], ddl)
+    return spark.read.schema(ddl).parquet(*paths)
+
+
+def _publish(spark: SparkSession, big: str, staged: Sequence[tuple[str, str]], open_outcomes: DataFrame | None,
+             open_msgs: DataFrame | None) -> None:
+    """Make ``big/outcomes`` (by ``date=YYYY-MM-DD``) and ``big/messages`` hold exactly the staged files
+    (``(table, file)``, table ``outcomes/date=...`` or ``messages``) and the rows Spark merged: what was there
+    is removed first (as Spark's overwrite would), the staged files are moved in under their own names, and
+    an empty ``_SUCCESS`` marks each table complete as Spark's writer would."""
+    for name in ("outcomes", "messages"):
+        fs, inner, _ = resolve(join_path(big, name))
+        if fs.get_file_info(inner).type != pafs.FileType.NotFound:
+            fs.delete_dir(inner)
+    if open_outcomes is not None and open_msgs is not None:
+        spark.conf.set("spark.sql.optimizer.plannedWrite.enabled", "false")  # by date without a sort first
+        open_outcomes.withColumn("date", F.to_date("ts")).write.mode("append").partitionBy("date").parquet(
+            f"{big}/outcomes")
+        open_msgs.write.mode("append").parquet(f"{big}/messages")
+    for table, path in staged:
+        fs, src, _ = resolve(path)
+        dst = resolve(join_path(join_path(big, table), path.split("?")[0].rsplit("/", 1)[-1]))[1]
+        fs.create_dir(dst.rsplit("/", 1)[0], recursive=True)
+        fs.move(src, dst)
+    for name in ("outcomes", "messages"):
+        fs, inner, _ = resolve(join_path(join_path(big, name), "_SUCCESS"))
+        fs.create_dir(inner.rsplit("/", 1)[0], recursive=True)
+        if fs.get_file_info(inner).type == pafs.FileType.NotFound:
+            with fs.open_output_stream(inner):
+                pass
 
 
 def _split_parts(parts: dict[str, pa.Table], percentiles: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:

@@ -46,7 +46,7 @@ import pyarrow.compute as pc
 
 from mtaq.analytics.tables import AGE_BUCKETS_MIN, DELAY_BUCKETS_S, bucket_labels
 
-__all__ = ["PARTS", "decode", "encode", "merge", "partial_rows", "partials"]
+__all__ = ["PARTS", "decode", "encode", "in_window", "merge", "partial_rows", "partials"]
 
 _TS = pa.timestamp("us", tz="UTC")
 _HOUR_US = 3_600_000_000
@@ -75,7 +75,7 @@ PARTS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
 }
 
 
-def _window(ts: pa.ChunkedArray | pa.Array, since_us: int | None, until_us: int | None) -> pa.ChunkedArray:
+def in_window(ts: pa.ChunkedArray | pa.Array, since_us: int | None, until_us: int | None) -> pa.ChunkedArray:
     """True where ``ts`` is set and in [since, until) (the job's ``_window``); never null."""
     us = ts.cast(_TS).cast(pa.int64())
     cond = pc.is_valid(us)
@@ -138,12 +138,12 @@ def partials(t: pa.Table, since_us: int | None, until_us: int | None, end_us: in
         "open_rows": pa.array([pc.sum(keyed.cast(pa.int64())).as_py() or 0], pa.int64()),
     })
     unknown = pc.and_(_true(pc.is_in(rt, value_set=pa.array(["ENVELOPE", "FLAGGED"]))),
-                      pc.and_(_true(t["rcpt_unknown"]), _window(t["not_before_ts"], since_us, until_us)))
+                      pc.and_(_true(t["rcpt_unknown"]), in_window(t["not_before_ts"], since_us, until_us)))
     out["side"] = t.filter(pc.or_(_true(pc.is_in(rt, value_set=pa.array(["PROBLEM", "SEGMENT"]))), unknown)).select(
         list(SIDE_COLUMNS))
     msgs = t.filter(_true(pc.equal(rt, "MESSAGE")))
     outcomes = t.filter(_true(pc.equal(rt, "OUTCOME")))
-    out |= _outcome_parts(outcomes.filter(_window(outcomes["ts"], since_us, until_us)))
+    out |= _outcome_parts(outcomes.filter(in_window(outcomes["ts"], since_us, until_us)))
     out |= _message_parts(msgs, since_us, until_us)
     out |= _qshape(msgs, since_us, until_us, end_us)
     if end_us is not None:
@@ -195,7 +195,7 @@ def _outcome_parts(oe: pa.Table) -> dict[str, pa.Table]:
 
 
 def _message_parts(msgs: pa.Table, since_us: int | None, until_us: int | None) -> dict[str, pa.Table]:
-    m = msgs.filter(pc.and_(_true(msgs["first_seen"]), _window(msgs["arrival_ts"], since_us, until_us)))
+    m = msgs.filter(pc.and_(_true(msgs["first_seen"]), in_window(msgs["arrival_ts"], since_us, until_us)))
     bo = m["bounce_of"]
     recv = _true(pc.equal(bo, ""))
     one = pa.scalar(1, pa.int64())
