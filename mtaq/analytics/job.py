@@ -417,6 +417,8 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
     # Timestamps in every table as the tasks' files (pyarrow) have them: INT64 microseconds, UTC (Spark's
     # default INT96 is deprecated in Parquet, and one table would mix both).
     spark.conf.set("spark.sql.parquet.outputTimestampType", "TIMESTAMP_MICROS")
+    # The staged files are listed on the driver (a few per task), not by a Spark job of one task per file.
+    spark.conf.set("spark.sql.sources.parallelPartitionDiscovery.threshold", "100000")
     tables_dir = os.path.join(opts.out, "tables")
     say(f"reading segments from {', '.join(opts.paths)}")
     # One read of the segments, staged as Parquet (mtaq/analytics/datasource.py, stage_facts). The Python
@@ -468,8 +470,6 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
         nparts = -(-inventory["open_rows"] // MERGE_ROWS_PER_PARTITION)
         open_msgs, merged, open_rcpts, merge_cached = _merge_open(base, nparts)
         cached += merge_cached
-        say(f"per message and per recipient facts: {merged.count()} outcomes and {open_msgs.count()} messages "
-            "merged by Spark")
         msgs = msgs.unionByName(open_msgs)
         oe = oe.unionByName(merged.filter(_window(F.col("ts"), since, until)))
         since_us, until_us = (None if x is None else _micros(x) for x in (since, until))
@@ -482,6 +482,10 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
         got_open = facts.rdd.mapPartitions(partial(partial_rows, names=names, since_us=since_us, until_us=until_us,
                                                    end_us=end_us)).collect()
         part_rows += [(name, bytes(data)) for name, data in got_open]
+        [spread] = _pylist(merge([(name, data) for name, data in got_open if name == "inventory"])["inventory"]) or [
+            {"outcomes": 0, "messages": 0}]
+        say(f"per message and per recipient facts: {spread['outcomes']} outcomes and {spread['messages']} messages "
+            "merged by Spark")
     parts = merge(part_rows)
     st = F.col("status")
     delivered = st == "delivered"

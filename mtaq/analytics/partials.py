@@ -18,7 +18,8 @@ Definitions are those of :mod:`mtaq.analytics.job` (its docstring), value for va
 (``PARTS``), each an Arrow table of its keys and its values:
 
 * ``inventory``: segments, records, bytes_read (SEGMENT rows), last_ts (latest ``ts`` of a record or a
-  closed message), open_rows (record rows left for Spark's merge);
+  closed message), open_rows (record rows left for Spark's merge), messages and outcomes (MESSAGE and
+  OUTCOME rows);
 * ``side``: PROBLEM and SEGMENT rows, and the envelopes with an outcome-unknown recipient (in the window);
 * ``o_total``, ``o_domain``, ``o_hour``, ``o_bucket``: outcomes in the window, by nothing, recipient domain
   (``?`` when unknown), UTC hour, time-to-deliver bucket (delivered only): delivered, bytes_delivered,
@@ -59,7 +60,8 @@ SIDE_COLUMNS = ("record_type", "file", "segment", "offset", "problem_end", "prob
 
 # part: (keys, {value column: how partials of it combine})
 PARTS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
-    "inventory": ((), {"segments": "sum", "records": "sum", "bytes_read": "sum", "last_ts": "max", "open_rows": "sum"}),
+    "inventory": ((), {"segments": "sum", "records": "sum", "bytes_read": "sum", "last_ts": "max", "open_rows": "sum",
+                       "messages": "sum", "outcomes": "sum"}),
     "side": ((), {}),  # rows, concatenated
     **{f"o_{g}": (k, {**{v: "sum" for v in _O_VALUES}, "delay_max_s": "max"})
        for g, k in (("total", ()), ("domain", ("domain",)), ("hour", ("hour",)), ("bucket", ("bucket",)))},
@@ -136,6 +138,8 @@ def partials(t: pa.Table, since_us: int | None, until_us: int | None, end_us: in
         "bytes_read": pa.array([pc.sum(seg["size"]).as_py() or 0], pa.int64()),
         "last_ts": pa.array([pc.max(with_ts).as_py() if len(with_ts) else None], _TS),
         "open_rows": pa.array([pc.sum(keyed.cast(pa.int64())).as_py() or 0], pa.int64()),
+        "messages": pa.array([pc.sum(pc.equal(rt, "MESSAGE").cast(pa.int64())).as_py() or 0], pa.int64()),
+        "outcomes": pa.array([pc.sum(pc.equal(rt, "OUTCOME").cast(pa.int64())).as_py() or 0], pa.int64()),
     })
     unknown = pc.and_(_true(pc.is_in(rt, value_set=pa.array(["ENVELOPE", "FLAGGED"]))),
                       pc.and_(_true(t["rcpt_unknown"]), in_window(t["not_before_ts"], since_us, until_us)))
