@@ -49,7 +49,9 @@ SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[Heal
 offsets = st.one_of(
     st.integers(0, 5 * H),  # any microsecond
     st.integers(0, 5).map(lambda h: h * H),  # on the hour
-    st.integers(0, 300).map(lambda m: m * MIN),  # on the minute: ages exactly on the qshape bounds at the ticks
+    st.integers(0, 300).map(lambda m: m * MIN),  # on the minute
+    st.tuples(st.integers(1, 5), st.sampled_from(AGE_BUCKETS_MIN[:6])).map(lambda x: x[0] * H - x[1] * MIN),  # ages
+    # exactly on the qshape bounds at a tick
 )
 times = offsets.map(lambda o: T0 + o)
 delays = st.one_of(
@@ -142,15 +144,18 @@ def cases(draw: Any) -> tuple[list[list[dict[str, Any]]], list[dict[str, Any]], 
     groups: list[list[dict[str, Any]]] = [[] for _ in range(n)]
     for i, r in enumerate(rows):
         groups[where[r.get("queue_id") or f"{r['record_type']}-{i}"]].append(r)
-    since = draw(st.one_of(st.none(), times))
-    until = draw(st.one_of(st.none(), times))
+    arrivals = [r["arrival_ts"] for r in rows if r["record_type"] == "MESSAGE"]
+    moments = times if not arrivals else st.one_of(times, st.tuples(st.sampled_from(arrivals), st.sampled_from(
+        AGE_BUCKETS_MIN)).map(lambda x: x[0] + x[1] * MIN))  # also ages exactly on the bounds at the end
+    since = draw(st.one_of(st.none(), moments))
+    until = draw(st.one_of(st.none(), moments))
     last = last_ts(rows)
     if until is not None:
-        end = until if draw(st.integers(0, 3)) else draw(times)  # the job's end, or any
+        end = until if draw(st.integers(0, 3)) else draw(moments)  # the job's end, or any
         ends: list[int | None] = [end] * n
         whole_end: int | None = end
     else:
-        end = last if draw(st.integers(0, 3)) else draw(times)
+        end = last if draw(st.integers(0, 3)) else draw(moments)
         lazy = draw(st.booleans())  # the data source's tasks: None where every message FINISHed by the end
         ends = [None if lazy and all_finished(g, end) else end for g in groups]
         whole_end = None if lazy and all_finished(rows, end) else end
@@ -315,9 +320,10 @@ def reference(rows: list[dict[str, Any]], since: int | None, until: int | None, 
         first = first if first == arr else first + H
         fin = r.get("finish_ts")
         gone = fin - 1 if fin is not None else end
-        if gone is None or end is None:
-            continue  # least(null, ...) is null: no tick
-        last = min(gone, end) // H * H
+        bounds = [x for x in (gone, end) if x is not None]  # Spark's least() skips nulls
+        if not bounds:
+            continue
+        last = min(bounds) // H * H
         for tick in range(first, last + 1, H):
             if window(tick, since, until):
                 ticks[tick].append((r, label(AGE_BUCKETS_MIN, "m", (tick - arr) / 1e6 / 60)))

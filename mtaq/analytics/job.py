@@ -64,7 +64,9 @@ from mtaq.analytics.tables import AGE_BUCKETS_MIN, DELAY_BUCKETS_S, Result, buck
 
 __all__ = ["AGE_BUCKETS_MIN", "DELAY_BUCKETS_S", "Options", "Result", "analyze", "spark_session"]
 
-MERGE_ROWS_PER_PARTITION = 500_000  # record rows per partition of Spark's merge of the open messages (see analyze)
+# Record rows per partition of Spark's merge of the open messages (see analyze); its facts go to a Python worker
+# as Row objects (partials.partial_rows), about 1 KB each: this bounds a worker's memory to about 100 MB.
+MERGE_ROWS_PER_PARTITION = 100_000
 TOP_ROWS_COLLECTED = 1000  # rows of the senders and recipients tables the driver gets (by count and by bytes)
 
 REJECTED_NOTE = (
@@ -400,6 +402,8 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
     Raises :class:`mtaq.analytics.source.SourceError` when a path names no segments.
     """
     big = (opts.parquet_out or os.path.join(opts.out, "tables")).rstrip("/")
+    if "://" not in big:
+        big = os.path.abspath(big)  # Spark and pyarrow (which deletes and moves) must name the same directory
     stage = join_path(big, f"_facts-{uuid.uuid4().hex}")  # this run's own: two runs never share one
     try:
         return _analyze(spark, opts, big, stage)
@@ -644,22 +648,25 @@ def _publish(spark: SparkSession, big: str, staged: Sequence[tuple[str, str]], o
              open_msgs: DataFrame | None) -> None:
     """Make ``big/outcomes`` (by ``date=YYYY-MM-DD``) and ``big/messages`` hold exactly the staged files
     (``(table, file)``, table ``outcomes/date=...`` or ``messages``) and the rows Spark merged: what was there
-    is removed first (as Spark's overwrite would), the staged files are moved in under their own names, and
-    an empty ``_SUCCESS`` marks each table complete as Spark's writer would."""
+    is removed first (as Spark's overwrite would), the staged files are moved in under their own names, Spark
+    appends its rows, and an empty ``_SUCCESS`` marks each table complete as Spark's writer would, last.
+    ``big`` is absolute (or a URI), so that Spark and pyarrow name the same directory."""
     for name in ("outcomes", "messages"):
         fs, inner, _ = resolve(join_path(big, name))
         if fs.get_file_info(inner).type != pafs.FileType.NotFound:
             fs.delete_dir(inner)
-    if open_outcomes is not None and open_msgs is not None:
-        spark.conf.set("spark.sql.optimizer.plannedWrite.enabled", "false")  # by date without a sort first
-        open_outcomes.withColumn("date", F.to_date("ts")).write.mode("append").partitionBy("date").parquet(
-            f"{big}/outcomes")
-        open_msgs.write.mode("append").parquet(f"{big}/messages")
     for table, path in staged:
         fs, src, _ = resolve(path)
         dst = resolve(join_path(join_path(big, table), path.split("?")[0].rsplit("/", 1)[-1]))[1]
         fs.create_dir(dst.rsplit("/", 1)[0], recursive=True)
         fs.move(src, dst)
+    # Spark's append last: its writer marks the table complete (_SUCCESS) when it is done, so a table is
+    # never marked complete before every staged file is in it.
+    if open_outcomes is not None and open_msgs is not None:
+        spark.conf.set("spark.sql.optimizer.plannedWrite.enabled", "false")  # by date without a sort first
+        open_outcomes.withColumn("date", F.to_date("ts")).write.mode("append").partitionBy("date").parquet(
+            f"{big}/outcomes")
+        open_msgs.write.mode("append").parquet(f"{big}/messages")
     for name in ("outcomes", "messages"):
         fs, inner, _ = resolve(join_path(join_path(big, name), "_SUCCESS"))
         fs.create_dir(inner.rsplit("/", 1)[0], recursive=True)

@@ -108,11 +108,18 @@ def _hour(ts: pa.ChunkedArray | pa.Array) -> pa.ChunkedArray | pa.Array:
 
 def _group(t: pa.Table, keys: Sequence[str], sums: Sequence[str] = (), maxs: Sequence[str] = (),
            mins: Sequence[str] = (), count: str | None = None) -> pa.Table:
-    """``t`` grouped by ``keys`` with the named aggregations, columns named as given (``count``: rows)."""
+    """``t`` grouped by ``keys`` with the named aggregations, columns named as given (``count``: rows). With no
+    keys, one row, or none when ``t`` has no rows (pyarrow would give one row of nulls: sums of nothing)."""
     aggs: list[tuple[Any, str]] = [(c, "sum") for c in sums] + [(c, "max") for c in maxs] + [(c, "min") for c in mins]
     if count is not None:
         aggs.append(([], "count_all"))
-    g = t.group_by(list(keys), use_threads=False).aggregate(aggs)
+    if not keys and t.num_rows == 0:
+        t = t.slice(0, 0).append_column("_none", pa.array([], pa.int8()))  # no rows, not one row of nulls
+        keys = ("_none",)
+        g = t.group_by(list(keys), use_threads=False).aggregate(aggs)
+        keys = ()
+    else:
+        g = t.group_by(list(keys), use_threads=False).aggregate(aggs)
     names = [*sums, *maxs, *mins, *([count] if count else [])]
     made = [f"{c}_{fn}" for c, fn in aggs[:len(aggs) - (count is not None)]] + (["count_all"] if count else [])
     return g.select([*keys, *made]).rename_columns([*keys, *names])
