@@ -116,7 +116,6 @@ def stage_facts(files: Sequence[SegmentFile], stage: str, until_us: int | None, 
     days = pc.floor_temporal(outcomes["ts"], unit="day")
     for day in pc.unique(days).to_pylist():
         out.append((f"outcomes/date={day.date().isoformat()}", outcomes.filter(pc.equal(days, pa.scalar(day, days.type)))))
-    fs = None
     for kind, t in out:
         target = join_path(stage, f"{kind.split('/')[0]}-{name}{'-' + kind[-10:] if '/' in kind else ''}.parquet")
         fs, inner, _ = resolve(target)
