@@ -195,6 +195,25 @@ def test_two_logs_with_the_same_segment_numbers_stage_every_fact(tmp_path):
     assert sum(n for _, _, n in got) == want == sum(pq.read_table(path).num_rows for _, path, _ in got)
 
 
+def test_a_spool_of_several_workers_is_read_whole(tmp_path):
+    """A spool written by several workers (the default, workers = "auto") keeps shard 0 in SPOOL/log and shard k
+    in SPOOL/shard-k/log: naming the spool reads every shard (real input: `make run` plus swaks gave one of
+    three messages), and nothing else in the spool looks like a shard."""
+    from mtaq.analytics.plain import plain_totals
+
+    spool = tmp_path / "spool"
+    write_spool(str(spool), messages=40)
+    write_spool(str(spool / "shard-1"), messages=30)
+    write_spool(str(spool / "shard-2"), messages=20)
+    (spool / "shard-x" / "log").mkdir(parents=True)  # not a shard
+    (spool / "sink" / "log").mkdir(parents=True)  # nor this
+    files = discover([str(spool)])
+    want = {os.path.dirname(f.path) for f in files}
+    assert want == {str(spool / "log"), str(spool / "shard-1" / "log"), str(spool / "shard-2" / "log")}
+    each = [plain_totals([str(p)])["received"] for p in (spool / "log", spool / "shard-1" / "log", spool / "shard-2" / "log")]
+    assert plain_totals([str(spool)])["received"] == sum(each) > 0
+
+
 def test_stage_paths_keep_a_uris_query_at_the_end():
     """The stage directory goes into the path of a URI (its query string stays last), and a relative --out is
     made absolute so that an executor in another working directory writes where the driver reads."""

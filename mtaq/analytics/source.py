@@ -61,6 +61,7 @@ from mtaq.core.frame import (
     scan_segment,
 )
 from mtaq.core.records import RECORD_TYPE_OF, DeliveryRecord, EnvelopeRecord, FinishRecord, RecordType, StartRecord
+from mtaq.storage.shards import SHARD_PREFIX
 
 __all__ = [
     "SCHEMA",
@@ -204,8 +205,21 @@ def _read_salt(fs: pafs.FileSystem, sf: SegmentFile) -> int | None:
         return None
 
 
+def _shard_logs(fs: pafs.FileSystem, spool: str) -> list[str]:
+    """The ``log`` directories of the worker shards k >= 1 of ``spool`` (``SPOOL/shard-k/log``,
+    :mod:`mtaq.storage.shards`): a spool written by several workers keeps shard 0 in ``SPOOL/log``."""
+    out = []
+    for info in fs.get_file_info(pafs.FileSelector(spool.rstrip("/"), allow_not_found=True)):
+        num = info.base_name[len(SHARD_PREFIX):]
+        if info.type == pafs.FileType.Directory and info.base_name.startswith(SHARD_PREFIX) and num.isdigit() \
+                and int(num) >= 1 and fs.get_file_info(f"{info.path}/log").type == pafs.FileType.Directory:
+            out.append(f"{info.path}/log")
+    return sorted(out)
+
+
 def discover(paths: Sequence[str]) -> list[SegmentFile]:
-    """The segment files named by ``paths`` (spool, archive, file or glob), each segment once, in order.
+    """The segment files named by ``paths`` (spool, archive, file or glob), each segment once, in order. A
+    spool's segments are those of every worker shard (``SPOOL/log`` and ``SPOOL/shard-k/log``).
 
     Raises SourceError naming the path when it does not exist or holds no segment file.
     """
@@ -226,8 +240,10 @@ def discover(paths: Sequence[str]) -> list[SegmentFile]:
             else:
                 log_dir = inner.rstrip("/") + "/log"
                 is_spool = fs.get_file_info(log_dir).type == pafs.FileType.Directory
-                sel = pafs.FileSelector(log_dir if is_spool else inner, recursive=not is_spool)
-                files = [sf for sf in map(lambda i: _segment_file(root, i), fs.get_file_info(sel)) if sf is not None]
+                dirs = [log_dir, *_shard_logs(fs, inner)] if is_spool else [inner]
+                files = [sf for d in dirs for sf in map(lambda i: _segment_file(root, i),
+                                                        fs.get_file_info(pafs.FileSelector(d, recursive=not is_spool)))
+                         if sf is not None]
         if not files:
             raise SourceError(f"{raw}: no segment files (*.seg, *.seg.zst) found")
         for sf in files:
