@@ -61,7 +61,7 @@ from mtaq.core.frame import (
     scan_segment,
 )
 from mtaq.core.records import RECORD_TYPE_OF, DeliveryRecord, EnvelopeRecord, FinishRecord, RecordType, StartRecord
-from mtaq.storage.shards import SHARD_PREFIX
+from mtaq.core.shard import shard_of
 
 __all__ = [
     "SCHEMA",
@@ -207,12 +207,11 @@ def _read_salt(fs: pafs.FileSystem, sf: SegmentFile) -> int | None:
 
 def _shard_logs(fs: pafs.FileSystem, spool: str) -> list[str]:
     """The ``log`` directories of the worker shards k >= 1 of ``spool`` (``SPOOL/shard-k/log``,
-    :mod:`mtaq.storage.shards`): a spool written by several workers keeps shard 0 in ``SPOOL/log``."""
+    :mod:`mtaq.core.shard`): a spool written by several workers keeps shard 0 in ``SPOOL/log``."""
     out = []
     for info in fs.get_file_info(pafs.FileSelector(spool.rstrip("/"), allow_not_found=True)):
-        num = info.base_name[len(SHARD_PREFIX):]
-        if info.type == pafs.FileType.Directory and info.base_name.startswith(SHARD_PREFIX) and num.isdigit() \
-                and int(num) >= 1 and fs.get_file_info(f"{info.path}/log").type == pafs.FileType.Directory:
+        if info.type == pafs.FileType.Directory and shard_of(info.base_name) is not None \
+                and fs.get_file_info(f"{info.path}/log").type == pafs.FileType.Directory:
             out.append(f"{info.path}/log")
     return sorted(out)
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["SHARD_PREFIX", "existing_shards", "shard_dir", "shard_dirs"]
+from mtaq.core.shard import SHARD_PREFIX, shard_of
 
-SHARD_PREFIX = "shard-"
+__all__ = ["SHARD_PREFIX", "existing_shards", "shard_dir", "shard_dirs"]
 
 
 def shard_dir(spool: str, shard: int) -> str:
@@ -24,9 +24,9 @@ def existing_shards(spool: str) -> list[int]:
         return []
     out = []
     for name in names:
-        num = name[len(SHARD_PREFIX) :]
-        if name.startswith(SHARD_PREFIX) and num.isdigit() and int(num) >= 1 and os.path.isdir(os.path.join(spool, name)):
-            out.append(int(num))
+        k = shard_of(name)
+        if k is not None and os.path.isdir(os.path.join(spool, name)):
+            out.append(k)
     return sorted(out)
 
 
