@@ -113,13 +113,9 @@ def _group(t: pa.Table, keys: Sequence[str], sums: Sequence[str] = (), maxs: Seq
     aggs: list[tuple[Any, str]] = [(c, "sum") for c in sums] + [(c, "max") for c in maxs] + [(c, "min") for c in mins]
     if count is not None:
         aggs.append(([], "count_all"))
+    g = t.group_by(list(keys), use_threads=False).aggregate(aggs)
     if not keys and t.num_rows == 0:
-        t = t.slice(0, 0).append_column("_none", pa.array([], pa.int8()))  # no rows, not one row of nulls
-        keys = ("_none",)
-        g = t.group_by(list(keys), use_threads=False).aggregate(aggs)
-        keys = ()
-    else:
-        g = t.group_by(list(keys), use_threads=False).aggregate(aggs)
+        g = g.slice(0, 0)  # no rows, not one row of nulls
     names = [*sums, *maxs, *mins, *([count] if count else [])]
     made = [f"{c}_{fn}" for c, fn in aggs[:len(aggs) - (count is not None)]] + (["count_all"] if count else [])
     return g.select([*keys, *made]).rename_columns([*keys, *names])
@@ -305,7 +301,7 @@ def partial_rows(rows: Iterable[Sequence[Any]], names: Sequence[str], since_us: 
         return
     from mtaq.analytics.facts import FACT_SCHEMA
 
-    cols = list(zip(*got, strict=True)) if got else [() for _ in names]
+    cols = list(zip(*got, strict=True))
     arrays = []
     for name, values in zip(names, cols, strict=True):
         typ = FACT_SCHEMA.field(name).type
