@@ -313,16 +313,22 @@ def _comparable(res) -> dict:
 def test_facts_from_the_data_source_equal_the_spark_merge(spark, script, tmp_path, until):
     """Each message's facts computed in the data source's task (messages a partition holds whole) or merged
     by Spark from its record rows (messages spread over partitions: here, or all of them with
-    close_messages=False, or none with one partition) give the same totals and the same tables; with
+    close_messages=False, or none with one partition), by Spark or on the driver (driver_merge_rows), give the
+    same totals and the same tables; with
     --until before carol's expiry her message is still queued at the end (qshape_now) in every way."""
     from mtaq.analytics.job import Options, analyze
 
     u = None if until is None else dt.datetime.fromtimestamp(until, dt.UTC)
     paths = [script["archive"], script["spool"]]
-    def run(pb: int, close: bool) -> dict:
-        out = str(tmp_path / f"{pb}-{close}")
+    def run(pb: int, close: bool, driver: int = 100_000) -> dict:
+        out = str(tmp_path / f"{pb}-{close}-{driver}")
+        progress: list[str] = []
         got = _comparable(analyze(spark, Options(paths=paths, out=out, top=5, partition_bytes=pb, until=u, plots=False,
-                                                 close_messages=close)))
+                                                 close_messages=close, driver_merge_rows=driver,
+                                                 progress=progress.append)))
+        # the open messages merged where the limit says: by Spark, or on the driver (pyarrow)
+        merged_by = {m.rsplit(" ", 1)[-1] for m in progress if m.startswith("per message and per recipient facts")}
+        assert merged_by == ({"Spark"} if driver == 0 else {"driver"}) or (close and pb > 1 << 30 and not merged_by)
         # the big tables too: files the tasks staged, moved in, and what Spark merged, appended
         got["parquet"] = {t: sorted(map(repr, spark.read.parquet(f"{out}/tables/{t}").collect()))
                           for t in ("outcomes", "messages")}
@@ -332,8 +338,9 @@ def test_facts_from_the_data_source_equal_the_spark_merge(spark, script, tmp_pat
         assert str(pq.read_table(f"{out}/tables/outcomes").schema.field("ts").type) == "timestamp[us, tz=UTC]"
         return got
 
-    runs = {(pb, close): run(pb, close) for pb, close in ((150_000, True), (150_000, False), (1 << 40, True))}
-    first = runs[(150_000, False)]
+    runs = {(pb, close, driver): run(pb, close, driver) for pb, close, driver in (
+        (150_000, True, 100_000), (150_000, True, 0), (150_000, False, 100_000), (150_000, False, 0), (1 << 40, True, 0))}
+    first = runs[(150_000, False, 0)]
     assert all(first == other for other in runs.values())
     t = first["totals"]
     assert len(first["parquet"]["outcomes"]) == t["delivered"] + t["deferrals"] + t["bounced"] > 0
@@ -505,3 +512,27 @@ def test_spark_submit_on_a_local_cluster_with_the_module_zip(script, tmp_path):
     assert {"received": 1, "delivered": 1, "deferred": 2, "bounced": 1, "rejected": 0, "deferrals": 2, "expired": 1,
             "outcome_unknown": 0} == {k: got[k] for k in ("received", "delivered", "deferred", "bounced", "rejected",
                                                           "deferrals", "expired", "outcome_unknown")}
+
+
+def test_percentiles_inside_a_bucket_are_read_back_by_spark(spark):
+    """Delays microseconds apart share a bucket of the partials; the ranks inside it are read back by the
+    job's Spark query (per domain and for all recipients) and equal the plain nearest rank."""
+    import random
+
+    from test_analytics_percentiles import outcome_table  # tests/ is on sys.path (pytest, rootdir mode prepend)
+
+    from mtaq.analytics.job import PERCENTILES, _percentiles
+    from mtaq.analytics.partials import encode, locate_percentiles, merge, partials
+    from mtaq.analytics.plain import nearest_rank
+
+    rnd = random.Random(5)
+    rows = [(rnd.choice(["a.example", "b.example", None]), rnd.choice([200_000 + rnd.randrange(500),
+                                                                       rnd.randrange(10**9)]), 0) for _ in range(3000)]
+    p_bucket = merge(encode(partials(outcome_table(rows), None, None, None)))["p_bucket"]
+    assert locate_percentiles(p_bucket, PERCENTILES)[1], "some rank falls inside a bucket of several values"
+    delays = spark.createDataFrame([(d or "?", us / 1e6) for d, us, _ in rows], "domain string, delay_s double")
+    got = {r["domain"]: r["p"] for r in _percentiles(p_bucket, delays)}
+    want = {None: [nearest_rank(sorted(us / 1e6 for _, us, _ in rows), p) for p in PERCENTILES]}
+    for dom in ("a.example", "b.example", "?"):
+        want[dom] = [nearest_rank(sorted(us / 1e6 for d, us, _ in rows if (d or "?") == dom), p) for p in PERCENTILES]
+    assert got == want

@@ -45,7 +45,7 @@ from mtaq.analytics.facts import FACT_SPARK_DDL, MESSAGE_COLUMNS, OUTCOME_COLUMN
 from mtaq.analytics.partials import encode, in_window, partials
 from mtaq.analytics.source import SPARK_DDL, SegmentFile, batches, discover, join_path, plan_partitions, resolve
 
-__all__ = ["MtaqDataSource", "SegmentPartition", "register"]
+__all__ = ["MtaqDataSource", "SegmentPartition", "register", "stage_facts", "write_staged"]
 
 PARTITION_BYTES_DEFAULT = 64 * 1024 * 1024
 
@@ -106,13 +106,24 @@ def stage_facts(files: Sequence[SegmentFile], stage: str, until_us: int | None, 
     table = fact_table(files, until_us, close=close)
     parts = partials(table, since_us, until_us, until_us)
     rt = table["record_type"]
-    is_m, is_o = pc.equal(rt, "MESSAGE"), pc.equal(rt, "OUTCOME")
-    rest = table.filter(pc.invert(pc.or_(is_m, is_o)))
-    outcomes = table.filter(is_o)
-    outcomes = outcomes.filter(in_window(outcomes["ts"], since_us, until_us)).select(list(OUTCOME_COLUMNS))
+    rest = table.filter(pc.invert(pc.or_(pc.equal(rt, "MESSAGE"), pc.equal(rt, "OUTCOME"))))
     name = f"{files[0].segment:012d}-{files[-1].segment:012d}-{uuid.uuid4().hex}"
-    out = [("facts", rest.take(pc.sort_indices(rest["record_type"]))),
-           ("messages", table.filter(is_m).select(list(MESSAGE_COLUMNS)))]
+    yield from write_staged(table, stage, name, since_us, until_us, rest.take(pc.sort_indices(rest["record_type"])))
+    for part, data in encode(parts):
+        yield None, None, None, part, data
+
+
+def write_staged(table: pa.Table, stage: str, name: str, since_us: int | None, until_us: int | None,
+                 rest: pa.Table | None = None) -> Iterator[tuple[str, str, int, None, None]]:
+    """Write the MESSAGE rows and the OUTCOME rows in the window of the fact rows ``table`` (FACT_SCHEMA) under
+    ``stage`` as :func:`stage_facts` describes (``rest``, when given, as the ``facts`` file), each file named
+    ``KIND-NAME[-DATE].parquet``; yield its (table, file, rows, None, None). Used by the tasks and by the
+    job's merge of the open messages on the driver. Raises OSError or pyarrow errors."""
+    rt = table["record_type"]
+    outcomes = table.filter(pc.equal(rt, "OUTCOME"))
+    outcomes = outcomes.filter(in_window(outcomes["ts"], since_us, until_us)).select(list(OUTCOME_COLUMNS))
+    out = [] if rest is None else [("facts", rest)]
+    out.append(("messages", table.filter(pc.equal(rt, "MESSAGE")).select(list(MESSAGE_COLUMNS))))
     days = pc.floor_temporal(outcomes["ts"], unit="day")
     for day in pc.unique(days).to_pylist():
         out.append((f"outcomes/date={day.date().isoformat()}", outcomes.filter(pc.equal(days, pa.scalar(day, days.type)))))
@@ -122,8 +133,6 @@ def stage_facts(files: Sequence[SegmentFile], stage: str, until_us: int | None, 
         fs.create_dir(inner.rsplit("/", 1)[0], recursive=True)
         pq.write_table(t, inner, filesystem=fs, row_group_size=65536)
         yield kind, target, t.num_rows, None, None
-    for part, data in encode(parts):
-        yield None, None, None, part, data
 
 
 class MtaqReader(DataSourceReader):

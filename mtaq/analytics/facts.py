@@ -40,7 +40,7 @@ import pyarrow.compute as pc
 from mtaq.analytics.source import COLUMNS, SegmentFile, batches
 
 __all__ = ["FACT_COLUMNS", "FACT_SCHEMA", "FACT_SPARK_DDL", "MESSAGE_COLUMNS", "MESSAGE_SPARK_DDL", "OUTCOME_COLUMNS",
-           "OUTCOME_SPARK_DDL", "fact_batches", "fact_table"]
+           "OUTCOME_SPARK_DDL", "fact_batches", "fact_table", "open_facts"]
 
 _RECORD_COLUMNS = (
     "record_type", "queue_id", "ts", "arrival_ts", "not_before_ts", "generation", "size", "sender", "sender_domain",
@@ -92,6 +92,68 @@ def _seconds(later: pa.ChunkedArray, earlier: pa.ChunkedArray) -> pa.ChunkedArra
     return pc.divide(diff.cast(pa.float64()), 1e6)
 
 
+def _whole(c: pa.Table) -> tuple[pa.Table, pa.Table, pa.Table, pa.Table, pa.Table | None]:
+    """(envelope rows, recipients, messages, outcomes, ``expired`` outcomes or None) of the messages whose
+    record rows ``c`` holds, every row of each (job.py's ``_merge_open`` definitions, value for value).
+
+    Messages: one per queue ID with an envelope row: arrival (earliest), size (largest), ts (latest of any
+    record), sender, sender_domain, bounce_of, recipients, attempts (START rows), finish_ts (latest FINISH,
+    null if none), first_seen (an envelope of generation 0 is among them). Outcomes: every DELIVERY row's
+    outcome joined with its recipient and its message (nulls where the log has none)."""
+    crt = c["record_type"]
+    e = c.filter(pc.equal(crt, "ENVELOPE"))
+    rc = e.select(["queue_id", "rcpt_index", "rcpt_address", "rcpt_domain"]).group_by(
+        ["queue_id", "rcpt_index", "rcpt_address", "rcpt_domain"], use_threads=False).aggregate([])
+    first = pa.table({"queue_id": e["queue_id"], "first_seen": pc.equal(e["generation"], 0)})
+    m = (
+        e.group_by("queue_id", use_threads=False).aggregate([("arrival_ts", "min"), ("size", "max")])
+        .rename_columns(["queue_id", "arrival_ts", "size"])
+        .join(c.group_by("queue_id", use_threads=False).aggregate([("ts", "max")]), "queue_id")
+        .join(first.group_by("queue_id", use_threads=False).aggregate([("first_seen", "any")])
+              .rename_columns(["queue_id", "first_seen"]), "queue_id")
+        .join(e.select(["queue_id", "sender", "sender_domain", "bounce_of"]).group_by(
+            ["queue_id", "sender", "sender_domain", "bounce_of"], use_threads=False).aggregate([]), "queue_id",
+            join_type="left outer")
+        .join(rc.group_by("queue_id", use_threads=False).aggregate([([], "count_all")])
+              .rename_columns(["queue_id", "recipients"]), "queue_id", join_type="left outer")
+        .join(c.filter(pc.equal(crt, "START")).group_by("queue_id", use_threads=False).aggregate([([], "count_all")])
+              .rename_columns(["queue_id", "attempts"]), "queue_id", join_type="left outer")
+        .join(c.filter(pc.equal(crt, "FINISH")).group_by("queue_id", use_threads=False).aggregate([("ts", "max")])
+              .rename_columns(["queue_id", "finish_ts"]), "queue_id", join_type="left outer")
+    )
+    m = m.set_column(m.schema.get_field_index("attempts"), "attempts", pc.fill_null(m["attempts"], 0))
+    m = m.rename_columns(["ts" if n == "ts_max" else n for n in m.column_names])
+    o = (
+        c.filter(pc.equal(crt, "DELIVERY"))
+        .select(["queue_id", "rcpt_index", "ts", "status", "code", "enhanced", "text", "relay", "segment", "offset"])
+        .join(rc, ["queue_id", "rcpt_index"], join_type="left outer")
+        .join(m.select(["queue_id", "arrival_ts", "size", "sender", "bounce_of", "finish_ts"]), "queue_id",
+              join_type="left outer")
+    )
+    o = o.append_column("delay_s", _seconds(o["ts"], o["arrival_ts"]))
+    # The last outcome of each recipient (latest ts, then log position): sorted, the last row of each run.
+    s = o.sort_by([("queue_id", "ascending"), ("rcpt_index", "ascending"), ("ts", "ascending"),
+                   ("segment", "ascending"), ("offset", "ascending")])
+    n = s.num_rows
+    expired = None
+    if n:
+        q, i = s["queue_id"], s["rcpt_index"]
+        differs = pc.or_(pc.not_equal(q.slice(0, n - 1), q.slice(1)), pc.not_equal(i.slice(0, n - 1), i.slice(1)))
+        last = pa.concat_arrays([*(ch for ch in differs.chunks), pa.array([True])])
+        s = s.filter(last)
+        s = s.filter(pc.fill_null(pc.and_(pc.equal(s["status"], "deferred"),
+                                          pc.greater_equal(s["finish_ts"], s["ts"])), False))
+        if s.num_rows:
+            k = s.num_rows
+            x = s.drop_columns(["ts", "status", "code", "enhanced", "text", "delay_s"])
+            x = x.append_column("ts", s["finish_ts"]).append_column("status", pa.repeat(pa.scalar("expired"), k))
+            x = x.append_column("enhanced", pa.repeat(pa.scalar("4.4.7"), k))
+            x = x.append_column("text", pc.binary_join_element_wise(
+                pa.repeat(pa.scalar("queue lifetime exceeded; last reply: "), k), s["text"], ""))
+            expired = x.append_column("delay_s", _seconds(s["finish_ts"], s["arrival_ts"]))
+    return e, rc, m, o, expired
+
+
 def facts_of(t: pa.Table, until: pa.Scalar | None = None, *, close: bool = True) -> Iterator[pa.Table]:
     """Fact tables (FACT_SCHEMA) of one partition's record rows ``t`` (see the module docstring).
     ``close=False`` closes no message: every row stays a record row (the tests compare both ways)."""
@@ -107,57 +169,11 @@ def facts_of(t: pa.Table, until: pa.Scalar | None = None, *, close: bool = True)
     c = t.filter(in_closed)
     if c.num_rows == 0:
         return
-    crt = c["record_type"]
-    e = c.filter(pc.equal(crt, "ENVELOPE"))
-    rc = e.select(["queue_id", "rcpt_index", "rcpt_address", "rcpt_domain"]).group_by(
-        ["queue_id", "rcpt_index", "rcpt_address", "rcpt_domain"], use_threads=False).aggregate([])
-    m = (
-        e.group_by("queue_id", use_threads=False).aggregate([("arrival_ts", "min"), ("size", "max")])
-        .rename_columns(["queue_id", "arrival_ts", "size"])
-        .join(c.group_by("queue_id", use_threads=False).aggregate([("ts", "max")]), "queue_id")
-        .join(e.select(["queue_id", "sender", "sender_domain", "bounce_of"]).group_by(
-            ["queue_id", "sender", "sender_domain", "bounce_of"], use_threads=False).aggregate([]), "queue_id",
-            join_type="left outer")
-        .join(rc.group_by("queue_id", use_threads=False).aggregate([([], "count_all")])
-              .rename_columns(["queue_id", "recipients"]), "queue_id", join_type="left outer")
-        .join(c.filter(pc.equal(crt, "START")).group_by("queue_id", use_threads=False).aggregate([([], "count_all")])
-              .rename_columns(["queue_id", "attempts"]), "queue_id", join_type="left outer")
-        .join(c.filter(pc.equal(crt, "FINISH")).group_by("queue_id", use_threads=False).aggregate([("ts", "max")])
-              .rename_columns(["queue_id", "finish_ts"]), "queue_id", join_type="left outer")
-    )
-    m = m.set_column(m.schema.get_field_index("attempts"), "attempts", pc.fill_null(m["attempts"], 0))
-    m = m.rename_columns(["ts" if n == "ts_max" else n for n in m.column_names])
-    m = m.append_column("first_seen", pa.repeat(pa.scalar(True), m.num_rows))
+    e, rc, m, o, expired = _whole(c)
     yield _out(m, "MESSAGE")
-    o = (
-        c.filter(pc.equal(crt, "DELIVERY"))
-        .select(["queue_id", "rcpt_index", "ts", "status", "code", "enhanced", "text", "relay", "segment", "offset"])
-        .join(rc, ["queue_id", "rcpt_index"], join_type="left outer")
-        .join(m.select(["queue_id", "arrival_ts", "size", "sender", "bounce_of", "finish_ts"]), "queue_id",
-              join_type="left outer")
-    )
-    o = o.append_column("delay_s", _seconds(o["ts"], o["arrival_ts"]))
     yield _out(o, "OUTCOME")
-    # The last outcome of each recipient (latest ts, then log position): sorted, the last row of each run.
-    s = o.sort_by([("queue_id", "ascending"), ("rcpt_index", "ascending"), ("ts", "ascending"),
-                   ("segment", "ascending"), ("offset", "ascending")])
-    n = s.num_rows
-    if n:
-        q, i = s["queue_id"], s["rcpt_index"]
-        differs = pc.or_(pc.not_equal(q.slice(0, n - 1), q.slice(1)), pc.not_equal(i.slice(0, n - 1), i.slice(1)))
-        last = pa.concat_arrays([*(ch for ch in differs.chunks), pa.array([True])])
-        s = s.filter(last)
-        s = s.filter(pc.fill_null(pc.and_(pc.equal(s["status"], "deferred"),
-                                          pc.greater_equal(s["finish_ts"], s["ts"])), False))
-        if s.num_rows:
-            k = s.num_rows
-            x = s.drop_columns(["ts", "status", "code", "enhanced", "text", "delay_s"])
-            x = x.append_column("ts", s["finish_ts"]).append_column("status", pa.repeat(pa.scalar("expired"), k))
-            x = x.append_column("enhanced", pa.repeat(pa.scalar("4.4.7"), k))
-            x = x.append_column("text", pc.binary_join_element_wise(
-                pa.repeat(pa.scalar("queue lifetime exceeded; last reply: "), k), s["text"], ""))
-            x = x.append_column("delay_s", _seconds(s["finish_ts"], s["arrival_ts"]))
-            yield _out(x, "OUTCOME")
+    if expired is not None:
+        yield _out(expired, "OUTCOME")
     flagged = e.filter(pc.fill_null(e["rcpt_unknown"], False))
     if flagged.num_rows:
         yield _out(flagged, "FLAGGED")
@@ -165,6 +181,23 @@ def facts_of(t: pa.Table, until: pa.Scalar | None = None, *, close: bool = True)
         queued = m.filter(pc.and_(pc.less_equal(m["arrival_ts"], until), pc.greater(m["finish_ts"], until)))
         if queued.num_rows:
             yield _out(rc.filter(pc.is_in(rc["queue_id"], value_set=queued["queue_id"])), "RCPT")
+
+
+def open_facts(t: pa.Table) -> pa.Table:
+    """The facts (FACT_SCHEMA) of the messages no task closed, from *all* their record rows ``t`` (ENVELOPE,
+    START, DELIVERY and FINISH rows gathered from every partition; other rows are ignored): what job.py's
+    Spark merge (``_merge_open``) computes, for the driver when those rows are few. MESSAGE rows for every
+    message with an envelope row (``first_seen`` false when its first envelope is not in the log,
+    ``finish_ts`` null while it is queued), OUTCOME rows with the ``expired`` ones, and a RCPT row per
+    recipient. No FLAGGED rows: the tasks counted these envelopes' outcome-unknown recipients already."""
+    c = t.filter(pc.fill_null(pc.is_in(t["record_type"], value_set=_KEYED), False))
+    if c.num_rows == 0:
+        return FACT_SCHEMA.empty_table()
+    _, rc, m, o, expired = _whole(c)
+    parts = [_out(m, "MESSAGE"), _out(o, "OUTCOME"), _out(rc, "RCPT")]
+    if expired is not None:
+        parts.append(_out(expired, "OUTCOME"))
+    return pa.concat_tables(parts)
 
 
 def fact_table(files: Iterable[SegmentFile], until_us: int | None = None, *, close: bool = True) -> pa.Table:

@@ -43,21 +43,25 @@ from functools import partial
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 from pyarrow import fs as pafs
 from pyspark import StorageLevel
 from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
-from mtaq.analytics.datasource import PARTITION_BYTES_DEFAULT, STAGED_DDL, register
+from mtaq.analytics.datasource import PARTITION_BYTES_DEFAULT, STAGED_DDL, register, write_staged
 from mtaq.analytics.facts import (
     FACT_COLUMNS,
+    FACT_SCHEMA,
     FACT_SPARK_DDL,
     MESSAGE_COLUMNS,
     MESSAGE_SPARK_DDL,
     OUTCOME_COLUMNS,
     OUTCOME_SPARK_DDL,
+    open_facts,
 )
-from mtaq.analytics.partials import merge, partial_rows
+from mtaq.analytics.partials import encode, locate_percentiles, merge, partial_rows, partials, rank_value
 from mtaq.analytics.report import write_report
 from mtaq.analytics.source import discover, join_path, resolve
 from mtaq.analytics.tables import AGE_BUCKETS_MIN, DELAY_BUCKETS_S, Result, bucket_labels
@@ -67,6 +71,9 @@ __all__ = ["AGE_BUCKETS_MIN", "DELAY_BUCKETS_S", "Options", "Result", "analyze",
 # Record rows per partition of Spark's merge of the open messages (see analyze); its facts go to a Python worker
 # as Row objects (partials.partial_rows), about 1 KB each: this bounds a worker's memory to about 100 MB.
 MERGE_ROWS_PER_PARTITION = 100_000
+# Open record rows (messages no task held whole) up to which the driver merges them with pyarrow
+# (facts.open_facts) instead of Spark: at 10,000,000 records 42 rows took Spark's merge 6 s of stages.
+DRIVER_MERGE_ROWS_MAX = 100_000
 TOP_ROWS_COLLECTED = 1000  # rows of the senders and recipients tables the driver gets (by count and by bytes)
 
 REJECTED_NOTE = (
@@ -88,6 +95,8 @@ class Options:
     plots: bool = True
     parquet_out: str | None = None  # where Spark writes the big tables (a shared URI on a cluster); None: OUT/tables
     close_messages: bool = True  # False: every message's facts by Spark, none by the data source (tests compare)
+    # Open record rows up to which the driver merges them (pyarrow) instead of Spark; 0: always Spark (tests)
+    driver_merge_rows: int = DRIVER_MERGE_ROWS_MAX
     progress: Callable[[str], None] = field(default=lambda msg: None)
 
 
@@ -466,7 +475,24 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
     oe = _read(spark, files.get("outcomes", []), OUTCOME_SPARK_DDL)  # outcomes in the window (the tasks filtered)
     cached: list[DataFrame] = []
     open_msgs: DataFrame | None = None
-    if inventory["open_rows"]:
+    since_us, until_us = (None if x is None else _micros(x) for x in (since, until))
+    end_us = None if end_value is None else _micros(end_value)
+    published = [(x["table"], x["path"]) for x in staged if x["path"] is not None and x["table"] != "facts"]
+    if 0 < inventory["open_rows"] <= opts.driver_merge_rows:
+        # Few messages no task held whole: their record rows read back from the staged facts files and merged
+        # here, by the same definitions as the tasks' (facts.open_facts), staged and added like a task's.
+        t = open_facts(_read_open_rows(files.get("facts", [])))
+        part_rows += list(encode(partials(t, since_us, until_us, end_us)))
+        more = list(write_staged(t, stage, f"open-{uuid.uuid4().hex}", since_us, until_us))
+        published += [(kind, path) for kind, path, _, _, _ in more]
+        for kind, path, _, _, _ in more:
+            files.setdefault(kind.split("/")[0], []).append(path)
+        msgs = _read(spark, files.get("messages", []), MESSAGE_SPARK_DDL)
+        oe = _read(spark, files.get("outcomes", []), OUTCOME_SPARK_DDL)
+        rt = t["record_type"]
+        say(f"per message and per recipient facts: {pc.sum(pc.equal(rt, 'OUTCOME')).as_py() or 0} outcomes and "
+            f"{pc.sum(pc.equal(rt, 'MESSAGE')).as_py() or 0} messages merged on the driver")
+    elif inventory["open_rows"]:
         # Messages no task held whole (spread over partitions, or still queued): their record rows merged by
         # Spark into the same facts, then the same partial aggregates as the tasks'.
         # Partitions by the rows to merge, not by the log's size: at 10,000,000 records 42 rows were merged in
@@ -476,8 +502,6 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
         cached += merge_cached
         msgs = msgs.unionByName(open_msgs)
         oe = oe.unionByName(merged.filter(_window(F.col("ts"), since, until)))
-        since_us, until_us = (None if x is None else _micros(x) for x in (since, until))
-        end_us = None if end_value is None else _micros(end_value)
         facts = _as_facts(open_msgs, "MESSAGE").unionByName(_as_facts(merged, "OUTCOME")).unionByName(
             _as_facts(open_rcpts, "RCPT")).repartition(nparts, "queue_id")
         names = facts.columns
@@ -506,15 +530,7 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
     recipients = recipients.persist(StorageLevel.MEMORY_AND_DISK)
     cached += [senders, recipients]
     shown = max(opts.top, TOP_ROWS_COLLECTED)
-    # Nearest-rank percentiles need every value of a group in one place: the one aggregation left over the
-    # outcomes (all delivered outcomes, and per recipient domain).
-    percentiles = (
-        oe.filter(delivered).select(domain, "delay_s")
-        .groupingSets([[], ["domain"]], "domain")
-        .agg(F.grouping("domain").alias("g_domain"), F.percentile_approx("delay_s", [0.5, 0.9, 0.99], 10000).alias("p"))
-    )
     got = _collect_tables({
-        "percentiles": percentiles,
         "counts": senders.agg(F.count("*").alias("senders")).crossJoin(
             recipients.filter(F.col("rcpt_address").isNotNull()).agg(F.count("*").alias("recipients"))),
         "senders_by_count": senders.orderBy(F.desc("messages"), F.desc("bytes"), "sender").limit(shown),
@@ -522,7 +538,7 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
         "recipients_by_count": recipients.orderBy(F.desc("delivered"), F.desc("bytes"), "rcpt_address").limit(shown),
         "recipients_by_bytes": recipients.orderBy(F.desc("bytes"), "rcpt_address").limit(shown),
     })
-    got |= _split_parts(parts, got.pop("percentiles"))
+    got |= _split_parts(parts, _percentiles(parts["p_bucket"], oe.filter(delivered).select(domain, "delay_s")))
     say("tables collected")
     [r] = got["totals_r"]
     [d] = got["totals_d"]
@@ -610,8 +626,7 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
     recipients.write.mode("overwrite").parquet(f"{tables_dir}/recipients")
     # The outcomes (by date) and messages the tasks staged become those tables' files as they are, moved
     # (no second copy by Spark); Spark appends what it merged.
-    _publish(spark, big, [(x["table"], x["path"]) for x in staged if x["path"] is not None and x["table"] != "facts"],
-             open_outcomes=None if open_msgs is None else merged.filter(_window(F.col("ts"), since, until)),
+    _publish(spark, big, published, open_outcomes=None if open_msgs is None else merged.filter(_window(F.col("ts"), since, until)),
              open_msgs=open_msgs)
     os.makedirs(opts.out, exist_ok=True)
     with open(os.path.join(opts.out, "totals.json"), "w", encoding="utf-8") as f:
@@ -635,6 +650,45 @@ def _remove_stage(uri: str) -> None:
         raise ValueError(f"not a stage directory of mtaq analyze: {uri}")
     if fs.get_file_info(inner).type == pafs.FileType.Directory:
         fs.delete_dir(inner)
+
+
+PERCENTILES = (0.5, 0.9, 0.99)
+
+
+def _percentiles(p_bucket: pa.Table, delays: DataFrame) -> list[dict[str, Any]]:
+    """Exact nearest-rank PERCENTILES of the time to deliver, for all recipients and per recipient domain, as
+    rows {domain, g_domain (true for all recipients), p: [values]}: located in the merged ``p_bucket`` partial
+    (:func:`mtaq.analytics.partials.locate_percentiles`); where a bucket holds several values and the rank
+    falls inside it, that bucket's values and counts are read from ``delays`` (columns domain, delay_s: the
+    delivered outcomes of the window) by one Spark query, and the rank is counted off among them."""
+    found, todo = locate_percentiles(p_bucket, PERCENTILES)
+    if todo:
+        spark = delays.sparkSession
+        targets = spark.createDataFrame([(i, t.domain, t.lo, t.hi) for i, t in enumerate(todo)],
+                                        "tid int, t_domain string, lo double, hi double")
+        by_domain = delays.join(F.broadcast(targets.filter(F.col("t_domain").isNotNull())),
+                                F.col("domain") == F.col("t_domain"))
+        every = delays.crossJoin(F.broadcast(targets.filter(F.col("t_domain").isNull())))
+        rows = (by_domain.unionByName(every).filter(F.col("delay_s").between(F.col("lo"), F.col("hi")))
+                .groupBy("tid", "delay_s").count().toArrow().to_pylist())
+        values: dict[int, list[tuple[float, int]]] = {}
+        for r in rows:
+            values.setdefault(r["tid"], []).append((r["delay_s"], r["count"]))
+        for i, t in enumerate(todo):
+            found[t.domain][t.p] = rank_value(t, values.get(i, []))
+    return [{"domain": d, "g_domain": d is None, "p": p} for d, p in found.items()]
+
+
+def _read_open_rows(paths: Sequence[str]) -> pa.Table:
+    """The ENVELOPE, START, DELIVERY and FINISH rows (FACT_SCHEMA) of the staged ``facts`` files ``paths``
+    (local paths or URIs), read by pyarrow on the driver: the record rows of the messages no task closed.
+    Each file is sorted by record type, so only the row groups of those types are read."""
+    keyed = [("record_type", "in", list(_KEYED))]
+    tables = [FACT_SCHEMA.empty_table()]
+    for path in paths:
+        fs, inner, _ = resolve(path)
+        tables.append(pq.read_table(inner, filesystem=fs, filters=keyed, schema=FACT_SCHEMA))
+    return pa.concat_tables(tables)
 
 
 def _read(spark: SparkSession, paths: Sequence[str], ddl: str) -> DataFrame:

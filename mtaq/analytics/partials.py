@@ -38,7 +38,9 @@ Definitions are those of :mod:`mtaq.analytics.job` (its docstring), value for va
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -47,7 +49,8 @@ import pyarrow.compute as pc
 
 from mtaq.analytics.tables import AGE_BUCKETS_MIN, DELAY_BUCKETS_S, bucket_labels
 
-__all__ = ["PARTS", "decode", "encode", "in_window", "merge", "partial_rows", "partials"]
+__all__ = ["PARTS", "RankTarget", "decode", "delay_key", "encode", "in_window", "locate_percentiles", "merge", "partial_rows",
+           "partials", "rank_value"]
 
 _TS = pa.timestamp("us", tz="UTC")
 _HOUR_US = 3_600_000_000
@@ -65,6 +68,7 @@ PARTS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     "side": ((), {}),  # rows, concatenated
     **{f"o_{g}": (k, {**{v: "sum" for v in _O_VALUES}, "delay_max_s": "max"})
        for g, k in (("total", ()), ("domain", ("domain",)), ("hour", ("hour",)), ("bucket", ("bucket",)))},
+    "p_bucket": (("domain", "key"), {"n": "sum", "lo": "min", "hi": "max"}),
     "deferred": (("domain",), {"deferred": "sum"}),
     "reasons": (("status", "enhanced", "relay"),
                 {"count": "sum", "recipients": "sum", "messages": "sum", "example": "min"}),
@@ -158,6 +162,93 @@ def partials(t: pa.Table, since_us: int | None, until_us: int | None, end_us: in
     return out
 
 
+# --------------------------------------------------------------------------------- percentiles
+#
+# Nearest-rank percentiles of the time to deliver, exact, without all values in one place. Each task counts
+# its delivered delays in narrow buckets (``p_bucket``: by recipient domain and bucket, the count and the
+# least and greatest value); the buckets add up like every other partial. On the driver the cumulative
+# counts name the bucket that holds the wanted rank of each group (all recipients, and each domain). When
+# that bucket holds one value, or the rank is its first or its last, the bucket's least or greatest value is
+# the answer; only otherwise are the values of that bucket alone asked for again (the job's one Spark query
+# for them, with their counts), and the rank counted off among them.
+
+DELAY_KEY_BITS = 7  # mantissa bits a bucket keeps: buckets 2**-7 (0.8 %) of their value wide
+
+
+def delay_key(delays: np.ndarray) -> np.ndarray:
+    """The bucket of each delay (seconds, float64, no NaN) as an int64 that orders like the delays: the IEEE
+    754 bits of ``|delay|`` (which order like non-negative doubles) without their low 52 - DELAY_KEY_BITS
+    mantissa bits, negated for negative delays. Bit arithmetic, no logarithm: every executor puts a value
+    in the same bucket."""
+    a = np.asarray(delays, dtype=np.float64)
+    bits = np.abs(a).view(np.int64) >> (52 - DELAY_KEY_BITS)
+    return np.where(a < 0, -bits - 1, bits)
+
+
+@dataclass(frozen=True, slots=True)
+class RankTarget:
+    """A rank to find among the values ``lo`` <= delay <= ``hi`` of ``domain`` (None: every domain): the
+    ``within``-th smallest of them (1-based), for percentile number ``p`` of that group."""
+
+    domain: str | None
+    p: int
+    lo: float
+    hi: float
+    n: int
+    within: int
+
+
+def locate_percentiles(p_bucket: pa.Table, ps: Sequence[float]) -> tuple[dict[str | None, list[float | None]], list[RankTarget]]:
+    """Nearest-rank percentiles ``ps`` (fractions, e.g. 0.5) of the delays counted in the merged ``p_bucket``
+    partial table, for all recipients (key None) and each domain: ({group: [value or None per p]}, the ranks
+    whose value the buckets alone do not tell, left None in the values). The rank of percentile p of N values
+    is ceil(p * N), as :func:`mtaq.analytics.plain.nearest_rank` counts it."""
+    out: dict[str | None, list[float | None]] = {}
+    todo: list[RankTarget] = []
+    if p_bucket.num_rows == 0:
+        return out, todo
+    whole = _group(p_bucket, ("key",), sums=("n",), mins=("lo",), maxs=("hi",))
+    groups: list[tuple[str | None, pa.Table]] = [(None, whole)]
+    dom = p_bucket["domain"]
+    for d in pc.unique(dom).to_pylist():
+        groups.append((d, p_bucket.filter(pc.equal(dom, d))))
+    for d, t in groups:
+        t = t.sort_by("key")
+        n = np.asarray(t["n"].to_numpy(), dtype=np.int64)
+        lo, hi = t["lo"].to_pylist(), t["hi"].to_pylist()
+        cum = np.cumsum(n)
+        total = int(cum[-1])
+        vals: list[float | None] = []
+        for i, p in enumerate(ps):
+            rank = max(1, math.ceil(p * total))
+            j = int(np.searchsorted(cum, rank, side="left"))
+            within = rank - (int(cum[j - 1]) if j else 0)
+            if lo[j] == hi[j] or within == 1:
+                vals.append(lo[j])
+            elif within == int(n[j]):
+                vals.append(hi[j])
+            else:
+                vals.append(None)
+                todo.append(RankTarget(d, i, lo[j], hi[j], int(n[j]), within))
+        out[d] = vals
+    return out, todo
+
+
+def rank_value(target: RankTarget, values: Iterable[tuple[float, int]]) -> float:
+    """The ``target.within``-th smallest of the values of the target's bucket, given as (value, count) pairs.
+    Raises ValueError when the counts do not add up to the bucket's (the two reads disagree)."""
+    got = sorted(values)
+    if sum(c for _, c in got) != target.n:
+        raise ValueError(f"percentile bucket [{target.lo}, {target.hi}] of {target.domain!r}: "
+                         f"{sum(c for _, c in got)} values read back, {target.n} counted")
+    seen = 0
+    for v, c in got:
+        seen += c
+        if seen >= target.within:
+            return v
+    raise AssertionError("unreachable: within <= n")
+
+
 def _outcome_parts(oe: pa.Table) -> dict[str, pa.Table]:
     st = oe["status"]
     delivered = _true(pc.equal(st, "delivered"))
@@ -183,6 +274,10 @@ def _outcome_parts(oe: pa.Table) -> dict[str, pa.Table]:
     for name, keys in (("o_total", ()), ("o_domain", ("domain",)), ("o_hour", ("hour",))):
         out[name] = _group(v, keys, sums=_O_VALUES, maxs=("delay_max_s",))
     out["o_bucket"] = _group(v.filter(delivered), ("bucket",), sums=_O_VALUES, maxs=("delay_max_s",))
+    d = v.filter(pc.and_(delivered, pc.is_valid(delay_s))).select(["domain", "delay_max_s"])
+    out["p_bucket"] = _group(pa.table({"domain": d["domain"], "key": pa.array(delay_key(_floats(d["delay_max_s"]))),
+                                       "lo": d["delay_max_s"], "hi": d["delay_max_s"]}),
+                             ("domain", "key"), mins=("lo",), maxs=("hi",), count="n").select(["domain", "key", "n", "lo", "hi"])
     deferred = oe.filter(_true(pc.equal(st, "deferred"))).select(["queue_id", "rcpt_index", "rcpt_domain"])
     deferred = deferred.group_by(["queue_id", "rcpt_index", "rcpt_domain"], use_threads=False).aggregate([])
     out["deferred"] = _group(pa.table({"domain": pc.fill_null(deferred["rcpt_domain"], "?")}), ("domain",),
