@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from mtaq.analytics.facts import FACT_SCHEMA  # noqa: E402
-from mtaq.analytics.partials import delay_key, encode, locate_percentiles, merge, partials, rank_value  # noqa: E402
+from mtaq.analytics.partials import DELAY_KEY_BITS, delay_key, encode, locate_percentiles, merge, partials, rank_value  # noqa: E402
 from mtaq.analytics.plain import nearest_rank  # noqa: E402
 
 PS = (0.5, 0.9, 0.99)
@@ -84,12 +84,12 @@ def test_the_bucket_key_orders_like_the_delays_and_stays_narrow():
     keys = delay_key(values)
     assert list(keys) == sorted(keys)  # never out of order
     assert keys[3] == keys[4] == 0  # -0.0 and 0.0 together
-    # values in one bucket are within 2**-7 of each other (relative)
+    # values in one bucket are within 2**-DELAY_KEY_BITS of each other (relative)
     dense = np.linspace(0.1, 10.0, 100_001)
     k = delay_key(dense)
     for key in np.unique(k)[:50]:
         inside = dense[k == key]
-        assert inside.max() / inside.min() - 1 < 2 ** -7 + 1e-12
+        assert inside.max() / inside.min() - 1 < 2 ** -DELAY_KEY_BITS + 1e-12
 
 
 def test_a_read_back_that_disagrees_with_the_count_is_an_error():

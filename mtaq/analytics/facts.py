@@ -12,8 +12,9 @@ FINISH. A partition is a run of whole segments in log order (:func:`mtaq.analyti
 and nothing of a message is logged before its first envelope except its DATA, or after its FINISH, so a
 closed message has all its records in that partition and none anywhere else. Its facts are final there.
 Every other message (its records spread over partitions, or still queued) keeps its record rows, which
-the job merges with Spark as before; so do PROBLEM and SEGMENT rows. Same definitions as the job's Spark
-plan (job.py's docstring), value for value: the job's tests compare both with the plain scan.
+the job merges (on the driver with :func:`open_facts` when they are few, else with Spark); so do PROBLEM and
+SEGMENT rows. Same definitions as the job's Spark plan (job.py's docstring), value for value: the job's
+tests compare them with the plain scan.
 
 Rows (:data:`FACT_SCHEMA`: the record columns the job reads plus five of facts), by ``record_type``:
 

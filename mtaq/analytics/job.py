@@ -17,8 +17,10 @@ Definitions (each fact is counted in the ``--since``/``--until`` window by its o
   deferred at least once. Bytes delivered is the message size summed over delivered recipients.
 * rejected: always 0 here. Mail refused at the SMTP door never reaches the queue log (the edge answers
   4xx/5xx before anything is appended), so the log cannot count it; the report says so.
-* time to deliver: delivered outcome time minus arrival, in seconds; percentiles are nearest-rank
-  (``percentile_approx`` with accuracy 10000: exact below 10,000 values, within 0.01 % of rank above).
+* time to deliver: delivered outcome time minus arrival, in seconds; percentiles are nearest-rank, exact
+  (the value at rank ceil(p * N) of the sorted delays; before, ``percentile_approx`` with accuracy 10000,
+  within 0.01 % of rank above 10,000 values): counted in delay buckets by the tasks, and only the values of
+  a bucket in which a wanted rank falls read again (``_percentiles``).
 * attempts per message: START records of each received message.
 * queue over time (qshape): at every whole hour, the messages that had arrived and not yet FINISHed,
   by age (qshape's buckets, minutes); ``qshape_now`` is the same by recipient domain at the end.
@@ -403,10 +405,13 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
     holds whole (:mod:`mtaq.analytics.facts`) and the partial aggregates of the small tables over them
     (:mod:`mtaq.analytics.partials`), and writes the facts as Parquet under ``BIG/_facts-RANDOM`` (BIG is
     ``parquet_out`` or ``OUT/tables``; removed at the end, also when the job fails): the messages, the
-    outcomes by date, and the other rows. The record rows of the other messages are hash-partitioned by
-    queue ID and merged by Spark (groupings, joins, the last-outcome window) into the same facts and
-    partials. The driver adds the partials up; Spark computes the percentiles and the senders and
-    recipients tables; the staged messages and outcomes files are moved into those tables as they are.
+    outcomes by date, and the other rows. The record rows of the other messages are merged into the same
+    facts and partials: on the driver by pyarrow when they are few (``driver_merge_rows``: read back from
+    the staged files, :func:`mtaq.analytics.facts.open_facts`, staged like a task's), else hash-partitioned
+    by queue ID and merged by Spark (groupings, joins, the last-outcome window). The driver adds the
+    partials up and finds the percentiles in their delay buckets (Spark reads back the values of a bucket
+    only when a rank falls inside one of several values); Spark computes the senders and recipients
+    tables; the staged messages and outcomes files are moved into those tables as they are.
 
     Raises :class:`mtaq.analytics.source.SourceError` when a path names no segments.
     """
@@ -530,9 +535,12 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
     recipients = recipients.persist(StorageLevel.MEMORY_AND_DISK)
     cached += [senders, recipients]
     shown = max(opts.top, TOP_ROWS_COLLECTED)
-    got = _collect_tables({
-        "counts": senders.agg(F.count("*").alias("senders")).crossJoin(
-            recipients.filter(F.col("rcpt_address").isNotNull()).agg(F.count("*").alias("recipients"))),
+    # The counts first, alone: they fill both caches. Queries started together on a cache not yet filled each
+    # compute it (Spark does not wait for the first): the recipients' aggregation ran three times at once.
+    got = _collect_tables({"counts": senders.agg(F.count("*").alias("senders")).crossJoin(
+        recipients.filter(F.col("rcpt_address").isNotNull()).agg(F.count("*").alias("recipients")))})
+    say("senders and recipients counted")
+    got |= _collect_tables({
         "senders_by_count": senders.orderBy(F.desc("messages"), F.desc("bytes"), "sender").limit(shown),
         "senders_by_bytes": senders.orderBy(F.desc("bytes"), "sender").limit(shown),
         "recipients_by_count": recipients.orderBy(F.desc("delivered"), F.desc("bytes"), "rcpt_address").limit(shown),

@@ -10,9 +10,9 @@ partitioned by queue ID, so :func:`partials` runs on each of them, and :func:`me
 the driver. This replaces some 40 Spark stages (a few seconds each on two cores; docs/performance.md,
 "Fifth round (issue 17)").
 
-What stays in Spark: the time-to-deliver percentiles (nearest rank needs all values of a group in one place),
-and the tables with a row per address (senders, recipients) or per fact (outcomes, messages), which are
-written by the executors.
+What stays in Spark: the tables with a row per address (senders, recipients) or per fact (outcomes,
+messages), which are written by the executors, and the read-back of the few percentile buckets whose values
+the counts alone do not tell (see "percentiles" below).
 
 Definitions are those of :mod:`mtaq.analytics.job` (its docstring), value for value. Partial tables
 (``PARTS``), each an Arrow table of its keys and its values:
@@ -25,6 +25,9 @@ Definitions are those of :mod:`mtaq.analytics.job` (its docstring), value for va
   (``?`` when unknown), UTC hour, time-to-deliver bucket (delivered only): delivered, bytes_delivered,
   deferrals, bounced (failed + expired), expired, delay_us (sum of delivered delays, microseconds),
   delay_n, delay_max_s;
+* ``p_bucket``: delivered outcomes in the window with a delay, by recipient domain and delay bucket
+  (:func:`delay_key`): n, lo and hi (the least and greatest delay_s), for the exact nearest-rank percentiles
+  (:func:`locate_percentiles`, :func:`rank_value`);
 * ``deferred``: recipients deferred at least once, by domain;
 * ``reasons``: deferred / bounced / expired outcomes by status, enhanced code and relay: count, recipients,
   messages, example (the least reply text);
@@ -172,7 +175,7 @@ def partials(t: pa.Table, since_us: int | None, until_us: int | None, end_us: in
 # the answer; only otherwise are the values of that bucket alone asked for again (the job's one Spark query
 # for them, with their counts), and the rank counted off among them.
 
-DELAY_KEY_BITS = 7  # mantissa bits a bucket keeps: buckets 2**-7 (0.8 %) of their value wide
+DELAY_KEY_BITS = 5  # mantissa bits a bucket keeps: buckets 2**-5 (3 %) of their value wide
 
 
 def delay_key(delays: np.ndarray) -> np.ndarray:
