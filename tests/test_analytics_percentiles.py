@@ -84,6 +84,8 @@ def test_the_bucket_key_orders_like_the_delays_and_stays_narrow():
     keys = delay_key(values)
     assert list(keys) == sorted(keys)  # never out of order
     assert keys[3] == keys[4] == 0  # -0.0 and 0.0 together
+    assert len(set(delay_key(np.array([0.2, 0.21, 0.22, 0.25, 0.3])))) == 5  # buckets narrower than 3.2 %
+    assert DELAY_KEY_BITS >= 5
     # values in one bucket are within 2**-DELAY_KEY_BITS of each other (relative)
     dense = np.linspace(0.1, 10.0, 100_001)
     k = delay_key(dense)

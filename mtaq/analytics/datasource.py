@@ -98,7 +98,10 @@ def stage_facts(files: Sequence[SegmentFile], stage: str, until_us: int | None, 
     * (``"outcomes/date=YYYY-MM-DD"``, file, rows, None, None): for each UTC date, the OUTCOME rows of that
       date in the window ``since_us``/``until_us`` (microseconds since the epoch, None: unbounded),
       :data:`OUTCOME_COLUMNS`; the job moves these files into its outcomes table as they are;
-    * (None, None, None, part, data) for each partial table of the small tables (:mod:`mtaq.analytics.partials`).
+    * (``"p_bucket"``, file, rows, None, None): the partial table of the percentiles' delay buckets (per domain
+      and bucket: up to as many rows as the partition has delivered outcomes, so a file, never a value the
+      driver collects with the rest);
+    * (None, None, None, part, data) for each other partial table of the small tables (:mod:`mtaq.analytics.partials`).
 
     Each file's name is this attempt's own (``KIND-FIRST-LAST-RANDOM.parquet``, FIRST and LAST the segment
     numbers): two logs with the same segment numbers (worker shards, two hosts) or two attempts of one task
@@ -108,21 +111,25 @@ def stage_facts(files: Sequence[SegmentFile], stage: str, until_us: int | None, 
     rt = table["record_type"]
     rest = table.filter(pc.invert(pc.or_(pc.equal(rt, "MESSAGE"), pc.equal(rt, "OUTCOME"))))
     name = f"{files[0].segment:012d}-{files[-1].segment:012d}-{uuid.uuid4().hex}"
-    yield from write_staged(table, stage, name, since_us, until_us, rest.take(pc.sort_indices(rest["record_type"])))
+    yield from write_staged(table, stage, name, since_us, until_us, rest.take(pc.sort_indices(rest["record_type"])),
+                            parts.pop("p_bucket", None))
     for part, data in encode(parts):
         yield None, None, None, part, data
 
 
 def write_staged(table: pa.Table, stage: str, name: str, since_us: int | None, until_us: int | None,
-                 rest: pa.Table | None = None) -> Iterator[tuple[str, str, int, None, None]]:
+                 rest: pa.Table | None = None, p_bucket: pa.Table | None = None) -> Iterator[tuple[str, str, int, None, None]]:
     """Write the MESSAGE rows and the OUTCOME rows in the window of the fact rows ``table`` (FACT_SCHEMA) under
-    ``stage`` as :func:`stage_facts` describes (``rest``, when given, as the ``facts`` file), each file named
-    ``KIND-NAME[-DATE].parquet``; yield its (table, file, rows, None, None). Used by the tasks and by the
-    job's merge of the open messages on the driver. Raises OSError or pyarrow errors."""
+    ``stage`` as :func:`stage_facts` describes (``rest``, when given, as the ``facts`` file; ``p_bucket``, the
+    percentile buckets' partial, as the ``p_bucket`` file), each file named ``KIND-NAME[-DATE].parquet``;
+    yield its (table, file, rows, None, None). Used by the tasks and by the job's merge of the open messages
+    on the driver. Raises OSError or pyarrow errors."""
     rt = table["record_type"]
     outcomes = table.filter(pc.equal(rt, "OUTCOME"))
     outcomes = outcomes.filter(in_window(outcomes["ts"], since_us, until_us)).select(list(OUTCOME_COLUMNS))
     out = [] if rest is None else [("facts", rest)]
+    if p_bucket is not None:
+        out.append(("p_bucket", p_bucket))
     out.append(("messages", table.filter(pc.equal(rt, "MESSAGE")).select(list(MESSAGE_COLUMNS))))
     days = pc.floor_temporal(outcomes["ts"], unit="day")
     for day in pc.unique(days).to_pylist():

@@ -150,9 +150,9 @@ def _whole_keyed(c: pa.Table) -> tuple[pa.Table, pa.Table, pa.Table, pa.Table, p
               join_type="left outer")
     )
     o = o.append_column("delay_s", _seconds(o["ts"], o["arrival_ts"]))
-    # The last outcome of each recipient (latest ts, then log position): sorted, the last row of each run.
-    s = o.sort_by([("queue_id", "ascending"), ("rcpt_index", "ascending"), ("ts", "ascending"),
-                   ("segment", "ascending"), ("offset", "ascending")])
+    # The last outcome of each recipient (latest ts, then log position): sorted, the last row of each run. Nulls
+    # first, so that the last is the latest known, as Spark's descending order (nulls last) gives it.
+    s = _sorted_nulls_first(o, ["queue_id", "rcpt_index", "ts", "segment", "offset"])
     n = s.num_rows
     expired = None
     if n:
@@ -171,6 +171,15 @@ def _whole_keyed(c: pa.Table) -> tuple[pa.Table, pa.Table, pa.Table, pa.Table, p
                 pa.repeat(pa.scalar("queue lifetime exceeded; last reply: "), k), s["text"], ""))
             expired = x.append_column("delay_s", _seconds(s["finish_ts"], s["arrival_ts"]))
     return e, rc, m, o, expired
+
+
+def _sorted_nulls_first(t: pa.Table, keys: list[str]) -> pa.Table:
+    """``t`` sorted ascending by ``keys``, nulls first in each (pyarrow 25 takes the placement per key; older
+    versions only for the whole sort)."""
+    try:
+        return t.sort_by([(k, "ascending", "at_start") for k in keys])
+    except (TypeError, ValueError):
+        return t.sort_by([(k, "ascending") for k in keys], null_placement="at_start")
 
 
 def facts_of(t: pa.Table, until: pa.Scalar | None = None, *, close: bool = True) -> Iterator[pa.Table]:

@@ -63,7 +63,16 @@ from mtaq.analytics.facts import (
     OUTCOME_SPARK_DDL,
     open_facts,
 )
-from mtaq.analytics.partials import encode, locate_percentiles, merge, partial_rows, partials, rank_value
+from mtaq.analytics.partials import (
+    decode,
+    encode,
+    locate_percentiles,
+    merge,
+    merge_tables,
+    partial_rows,
+    partials,
+    rank_value,
+)
 from mtaq.analytics.report import write_report
 from mtaq.analytics.source import discover, join_path, resolve
 from mtaq.analytics.tables import AGE_BUCKETS_MIN, DELAY_BUCKETS_S, Result, bucket_labels
@@ -482,7 +491,7 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
     open_msgs: DataFrame | None = None
     since_us, until_us = (None if x is None else _micros(x) for x in (since, until))
     end_us = None if end_value is None else _micros(end_value)
-    published = [(x["table"], x["path"]) for x in staged if x["path"] is not None and x["table"] != "facts"]
+    published = [(x["table"], x["path"]) for x in staged if x["path"] is not None and x["table"] not in ("facts", "p_bucket")]
     if 0 < inventory["open_rows"] <= opts.driver_merge_rows:
         # Few messages no task held whole: their record rows read back from the staged facts files and merged
         # here, by the same definitions as the tasks' (facts.open_facts), staged and added like a task's.
@@ -519,7 +528,10 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
             {"outcomes": 0, "messages": 0}]
         say(f"per message and per recipient facts: {spread['outcomes']} outcomes and {spread['messages']} messages "
             "merged by Spark")
-    parts = merge(part_rows)
+    # The percentile buckets: the tasks' files, and what the merge of the open messages added, merged a few
+    # at a time, so that the driver holds the merged buckets, not every task's.
+    p_bucket = _merge_p_bucket(files.get("p_bucket", []), [decode(data) for name, data in part_rows if name == "p_bucket"])
+    parts = merge([(name, data) for name, data in part_rows if name != "p_bucket"])
     st = F.col("status")
     delivered = st == "delivered"
     received = msgs.filter(F.col("first_seen") & (F.col("bounce_of") == "") & _window(F.col("arrival_ts"), since, until))
@@ -546,7 +558,7 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
         "recipients_by_count": recipients.orderBy(F.desc("delivered"), F.desc("bytes"), "rcpt_address").limit(shown),
         "recipients_by_bytes": recipients.orderBy(F.desc("bytes"), "rcpt_address").limit(shown),
     })
-    got |= _split_parts(parts, _percentiles(parts["p_bucket"], oe.filter(delivered).select(domain, "delay_s")))
+    got |= _split_parts(parts, _percentiles(p_bucket, oe.filter(delivered).select(domain, "delay_s")))
     say("tables collected")
     [r] = got["totals_r"]
     [d] = got["totals_d"]
@@ -685,6 +697,21 @@ def _percentiles(p_bucket: pa.Table, delays: DataFrame) -> list[dict[str, Any]]:
         for i, t in enumerate(todo):
             found[t.domain][t.p] = rank_value(t, values.get(i, []))
     return [{"domain": d, "g_domain": d is None, "p": p} for d, p in found.items()]
+
+
+P_BUCKET_MERGE_FILES = 32  # files of the tasks' percentile buckets read before they are merged
+
+
+def _merge_p_bucket(paths: Sequence[str], tables: Sequence[pa.Table]) -> pa.Table:
+    """The ``p_bucket`` partial tables in the staged files ``paths`` and in ``tables``, added up
+    (:func:`mtaq.analytics.partials.merge`), read and merged P_BUCKET_MERGE_FILES at a time."""
+    merged: list[pa.Table] = [t for t in tables if t.num_rows]
+    for i in range(0, len(paths), P_BUCKET_MERGE_FILES):
+        for path in paths[i : i + P_BUCKET_MERGE_FILES]:
+            fs, inner, _ = resolve(path)
+            merged.append(pq.read_table(inner, filesystem=fs))
+        merged = [merge_tables("p_bucket", [t for t in merged if t.num_rows])]
+    return merge_tables("p_bucket", [t for t in merged if t.num_rows])
 
 
 def _read_open_rows(paths: Sequence[str]) -> pa.Table:
