@@ -547,10 +547,11 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
     recipients = recipients.persist(StorageLevel.MEMORY_AND_DISK)
     cached += [senders, recipients]
     shown = max(opts.top, TOP_ROWS_COLLECTED)
-    # The counts first, alone: they fill both caches. Queries started together on a cache not yet filled each
-    # compute it (Spark does not wait for the first): the recipients' aggregation ran three times at once.
-    got = _collect_tables({"counts": senders.agg(F.count("*").alias("senders")).crossJoin(
-        recipients.filter(F.col("rcpt_address").isNotNull()).agg(F.count("*").alias("recipients")))})
+    # The counts first: each fills its cache (queries started together on a cache not yet filled each compute
+    # it: the recipients' aggregation ran three times at once), the two side by side.
+    got = _collect_tables({
+        "senders_count": senders.agg(F.count("*").alias("senders")),
+        "recipients_count": recipients.filter(F.col("rcpt_address").isNotNull()).agg(F.count("*").alias("recipients"))})
     say("senders and recipients counted")
     got |= _collect_tables({
         "senders_by_count": senders.orderBy(F.desc("messages"), F.desc("bytes"), "sender").limit(shown),
@@ -566,7 +567,7 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
     problems = _sorted(got["problems"], "segment", "offset")
     unknown = _sorted(got["unknown"], "flagged_ts", "queue_id", "rcpt_index")
     p = [o["delay_p50_s"], o["delay_p90_s"], o["delay_p99_s"]]
-    [counts] = got["counts"]
+    [counts] = [got["senders_count"][0] | got["recipients_count"][0]]
     deferred_by_domain = {x["domain"]: x["deferred"] for x in got["deferred_rcpts"]}
     domain_rows = []
     for x in got["domains"]:
