@@ -541,3 +541,17 @@ def test_percentiles_inside_a_bucket_are_read_back_by_spark(spark):
     for dom in ("a.example", "b.example", "?"):
         want[dom] = [nearest_rank(sorted(us / 1e6 for d, us, _ in rows if (d or "?") == dom), p) for p in PERCENTILES]
     assert got == want
+
+
+def test_parquet_out_holds_every_big_table(spark, script, tmp_path):
+    """--parquet-out (a shared URI on a cluster) gets every table written by the executors, the senders and
+    recipients too (they went to the driver's OUT/tables, which an executor on another machine cannot reach);
+    OUT/tables keeps the small tables."""
+    from mtaq.analytics.job import Options, analyze
+
+    out, big = tmp_path / "out", tmp_path / "shared"
+    analyze(spark, Options(paths=[script["archive"], script["spool"]], out=str(out), parquet_out=str(big), plots=False))
+    for name in ("outcomes", "messages", "senders", "recipients"):
+        assert (big / name / "_SUCCESS").exists() and not (out / "tables" / name).exists(), name
+        assert spark.read.parquet(str(big / name)).count() > 0, name
+    assert (out / "tables" / "totals").exists() and not [p for p in big.iterdir() if p.name.startswith("_facts")]

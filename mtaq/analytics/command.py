@@ -27,7 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="spool dir, archive dir, segment file or glob; local, s3:// or hdfs:// (repeatable)")
     p.add_argument("--out", metavar="DIR", required=True, help="output directory: report.md, PNGs, tables/ (Parquet)")
     p.add_argument("--parquet-out", metavar="URI",
-                   help="where executors write the big tables (outcomes, messages); default OUT/tables. On a "
+                   help="where executors write the big tables (outcomes, messages, senders, recipients); default "
+                        "OUT/tables. On a "
                         "cluster give a shared URI (hdfs://, s3a://)")
     p.add_argument("--master", metavar="URL", help="Spark master (default local[*]; spark-submit's own under spark-submit)")
     p.add_argument("--since", metavar="T", help="count facts at or after T (ISO 8601; UTC unless an offset is given)")

@@ -643,8 +643,10 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
         _write_small(os.path.join(tables_dir, name), rows, schemas.get(name))
     _write_small(os.path.join(tables_dir, "totals"), [totals], None)
     say(f"writing the outcomes, messages, senders and recipients tables (Parquet, {big})")
-    senders.write.mode("overwrite").parquet(f"{tables_dir}/senders")
-    recipients.write.mode("overwrite").parquet(f"{tables_dir}/recipients")
+    # A row per address: written by the executors, so under BIG (--parquet-out on a cluster), as the outcomes and
+    # messages are (OUT is the driver's: an executor elsewhere would write its part on its own disk).
+    senders.write.mode("overwrite").parquet(join_path(big, "senders"))
+    recipients.write.mode("overwrite").parquet(join_path(big, "recipients"))
     # The outcomes (by date) and messages the tasks staged become those tables' files as they are, moved
     # (no second copy by Spark); Spark appends what it merged.
     _publish(spark, big, published, open_outcomes=None if open_msgs is None else merged.filter(_window(F.col("ts"), since, until)),
