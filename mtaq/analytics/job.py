@@ -485,14 +485,13 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
     if isinstance(end_value, dt.datetime) and end_value.tzinfo is None:
         end_value = end_value.replace(tzinfo=dt.UTC)  # _pylist's naive UTC
     age_labels = bucket_labels(AGE_BUCKETS_MIN, "m")
-    msgs = _read(spark, files.get("messages", []), MESSAGE_SPARK_DDL)
-    oe = _read(spark, files.get("outcomes", []), OUTCOME_SPARK_DDL)  # outcomes in the window (the tasks filtered)
     cached: list[DataFrame] = []
     open_msgs: DataFrame | None = None
     since_us, until_us = (None if x is None else _micros(x) for x in (since, until))
     end_us = None if end_value is None else _micros(end_value)
     published = [(x["table"], x["path"]) for x in staged if x["path"] is not None and x["table"] not in ("facts", "p_bucket")]
-    if 0 < inventory["open_rows"] <= opts.driver_merge_rows:
+    on_driver = 0 < inventory["open_rows"] <= opts.driver_merge_rows
+    if on_driver:
         # Few messages no task held whole: their record rows read back from the staged facts files and merged
         # here, by the same definitions as the tasks' (facts.open_facts), staged and added like a task's.
         t = open_facts(_read_open_rows(files.get("facts", [])))
@@ -501,12 +500,12 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
         published += [(kind, path) for kind, path, _, _, _ in more]
         for kind, path, _, _, _ in more:
             files.setdefault(kind.split("/")[0], []).append(path)
-        msgs = _read(spark, files.get("messages", []), MESSAGE_SPARK_DDL)
-        oe = _read(spark, files.get("outcomes", []), OUTCOME_SPARK_DDL)
         rt = t["record_type"]
         say(f"per message and per recipient facts: {pc.sum(pc.equal(rt, 'OUTCOME')).as_py() or 0} outcomes and "
             f"{pc.sum(pc.equal(rt, 'MESSAGE')).as_py() or 0} messages merged on the driver")
-    elif inventory["open_rows"]:
+    msgs = _read(spark, files.get("messages", []), MESSAGE_SPARK_DDL)
+    oe = _read(spark, files.get("outcomes", []), OUTCOME_SPARK_DDL)  # outcomes in the window (the tasks filtered)
+    if inventory["open_rows"] and not on_driver:
         # Messages no task held whole (spread over partitions, or still queued): their record rows merged by
         # Spark into the same facts, then the same partial aggregates as the tasks'.
         # Partitions by the rows to merge, not by the log's size: at 10,000,000 records 42 rows were merged in
@@ -708,13 +707,11 @@ P_BUCKET_MERGE_FILES = 32  # files of the tasks' percentile buckets read before 
 def _merge_p_bucket(paths: Sequence[str], tables: Sequence[pa.Table]) -> pa.Table:
     """The ``p_bucket`` partial tables in the staged files ``paths`` and in ``tables``, added up
     (:func:`mtaq.analytics.partials.merge`), read and merged P_BUCKET_MERGE_FILES at a time."""
-    merged: list[pa.Table] = [t for t in tables if t.num_rows]
+    merged = merge_tables("p_bucket", [t for t in tables if t.num_rows])
     for i in range(0, len(paths), P_BUCKET_MERGE_FILES):
-        for path in paths[i : i + P_BUCKET_MERGE_FILES]:
-            fs, inner, _ = resolve(path)
-            merged.append(pq.read_table(inner, filesystem=fs))
-        merged = [merge_tables("p_bucket", [t for t in merged if t.num_rows])]
-    return merge_tables("p_bucket", [t for t in merged if t.num_rows])
+        read = [_read_staged(path) for path in paths[i : i + P_BUCKET_MERGE_FILES]]
+        merged = merge_tables("p_bucket", [t for t in (merged, *read) if t.num_rows])
+    return merged
 
 
 def _read_open_rows(paths: Sequence[str]) -> pa.Table:
@@ -722,11 +719,15 @@ def _read_open_rows(paths: Sequence[str]) -> pa.Table:
     (local paths or URIs), read by pyarrow on the driver: the record rows of the messages no task closed.
     Each file is sorted by record type, so only the row groups of those types are read."""
     keyed = [("record_type", "in", list(_KEYED))]
-    tables = [FACT_SCHEMA.empty_table()]
-    for path in paths:
-        fs, inner, _ = resolve(path)
-        tables.append(pq.read_table(inner, filesystem=fs, filters=keyed, schema=FACT_SCHEMA))
-    return pa.concat_tables(tables)
+    return pa.concat_tables([FACT_SCHEMA.empty_table(),
+                             *(_read_staged(path, filters=keyed, schema=FACT_SCHEMA) for path in paths)])
+
+
+def _read_staged(path: str, **options: Any) -> pa.Table:
+    """The staged Parquet file ``path`` (local path or URI), read by pyarrow on the driver (``options``:
+    :func:`pyarrow.parquet.read_table`'s)."""
+    fs, inner, _ = resolve(path)
+    return pq.read_table(inner, filesystem=fs, **options)
 
 
 def _read(spark: SparkSession, paths: Sequence[str], ddl: str) -> DataFrame:

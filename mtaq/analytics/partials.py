@@ -284,9 +284,9 @@ def _outcome_parts(oe: pa.Table) -> dict[str, pa.Table]:
     for name, keys in (("o_total", ()), ("o_domain", ("domain",)), ("o_hour", ("hour",))):
         out[name] = _group(v, keys, sums=_O_VALUES, maxs=("delay_max_s",))
     out["o_bucket"] = _group(v.filter(delivered), ("bucket",), sums=_O_VALUES, maxs=("delay_max_s",))
-    d = v.filter(pc.and_(delivered, pc.is_valid(delay_s))).select(["domain", "delay_max_s"])
-    out["p_bucket"] = _group(pa.table({"domain": d["domain"], "key": pa.array(delay_key(_floats(d["delay_max_s"]))),
-                                       "lo": d["delay_max_s"], "hi": d["delay_max_s"]}),
+    d = pa.table({"domain": v["domain"], "delay": delay_s}).filter(pc.and_(delivered, pc.is_valid(delay_s)))
+    out["p_bucket"] = _group(pa.table({"domain": d["domain"], "key": pa.array(delay_key(_floats(d["delay"]))),
+                                       "lo": d["delay"], "hi": d["delay"]}),
                              ("domain", "key"), mins=("lo",), maxs=("hi",), count="n").select(["domain", "key", "n", "lo", "hi"])
     deferred = oe.filter(_true(pc.equal(st, "deferred"))).select(["queue_id", "rcpt_index", "rcpt_domain"])
     deferred = deferred.group_by(["queue_id", "rcpt_index", "rcpt_domain"], use_threads=False).aggregate([])
