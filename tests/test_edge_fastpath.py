@@ -70,6 +70,29 @@ def test_connection_tables_are_those_aiosmtpd_builds_from_the_full_dir() -> None
     assert {"DATA", "EHLO", "HELO", "MAIL", "RCPT", "RSET", "QUIT", "NOOP", "VRFY", "HELP"} <= expected_commands
     expected_auth = {n.removeprefix("auth_").replace("__", "-") for n in full if n.startswith("auth_")}
     assert expected_auth == set(proto._auth_methods)
+    # The table binds a command's method when asked, as aiosmtpd's dict held it; unknown commands are absent.
+    assert proto.smtp_MAIL == proto._smtp_methods["MAIL"] == proto._smtp_methods.get("MAIL")
+    assert None is proto._smtp_methods.get("XYZZY") and "XYZZY" not in proto._smtp_methods
+    assert {name: getattr(proto, "smtp_" + name) for name in expected_commands} == dict(proto._smtp_methods.items())
+    assert all(a.is_builtin and a.method == getattr(proto, "auth_" + m) for m, a in proto._auth_methods.items())
+
+
+def test_auth_table_leaves_out_excluded_mechanisms_as_aiosmtpd_does() -> None:
+    """auth_exclude_mechanism removes a mechanism from the AUTH table, of the class or of the handler."""
+
+    class Handler(_Handler):
+        async def auth_CUSTOM(self, server: Any, args: list[str]) -> None:
+            return None
+
+    async def make(**kw: Any) -> tuple[MtaqSMTP, SMTP]:
+        loop = asyncio.get_running_loop()
+        return MtaqSMTP(Handler(), hostname="mx.test", loop=loop, **kw), SMTP(Handler(), hostname="mx.test", loop=loop, **kw)
+
+    for exclude in (None, ["LOGIN"], ["CUSTOM", "PLAIN"]):
+        ours, theirs = asyncio.run(make(auth_exclude_mechanism=exclude))
+        assert {m: a.is_builtin for m, a in theirs._auth_methods.items()} == {
+            m: a.is_builtin for m, a in ours._auth_methods.items()}
+        assert "CUSTOM" in ours._auth_methods or "CUSTOM" in (exclude or [])
 
 
 def test_the_queue_handlers_hooks_are_those_aiosmtpd_finds_in_its_full_dir(tmp_path: Any) -> None:

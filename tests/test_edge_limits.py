@@ -186,3 +186,22 @@ def test_every_reply_but_greeting_ehlo_and_354_has_an_enhanced_status_code(tmp_p
         assert "250-ENHANCEDSTATUSCODES" in c.command("EHLO client.test").split("\n")
         replies = [c.command(cmd) for cmd in commands]
     assert [] == [r for r in replies if not ENHANCED.match(r)]
+
+
+def test_the_idle_timeout_counts_from_the_last_command_not_the_first(tmp_path):
+    """The idle timer moves on with every command without being set anew each time (mtaq's _reset_timeout):
+    a client that sends a NOOP every 0.4 s for 2.4 s with a 1 s timeout is never cut off, and once it
+    stops, the 421 4.4.2 comes a whole timeout after its last command, not at a deadline set earlier."""
+    import time
+
+    with run_edge(tmp_path, timeout_s=1) as edge, edge.raw() as c:
+        assert c.reply().startswith("220")
+        replies = []
+        for _ in range(6):
+            time.sleep(0.4)
+            replies.append(codes(c.command("NOOP")))
+        last = time.monotonic()
+        assert [(250, "2.0.0")] * 6 == replies
+        assert f"421 4.4.2 {HOST} Error: timeout exceeded" == c.reply()
+        assert time.monotonic() - last >= 0.9
+        assert c.closed()

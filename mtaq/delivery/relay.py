@@ -78,6 +78,20 @@ def local_address_refusal(address: str, *, sender: bool) -> Reply | None:
     """
     if sender and address in ("", "<>"):
         return None
+    key = (address, sender)
+    if key in _refusals:  # senders and recipients repeat: aiosmtplib's check parses each (email.utils)
+        return _refusals[key]
+    if len(_refusals) >= _REFUSALS_MAX:
+        _refusals.clear()
+    found = _refusals[key] = _local_refusal(address, sender)
+    return found
+
+
+_REFUSALS_MAX = 4096
+_refusals: dict[tuple[str, bool], Reply | None] = {}  # local_address_refusal's answers (Reply is immutable)
+
+
+def _local_refusal(address: str, sender: bool) -> Reply | None:
     try:
         sendable = quote_address(address) == f"<{address}>"
         why = "would be rewritten"

@@ -30,6 +30,7 @@ the names a certificate must carry at ``verify``/``secure``.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import random
 from collections.abc import AsyncIterator, Mapping
@@ -323,6 +324,7 @@ class Router:
                 yield Candidate(host, a, route.port)
 
 
+@functools.lru_cache(maxsize=1024)
 def _is_ip(host: str) -> bool:
     try:
         ipaddress.ip_address(host)

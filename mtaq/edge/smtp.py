@@ -71,6 +71,7 @@ import binascii
 import collections
 import datetime as dt
 import logging
+import math
 import re
 import time
 from collections.abc import Callable, Collection, Iterable
@@ -252,8 +253,16 @@ def parse_future_release(tokens: Iterable[str], now_ts: float, delay_max_s: floa
 def future_release_keyword(now_ts: float, delay_max_s: float) -> str:
     """The EHLO line ``FUTURERELEASE <max-interval> <max-date-time>`` (RFC 4865 §3), as of ``now_ts``."""
     limit = int(delay_max_s) if delay_max_s > 0 else NO_LIMIT_S
-    until = dt.datetime.fromtimestamp(now_ts + limit, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return f"FUTURERELEASE {limit} {until}"
+    key = (math.floor(now_ts), limit)  # the same line for every EHLO within one second
+    line = _future_lines.get(key)
+    if line is None:
+        _future_lines.clear()
+        until = dt.datetime.fromtimestamp(key[0] + limit, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        line = _future_lines[key] = f"FUTURERELEASE {limit} {until}"
+    return line
+
+
+_future_lines: dict[tuple[int, int], str] = {}
 
 
 def parse_rcpt_dsn(tokens: Iterable[str]) -> DsnParams:
@@ -325,7 +334,11 @@ class MtaqSMTP(FastPathMixin, SMTP):
         # TLS from the first byte (RFC 8314, a smtps listener): the server socket does the handshake before
         # connection_made; no STARTTLS is offered (pass no tls_context), and AUTH is offered at once.
         self.implicit_tls = implicit_tls
+        self._idle_deadline = 0.0  # loop time at which the client is idle too long (see _reset_timeout)
+        self._idle_armed = False  # the idle timer is set and has not fired
+        self._building = True  # FastPathMixin: the command and AUTH tables are made after aiosmtpd's __init__
         super().__init__(handler, *args, **kwargs)
+        self._fast_tables(kwargs.get("auth_exclude_mechanism"))
         if implicit_tls:
             # aiosmtpd knows TLS only through its own STARTTLS; the connection is TLS already, so AUTH needs
             # nothing more (set after __init__: passing auth_require_tls=False would warn on every connection).
@@ -378,6 +391,27 @@ class MtaqSMTP(FastPathMixin, SMTP):
             await self.push(f"421 4.7.0 {self.hostname} Error: {self._refusal}")
             return
         await super()._handle_client()
+
+    def _reset_timeout(self, duration: float | None = None) -> None:
+        """aiosmtpd's idle timer, moved without a new timer per command: the deadline moves on, and a timer
+        that fires before it sets itself again for the rest (aiosmtpd cancels one timer and schedules
+        another on every command and every piece of DATA)."""
+        deadline = self.loop.time() + (duration or self._timeout_duration)
+        self._idle_deadline = deadline
+        handle = self._timeout_handle
+        if self._idle_armed and handle is not None and not handle.cancelled() and handle.when() <= deadline:
+            return  # fires earlier and sets itself again for the rest
+        if handle is not None:
+            handle.cancel()
+        self._idle_armed = True
+        self._timeout_handle = self.loop.call_at(deadline, self._idle_timer)
+
+    def _idle_timer(self) -> None:
+        if self.loop.time() < self._idle_deadline:  # the client was heard since the timer was set
+            self._timeout_handle = self.loop.call_at(self._idle_deadline, self._idle_timer)
+            return
+        self._idle_armed = False  # the handle stays: aiosmtpd's connection_lost cancels it
+        self._timeout_cb()
 
     def _timeout_cb(self) -> None:
         """An idle client: ``421 4.4.2`` (RFC 3463: connection dropped, timeout), then aiosmtpd closes."""
