@@ -83,3 +83,26 @@ def test_an_extra_reply_after_the_final_dot_keeps_the_connection_from_being_reus
     assert [250] == [r.code for r in replies]
     assert b"\r\n..dot\r\n.\r\n" in bytes(s.received)
     assert not reusable  # replies left unread: the connection is in an unknown state
+
+
+def test_a_next_hop_that_stops_answering_times_out_and_its_connection_is_dropped():
+    """The reply to RCPT never comes: after timeout_s every recipient gets 421 4.4.2 (timed out), no content
+    was sent, and the connection is not kept for another message."""
+    s = Scripted(b"250 2.1.0 ok\r\n")  # MAIL answered, then silence
+
+    async def main():
+        port = await s.start()
+        c = RelayConnection("127.0.0.1", port, helo_name="client.test", timeout_s=0.5, tls="none")
+        try:
+            replies = await c.send("s@x.test", ["a@y.test"], b"Subject: secret\r\n\r\nbody\r\n")
+            reusable = c._client is not None and c._client.is_connected
+        finally:
+            await c.close()
+        await asyncio.wait_for(s.done.wait(), 10)
+        s.server.close()
+        return replies, reusable
+
+    replies, reusable = asyncio.run(main())
+    assert [(421, "4.4.2")] == [(r.code, r.enhanced) for r in replies]
+    assert "Timed out waiting for server response" in replies[0].text
+    assert b"secret" not in s.received and not reusable

@@ -683,6 +683,11 @@ def _refusal_of(resp: aiosmtplib.SMTPResponse) -> Reply:
     return Reply(451, "4.5.0", f"unexpected reply {resp.code} {' '.join(resp.message.split())}".strip())
 
 
+def _time_out(waiter: asyncio.Future[bool]) -> None:
+    if not waiter.done():
+        waiter.set_result(True)
+
+
 class _Conversation(asyncio.Protocol):
     """One mail transaction on an open aiosmtplib connection, driven here (RFC 2920 pipelining).
 
@@ -699,7 +704,7 @@ class _Conversation(asyncio.Protocol):
         self._buf = bytearray()
         self._replies: deque[aiosmtplib.SMTPResponse] = deque()
         self._failure: Exception | None = None
-        self._waiter: asyncio.Future[None] | None = None
+        self._waiter: asyncio.Future[bool] | None = None  # True: timed out
         self._paused = False
         self.closing = False  # drop the connection after the transaction (421, or in an unknown state)
 
@@ -758,7 +763,7 @@ class _Conversation(asyncio.Protocol):
     def _wake(self) -> None:
         w = self._waiter
         if w is not None and not w.done():
-            w.set_result(None)
+            w.set_result(False)
 
     def _parse(self) -> aiosmtplib.SMTPResponse | None:
         """One complete reply from the front of the buffer (RFC 5321 §4.2.1: ``ddd-`` continues, ``ddd``
@@ -782,15 +787,19 @@ class _Conversation(asyncio.Protocol):
         return None
 
     async def _wait(self, timeout_s: float, what: str) -> None:
-        self._waiter = asyncio.get_running_loop().create_future()
+        """Until data, flow or the end of the connection wakes us; SMTPReadTimeoutError after ``timeout_s``.
+        One timer and one future a wait (``asyncio.timeout`` costs about three times as much per reply)."""
+        loop = asyncio.get_running_loop()
+        waiter = self._waiter = loop.create_future()
+        timer = loop.call_later(timeout_s, _time_out, waiter)
         try:
-            async with asyncio.timeout(timeout_s):
-                await self._waiter
-        except TimeoutError:
-            self.closing = True
-            raise aiosmtplib.SMTPReadTimeoutError(f"Timed out {what}") from None
+            timed_out = await waiter
         finally:
+            timer.cancel()
             self._waiter = None
+        if timed_out:
+            self.closing = True
+            raise aiosmtplib.SMTPReadTimeoutError(f"Timed out {what}")
 
     # the transaction
     def write(self, data: bytes) -> None:
