@@ -146,3 +146,61 @@ def test_session_through_the_fast_path(tmp_path: Any) -> None:
     assert 250 == help_code
     assert b"MAIL" in help_text and b"RCPT" in help_text and b"DATA" in help_text
     assert [("s@example.org", ["r1@example.net", "r2@example.net"], [(("NOTIFY", "SUCCESS"),), ()])] == received
+
+
+def _domain_of_by_walk(address: str) -> str | None:
+    """domain_of as it was before its fast path: the last "@" outside quotes, found character by character."""
+    at = -1
+    quoted = escaped = False
+    for i, ch in enumerate(address):
+        if escaped:
+            escaped = False
+        elif quoted and ch == "\\":
+            escaped = True
+        elif ch == '"':
+            quoted = not quoted
+        elif ch == "@" and not quoted:
+            at = i
+    if at < 0 or at == len(address) - 1:
+        return None
+    return address[at + 1 :].translate(str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz"))
+
+
+def _address_problem_by_walk(address: str, *, smtputf8: bool, null_ok: bool = False) -> str | None:
+    """address_problem as it was before its fast paths (generator walks, unsendable_character always)."""
+    from mtaq.edge import policy
+
+    if address in ("", "<>"):
+        return None if null_ok else policy.NO_DOMAIN
+    if any(ch < " " or ch == "\x7f" for ch in address):
+        return policy.CONTROL
+    if any("\udc80" <= ch <= "\udcff" for ch in address):
+        return policy.NOT_UTF8
+    if not address.isascii() and not smtputf8:
+        return policy.NEEDS_SMTPUTF8
+    role, code = ("sender", "5.1.7") if null_ok else ("recipient", "5.1.3")
+    bad = policy.unsendable_character(address)
+    if bad is not None:
+        return f"553 {code} Error: {role} address contains an invisible or control character ({bad})"
+    return "checked further"
+
+
+_ADDRESS_CHARS = st.sampled_from([*'ab@."\\ <>', "\x00", "\x1f", "\x7f", "\t", "\x85", "\u00a0", "\u200b", "\u2028",
+                                  "\udc80", "\udcff", "é", "K", "\u212a", "\ue000"])
+
+
+@settings(max_examples=600, deadline=None)
+@given(address=st.lists(_ADDRESS_CHARS, max_size=16).map("".join), smtputf8=st.booleans(), null_ok=st.booleans())
+def test_address_checks_with_fast_paths_answer_as_the_character_walks(address: str, smtputf8: bool, null_ok: bool) -> None:
+    """domain_of and address_problem's first checks (controls, non-UTF-8, SMTPUTF8, unsendable characters)
+    give the same answers with their fast paths (regex searches, ASCII short cuts) as walked by hand."""
+    from mtaq.edge import policy
+
+    assert _domain_of_by_walk(address) == policy.domain_of(address)
+    expected = _address_problem_by_walk(address, smtputf8=smtputf8, null_ok=null_ok)
+    got = policy.address_problem(address, smtputf8=smtputf8, null_ok=null_ok)
+    if expected == "checked further":  # the rest (domain, IDNA, sendable) is unchanged: not one of these
+        assert got not in (policy.CONTROL, policy.NOT_UTF8, policy.NEEDS_SMTPUTF8)
+        assert got is None or "invisible or control character" not in got
+    else:
+        assert expected == got

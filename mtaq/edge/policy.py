@@ -85,6 +85,8 @@ NEEDS_SMTPUTF8 = "553 5.6.7 Error: non-ASCII address requires SMTPUTF8"
 _UNSENDABLE_CATEGORIES = frozenset({"Cc", "Cf", "Co", "Cn", "Cs", "Zl", "Zp"})
 _ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
 
+_CONTROL_CHAR = re.compile("[\x00-\x1f\x7f]")
+_SURROGATE_ESCAPE = re.compile("[\udc80-\udcff]")  # a byte that was not UTF-8 (aiosmtpd's surrogateescape)
 _LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 _DOMAIN_MAX = 255  # RFC 5321 §4.5.3.1.2, octets
 
@@ -96,6 +98,11 @@ def domain_of(address: str) -> str | None:
     ``address`` is an addr-spec as aiosmtpd parsed it, without angle brackets, e.g.
     ``'"a@b"@[192.0.2.1]'`` -> ``'[192.0.2.1]'``, ``'"a@b"'`` -> None, ``'b!a'`` -> None.
     """
+    if '"' not in address:  # no quoted part: the last "@" (a backslash escapes only inside quotes)
+        at = address.rfind("@")
+        if at < 0 or at == len(address) - 1:
+            return None
+        return address[at + 1 :].translate(_ASCII_LOWER)
     at = -1
     quoted = escaped = False
     for i, ch in enumerate(address):
@@ -188,15 +195,17 @@ def address_problem(address: str, *, smtputf8: bool, null_ok: bool = False, send
     """
     if address in ("", "<>"):
         return None if null_ok else NO_DOMAIN
-    if any(ch < " " or ch == "\x7f" for ch in address):
+    if _CONTROL_CHAR.search(address) is not None:
         return CONTROL
-    if any("\udc80" <= ch <= "\udcff" for ch in address):
+    ascii_only = address.isascii()
+    if not ascii_only and _SURROGATE_ESCAPE.search(address) is not None:
         return NOT_UTF8
-    if not address.isascii() and not smtputf8:
+    if not ascii_only and not smtputf8:
         return NEEDS_SMTPUTF8
     is_sender = null_ok if sender is None else sender
     role, code = ("sender", "5.1.7") if is_sender else ("recipient", "5.1.3")
-    bad = unsendable_character(address)
+    # ASCII without C0 controls and DEL holds nothing unsendable (its only Zs is U+0020, which is allowed).
+    bad = None if ascii_only else unsendable_character(address)
     if bad is not None:
         return f"553 {code} Error: {role} address contains an invisible or control character ({bad})"
     domain = domain_of(address)

@@ -263,6 +263,10 @@ def future_release_keyword(now_ts: float, delay_max_s: float) -> str:
 
 
 _future_lines: dict[tuple[int, int], str] = {}
+_EHLO_REPLIES_MAX = 64
+_ehlo_replies: dict[tuple[tuple[str | bytes, ...], bool, str], tuple[str, bool]] = {}  # smtp_EHLO's replies
+_ENHANCED_MAX = 1024
+_enhanced: dict[tuple[str, str | None], tuple[str, int]] = {}  # push: (reply, verb) -> (enhanced reply, code)
 
 
 def parse_rcpt_dsn(tokens: Iterable[str]) -> DsnParams:
@@ -455,9 +459,15 @@ class MtaqSMTP(FastPathMixin, SMTP):
             except UnicodeDecodeError:
                 sent_raw: bool = await super().push(raw)
                 return sent_raw
-        text = enhance(status, self._verb)
+        key = (status, self._verb)
+        known = _enhanced.get(key)
+        if known is None:
+            if len(_enhanced) >= _ENHANCED_MAX:
+                _enhanced.clear()
+            text = enhance(status, self._verb)
+            known = _enhanced[key] = (text, reply_code(text))
+        text, code = known
         sent: bool = await super().push(text)
-        code = reply_code(text)
         if code == 421:
             self._hang_up()
             return sent
@@ -590,17 +600,27 @@ class MtaqSMTP(FastPathMixin, SMTP):
                 lines = self._ehlo_lines
             finally:
                 self._ehlo_lines = None
-            if self.policy.passwords is None:
-                lines = [line for line in lines if _ehlo_keyword(line) != "AUTH"]
-            extended = _with_extensions(lines, (*_EXTENSIONS, future_release_keyword(time.time(), self.policy.delay_max_s)))
-            if extended is not None:
-                lines = [*extended]
+            no_auth = self.policy.passwords is None
+            future = future_release_keyword(time.time(), self.policy.delay_max_s)
+            key = (tuple(lines), no_auth, future)
+            known = _ehlo_replies.get(key)  # the same reply for every client of a listener, for a second
+            if known is None:
+                if no_auth:
+                    lines = [line for line in lines if _ehlo_keyword(line) != "AUTH"]
+                with_ext = _with_extensions(lines, (*_EXTENSIONS, future))
+                if with_ext is not None:
+                    lines = [*with_ext]
+                # One write for the whole reply: clients that read "a line" and take what came with it (nmap's
+                # smtp library) would otherwise take the rest of the EHLO reply as the reply to what follows.
+                texts = [line.decode("utf-8", "replace") if isinstance(line, bytes) else line for line in lines]
+                if len(_ehlo_replies) >= _EHLO_REPLIES_MAX:
+                    _ehlo_replies.clear()
+                known = _ehlo_replies[key] = ("\r\n".join(texts), with_ext is not None)
+            reply, extended = known
+            if extended:
                 self.command_size_limits["MAIL"] += _MAIL_EXTRA
                 self.command_size_limits["RCPT"] += _RCPT_EXTRA
-            # One write for the whole reply: clients that read "a line" and take what came with it (nmap's
-            # smtp library) would otherwise take the rest of the EHLO reply as the reply to what follows.
-            texts = [line.decode("utf-8", "replace") if isinstance(line, bytes) else line for line in lines]
-            await self.push("\r\n".join(texts))
+            await self.push(reply)
         finally:
             self._verb = None
 
