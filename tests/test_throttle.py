@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import re
 import smtplib
@@ -131,3 +132,39 @@ def test_commit_backlog_over_its_limit_answers_451_4_3_2(tmp_path):
     assert [451, 250, 250] == [c for c, _ in replies]
     assert replies[0][1].startswith(b"4.3.2 ")
     assert 2 == len(durable)
+
+
+def test_a_delivery_cancelled_while_waiting_for_a_slot_gives_back_the_slots_it_had():
+    """Domains are taken in sorted order: a delivery holding a's slot while it waits for b's, cancelled there
+    (delivery_timeout_s), gives a's back; nothing stays counted as active."""
+    from mtaq.delivery.throttle import DomainLimit, Throttle
+
+    async def main():
+        t = Throttle(DomainLimit(concurrency=1))
+        holding_b = asyncio.Event()
+        release_b = asyncio.Event()
+
+        async def hold_b():
+            async with t.slots(["B.example"]):
+                holding_b.set()
+                await release_b.wait()
+
+        first = asyncio.create_task(hold_b())
+        await holding_b.wait()
+        second = asyncio.create_task(t.slots(["b.example", "a.example"]).__aenter__())
+        while t._domains.get("a.example") is None or not t._domains["a.example"].sem.locked():
+            await asyncio.sleep(0)  # until the second has a's slot and waits for b's
+        second.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await second
+        a, b = t._domains["a.example"], t._domains["b.example"]
+        assert (0, False) == (a.active, a.sem.locked())
+        assert (1, True) == (b.active, b.sem.locked())
+        release_b.set()
+        await first
+        assert (0, False) == (b.active, b.sem.locked())
+        async with t.slots(["a.example", "b.example"]):
+            assert (1, 1) == (a.active, b.active)
+        assert (0, 0, 1, 1) == (a.active, b.active, a.peak, b.peak)
+
+    asyncio.run(main())

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-__all__ = ["DomainLimit", "Throttle"]
+__all__ = ["DomainLimit", "Slots", "Throttle"]
 
 
 @dataclass(frozen=True)
@@ -61,29 +60,52 @@ class Throttle:
         d = self._domains.get(domain.lower())
         return d.peak if d is not None else 0
 
-    @asynccontextmanager
-    async def slots(self, domains: Iterable[str]) -> AsyncIterator[None]:
+    def slots(self, domains: Iterable[str]) -> Slots:
         """Hold one slot (and one rate token) of each domain for the body of the ``async with``."""
-        names = sorted({d.lower() for d in domains})
-        held: list[_Domain] = []  # semaphores acquired
-        counted: list[_Domain] = []  # deliveries counted as active
+        return Slots(self, domains)
+
+
+class Slots:
+    """``async with throttle.slots(domains)``: the slots of ``domains`` (sorted, lower case) acquired on entry
+    (waiting for the rate where one is set), all given back on exit, also when entry was cut short (a
+    cancellation while waiting). A class rather than ``@asynccontextmanager``: one per delivery, and the
+    generator machinery cost more than the rest of it."""
+
+    __slots__ = ("_counted", "_held", "_names", "_throttle")
+
+    def __init__(self, throttle: Throttle, domains: Iterable[str]) -> None:
+        self._throttle = throttle
+        self._names = sorted({d.lower() for d in domains})
+        self._held: list[_Domain] = []  # semaphores acquired
+        self._counted: list[_Domain] = []  # deliveries counted as active
+
+    async def __aenter__(self) -> None:
+        t = self._throttle
         try:
-            for name in names:
-                d = self._domain(name)
+            for name in self._names:
+                d = t._domain(name)
                 await d.sem.acquire()
-                held.append(d)
+                self._held.append(d)
                 if d.limit.rate_per_s > 0:
-                    now = self.clock()
+                    now = t.clock()
                     start = max(now, d.next_start)
                     d.next_start = start + 1.0 / d.limit.rate_per_s
                     if start > now:
                         await asyncio.sleep(start - now)
                 d.active += 1
-                counted.append(d)
+                self._counted.append(d)
                 d.peak = max(d.peak, d.active)
-            yield
-        finally:
-            for d in counted:
-                d.active -= 1
-            for d in held:
-                d.sem.release()
+        except BaseException:
+            self._release()
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        for d in self._counted:
+            d.active -= 1
+        for d in self._held:
+            d.sem.release()
+        self._counted.clear()
+        self._held.clear()
