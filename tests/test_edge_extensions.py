@@ -10,8 +10,10 @@ import re
 import smtplib
 
 from edgekit import HOST, RawClient, codes, edge_relay, run_edge
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from mtaq.edge.trace import address_literal, protocol_name, received_header
+from mtaq.edge.trace import _clean_helo, _date, address_literal, protocol_name, received_header
 
 RECEIVED = re.compile(
     rb"^Received: from (?P<helo>\S+) \((?P<ip>\[[^\]]+\])\)\r\n"
@@ -109,3 +111,25 @@ def test_the_received_date_is_the_rfc5322_date_of_that_second_also_when_reused()
                                  recipients=["a@b.test"], when_ts=ts)
         date = email.utils.format_datetime(dt.datetime.fromtimestamp(ts, dt.UTC))
         assert header.endswith(f"; {date}\r\n".encode())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.floats(min_value=0, max_value=4e9, allow_nan=False),
+                          st.integers(min_value=0, max_value=4_000_000_000).flatmap(
+                              lambda s: st.sampled_from([s, s - 1e-7, s + 1e-7, s - 5e-7, s + 5e-7, s + 0.5]))),
+                min_size=1, max_size=20))
+def test_the_received_date_of_any_sequence_of_times_is_that_times_second(times):
+    """The date formatted once a second and reused holds for every time of that second, also just around a
+    second's edge where datetime rounds to the microsecond (the cache keeps a microsecond away from it)."""
+
+    for ts in times:
+        assert email.utils.format_datetime(dt.datetime.fromtimestamp(ts, dt.UTC).replace(microsecond=0)) == _date(ts)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=st.sampled_from([*"ab.-()\\ !~\x7f\x00", "é", "\udc80", "\u2028"]), max_size=300))
+def test_the_helo_in_the_received_header_keeps_printable_ascii_but_comment_characters(helo):
+    """_clean_helo (a regex) gives what the character walk gave: printable ASCII but ( ) \\ kept, the rest ?."""
+
+    walked = "".join(c if "!" <= c <= "~" and c not in "()\\" else "?" for c in helo[:255]) or "unknown"
+    assert walked == _clean_helo(helo)

@@ -119,6 +119,7 @@ def domain_of(address: str) -> str | None:
     return address[at + 1 :].translate(_ASCII_LOWER)
 
 
+@functools.lru_cache(maxsize=4096)  # domains repeat; a pure function of its arguments
 def _valid_domain(domain: str, *, utf8: bool) -> bool:
     """RFC 5321 §4.1.2 Domain, or an address literal ``[IPv4]`` / ``[IPv6:...]`` (§4.1.3)."""
     if domain.startswith("["):
@@ -145,6 +146,7 @@ def _valid_domain(domain: str, *, utf8: bool) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=4096)  # domains repeat (each RCPT asks twice); a pure function of the domain
 def domain_to_ascii(domain: str) -> str | None:
     """``domain`` as IDNA2008 A-labels (RFC 5890 §2.3.2.1, RFC 5891 §4), ASCII lower case; None if it has none.
 

@@ -23,21 +23,30 @@ import datetime as dt
 import email.utils
 import functools
 import ipaddress
+import re
 from collections.abc import Sequence
 
 __all__ = ["address_literal", "protocol_name", "received_header"]
 
 _HELO_MAX = 255
-_dates: dict[dt.datetime, str] = {}  # the last date formatted (messages received in the same second share it)
+_NOT_IN_COMMENT = re.compile(r"[^!-~]|[()\\]")  # what _clean_helo replaces
+_CONTROL_CHAR = re.compile("[\x00-\x1f\x7f]")
+# The last date formatted, and the UTC seconds [lo, hi) in which it certainly holds: a microsecond inside its
+# second on either side, so that datetime's rounding to the microsecond never carries a time into the next.
+_last_date: tuple[float, float, str] = (0.0, 0.0, "")
 
 
 def _date(when_ts: float) -> str:
-    """RFC 5322 §3.3 date-time of ``when_ts`` (UTC seconds), e.g. ``Mon, 20 Nov 2023 04:19:26 +0000``."""
+    """RFC 5322 §3.3 date-time of ``when_ts`` (UTC seconds), e.g. ``Mon, 20 Nov 2023 04:19:26 +0000``
+    (formatted once a second: messages received in the same second share it)."""
+    global _last_date
+    lo, hi, text = _last_date
+    if lo <= when_ts < hi:
+        return text
     moment = dt.datetime.fromtimestamp(when_ts, dt.UTC).replace(microsecond=0)
-    text = _dates.get(moment)
-    if text is None:
-        _dates.clear()
-        text = _dates[moment] = email.utils.format_datetime(moment)
+    text = email.utils.format_datetime(moment)
+    second = moment.timestamp()
+    _last_date = (second + 1e-6, second + 1 - 1e-6, text)
     return text
 
 
@@ -66,8 +75,8 @@ def protocol_name(*, extended: bool, tls: bool, authenticated: bool, smtputf8: b
 
 
 def _clean_helo(helo: str) -> str:
-    text = "".join(c if "!" <= c <= "~" and c not in "()\\" else "?" for c in helo[:_HELO_MAX])
-    return text or "unknown"
+    """``helo`` (at most 255 characters) with anything but printable ASCII other than ``()\\`` as ``?``."""
+    return _NOT_IN_COMMENT.sub("?", helo[:_HELO_MAX]) or "unknown"
 
 
 def received_header(
@@ -85,7 +94,7 @@ def received_header(
         f"Received: from {_clean_helo(helo)} ({address_literal(client_ip)})",
         f"\tby {_clean_helo(hostname)} (mtaq) with {protocol}",
     ]
-    if len(recipients) == 1 and all(c >= " " and c != "\x7f" for c in recipients[0]):
+    if len(recipients) == 1 and _CONTROL_CHAR.search(recipients[0]) is None:
         lines.append(f"\tfor <{recipients[0]}>; {date}")
     else:
         lines[-1] += ";"
