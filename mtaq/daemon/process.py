@@ -62,11 +62,13 @@ __all__ = ["Daemon", "serve"]
 
 PARKED_COPIES_MAX = 1000  # parked envelopes copied forward per checkpoint (each: its DATA and envelope)
 GC_THRESHOLDS = (20_000, 20, 20)  # gc.set_threshold: collect the young generation every 20,000 allocations
-RUNNER_WAKE_S = 0.001
+RUNNER_WAKE_S = 0.01
 """Seconds after the durable end of the log moves before the queue runners are woken (Log.durable_wake_s):
 the SMTP client whose message was just acknowledged gets the reply to its next command (QUIT, or MAIL of its
 next message) before the delivery of that message takes the event loop, and the runners take the messages
-of several commit rounds in one pass. A message's delivery starts up to this much later."""
+of several commit rounds in one pass, whose delivery records then share fsyncs. A message's delivery starts
+up to this much later. 10 ms rather than 1 (docs/performance.md, seventh round): at one session a message
+took 16 % less CPU and the rate rose 10 %; 50 ms made it worse (bursts of deliveries held up the sessions)."""
 EXIT_FSYNC_FAILED = 75
 EXIT_SOFTWARE = 70  # an unexpected exception in a daemon task: crash, recovery will pick up
 _EVENT_OF = {"delivered": "delivered", "deferred": "deferred", "failed": "bounced"}
