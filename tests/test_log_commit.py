@@ -224,6 +224,32 @@ def test_a_lingering_commit_alone_is_made_durable_at_its_deadline(tmp_path):
     log.close()
 
 
+def test_a_commit_whose_caller_is_cancelled_while_it_waits_is_still_made_durable(tmp_path):
+    """A caller cancelled during its (lingering) commit, as an attempt abandoned at delivery_timeout_s is: the
+    record it appended is fsynced all the same, by the round it asked for, with no one waiting any more
+    (Queue.record_outcomes relies on this instead of shielding the wait)."""
+
+    async def main() -> tuple[Log, int]:
+        log, _ = Log.open(OsFileSystem(), str(tmp_path), segment_bytes_max=1 << 20)
+        _, lsn = log.append(FinishRecord("QD", Pos(1, 32), 1.0))
+        waiting = asyncio.get_running_loop().create_task(log.commit(lsn, linger_s=0.01))
+        await asyncio.sleep(0)  # the commit is asked for and waits
+        assert log.durable_lsn < lsn
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        for _ in range(500):  # until the round that covers it has ended (its event: the durable LSN moves)
+            if log.durable_lsn >= lsn:
+                break
+            await asyncio.sleep(0.01)
+        return log, lsn
+
+    log, lsn = asyncio.run(main())
+    assert log.durable_lsn >= lsn
+    assert 1 == log.stats.commit_rounds
+    log.close()
+
+
 def test_a_failed_fsync_during_a_linger_fails_the_lingering_commit(tmp_path):
     """A lingering commit behind a failing fsync gets StorageFatal (I6), like any other waiter."""
     fs = FaultyFileSystem()

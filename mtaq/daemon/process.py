@@ -366,9 +366,10 @@ class Daemon:
                         text=rep.text)
                 for i, rep in b.items
             ]
-            # Durable before they count; shielded so that an abandoned attempt (delivery_timeout_s) still
-            # writes the replies it already has.
-            await asyncio.shield(q.record_outcomes(attempt, b.relay, outcomes, remote_dsn=b.remote_dsn))
+            # Durable before they count. An abandoned attempt (delivery_timeout_s) still writes the replies it
+            # already has: record_outcomes appends before its first await, and the commit round covering the
+            # record fsyncs it whether or not anyone still waits (no shield, no task a batch).
+            await q.record_outcomes(attempt, b.relay, outcomes, remote_dsn=b.remote_dsn)
             for (i, _), o in zip(b.items, outcomes, strict=True):
                 self.counts[o.status] += 1
                 if o.status == "delivered":

@@ -426,7 +426,9 @@ class Queue:
         self, attempt: Attempt, relay: str, outcomes: Sequence[Outcome], *, remote_dsn: bool = False
     ) -> None:
         """Append a DELIVERY record for ``outcomes`` and wait until it is durable (GUIDE I2); its fsync waits up
-        to ``delivery_linger_s`` for a client's commit to share."""
+        to ``delivery_linger_s`` for a client's commit to share. The record is appended before the first
+        await, and the commit round fsyncs it even if the caller is cancelled while it waits (an abandoned
+        attempt keeps the replies it had). Raises StorageFatal if that fsync failed."""
         rec = DeliveryRecord(
             queue_id=attempt.queue_id,
             start=attempt.start_pos,
