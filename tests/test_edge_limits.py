@@ -205,3 +205,122 @@ def test_the_idle_timeout_counts_from_the_last_command_not_the_first(tmp_path):
         assert f"421 4.4.2 {HOST} Error: timeout exceeded" == c.reply()
         assert time.monotonic() - last >= 0.9
         assert c.closed()
+
+
+def _on_both_loops(coro_fn):
+    """Run ``coro_fn()`` under asyncio and under uvloop (the daemon's loop, whose timers are rounded to ms)."""
+    import asyncio
+
+    import uvloop
+
+    return [runner(coro_fn()) for runner in (asyncio.run, uvloop.run)]
+
+
+def test_a_command_in_the_last_millisecond_before_the_idle_deadline_is_answered_under_uvloop():
+    """uvloop runs a timer up to 1 ms early and gives a plain Handle (no ``when()``) for under 0.5 ms: the
+    idle timer must neither re-arm for that last millisecond nor fail when the client speaks then (it did:
+    451 4.3.0 to the command, or the transport aborted in DATA). From a review."""
+    import asyncio
+
+    from mtaq.edge.smtp import MtaqSMTP
+
+    class Handler:
+        async def handle_DATA(self, *args):
+            return "250 OK"
+
+    async def main():
+        fired = []
+        loop = asyncio.get_running_loop()
+        p = MtaqSMTP(Handler(), hostname=HOST, loop=loop, timeout=300)
+        p._timeout_cb = lambda: fired.append(loop.time())  # no transport here
+        p._reset_timeout()
+        p._idle_deadline = loop.time() + 0.0002  # as if the timer ran 0.2 ms before its deadline
+        p._idle_timer()  # within the last millisecond: the deadline counts as reached
+        assert 1 == len(fired)
+        p._reset_timeout()  # the client's next command in that window: a new timer, no error
+        assert p._idle_armed and p._idle_when > loop.time() + 299
+        p._timeout_handle.cancel()
+
+    _on_both_loops(main)
+
+
+def test_the_idle_timer_runs_once_an_expiry_under_uvloop():
+    """Each expiry runs the idle timer about once (a moved deadline adds one run), not once a loop turn
+    through uvloop's last rounded millisecond. From a review."""
+    import asyncio
+
+    from mtaq.edge.smtp import MtaqSMTP
+
+    class Handler:
+        async def handle_DATA(self, *args):
+            return "250 OK"
+
+    def count(runner):
+        calls = []
+
+        async def main():
+            loop = asyncio.get_running_loop()
+            p = MtaqSMTP(Handler(), hostname=HOST, loop=loop, timeout=0.0503)
+            real = p._idle_timer
+
+            def counted():
+                calls.append(loop.time())
+                real()
+
+            p._idle_timer = counted
+            p._timeout_cb = lambda: None  # no transport here: only the timer's runs are counted
+            for _ in range(10):
+                p._idle_armed = False
+                p._reset_timeout()
+                await asyncio.sleep(0.06)
+
+        runner(main())
+        return len(calls)
+
+    import uvloop
+
+    assert count(uvloop.run) <= 20
+    assert count(asyncio.run) <= 20
+
+
+def test_a_proxy_timeout_longer_than_the_idle_timeout_gives_way_to_it_after_the_handshake():
+    """aiosmtpd arms the PROXY protocol's timeout, then after the handshake the idle timeout: a shorter idle
+    deadline must replace the longer one already set (the timer that moves its deadline only forward must
+    not keep the later one), under asyncio and uvloop. From a review."""
+    import asyncio
+    import logging
+
+    from mtaq.edge.smtp import MtaqSMTP
+
+    class Handler:
+        async def handle_PROXY(self, server, session, envelope, proxy_data):
+            return True
+
+        async def handle_DATA(self, *args):
+            return "250 OK"
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        srv = await loop.create_server(lambda: MtaqSMTP(Handler(), hostname=HOST, loop=loop, timeout=0.4,
+                                                        proxy_protocol_timeout=3.0), "127.0.0.1", 0)
+        port = srv.sockets[0].getsockname()[1]
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        t0 = loop.time()
+        await asyncio.sleep(0.6)  # past the idle timeout: the timer now waits for the PROXY timeout's deadline
+        w.write(b"PROXY TCP4 192.0.2.1 192.0.2.2 1234 25\r\n")
+        greeting = await r.readline()
+        rest = await asyncio.wait_for(r.read(), 10)  # idle after the handshake: the 421, then the close
+        took = loop.time() - t0
+        w.close()
+        srv.close()
+        return greeting, rest, took
+
+    logging.getLogger("mail.log").disabled = True
+    try:
+        results = _on_both_loops(main)
+    finally:
+        logging.getLogger("mail.log").disabled = False
+    for greeting, rest, took in results:
+        assert greeting.startswith(b"220 ")
+        assert rest.startswith(b"421 4.4.2")
+        assert took < 2.0, took  # 0.6 s, then 0.4 s idle; not the 3 s PROXY timeout

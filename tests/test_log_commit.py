@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import time
 
 import pytest
 
@@ -226,19 +227,31 @@ def test_a_lingering_commit_alone_is_made_durable_at_its_deadline(tmp_path):
 
 def test_a_commit_whose_caller_is_cancelled_while_it_waits_is_still_made_durable(tmp_path):
     """A caller cancelled during its (lingering) commit, as an attempt abandoned at delivery_timeout_s is: the
-    record it appended is fsynced all the same, by the round it asked for, with no one waiting any more
-    (Queue.record_outcomes relies on this instead of shielding the wait)."""
+    record it appended, beyond the round already running (a delivery record appended while a client's commit
+    is being fsynced), is fsynced all the same by a later round, with no one waiting any more
+    (Queue.record_outcomes relies on this instead of shielding the wait). From a review."""
 
     async def main() -> tuple[Log, int]:
         log, _ = Log.open(OsFileSystem(), str(tmp_path), segment_bytes_max=1 << 20)
-        _, lsn = log.append(FinishRecord("QD", Pos(1, 32), 1.0))
+        sync_files = log._sync_files
+
+        def slow_sync(files, sync_dir):  # the fsync thread: a round that takes a while
+            time.sleep(0.1)
+            return sync_files(files, sync_dir)
+
+        log._sync_files = slow_sync  # type: ignore[method-assign]
+        _, first = log.append(FinishRecord("QA", Pos(1, 32), 1.0))
+        client = asyncio.get_running_loop().create_task(log.commit(first))  # a client's commit: a round starts
+        await asyncio.sleep(0.02)  # that round is in its fsync
+        _, lsn = log.append(FinishRecord("QB", Pos(1, 32), 1.0))  # beyond the running round
         waiting = asyncio.get_running_loop().create_task(log.commit(lsn, linger_s=0.01))
         await asyncio.sleep(0)  # the commit is asked for and waits
-        assert log.durable_lsn < lsn
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting
-        for _ in range(500):  # until the round that covers it has ended (its event: the durable LSN moves)
+        await client
+        assert log.durable_lsn < lsn
+        for _ in range(500):  # until a round covers it (its event: the durable LSN moves)
             if log.durable_lsn >= lsn:
                 break
             await asyncio.sleep(0.01)
@@ -246,7 +259,7 @@ def test_a_commit_whose_caller_is_cancelled_while_it_waits_is_still_made_durable
 
     log, lsn = asyncio.run(main())
     assert log.durable_lsn >= lsn
-    assert 1 == log.stats.commit_rounds
+    assert 2 == log.stats.commit_rounds
     log.close()
 
 

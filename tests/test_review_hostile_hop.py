@@ -94,7 +94,8 @@ def test_a_next_hop_that_stops_answering_times_out_and_its_connection_is_dropped
         port = await s.start()
         c = RelayConnection("127.0.0.1", port, helo_name="client.test", timeout_s=0.5, tls="none")
         try:
-            replies = await c.send("s@x.test", ["a@y.test"], b"Subject: secret\r\n\r\nbody\r\n")
+            # wait_for: a reply timer that never fires fails here in 10 s instead of hanging the suite
+            replies = await asyncio.wait_for(c.send("s@x.test", ["a@y.test"], b"Subject: secret\r\n\r\nbody\r\n"), 10)
             reusable = c._client is not None and c._client.is_connected
         finally:
             await c.close()

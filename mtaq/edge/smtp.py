@@ -263,6 +263,7 @@ def future_release_keyword(now_ts: float, delay_max_s: float) -> str:
 
 
 _future_lines: dict[tuple[int, int], str] = {}
+_IDLE_SLACK_S = 0.001  # the idle timer: what counts as its deadline reached (uvloop's timers are in ms)
 _EHLO_REPLIES_MAX = 64
 _ehlo_replies: dict[tuple[tuple[str | bytes, ...], bool, str], tuple[str, bool]] = {}  # smtp_EHLO's replies
 _ENHANCED_MAX = 1024
@@ -339,10 +340,14 @@ class MtaqSMTP(FastPathMixin, SMTP):
         # connection_made; no STARTTLS is offered (pass no tls_context), and AUTH is offered at once.
         self.implicit_tls = implicit_tls
         self._idle_deadline = 0.0  # loop time at which the client is idle too long (see _reset_timeout)
+        self._idle_when = 0.0  # loop time the idle timer was set for (uvloop's handles may not tell)
         self._idle_armed = False  # the idle timer is set and has not fired
         self._building = True  # FastPathMixin: the command and AUTH tables are made after aiosmtpd's __init__
+        exclude = kwargs.get("auth_exclude_mechanism")
+        if exclude is not None:  # read twice (aiosmtpd's __init__, then _fast_tables): a one-shot iterable would not do
+            exclude = kwargs["auth_exclude_mechanism"] = tuple(exclude)
         super().__init__(handler, *args, **kwargs)
-        self._fast_tables(kwargs.get("auth_exclude_mechanism"))
+        self._fast_tables(exclude)
         if implicit_tls:
             # aiosmtpd knows TLS only through its own STARTTLS; the connection is TLS already, so AUTH needs
             # nothing more (set after __init__: passing auth_require_tls=False would warn on every connection).
@@ -403,15 +408,19 @@ class MtaqSMTP(FastPathMixin, SMTP):
         deadline = self.loop.time() + (duration or self._timeout_duration)
         self._idle_deadline = deadline
         handle = self._timeout_handle
-        if self._idle_armed and handle is not None and not handle.cancelled() and handle.when() <= deadline:
+        if self._idle_armed and handle is not None and not handle.cancelled() and self._idle_when <= deadline:
             return  # fires earlier and sets itself again for the rest
         if handle is not None:
             handle.cancel()
         self._idle_armed = True
+        self._idle_when = deadline
         self._timeout_handle = self.loop.call_at(deadline, self._idle_timer)
 
     def _idle_timer(self) -> None:
-        if self.loop.time() < self._idle_deadline:  # the client was heard since the timer was set
+        # uvloop rounds a timer to the millisecond and may run it up to 1 ms early: within 1 ms of the deadline
+        # it counts as reached (as aiosmtpd's own timer would), so the timer never spins through that last ms.
+        if self._idle_deadline - self.loop.time() > _IDLE_SLACK_S:  # the client was heard since it was set
+            self._idle_when = self._idle_deadline
             self._timeout_handle = self.loop.call_at(self._idle_deadline, self._idle_timer)
             return
         self._idle_armed = False  # the handle stays: aiosmtpd's connection_lost cancels it
