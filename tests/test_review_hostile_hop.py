@@ -47,12 +47,13 @@ class Scripted:
             self.done.set()
 
 
-def run(server: Scripted, rcpts: list[str], body: bytes):
+def run(server: Scripted, rcpts: list[str], body: bytes, timeout_s: float = 5):
     async def main():
         port = await server.start()
-        c = RelayConnection("127.0.0.1", port, helo_name="client.test", timeout_s=5, tls="none")
+        c = RelayConnection("127.0.0.1", port, helo_name="client.test", timeout_s=timeout_s, tls="none")
         try:
-            replies = await c.send("s@x.test", rcpts, body)
+            # wait_for: a reply timer that never fires fails here in 10 s instead of hanging the suite
+            replies = await asyncio.wait_for(c.send("s@x.test", rcpts, body), 10)
             reusable = c._client is not None and c._client.is_connected
         finally:
             await c.close()
@@ -89,21 +90,7 @@ def test_a_next_hop_that_stops_answering_times_out_and_its_connection_is_dropped
     """The reply to RCPT never comes: after timeout_s every recipient gets 421 4.4.2 (timed out), no content
     was sent, and the connection is not kept for another message."""
     s = Scripted(b"250 2.1.0 ok\r\n")  # MAIL answered, then silence
-
-    async def main():
-        port = await s.start()
-        c = RelayConnection("127.0.0.1", port, helo_name="client.test", timeout_s=0.5, tls="none")
-        try:
-            # wait_for: a reply timer that never fires fails here in 10 s instead of hanging the suite
-            replies = await asyncio.wait_for(c.send("s@x.test", ["a@y.test"], b"Subject: secret\r\n\r\nbody\r\n"), 10)
-            reusable = c._client is not None and c._client.is_connected
-        finally:
-            await c.close()
-        await asyncio.wait_for(s.done.wait(), 10)
-        s.server.close()
-        return replies, reusable
-
-    replies, reusable = asyncio.run(main())
+    replies, reusable = run(s, ["a@y.test"], b"Subject: secret\r\n\r\nbody\r\n", timeout_s=0.5)
     assert [(421, "4.4.2")] == [(r.code, r.enhanced) for r in replies]
     assert "Timed out waiting for server response" in replies[0].text
     assert b"secret" not in s.received and not reusable
