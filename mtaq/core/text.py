@@ -16,7 +16,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
-__all__ = ["UNSAFE_RANGES", "EscapingWriter", "escape_text", "escape_value"]
+__all__ = ["ASCII_CONTROL", "UNSAFE_RANGES", "EscapingWriter", "escape_text", "escape_value"]
+
+ASCII_CONTROL = re.compile("[\x00-\x1f\x7f]")
+"""A C0 control character or DEL (``.search(text) is None``: ``text`` has none)."""
 
 
 # The code points of the categories Cc, Cf, Zl and Zp in Unicode 14.0 (Python 3.11's unicodedata), as

@@ -67,7 +67,7 @@ RUNNER_WAKE_S = 0.01
 the SMTP client whose message was just acknowledged gets the reply to its next command (QUIT, or MAIL of its
 next message) before the delivery of that message takes the event loop, and the runners take the messages
 of several commit rounds in one pass, whose delivery records then share fsyncs. A message's delivery starts
-up to this much later. 10 ms rather than 1 (docs/performance.md, seventh round): at one session a message
+up to this much later. 10 ms rather than 1 (docs/performance.md, sixth round of issue 15): at one session a message
 took 16 % less CPU and the rate rose 10 %; 50 ms made it worse (bursts of deliveries held up the sessions)."""
 EXIT_FSYNC_FAILED = 75
 EXIT_SOFTWARE = 70  # an unexpected exception in a daemon task: crash, recovery will pick up

@@ -14,6 +14,7 @@ Third-party exceptions are converted here and only here (httpcore's ``map_except
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 import socket
 import ssl
@@ -78,19 +79,10 @@ def local_address_refusal(address: str, *, sender: bool) -> Reply | None:
     """
     if sender and address in ("", "<>"):
         return None
-    key = (address, sender)
-    if key in _refusals:  # senders and recipients repeat: aiosmtplib's check parses each (email.utils)
-        return _refusals[key]
-    if len(_refusals) >= _REFUSALS_MAX:
-        _refusals.clear()
-    found = _refusals[key] = _local_refusal(address, sender)
-    return found
+    return _local_refusal(address, sender)
 
 
-_REFUSALS_MAX = 4096
-_refusals: dict[tuple[str, bool], Reply | None] = {}  # local_address_refusal's answers (Reply is immutable)
-
-
+@functools.lru_cache(maxsize=4096)  # senders and recipients repeat; a pure function (Reply is immutable)
 def _local_refusal(address: str, sender: bool) -> Reply | None:
     try:
         sendable = quote_address(address) == f"<{address}>"

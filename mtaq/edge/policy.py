@@ -49,6 +49,7 @@ import idna
 from aiosmtplib.email import quote_address
 
 from mtaq.core.errors import ConfigError
+from mtaq.core.text import ASCII_CONTROL
 from mtaq.edge.auth import PasswordFile
 
 if TYPE_CHECKING:
@@ -85,7 +86,6 @@ NEEDS_SMTPUTF8 = "553 5.6.7 Error: non-ASCII address requires SMTPUTF8"
 _UNSENDABLE_CATEGORIES = frozenset({"Cc", "Cf", "Co", "Cn", "Cs", "Zl", "Zp"})
 _ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
 
-_CONTROL_CHAR = re.compile("[\x00-\x1f\x7f]")
 _SURROGATE_ESCAPE = re.compile("[\udc80-\udcff]")  # a byte that was not UTF-8 (aiosmtpd's surrogateescape)
 _LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 _DOMAIN_MAX = 255  # RFC 5321 §4.5.3.1.2, octets
@@ -197,7 +197,7 @@ def address_problem(address: str, *, smtputf8: bool, null_ok: bool = False, send
     """
     if address in ("", "<>"):
         return None if null_ok else NO_DOMAIN
-    if _CONTROL_CHAR.search(address) is not None:
+    if ASCII_CONTROL.search(address) is not None:
         return CONTROL
     ascii_only = address.isascii()
     if not ascii_only and _SURROGATE_ESCAPE.search(address) is not None:

@@ -70,6 +70,7 @@ import base64
 import binascii
 import collections
 import datetime as dt
+import functools
 import logging
 import math
 import re
@@ -253,21 +254,34 @@ def parse_future_release(tokens: Iterable[str], now_ts: float, delay_max_s: floa
 def future_release_keyword(now_ts: float, delay_max_s: float) -> str:
     """The EHLO line ``FUTURERELEASE <max-interval> <max-date-time>`` (RFC 4865 §3), as of ``now_ts``."""
     limit = int(delay_max_s) if delay_max_s > 0 else NO_LIMIT_S
-    key = (math.floor(now_ts), limit)  # the same line for every EHLO within one second
-    line = _future_lines.get(key)
-    if line is None:
-        _future_lines.clear()
-        until = dt.datetime.fromtimestamp(key[0] + limit, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        line = _future_lines[key] = f"FUTURERELEASE {limit} {until}"
-    return line
+    return _future_line(math.floor(now_ts), limit)  # the same line for every EHLO within one second
 
 
-_future_lines: dict[tuple[int, int], str] = {}
+@functools.lru_cache(maxsize=4)
+def _future_line(second: int, limit: int) -> str:
+    until = dt.datetime.fromtimestamp(second + limit, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return f"FUTURERELEASE {limit} {until}"
+
+
+@functools.lru_cache(maxsize=1024)
+def _enhanced(status: str, verb: str | None) -> tuple[str, int]:
+    """``push``'s reply ``status`` answering ``verb``, with its enhanced code, and its basic code."""
+    text = enhance(status, verb)
+    return text, reply_code(text)
+
+
+@functools.lru_cache(maxsize=64)  # the same reply for every client of a listener, for a second
+def _ehlo_reply(lines: tuple[str | bytes, ...], no_auth: bool, future: str) -> tuple[str, bool]:
+    """aiosmtpd's EHLO reply ``lines`` as one text (AUTH left out with ``no_auth``; PIPELINING,
+    ENHANCEDSTATUSCODES, DSN and ``future`` added to a positive reply), and whether they were added."""
+    kept = [line for line in lines if _ehlo_keyword(line) != "AUTH"] if no_auth else list(lines)
+    with_ext = _with_extensions(kept, (*_EXTENSIONS, future))
+    # One write for the whole reply: clients that read "a line" and take what came with it (nmap's smtp
+    # library) would otherwise take the rest of the EHLO reply as the reply to what follows.
+    out = with_ext if with_ext is not None else kept
+    texts = [line.decode("utf-8", "replace") if isinstance(line, bytes) else line for line in out]
+    return "\r\n".join(texts), with_ext is not None
 _IDLE_SLACK_S = 0.001  # the idle timer: what counts as its deadline reached (uvloop's timers are in ms)
-_EHLO_REPLIES_MAX = 64
-_ehlo_replies: dict[tuple[tuple[str | bytes, ...], bool, str], tuple[str, bool]] = {}  # smtp_EHLO's replies
-_ENHANCED_MAX = 1024
-_enhanced: dict[tuple[str, str | None], tuple[str, int]] = {}  # push: (reply, verb) -> (enhanced reply, code)
 
 
 def parse_rcpt_dsn(tokens: Iterable[str]) -> DsnParams:
@@ -468,14 +482,7 @@ class MtaqSMTP(FastPathMixin, SMTP):
             except UnicodeDecodeError:
                 sent_raw: bool = await super().push(raw)
                 return sent_raw
-        key = (status, self._verb)
-        known = _enhanced.get(key)
-        if known is None:
-            if len(_enhanced) >= _ENHANCED_MAX:
-                _enhanced.clear()
-            text = enhance(status, self._verb)
-            known = _enhanced[key] = (text, reply_code(text))
-        text, code = known
+        text, code = _enhanced(status, self._verb)
         sent: bool = await super().push(text)
         if code == 421:
             self._hang_up()
@@ -609,23 +616,8 @@ class MtaqSMTP(FastPathMixin, SMTP):
                 lines = self._ehlo_lines
             finally:
                 self._ehlo_lines = None
-            no_auth = self.policy.passwords is None
             future = future_release_keyword(time.time(), self.policy.delay_max_s)
-            key = (tuple(lines), no_auth, future)
-            known = _ehlo_replies.get(key)  # the same reply for every client of a listener, for a second
-            if known is None:
-                if no_auth:
-                    lines = [line for line in lines if _ehlo_keyword(line) != "AUTH"]
-                with_ext = _with_extensions(lines, (*_EXTENSIONS, future))
-                if with_ext is not None:
-                    lines = [*with_ext]
-                # One write for the whole reply: clients that read "a line" and take what came with it (nmap's
-                # smtp library) would otherwise take the rest of the EHLO reply as the reply to what follows.
-                texts = [line.decode("utf-8", "replace") if isinstance(line, bytes) else line for line in lines]
-                if len(_ehlo_replies) >= _EHLO_REPLIES_MAX:
-                    _ehlo_replies.clear()
-                known = _ehlo_replies[key] = ("\r\n".join(texts), with_ext is not None)
-            reply, extended = known
+            reply, extended = _ehlo_reply(tuple(lines), self.policy.passwords is None, future)
             if extended:
                 self.command_size_limits["MAIL"] += _MAIL_EXTRA
                 self.command_size_limits["RCPT"] += _RCPT_EXTRA

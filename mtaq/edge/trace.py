@@ -26,11 +26,12 @@ import ipaddress
 import re
 from collections.abc import Sequence
 
+from mtaq.core.text import ASCII_CONTROL
+
 __all__ = ["address_literal", "protocol_name", "received_header"]
 
 _HELO_MAX = 255
 _NOT_IN_COMMENT = re.compile(r"[^!-~]|[()\\]")  # what _clean_helo replaces
-_CONTROL_CHAR = re.compile("[\x00-\x1f\x7f]")
 # The last date formatted, and the UTC seconds [lo, hi) in which it certainly holds: a microsecond inside its
 # second on either side, so that datetime's rounding to the microsecond never carries a time into the next.
 _last_date: tuple[float, float, str] = (0.0, 0.0, "")
@@ -94,7 +95,7 @@ def received_header(
         f"Received: from {_clean_helo(helo)} ({address_literal(client_ip)})",
         f"\tby {_clean_helo(hostname)} (mtaq) with {protocol}",
     ]
-    if len(recipients) == 1 and _CONTROL_CHAR.search(recipients[0]) is None:
+    if len(recipients) == 1 and ASCII_CONTROL.search(recipients[0]) is None:
         lines.append(f"\tfor <{recipients[0]}>; {date}")
     else:
         lines[-1] += ";"
