@@ -229,6 +229,41 @@ def test_streamed_bodies_arrive_byte_for_byte_whatever_the_piece_size(tmp_path):
     log.close()
 
 
+def test_the_last_piece_goes_out_with_the_final_dot_in_one_write(tmp_path, monkeypatch):
+    """What the client writes after 354: a body of one piece is one write with the final ``.`` CRLF (one
+    send to the next hop, not two); a body of several pieces is one write per piece, the last with the
+    final dot. The sink still receives aiosmtplib's stuffed form."""
+    from mtaq.delivery import relay
+
+    writes: list[bytes] = []
+    real = relay._Conversation.write
+
+    def spy(self, data: bytes) -> None:
+        writes.append(bytes(data))
+        real(self, data)
+
+    monkeypatch.setattr(relay._Conversation, "write", spy)
+    small, large = b"Subject: s\r\n\r\n.dot\r\nend\r\n", dotted(1000)
+    log, _q, envs = stored(tmp_path, [small, large])
+
+    async def main() -> None:
+        sink = RawSink(pipelining=True)
+        port = await sink.start()
+        try:
+            for body, env, piece_bytes in ((small, envs[0], 65536), (large, envs[1], 300)):
+                writes.clear()
+                assert [250] == [r.code for r in await send(port, ["r@y.test"], StoredBody(log, env, piece_bytes=piece_bytes))]
+                content = [w for w in writes if not w.startswith((b"EHLO", b"MAIL", b"QUIT"))]
+                assert aiosmtplib_wire(body) == b"".join(content) == sink.messages[-1][1]
+                assert -(-len(body) // piece_bytes) == len(content)
+                assert content[-1].endswith(b"\r\n.\r\n") and len(content[-1]) > 3
+        finally:
+            await sink.close()
+
+    asyncio.run(main())
+    log.close()
+
+
 RUNNERS = {"asyncio": asyncio.run, "uvloop": uvloop.run}  # the daemon runs on uvloop
 
 

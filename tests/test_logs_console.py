@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import io
+import re
 import time
 
 import structlog
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mtaq.logs import PlainConsoleRenderer, configure_logging, get_logger
+from mtaq.logs import PlainConsoleRenderer, UtcStamper, configure_logging, get_logger
 
 _text = st.text(alphabet=st.sampled_from(list("ab =\t\r\n\"'\\é\x00\u2028Z9.:@[]")), max_size=12)
 _values = st.one_of(_text, st.integers(), st.floats(allow_nan=False), st.booleans(), st.none(),
@@ -63,3 +64,54 @@ def test_the_daemons_console_lines_through_the_configured_pipeline():
     time.strptime(stamp, "%Y-%m-%dT%H:%M:%S.%fZ")
     assert rest == ("[info     ] queued                         client=127.0.0.1:37224 nrcpt=1 "
                     "queue_id=1K11JVM1Q1K1G2H reply='250 2.0.0 Ok' sender=a@example.org size=2300")
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.one_of(st.integers(0, 4102444800 * 10**9), st.integers(0, 4102444800).map(lambda s: s * 10**9),
+                 st.integers(0, 4102444800 * 10**6).map(lambda us: us * 1000 + 999)))
+def test_the_stamper_writes_what_structlogs_iso_utc_stamper_writes(ns):
+    """mtaq's UtcStamper against what structlog's ``TimeStamper(fmt="iso", utc=True)`` makes of the same
+    instant (``datetime.isoformat`` with ``Z``; a whole second without a fraction), the system clock
+    floored to the microsecond as ``datetime.now`` does; once fresh, once right after another second."""
+    import datetime
+
+    expected = (datetime.datetime.fromtimestamp(ns // 10**9, datetime.UTC)
+                .replace(microsecond=ns // 1000 % 10**6).isoformat().replace("+00:00", "Z"))
+    clock = iter([ns - 10**9, ns, ns])
+    stamper = UtcStamper(clock=lambda: next(clock))
+    stamper(None, "info", {})  # the second before: its prefix cached
+    assert expected == stamper(None, "info", {})["timestamp"] == stamper(None, "info", {})["timestamp"]
+
+
+def test_the_stamper_reads_the_clock_structlog_reads():
+    """Against structlog's own stamper, live: the same shape, and an instant between two of ours."""
+    import datetime
+
+    theirs = structlog.processors.TimeStamper(fmt="iso", utc=True)
+    ours = UtcStamper()
+    for _ in range(1000):
+        a = ours(None, "info", {})["timestamp"]
+        b = theirs(None, "info", {})["timestamp"]
+        c = ours(None, "info", {})["timestamp"]
+        parse = [datetime.datetime.fromisoformat(x.replace("Z", "+00:00")) for x in (a, b, c)]
+        assert parse[0] <= parse[1] <= parse[2]
+        assert all(re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{6})?Z", x) for x in (a, b, c))
+
+
+_unsafe_text = st.text(alphabet=st.sampled_from(list("ab =@.\x00\x1b\x7f\x85\x9b\u200b\u2028\u202e\ufeff\U000e0001é\t\n")),
+                       max_size=10)
+_event_values = st.one_of(_unsafe_text, st.integers(), st.floats(allow_nan=False), st.booleans(), st.none(),
+                          st.lists(_unsafe_text, max_size=3), st.tuples(_unsafe_text, st.integers()),
+                          st.dictionaries(_text, _unsafe_text, max_size=2), st.binary(max_size=4))
+
+
+@settings(max_examples=3000, deadline=None)
+@given(st.dictionaries(_keys, _event_values, max_size=10))
+def test_every_string_of_an_event_is_escaped_as_escape_value_escapes_it(fields):
+    """The log's escaping (one search over an event's strings joined, value by value only when needed) gives
+    every value what :func:`mtaq.core.text.escape_value` gives it: controls, C1, bidi and line separators
+    escaped in strings at any depth, numbers and bytes as they were."""
+    from mtaq.core.text import escape_value
+    from mtaq.logs import _escape_event
+
+    assert {k: escape_value(v) for k, v in fields.items()} == _escape_event(None, "info", dict(fields))

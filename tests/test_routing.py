@@ -10,6 +10,8 @@ import asyncio
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mtaq.config import Config, parse_relayhost
 from mtaq.delivery.relay import Reply
@@ -123,6 +125,34 @@ def test_tls_policy_is_looked_up_by_destination_then_recipient_domain_then_defau
     assert "none" == r.route("a@via.example").tls
     assert "none" == r.route("a@plain.example").tls
     assert "may" == r.route("a@other.example").tls
+
+
+_LABELS = st.sampled_from(["example", "corp", "lists", "via", "secure", "x", "B", "ORG", "net", "[192.0.2.7]"])
+_ADDRESSES = st.one_of(
+    st.builds(lambda local, labels, dot: f"{local}@{'.'.join(labels)}{dot}", st.sampled_from(["a", "Bob", "x.y"]),
+              st.lists(_LABELS, min_size=1, max_size=4), st.sampled_from(["", "."])),
+    st.sampled_from(["postmaster", "a@", "@", "a@b@corp.example"]),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(addresses=st.lists(_ADDRESSES, min_size=1, max_size=30), kept=st.integers(1, 5), star=st.booleans())
+def test_routes_kept_by_domain_are_the_routes_a_fresh_router_gives(addresses, kept, star):
+    """Router.route keeps routes by recipient domain: in any order of addresses, with the keep full and
+    emptied on the way, every route equals what a new router gives for that address alone (transport map,
+    parent domains, ``*``, TLS policy, literals, and the error route that names an address without a domain)."""
+    import mtaq.delivery.routing as routing
+
+    cfg = Config(relayhost="", smtp_port=2500, smtp_tls_security_level="may",
+                 transport_map={"corp.example": "[10.0.0.5]:25", ".lists.corp.example": "discard",
+                                **({"*": "[10.0.0.8]"} if star else {})},
+                 tls_policy_map={".corp.example": "encrypt", "[10.0.0.8]": "none"})
+    r = Router(cfg)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(routing, "ROUTES_KEPT", kept)
+        for address in addresses:
+            assert Router(cfg).route(address) == r.route(address)
+            assert len(r._routes) <= kept
 
 
 # ------------------------------------------------------------------------------------------------------- DNS

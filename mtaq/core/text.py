@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-__all__ = ["ASCII_CONTROL", "UNSAFE_RANGES", "EscapingWriter", "escape_text", "escape_value"]
+__all__ = ["ASCII_CONTROL", "UNSAFE_RANGES", "EscapingWriter", "escape_text", "escape_value", "is_safe"]
 
 ASCII_CONTROL = re.compile("[\x00-\x1f\x7f]")
 """A C0 control character or DEL (``.search(text) is None``: ``text`` has none)."""
@@ -56,6 +56,12 @@ def escape_text(text: str, *, keep_layout: bool = False) -> str:
     if pattern.search(text) is None:
         return text
     return pattern.sub(_escape, text)
+
+
+def is_safe(text: str) -> bool:
+    """True when ``text`` has no character :func:`escape_text` would replace (one regex search). Several
+    strings can be checked at once by joining them: a character is unsafe alone, whatever surrounds it."""
+    return _UNSAFE.search(text) is None
 
 
 def escape_value(value: Any) -> Any:

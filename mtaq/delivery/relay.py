@@ -822,17 +822,22 @@ class _Conversation(asyncio.Protocol):
 
     async def send_content(self, body: bytes | Content, timeout_s: float) -> None:
         """The content after 354, dot-stuffed, and the final ``.`` CRLF, which is written only after the
-        content was read to its end without an error (CorruptRecord, StorageError propagate before it)."""
+        content was read to its end without an error (CorruptRecord, StorageError propagate before it).
+        The last piece is held back and written with the ``.`` CRLF: a message of one piece (most mail) is
+        one write, one send to the next hop."""
         d = DotStuffer()
         if isinstance(body, bytes):
             self.write(d.feed(body) + d.end())
             return
+        held = b""
         for piece in body.pieces():
             out = d.feed(piece)
             if out:
-                self.write(out)
-                await self.drain(timeout_s)
-        self.write(d.end())
+                if held:
+                    self.write(held)
+                    await self.drain(timeout_s)
+                held = out
+        self.write(held + d.end())
 
 
 def _header_section(body: bytes | Content) -> bytes:

@@ -228,6 +228,9 @@ class Dns:
         return out
 
 
+ROUTES_KEPT = 4096  # routes kept by recipient domain (Router.route); all are dropped when it is full
+
+
 class Router:
     """Routes recipients (pure) and turns a route into the addresses to try (DNS). See the module text."""
 
@@ -244,6 +247,7 @@ class Router:
         self.wrappermode = cfg.smtp_tls_wrappermode
         self.addresses_max = cfg.smtp_mx_addresses_max
         self.rng = rng or random.Random()
+        self._routes: dict[str, Route] = {}
         self.dns = dns_client or Dns(
             [parse_nameserver(ns, cfg.dns_port) for ns in cfg.dns_nameservers], timeout_s=cfg.dns_timeout_s
         )
@@ -263,8 +267,20 @@ class Router:
         return found if found is not None else self.tls_default
 
     def route(self, address: str) -> Route:
-        """The route of recipient ``address`` (no I/O)."""
+        """The route of recipient ``address`` (no I/O). A route depends on the recipient's domain alone (and
+        on this router's tables, set once), so it is kept per domain (at most ``ROUTES_KEPT``); the error
+        route of an address without a domain names the address and is never kept."""
         domain = domain_of(address)
+        found = self._routes.get(domain)
+        if found is None:
+            found = self._route(address, domain)
+            if domain:
+                if len(self._routes) >= ROUTES_KEPT:
+                    self._routes.clear()
+                self._routes[domain] = found
+        return found
+
+    def _route(self, address: str, domain: str) -> Route:
         t = lookup(self.transports, domain)
         if t is not None and t.kind != "smtp":
             return Route(t.kind, reply=t.reply)
