@@ -389,3 +389,31 @@ def test_readers_of_the_durable_end_wake_durable_wake_s_after_it_moves_together_
     log = asyncio.run(main())
     log.close()
     assert ["first", "second"] == [n for n, _ in woke]
+
+
+def test_under_load_rounds_are_spaced_and_a_lone_caller_never_waits_for_the_spacing(tmp_path):
+    """round_spacing_s (the daemon's COMMIT_SPACING_S): a lone caller's round starts at once, however soon
+    after the last one; two or more callers at once wait until the spacing has passed since the last round
+    started, and share one round with every caller that came meanwhile."""
+    spacing = 1.0
+
+    async def main() -> Log:
+        log, _ = Log.open(OsFileSystem(), str(tmp_path), segment_bytes_max=1 << 20)
+        log.round_spacing_s = spacing
+        for i in range(3):  # lone callers, one after the other: a round each, none spaced
+            _, lsn = log.append(StartRecord(f"L{i}", Pos(1, 32), 1.0))
+            await asyncio.wait_for(log.commit(lsn), spacing * 0.9)
+        assert 3 == log.stats.commit_rounds
+        started = log._round_started
+        lsns = [log.append(StartRecord(f"C{i}", Pos(1, 32), 1.0))[1] for i in range(2)]
+        first = [asyncio.ensure_future(log.commit(lsn)) for lsn in lsns]
+        await asyncio.sleep(spacing / 3)
+        assert not any(f.done() for f in first)  # waiting out the spacing
+        _, late = log.append(StartRecord("late", Pos(1, 32), 1.0))
+        await asyncio.gather(*first, log.commit(late))
+        assert time.monotonic() - started >= spacing
+        assert 4 == log.stats.commit_rounds  # the two and the one that came meanwhile: one round
+        return log
+
+    log = asyncio.run(main())
+    log.close()

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import errno
+import math
 import os
 import secrets
 import time
@@ -252,6 +253,10 @@ class Log:
         # (lsn, future or callback, when the round may wait until: 0.0 = at once); see commit(linger_s=), when_durable
         self._waiters: list[tuple[int, asyncio.Future[None] | _Callback, float]] = []
         self._hurry: asyncio.Future[None] | None = None  # a lingering round's wait; done when it may go on
+        # Seconds from the start of one commit round to the start of the next while two or more callers want
+        # one at once (0: as soon as the last one ends); see _space.
+        self.round_spacing_s = 0.0
+        self._round_started = -math.inf  # time.monotonic() when the last round started
         self._commit_task: asyncio.Task[None] | None = None
         self._failed: StorageFatal | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtaq-fsync")
@@ -621,6 +626,26 @@ class Log:
             timer.cancel()
             self._hurry = None
 
+    async def _space(self) -> None:
+        """Before a round that two or more callers want at once (clients of several sessions under load):
+        wait until ``round_spacing_s`` after the last round started, so that one fsync covers the callers of
+        that whole time (group commit under load, as PostgreSQL's ``commit_delay`` with ``commit_siblings``).
+        Each round costs an fsync and its CPU whatever it covers. A lone caller (one session, one message at
+        a time) never waits for this: its fsync is its only wait. Lingering callers do not count."""
+        if self.round_spacing_s <= 0:
+            return
+        at_once = 0
+        for _lsn, _fut, deadline in self._waiters:
+            if deadline == 0.0:
+                at_once += 1
+                if at_once == 2:
+                    break
+        else:
+            return
+        delay = self._round_started + self.round_spacing_s - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+
     async def sync(self) -> None:
         """Make everything appended so far durable (book-keeping included)."""
         await self.commit(self._appended_lsn)
@@ -652,8 +677,10 @@ class Log:
         try:
             while self._waiters and self._failed is None:
                 await self._linger(loop)
+                await self._space()
                 if self._failed is not None:
                     return
+                self._round_started = time.monotonic()
                 target = self._appended_lsn
                 target_end = self._end
                 files = [self._dirty[k] for k in sorted(self._dirty)]
