@@ -417,3 +417,176 @@ def test_under_load_rounds_are_spaced_and_a_lone_caller_never_waits_for_the_spac
 
     log = asyncio.run(main())
     log.close()
+
+
+SPACING = 2.0  # seconds: far above any fsync, so a wait for it cannot pass for one
+
+
+async def _lone_round(log: Log) -> None:
+    _, lsn = log.append(StartRecord("first", Pos(1, 32), 1.0))
+    await log.commit(lsn)  # sets _round_started: the next round is "too soon" for SPACING
+
+
+def _client(log: Log, name: str) -> asyncio.Future[float]:
+    """What Queue.receive does for a client's message: append, when_durable; the future gives the wait."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[float] = loop.create_future()
+    _, lsn = log.append(StartRecord(name, Pos(1, 32), 1.0))
+    t0 = time.monotonic()
+    log.when_durable(lsn, lambda err: done.set_result(time.monotonic() - t0) if err is None else done.set_exception(err))
+    return done
+
+
+def test_a_lone_client_does_not_wait_for_the_spacing_because_of_sync_soon(tmp_path):
+    """One session: the client's 250 (when_durable) and a delivery's conclude() (sync_soon: a retry envelope
+    or a DSN) wait at the same round start. Only one *client* waits, yet the round is spaced: the lone
+    client's 250 waits up to round_spacing_s (6 ms in the daemon) longer."""
+
+    async def main() -> float:
+        log, _ = Log.open(OsFileSystem(), str(tmp_path), segment_bytes_max=1 << 20)
+        log.round_spacing_s = SPACING
+        try:
+            await _lone_round(log)
+            waited = _client(log, "client")
+            log.append(StartRecord("retry-envelope", Pos(1, 32), 1.0))
+            log.sync_soon()  # Queue.conclude of a deferred delivery, same loop turn
+            return await waited
+        finally:
+            log.close()
+
+    waited = asyncio.run(main())
+    assert waited < SPACING / 2, f"the lone client waited {waited:.3f} s for the spacing"
+
+
+def test_a_lone_client_does_not_wait_for_the_spacing_because_of_a_checkpoint(tmp_path):
+    """Same with the checkpointer's Log.sync() (Daemon.checkpoint) or an admin operation's commit().
+   """
+
+    async def main() -> float:
+        log, _ = Log.open(OsFileSystem(), str(tmp_path), segment_bytes_max=1 << 20)
+        log.round_spacing_s = SPACING
+        try:
+            await _lone_round(log)
+            log.append(StartRecord("runner-position", Pos(1, 32), 1.0))
+            checkpoint = asyncio.ensure_future(log.sync())  # Daemon.checkpoint
+            await asyncio.sleep(0)  # the checkpoint is waiting; the commit loop has not started its round
+            waited = _client(log, "client")  # a client's DATA ends in the same loop turn
+            w = await waited
+            await checkpoint
+            return w
+        finally:
+            log.close()
+
+    waited = asyncio.run(main())
+    assert waited < SPACING / 2, f"the lone client waited {waited:.3f} s for the spacing"
+
+
+def test_a_cancelled_committer_does_not_count_as_a_second_caller(tmp_path):
+    """A commit() whose caller was cancelled (its future is done) still counts as an at-once caller until
+    a round covers it: a lone client then waits for the spacing."""
+
+    async def main() -> float:
+        log, _ = Log.open(OsFileSystem(), str(tmp_path), segment_bytes_max=1 << 20)
+        log.round_spacing_s = SPACING
+        try:
+            await _lone_round(log)
+            _, lsn = log.append(StartRecord("gone", Pos(1, 32), 1.0))
+            gone = asyncio.ensure_future(log.commit(lsn))
+            await asyncio.sleep(0)  # enqueued
+            gone.cancel()
+            waited = _client(log, "client")
+            return await waited
+        finally:
+            log.close()
+
+    waited = asyncio.run(main())
+    assert waited < SPACING / 2, f"the lone client waited {waited:.3f} s for the spacing"
+
+
+def test_a_failure_during_the_spacing_sleep_fails_every_waiter_at_once(tmp_path):
+    """_fail (a half record that cannot be truncated) while the loop sleeps out the spacing: the waiters get
+    StorageFatal at once, not after the sleep, and nothing is acknowledged; later calls fail too."""
+
+    async def main() -> None:
+        fs = FaultyFileSystem()
+        log, _ = Log.open(fs, str(tmp_path), segment_bytes_max=1 << 20)
+        log.round_spacing_s = SPACING
+        try:
+            await _lone_round(log)
+            a, b = _client(log, "a"), _client(log, "b")
+            await asyncio.sleep(SPACING / 5)
+            assert log._commit_task is not None and not a.done()  # sleeping out the spacing
+            fs.fail_truncate = errno.EIO
+
+            calls = []
+
+            def pieces():  # the second pass (the copy) differs from the first (the checksum)
+                calls.append(1)
+                return iter([b"x" * 10] if len(calls) == 1 else [b"x" * 9])
+
+            t0 = time.monotonic()
+            with pytest.raises(ValueError):
+                log.append_data("Q", pieces, 10)  # written, then truncated: EIO -> _fail
+            assert log._failed is not None
+            for f in (a, b):
+                with pytest.raises(StorageFatal):
+                    await f
+            assert time.monotonic() - t0 < SPACING / 5
+            with pytest.raises(StorageFatal):
+                await log.commit(log._appended_lsn)
+            seen = []
+            log.when_durable(1, seen.append)
+            assert isinstance(seen[0], StorageFatal) or seen[0] is None  # lsn 1 is durable from before
+            await asyncio.sleep(SPACING)
+            assert log._commit_task is None  # the loop ended after its sleep, without a round
+            assert 1 == log.stats.commit_rounds
+        finally:
+            log.close()
+
+    asyncio.run(main())
+
+
+def test_commits_arriving_during_the_sleep_and_sync_soon_are_all_released(tmp_path):
+    """Waiters that come while the loop sleeps (commit, when_durable, sync_soon, a lingering commit) are all
+    released by the spaced round or the next one; none is stranded; _round_started survives a restart."""
+
+    async def main() -> None:
+        log, _ = Log.open(OsFileSystem(), str(tmp_path), segment_bytes_max=1 << 20)
+        log.round_spacing_s = 0.05
+        try:
+            for _ in range(20):
+                futs = [_client(log, f"c{i}") for i in range(3)]
+                await asyncio.sleep(0.01)
+                futs.append(_client(log, "late"))
+                _, lsn = log.append(StartRecord("linger", Pos(1, 32), 1.0))
+                futs.append(asyncio.ensure_future(log.commit(lsn, linger_s=1.0)))
+                log.append(StartRecord("soon", Pos(1, 32), 1.0))
+                log.sync_soon()
+                await asyncio.wait_for(asyncio.gather(*futs), 10.0)
+                assert not log._waiters
+                await asyncio.sleep(0)
+                assert log._commit_task is None
+        finally:
+            log.close()
+
+    asyncio.run(main())
+
+
+def test_closing_the_log_fails_the_callers_no_round_will_cover(tmp_path):
+    """Log.close() (tests and tools; the daemon never closes) while the loop sleeps out the spacing: the
+    callers get StorageFatal instead of waiting for ever, and later calls fail too."""
+
+    async def main() -> None:
+        log, _ = Log.open(OsFileSystem(), str(tmp_path), segment_bytes_max=1 << 20)
+        log.round_spacing_s = SPACING
+        await _lone_round(log)
+        a, b = _client(log, "a"), _client(log, "b")
+        await asyncio.sleep(SPACING / 5)
+        log.close()
+        for f in (a, b):
+            with pytest.raises(StorageFatal):
+                await asyncio.wait_for(f, SPACING / 2)
+        with pytest.raises(StorageFatal):
+            await log.commit(log._appended_lsn)
+
+    asyncio.run(main())

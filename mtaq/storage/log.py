@@ -250,8 +250,9 @@ class Log:
         self._dirty: dict[int, File] = {}
         self._syncing: set[int] = set()  # segments whose files the running commit round is fsyncing
         self._dir_dirty = False
-        # (lsn, future or callback, when the round may wait until: 0.0 = at once); see commit(linger_s=), when_durable
-        self._waiters: list[tuple[int, asyncio.Future[None] | _Callback, float]] = []
+        # (lsn, future or callback, when the round may wait until: 0.0 = at once, whether it is a client's: the
+        # spacing counts only those); see commit(linger_s=), when_durable, _space
+        self._waiters: list[tuple[int, asyncio.Future[None] | _Callback, float, bool]] = []
         self._hurry: asyncio.Future[None] | None = None  # a lingering round's wait; done when it may go on
         # Seconds from the start of one commit round to the start of the next while two or more callers want
         # one at once (0: as soon as the last one ends); see _space.
@@ -563,17 +564,21 @@ class Log:
         only lingering callers are waiting: a commit without it (a client waiting for its 250) starts the
         round at once and takes the lingering records with it, so that one fsync covers both (seed 001: "if
         we delay a little we can piggy-back it on a delivery fsync()", here the other way round). The
-        delivery records of the queue linger (``Queue.delivery_linger_s``).
+        delivery records of the queue linger (``Queue.delivery_linger_s``). While another client waits at
+        once too, the round starts at most ``round_spacing_s`` after the last one started (:meth:`_space`).
 
         Raises StorageFatal if the covering fsync failed (the caller must not acknowledge anything).
         """
+        await self._commit(lsn, linger_s, client=True)
+
+    async def _commit(self, lsn: int, linger_s: float, *, client: bool) -> None:
         if self._failed is not None:
             raise self._failed
         if lsn <= self._durable_lsn:
             return
         t0 = time.monotonic()
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._enqueue(lsn, fut, t0 + linger_s if linger_s > 0 else 0.0)
+        self._enqueue(lsn, fut, t0 + linger_s if linger_s > 0 else 0.0, client)
         await fut
         if self.on_commit_seconds is not None:
             self.on_commit_seconds(time.monotonic() - t0)
@@ -581,7 +586,7 @@ class Log:
     def when_durable(self, lsn: int, callback: Callable[[StorageFatal | None], None]) -> None:
         """Call ``callback(None)`` once every record up to ``lsn`` is durable, or ``callback(error)`` with the
         StorageFatal of a failed fsync: at once when that is already so, else from the end of the covering
-        round (which starts at once, as for commit() without a linger), before any task waiting in commit()
+        round (which starts as for commit() without a linger), before any task waiting in commit()
         resumes and before the readers of the durable end. A client's 250 waits for this (Queue.receive):
         the path from the fsync to the reply takes one loop turn, and the delivery of the same message
         (started by a reader) cannot run first. ``callback`` must be quick and must not raise (an exception
@@ -593,12 +598,13 @@ class Log:
         if lsn <= self._durable_lsn:
             callback(None)
             return
-        self._enqueue(lsn, _Callback(callback, self.on_commit_seconds), 0.0)
+        self._enqueue(lsn, _Callback(callback, self.on_commit_seconds), 0.0, True)
 
-    def _enqueue(self, lsn: int, waiter: asyncio.Future[None] | _Callback, deadline: float) -> None:
-        """Add a waiter for ``lsn`` (``deadline``: when the round may wait until, 0.0 = at once) and see that a
-        commit loop runs; one that does not linger ends a lingering round's wait."""
-        self._waiters.append((lsn, waiter, deadline))
+    def _enqueue(self, lsn: int, waiter: asyncio.Future[None] | _Callback, deadline: float, client: bool) -> None:
+        """Add a waiter for ``lsn`` (``deadline``: when the round may wait until, 0.0 = at once; ``client``:
+        it counts for the spacing, see _space) and see that a commit loop runs; one that does not linger
+        ends a lingering round's wait."""
+        self._waiters.append((lsn, waiter, deadline, client))
         if deadline == 0.0:
             self._go_on()
         if self._commit_task is None:
@@ -612,9 +618,9 @@ class Log:
         """Before a round: while every caller waiting lingers, wait until the earliest of their deadlines or
         until a caller that does not linger comes."""
         waiters = self._waiters
-        if not waiters or any(deadline == 0.0 for _lsn, _fut, deadline in waiters):
+        if not waiters or any(w[2] == 0.0 for w in waiters):
             return
-        delay = min(deadline for _lsn, _fut, deadline in waiters) - time.monotonic()
+        delay = min(w[2] for w in waiters) - time.monotonic()
         if delay <= 0:
             return
         hurry: asyncio.Future[None] = loop.create_future()
@@ -631,12 +637,14 @@ class Log:
         wait until ``round_spacing_s`` after the last round started, so that one fsync covers the callers of
         that whole time (group commit under load, as PostgreSQL's ``commit_delay`` with ``commit_siblings``).
         Each round costs an fsync and its CPU whatever it covers. A lone caller (one session, one message at
-        a time) never waits for this: its fsync is its only wait. Lingering callers do not count."""
+        a time) never waits for this: its fsync is its only wait. Only clients count: not lingering callers,
+        nor the queue's own book-keeping (sync_soon, the checkpointer's sync), nor a caller that is gone (its
+        future cancelled)."""
         if self.round_spacing_s <= 0:
             return
         at_once = 0
-        for _lsn, _fut, deadline in self._waiters:
-            if deadline == 0.0:
+        for _lsn, fut, deadline, client in self._waiters:
+            if deadline == 0.0 and client and not fut.done():
                 at_once += 1
                 if at_once == 2:
                     break
@@ -647,8 +655,9 @@ class Log:
             await asyncio.sleep(delay)
 
     async def sync(self) -> None:
-        """Make everything appended so far durable (book-keeping included)."""
-        await self.commit(self._appended_lsn)
+        """Make everything appended so far durable (book-keeping included). Not a client: it does not count
+        for the spacing of rounds (_space)."""
+        await self._commit(self._appended_lsn, 0.0, client=False)
 
     def sync_soon(self) -> None:
         """Ask for a commit round covering everything appended so far, without waiting for it.
@@ -660,7 +669,7 @@ class Log:
         lsn = self._appended_lsn
         if self._failed is not None or lsn <= self._durable_lsn:
             return
-        self._enqueue(lsn, _Callback(lambda _error: None, None), 0.0)  # a failure reaches on_fatal
+        self._enqueue(lsn, _Callback(lambda _error: None, None), 0.0, False)  # a failure reaches on_fatal
 
     def _sync_files(self, files: list[File], sync_dir: bool) -> int:
         calls = 0
@@ -731,9 +740,9 @@ class Log:
 
     def _fail(self, exc: OSError, what: str = "fsync failed") -> None:
         self._failed = StorageFatal(f"{what}: {exc.strerror or exc}; exiting, recovery will re-read the disk")
-        for _lsn, fut, _deadline in self._waiters:
-            if not fut.done():
-                fut.set_exception(self._failed)
+        for w in self._waiters:
+            if not w[1].done():
+                w[1].set_exception(self._failed)
         self._waiters = []
         self._go_on()
         for cb in self.on_fatal:
@@ -911,7 +920,15 @@ class Log:
             old.close()
 
     def close(self) -> None:
-        """Release file handles (tests and one-shot tools; the daemon never closes, it crashes)."""
+        """Release file handles (tests and one-shot tools; the daemon never closes, it crashes). Callers still
+        waiting for a commit get StorageFatal: no round will cover them."""
+        if self._failed is None and self._waiters:
+            self._failed = StorageFatal("the log was closed before a commit round covered the record")
+            for w in self._waiters:
+                if not w[1].done():
+                    w[1].set_exception(self._failed)
+            self._waiters = []
+            self._go_on()
         for f in self._files.values():
             try:
                 f.close()
