@@ -108,19 +108,18 @@ class UtcStamper:
     system's, floored to the microsecond, as ``datetime.now``), with the date and time of day formatted
     once a second: about a third of its CPU. ``clock`` gives nanoseconds since the epoch (UTC)."""
 
-    __slots__ = ("_clock", "_prefix", "_second")
+    __slots__ = ("_cached", "_clock")
 
     def __init__(self, clock: Callable[[], int] = time.time_ns) -> None:
         self._clock = clock
-        self._second = -1
-        self._prefix = ""
+        self._cached = (-1, "")  # (second, its text): one object, so a thread never sees one without the other
 
     def __call__(self, _logger: Any, _name: str, event: Any) -> Any:
         second, us = divmod(self._clock() // 1000, 1_000_000)
-        if second != self._second:
-            self._prefix = datetime.datetime.fromtimestamp(second, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S")
-            self._second = second
-        event["timestamp"] = f"{self._prefix}.{us:06d}Z" if us else f"{self._prefix}Z"
+        cached = self._cached
+        if cached[0] != second:
+            cached = self._cached = (second, datetime.datetime.fromtimestamp(second, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S"))
+        event["timestamp"] = f"{cached[1]}.{us:06d}Z" if us else f"{cached[1]}Z"
         return event
 
 
