@@ -35,12 +35,12 @@ import gc
 import os
 import re
 import struct
+import types
+import typing
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import chain, compress
-from operator import attrgetter
-from typing import Any
+from typing import Any, Literal, Union
 from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
@@ -49,6 +49,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
+from mtaq.analytics.columnar import columns_of_rows, decode_columns
 from mtaq.core.frame import (
     FRAME_HEADER_BYTES,
     FRAME_MAGIC,
@@ -60,7 +61,14 @@ from mtaq.core.frame import (
     decode_segment_header,
     scan_segment,
 )
-from mtaq.core.records import RECORD_TYPE_OF, DeliveryRecord, EnvelopeRecord, FinishRecord, RecordType, StartRecord
+from mtaq.core.records import (
+    RECORD_TYPE_OF,
+    DeliveryRecord,
+    EnvelopeRecord,
+    FinishRecord,
+    RecordType,
+    StartRecord,
+)
 from mtaq.core.shard import shard_of
 
 __all__ = [
@@ -296,34 +304,155 @@ def read_segment_bytes(sf: SegmentFile, fs: pafs.FileSystem | None = None) -> by
 
 # ------------------------------------------------------------------------------------------- decoding
 #
-# A segment is read in two steps. (1) The frames are walked: every frame's header and checksum are checked
-# (DATA included: its payload is checksummed, then stepped over by its length, never decoded), and the
-# payloads of the other frames are kept as views, grouped by type. (2) Each group is decoded by msgspec in
-# one call (the payloads joined into one msgpack array) into the daemon's own record classes, and turned
-# into Arrow columns: a list comprehension per field, Arrow kernels for everything per row (timestamps,
-# the explode of recipients and outcomes, constants), and Python only once per *distinct* address for the
-# domain. Step (1) is the fast path of :func:`mtaq.core.frame.scan_segment` for a segment in which
-# everything checks out (a good header, good frames to the end, at most a SEAL as the last frame): then it
-# finds exactly what scan_segment finds and no problem. At anything else (a bad frame, a cut-off end, bytes
-# after a seal, a bad header, a payload that does not decode) the segment is read again by scan_segment
-# itself, whose tail rules decide; its records go through the same step (2). So there is one set of tail
-# rules and one codec.
+# A segment is read in two steps. (1) The frames are walked (:func:`_walk`, with numpy): every frame's
+# header and checksum are checked (DATA included: its payload is checksummed, then stepped over by its
+# length, never decoded), and the offsets and payload ends of the other frames are kept, grouped by type.
+# (2) Each group is decoded straight into columns by numpy (:mod:`mtaq.analytics.columnar`: no Python object
+# per value), or, when a payload is outside that module's strict grammar, by msgspec (the payloads joined
+# into one msgpack array, decoded as tuples) and transposed; then Arrow kernels make everything per row
+# (timestamps, the explode of recipients and outcomes, constants, domains of ASCII addresses). Step (1) is
+# the fast path of :func:`mtaq.core.frame.scan_segment` for a segment in which everything checks out (a
+# good header, good frames to the end, at most a SEAL as the last frame): then it finds exactly what
+# scan_segment finds and no problem. At anything else (a bad frame, a cut-off end, bytes after a seal, a bad
+# header, a payload that does not decode) the segment is read again by scan_segment itself, whose tail rules
+# decide; its records go through the same step (2). So there is one set of tail rules and one codec.
 
 _HEAD = struct.Struct("<QI")  # a frame header: its first 8 bytes as one number, then the CRC
+_MAGIC0, _MAGIC1 = FRAME_MAGIC & 0xFF, FRAME_MAGIC >> 8  # its first two bytes
+_CHAIN_ROUNDS = 8  # rounds of dropping places no frame points to before the walk frame by frame decides
 _DATA, _ENVELOPE, _START, _DELIVERY, _FINISH, _SEAL = (int(t) for t in (
     RecordType.DATA, RecordType.ENVELOPE, RecordType.START, RecordType.DELIVERY, RecordType.FINISH, RecordType.SEAL))
 _VALID_TYPES = frozenset(int(t) for t in RecordType)
+_TYPE_OK = np.isin(np.arange(256), sorted(_VALID_TYPES))  # type byte -> valid
+
+
+def _row_type(tp: Any) -> Any:
+    """The type of a record class's msgpack array as a plain tuple (msgspec validates it just as strictly):
+    a struct becomes ``tuple[Literal[tag], field types...]`` (its tag first when it has one), nested structs
+    and unions and tuples of them likewise. Derived from the classes, so it stays equal to them."""
+    if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
+        hints = typing.get_type_hints(tp)
+        elems = [_row_type(hints[f.name]) for f in msgspec.structs.fields(tp)]
+        tag = tp.__struct_config__.tag
+        return tuple[(*([Literal[tag]] if tag is not None else []), *elems)]  # type: ignore[misc]
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is None or origin is Literal:
+        return tp
+    if origin is Union or origin is types.UnionType:
+        return Union[tuple(_row_type(a) for a in args)]  # noqa: UP007
+    return origin[tuple(a if a is Ellipsis else _row_type(a) for a in args)]
+
+
+def _as_row(value: Any) -> Any:
+    """A decoded record (or any value in it) as :func:`_row_type` describes it: what the row decoders give."""
+    if isinstance(value, msgspec.Struct):
+        vals = tuple(map(_as_row, msgspec.structs.astuple(value)))
+        tag = value.__struct_config__.tag
+        return vals if tag is None else (tag, *vals)
+    if isinstance(value, tuple):
+        return tuple(map(_as_row, value))
+    return value
+
+
+_CLASSES: dict[int, type[msgspec.Struct]] = {
+    _ENVELOPE: EnvelopeRecord, _START: StartRecord, _DELIVERY: DeliveryRecord, _FINISH: FinishRecord}
+# When msgspec decodes (payloads outside the columnar grammar), it decodes plain tuples (the row type): as
+# strict as the record class, and transposed by one zip, without an attribute read per field and record. A
+# payload the row type refuses (an older, shorter array the class fills with defaults) is decoded into the
+# class and converted.
+_ROWS: dict[int, msgspec.msgpack.Decoder[Any]] = {
+    t: msgspec.msgpack.Decoder(types.GenericAlias(list, (_row_type(c),))) for t, c in _CLASSES.items()}
 _BULK: dict[int, msgspec.msgpack.Decoder[Any]] = {
-    _ENVELOPE: msgspec.msgpack.Decoder(list[EnvelopeRecord]),
-    _START: msgspec.msgpack.Decoder(list[StartRecord]),
-    _DELIVERY: msgspec.msgpack.Decoder(list[DeliveryRecord]),
-    _FINISH: msgspec.msgpack.Decoder(list[FinishRecord]),
-}
+    t: msgspec.msgpack.Decoder(types.GenericAlias(list, (c,))) for t, c in _CLASSES.items()}
+_DECODE_ERRORS = (msgspec.MsgspecError, ValueError)  # ValueError: msgspec lets UnicodeDecodeError through
 
 
-def _walk(segment: int, buf: bytes) -> tuple[dict[int, list[int]], dict[int, list[memoryview]], int, bool] | None:
-    """Walk the frames of a clean segment: (offsets by type, payloads by type, good frames, sealed), or None
-    when anything does not check out (then :func:`scan_segment` must read it).
+Walk = tuple[dict[int, np.ndarray], dict[int, np.ndarray], int, bool]  # offsets by type, payload ends by type, good frames, sealed
+
+
+def _walk(segment: int, buf: bytes) -> Walk | None:
+    """Walk the frames of a clean segment: (frame offsets by type, payload ends by type, good frames, sealed),
+    or None when anything does not check out (then :func:`scan_segment` must read it). A frame's payload is
+    ``buf[offset + FRAME_HEADER_BYTES : end]``.
+
+    Vectorised: every place where a frame header could start (its magic, a valid type, flags 0) is found with
+    numpy, and each such place points to where the next frame would start. The frames are the chain of these
+    from the first frame on, exactly as a walk frame by frame follows it: places no chain member points to
+    are dropped (a magic inside a payload, or an embedded frame) until the chain runs from the first frame
+    to the end of the file, one frame after the other; when it does not after a few rounds, the walk frame
+    by frame (:func:`_walk_loop`) decides. Then every frame is checked as that walk checks it: the type and
+    length in its header, SEAL only as the last frame, and its CRC (the CRC of its first 8 header bytes by
+    tables, since it is affine in those bytes, then one zlib call over each frame's payload).
+    Call it with the cyclic GC paused (:func:`_gc_paused`)."""
+    try:
+        header = decode_segment_header(buf)
+    except HeaderError:
+        return None
+    if header.segment != segment:
+        return None
+    n, first = len(buf), SEGMENT_HEADER_BYTES
+    if n - FRAME_HEADER_BYTES < first:
+        return _walk_loop(segment, buf)  # no frame, or a cut-off one
+    a = np.frombuffer(buf, np.uint8)
+    cand = np.flatnonzero(a[first : n - FRAME_HEADER_BYTES + 1] == _MAGIC0) + first
+    cand = cand[(a[cand + 1] == _MAGIC1) & (a[cand + 3] == 0) & _TYPE_OK[a[cand + 2]]]
+    length = _le(a, cand + 4, 4)
+    nxt = cand + FRAME_HEADER_BYTES + length
+    for _ in range(_CHAIN_ROUNDS):
+        if len(cand) and cand[0] == first and nxt[-1] == n and np.array_equal(nxt[:-1], cand[1:]):
+            break
+        j = np.searchsorted(cand, nxt)
+        hit = j < len(cand)
+        hit[hit] = cand[j[hit]] == nxt[hit]
+        keep = np.zeros(len(cand), bool)
+        keep[j[hit]] = True
+        keep[cand == first] = True
+        if keep.all():
+            return _walk_loop(segment, buf)
+        cand, nxt, length = cand[keep], nxt[keep], length[keep]
+    else:
+        return _walk_loop(segment, buf)
+    if (length > RECORD_BYTES_MAX).any():
+        return None
+    rtype = a[cand + 2]
+    seal = rtype == _SEAL
+    sealed = bool(seal[-1])
+    if seal[:-1].any():
+        return None  # bytes after a seal
+    seeds = _head_crcs(a, cand, header.salt)
+    mv = memoryview(buf)
+    got = np.fromiter(map(zlib.crc32, map(mv.__getitem__, map(slice, (cand + FRAME_HEADER_BYTES).tolist(), nxt.tolist())),
+                          seeds.tolist()), np.int64, len(cand))
+    if not np.array_equal(got, _le(a, cand + 8, 4)):
+        return None
+    offsets: dict[int, np.ndarray] = {}
+    ends: dict[int, np.ndarray] = {}
+    for t in (_ENVELOPE, _START, _DELIVERY, _FINISH):
+        keep = rtype == t
+        offsets[t], ends[t] = cand[keep], nxt[keep]
+    return offsets, ends, len(cand) - sealed, sealed
+
+
+def _le(a: np.ndarray, pos: np.ndarray, width: int) -> np.ndarray:
+    """Little-endian unsigned integers of ``width`` (4 or 8) bytes at ``pos``, as int64 (uint64 for 8)."""
+    raw = a[pos[:, None] + np.arange(width)].view("<u4" if width == 4 else "<u8").reshape(-1)
+    return raw.astype(np.int64) if width == 4 else raw
+
+
+def _head_crcs(a: np.ndarray, frames: np.ndarray, salt: int) -> np.ndarray:
+    """``zlib.crc32(first 8 header bytes, salt)`` of each frame: the CRC of 8 bytes is affine in them, so it is
+    the CRC of 8 zero bytes XOR one table entry per byte (8 tables of 256, made here)."""
+    zero = zlib.crc32(bytes(8), salt)
+    out = np.full(len(frames), zero, np.int64)
+    for k in range(8):
+        table = np.array([zlib.crc32(bytes(k) + bytes((v,)) + bytes(7 - k), salt) ^ zero for v in range(256)], np.int64)
+        out ^= table[a[frames + k]]
+    return out
+
+
+def _walk_loop(segment: int, buf: bytes) -> Walk | None:
+    """:func:`_walk` frame by frame, in Python: for a segment whose chain of frames the vectorised walk could
+    not tell (see there).
 
     Each distinct first 8 bytes of a frame header (magic, type, flags, length) is checked, and its part of
     the CRC computed, once per segment: a log has a few hundred of them (a type and a length), not one per
@@ -372,21 +501,27 @@ def _walk(segment: int, buf: bytes) -> tuple[dict[int, list[int]], dict[int, lis
         frames += 1
         off = end
     by_type = np.asarray(types, dtype=np.int64)
-    offsets: dict[int, list[int]] = {}
-    payloads: dict[int, list[memoryview]] = {}
+    all_offs = np.asarray(offs, dtype=np.int64)
+    lengths = np.fromiter(map(len, pays), np.int64, len(pays))
+    offsets: dict[int, np.ndarray] = {}
+    ends: dict[int, np.ndarray] = {}
     for t in (_ENVELOPE, _START, _DELIVERY, _FINISH):
-        keep = (by_type == t).tolist()
-        offsets[t] = list(compress(offs, keep))
-        payloads[t] = list(compress(pays, keep))
-    return offsets, payloads, frames, sealed
+        keep = by_type == t
+        offsets[t] = all_offs[keep]
+        ends[t] = offsets[t] + FRAME_HEADER_BYTES + lengths[keep]
+    return offsets, ends, frames, sealed
 
 
-def _bulk_decode(rtype: int, payloads: Sequence[memoryview]) -> list[Any]:
-    """Decode payloads of one record type with one msgspec call. Raises msgspec errors."""
+def _bulk_decode(rtype: int, payloads: Sequence[memoryview]) -> list[tuple[Any, ...]]:
+    """Decode payloads of one record type with one msgspec call into rows (:func:`_row_type`). Raises
+    msgspec errors or ValueError for a payload that does not decode as a record of that type."""
     if not payloads:
         return []
     blob = b"".join((b"\xdd", len(payloads).to_bytes(4, "big"), *payloads))  # msgpack array 32 of them
-    return _BULK[rtype].decode(blob)  # type: ignore[no-any-return]
+    try:
+        return _ROWS[rtype].decode(blob)  # type: ignore[no-any-return]
+    except _DECODE_ERRORS:
+        return [_as_row(r) for r in _BULK[rtype].decode(blob)]
 
 
 def _us(t: pa.Array) -> pa.Array:
@@ -426,124 +561,129 @@ def _table(n: int, cols: dict[str, pa.Array], file: str, segment: int, rtype: st
     return pa.RecordBatch.from_arrays(arrays, schema=SCHEMA)
 
 
-def _cols(recs: Sequence[Any], *fields: str) -> list[Sequence[Any]]:
-    """The values of ``fields`` (dotted names allowed) of every record, one sequence per field: a tuple per
-    record made by ``attrgetter`` and transposed by ``zip``, both in C."""
-    if not recs:
-        return [() for _ in fields]
-    if len(fields) == 1:
-        return [tuple(map(attrgetter(fields[0]), recs))]
-    return list(zip(*map(attrgetter(*fields), recs), strict=True))
+Columns = dict[str, Any]  # :mod:`mtaq.analytics.columnar`: field path -> numpy or Arrow array
 
 
-def _envelope_batch(file: str, segment: int, offsets: Sequence[int], recs: Sequence[EnvelopeRecord]) -> pa.RecordBatch:
-    (qid, gen_, arr, nbf, att, run, snd, size, client, helo, bounce, replaces, rlists) = _cols(
-        recs, "queue_id", "generation", "arrival_ts", "not_before_ts", "attempts", "runner", "sender", "size", "client",
-        "helo", "bounce_of", "replaces", "recipients")
-    idx = _repeat_index(list(map(len, rlists)))
-    gen = pa.array(gen_, pa.int32())
-    arrival = _us(pa.array(arr, pa.float64()))
-    senders = pa.array(snd, pa.string())
+def _arr(c: Columns, key: str, typ: pa.DataType) -> pa.Array:
+    v = c[key]
+    v = pa.array(v) if isinstance(v, np.ndarray) else v
+    return v if v.type == typ else v.cast(typ)
+
+
+def _envelope_batch(file: str, segment: int, offsets: np.ndarray, c: Columns) -> pa.RecordBatch:
+    n = len(offsets)
+    idx = _repeat_index(c["recipients"])
+    gen = _arr(c, "generation", pa.int32())
+    arrival = _us(_arr(c, "arrival_ts", pa.float64()))
+    senders = _arr(c, "sender", pa.string())
     per_env = {
         "offset": pa.array(offsets, pa.int64()),
-        "queue_id": pa.array(qid, pa.string()),
-        "ts": pc.if_else(pc.equal(gen, 0), arrival, pa.nulls(len(recs), _TS)),
+        "queue_id": _arr(c, "queue_id", pa.string()),
+        "ts": pc.if_else(pc.equal(gen, 0), arrival, pa.nulls(n, _TS)),
         "arrival_ts": arrival,
-        "not_before_ts": _us(pa.array(nbf, pa.float64())),
+        "not_before_ts": _us(_arr(c, "not_before_ts", pa.float64())),
         "generation": gen,
-        "attempts": pa.array(att, pa.int32()),
-        "runner": pa.array(run, pa.int32()),
+        "attempts": _arr(c, "attempts", pa.int32()),
+        "runner": _arr(c, "runner", pa.int32()),
         "sender": senders,
         "sender_domain": _domains(senders),
-        "size": pa.array(size, pa.int64()),
-        "client": pa.array(client, pa.string()),
-        "helo": pa.array(helo, pa.string()),
-        "bounce_of": pa.array(bounce, pa.string()),
-        "link_segment": pa.array([p.segment if p is not None else None for p in replaces], pa.int64()),
-        "link_offset": pa.array([p.offset if p is not None else None for p in replaces], pa.int64()),
+        "size": _arr(c, "size", pa.int64()),
+        "client": _arr(c, "client", pa.string()),
+        "helo": _arr(c, "helo", pa.string()),
+        "bounce_of": _arr(c, "bounce_of", pa.string()),
+        "link_segment": _arr(c, "replaces.segment", pa.int64()),
+        "link_offset": _arr(c, "replaces.offset", pa.int64()),
     }
     cols = {k: v.take(idx) for k, v in per_env.items()}
-    index, address, unknown, last_reply = _cols(list(chain.from_iterable(rlists)), "index", "address", "unknown",
-                                                "last_reply")
-    addresses = pa.array(address, pa.string())
+    addresses = _arr(c, "recipients.address", pa.string())
     cols |= {
-        "rcpt_index": pa.array(index, pa.int32()),
+        "rcpt_index": _arr(c, "recipients.index", pa.int32()),
         "rcpt_address": addresses,
         "rcpt_domain": _domains(addresses),
-        "rcpt_unknown": pa.array(unknown, pa.bool_()),
-        "last_reply": pa.array(last_reply, pa.string()),
+        "rcpt_unknown": _arr(c, "recipients.unknown", pa.bool_()),
+        "last_reply": _arr(c, "recipients.last_reply", pa.string()),
     }
     return _table(len(addresses), cols, file, segment, "ENVELOPE")
 
 
-def _start_batch(file: str, segment: int, offsets: Sequence[int], recs: Sequence[StartRecord]) -> pa.RecordBatch:
-    qid, ts, runner, ls, lo = _cols(recs, "queue_id", "ts", "runner", "envelope.segment", "envelope.offset")
-    return _table(len(recs), {
+def _start_batch(file: str, segment: int, offsets: np.ndarray, c: Columns) -> pa.RecordBatch:
+    return _table(len(offsets), {
         "offset": pa.array(offsets, pa.int64()),
-        "queue_id": pa.array(qid, pa.string()),
-        "ts": _us(pa.array(ts, pa.float64())),
-        "runner": pa.array(runner, pa.int32()),
-        "link_segment": pa.array(ls, pa.int64()),
-        "link_offset": pa.array(lo, pa.int64()),
+        "queue_id": _arr(c, "queue_id", pa.string()),
+        "ts": _us(_arr(c, "ts", pa.float64())),
+        "runner": _arr(c, "runner", pa.int32()),
+        "link_segment": _arr(c, "envelope.segment", pa.int64()),
+        "link_offset": _arr(c, "envelope.offset", pa.int64()),
     }, file, segment, "START")
 
 
-def _delivery_batch(file: str, segment: int, offsets: Sequence[int], recs: Sequence[DeliveryRecord]) -> pa.RecordBatch:
-    qid, ts, ls, lo, relay, rdsn, olists = _cols(
-        recs, "queue_id", "ts", "start.segment", "start.offset", "relay", "remote_dsn", "outcomes")
-    idx = _repeat_index(list(map(len, olists)))
+def _delivery_batch(file: str, segment: int, offsets: np.ndarray, c: Columns) -> pa.RecordBatch:
+    idx = _repeat_index(c["outcomes"])
     per_rec = {
         "offset": pa.array(offsets, pa.int64()),
-        "queue_id": pa.array(qid, pa.string()),
-        "ts": _us(pa.array(ts, pa.float64())),
-        "link_segment": pa.array(ls, pa.int64()),
-        "link_offset": pa.array(lo, pa.int64()),
-        "relay": pa.array(relay, pa.string()),
-        "remote_dsn": pa.array(rdsn, pa.bool_()),
+        "queue_id": _arr(c, "queue_id", pa.string()),
+        "ts": _us(_arr(c, "ts", pa.float64())),
+        "link_segment": _arr(c, "start.segment", pa.int64()),
+        "link_offset": _arr(c, "start.offset", pa.int64()),
+        "relay": _arr(c, "relay", pa.string()),
+        "remote_dsn": _arr(c, "remote_dsn", pa.bool_()),
     }
     cols = {k: v.take(idx) for k, v in per_rec.items()}
-    index, status, code, enhanced, text = _cols(list(chain.from_iterable(olists)), "index", "status", "code",
-                                                "enhanced", "text")
+    index = _arr(c, "outcomes.index", pa.int32())
     cols |= {
-        "rcpt_index": pa.array(index, pa.int32()),
-        "status": pa.array(status, pa.string()),
-        "code": pa.array(code, pa.int32()),
-        "enhanced": pa.array(enhanced, pa.string()),
-        "text": pa.array(text, pa.string()),
+        "rcpt_index": index,
+        "status": _arr(c, "outcomes.status", pa.string()),
+        "code": _arr(c, "outcomes.code", pa.int32()),
+        "enhanced": _arr(c, "outcomes.enhanced", pa.string()),
+        "text": _arr(c, "outcomes.text", pa.string()),
     }
     return _table(len(index), cols, file, segment, "DELIVERY")
 
 
-def _finish_batch(file: str, segment: int, offsets: Sequence[int], recs: Sequence[FinishRecord]) -> pa.RecordBatch:
-    qid, ts, ls, lo = _cols(recs, "queue_id", "ts", "start.segment", "start.offset")
-    return _table(len(recs), {
+def _finish_batch(file: str, segment: int, offsets: np.ndarray, c: Columns) -> pa.RecordBatch:
+    return _table(len(offsets), {
         "offset": pa.array(offsets, pa.int64()),
-        "queue_id": pa.array(qid, pa.string()),
-        "ts": _us(pa.array(ts, pa.float64())),
-        "link_segment": pa.array(ls, pa.int64()),
-        "link_offset": pa.array(lo, pa.int64()),
+        "queue_id": _arr(c, "queue_id", pa.string()),
+        "ts": _us(_arr(c, "ts", pa.float64())),
+        "link_segment": _arr(c, "start.segment", pa.int64()),
+        "link_offset": _arr(c, "start.offset", pa.int64()),
     }, file, segment, "FINISH")
 
 
-_BUILDERS: list[tuple[int, Callable[[str, int, Sequence[int], Sequence[Any]], pa.RecordBatch]]] = [
+_BUILDERS: list[tuple[int, Callable[[str, int, np.ndarray, Columns], pa.RecordBatch]]] = [
     (_ENVELOPE, _envelope_batch), (_START, _start_batch), (_DELIVERY, _delivery_batch), (_FINISH, _finish_batch),
 ]
 
 
-def _record_batches(file: str, segment: int, offsets: dict[int, list[int]], records: dict[int, list[Any]]) -> Iterator[pa.RecordBatch]:
-    """Arrow batches of the decoded records of one segment, by type, at most BATCH_ROWS_MAX records each."""
+def _record_batches(file: str, segment: int, offsets: dict[int, np.ndarray], records: dict[int, Columns]) -> Iterator[pa.RecordBatch]:
+    """Arrow batches of the decoded records of one segment, by type, at most BATCH_ROWS_MAX rows each."""
     for rtype, build in _BUILDERS:
-        offs, recs = offsets[rtype], records[rtype]
-        for i in range(0, len(recs), BATCH_ROWS_MAX):
-            yield build(file, segment, offs[i : i + BATCH_ROWS_MAX], recs[i : i + BATCH_ROWS_MAX])
+        if not len(offsets[rtype]):
+            continue
+        batch = build(file, segment, offsets[rtype], records[rtype])
+        for i in range(0, batch.num_rows, BATCH_ROWS_MAX):
+            yield batch.slice(i, BATCH_ROWS_MAX)
+
+
+def _decode(rtype: int, buf: bytes, starts: np.ndarray, ends: np.ndarray) -> Columns:
+    """The columns of the payloads ``buf[starts[i]:ends[i]]`` of one record type: by
+    :func:`mtaq.analytics.columnar.decode_columns` when they are all inside its grammar, else by msgspec
+    (:func:`_bulk_decode`). Raises msgspec errors or ValueError for a payload that does not decode as a
+    record of that type."""
+    cls = _CLASSES[rtype]
+    cols = decode_columns(cls, np.frombuffer(buf, np.uint8), starts, ends) if len(starts) else None
+    if cols is not None:
+        return cols
+    mv = memoryview(buf)
+    return columns_of_rows(cls, _bulk_decode(rtype, list(map(mv.__getitem__, map(slice, starts.tolist(), ends.tolist())))))
 
 
 @dataclass(slots=True)
 class SegmentRead:
     """One segment decoded: records (offsets and records by type), problems, good frames and the header."""
 
-    offsets: dict[int, list[int]]
-    records: dict[int, list[Any]]
+    offsets: dict[int, np.ndarray]
+    records: dict[int, Columns]
     problems: list[Problem]
     frames: int
     sealed: bool
@@ -572,21 +712,23 @@ def read_segment(segment: int, buf: bytes, *, fast: bool = True) -> SegmentRead:
     if fast:
         walked = _walk(segment, buf)
         if walked is not None:
-            offsets, payloads, frames, sealed = walked
+            offsets, ends, frames, sealed = walked
             try:
-                decoded = {t: _bulk_decode(t, p) for t, p in payloads.items()}
-            except (msgspec.DecodeError, msgspec.ValidationError):
+                decoded = {t: _decode(t, buf, o + FRAME_HEADER_BYTES, ends[t]) for t, o in offsets.items()}
+            except _DECODE_ERRORS:
                 pass  # scan_segment names the record
             else:
                 return SegmentRead(offsets, decoded, [], frames, sealed, decode_segment_header(buf), True)
     scan = scan_segment(segment, buf, skip_data=True)
-    offsets = {t: [] for t in (_ENVELOPE, _START, _DELIVERY, _FINISH)}
-    records: dict[int, list[Any]] = {t: [] for t in (_ENVELOPE, _START, _DELIVERY, _FINISH)}
+    offs: dict[int, list[int]] = {t: [] for t in (_ENVELOPE, _START, _DELIVERY, _FINISH)}
+    rows: dict[int, list[Any]] = {t: [] for t in (_ENVELOPE, _START, _DELIVERY, _FINISH)}
     for pos, rec in scan.records:
         t = int(RECORD_TYPE_OF[type(rec)])
-        if t in records:
-            offsets[t].append(pos.offset)
-            records[t].append(rec)
+        if t in rows:
+            offs[t].append(pos.offset)
+            rows[t].append(_as_row(rec))
+    offsets = {t: np.asarray(o, np.int64) for t, o in offs.items()}
+    records = {t: columns_of_rows(_CLASSES[t], r) for t, r in rows.items()}
     return SegmentRead(offsets, records, list(scan.problems), scan.frames, scan.sealed, scan.header, False)
 
 
