@@ -440,7 +440,7 @@ def _client(log: Log, name: str) -> asyncio.Future[float]:
 def test_a_lone_client_does_not_wait_for_the_spacing_because_of_sync_soon(tmp_path):
     """One session: the client's 250 (when_durable) and a delivery's conclude() (sync_soon: a retry envelope
     or a DSN) wait at the same round start. Only one *client* waits, yet the round is spaced: the lone
-    client's 250 waits up to round_spacing_s (6 ms in the daemon) longer."""
+    client's 250 waits up to round_spacing_s (10 ms in the daemon) longer."""
 
     async def main() -> float:
         log, _ = Log.open(OsFileSystem(), str(tmp_path), segment_bytes_max=1 << 20)

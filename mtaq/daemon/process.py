@@ -69,12 +69,13 @@ next message) before the delivery of that message takes the event loop, and the 
 of several commit rounds in one pass, whose delivery records then share fsyncs. A message's delivery starts
 up to this much later. 10 ms rather than 1 (docs/performance.md, sixth round of issue 15): at one session a message
 took 16 % less CPU and the rate rose 10 %; 50 ms made it worse (bursts of deliveries held up the sessions)."""
-COMMIT_SPACING_S = 0.006
+COMMIT_SPACING_S = 0.010
 """Seconds from the start of one commit round to the start of the next while two or more clients wait for
-their 250 at once (Log.round_spacing_s): under load one fsync covers about twice as many messages, and each
-round's fsync costs CPU whatever it covers. A lone client (one session) never waits for it. 6 ms: at 20
-sessions with one worker, fsyncs per message fell from 0.40 to 0.20 and CPU per message by about a tenth,
-the 250 waiting at most 6 ms longer (docs/performance.md, seventh round of issue 15)."""
+their 250 at once (Log.round_spacing_s): under load one fsync covers several times as many messages, and
+each round's fsync costs CPU whatever it covers. A lone client (one session) never waits for it. At 20
+sessions with one worker, fsyncs per message fell from 0.40 to 0.20 with 6 ms and 0.13 with 10 ms, and CPU
+per message by about a tenth, then 3 % more; the 250 waits at most this much longer (docs/performance.md,
+seventh round of issue 15)."""
 EXIT_FSYNC_FAILED = 75
 EXIT_SOFTWARE = 70  # an unexpected exception in a daemon task: crash, recovery will pick up
 _EVENT_OF = {"delivered": "delivered", "deferred": "deferred", "failed": "bounced"}
