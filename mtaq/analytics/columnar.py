@@ -30,7 +30,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-__all__ = ["columns_of_rows", "decode_columns"]
+__all__ = ["columns_of_rows", "decode_columns", "struct_fields"]
 
 _ELEMENTS_MAX = 256  # more elements in one nested array: left to msgspec (a loop per element index here)
 
@@ -58,7 +58,7 @@ class _Reject(Exception):
     """A payload outside the grammar: the caller uses msgspec."""
 
 
-def _fields(tp: Any) -> list[tuple[str, Any]] | None:
+def struct_fields(tp: Any) -> list[tuple[str, Any]] | None:
     """(name, annotation) of a struct's fields, or None when ``tp`` is not a struct."""
     if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
         hints = typing.get_type_hints(tp)
@@ -184,7 +184,7 @@ class _Parser:
         """Parse one value of type ``tp`` at each cursor; put its columns into ``out``; the new cursors.
         ``nested``: inside an element of a nested array, whose own nested arrays give their counts only
         (their elements are checked, not kept: no record needs them)."""
-        fields = _fields(tp)
+        fields = struct_fields(tp)
         if fields is not None:
             counts, cur = self.array_head(cur, ends)
             tag = tp.__struct_config__.tag
@@ -229,12 +229,13 @@ class _Parser:
                     pieces.append(sub)
             if nested:
                 return cur
-            order = np.argsort(np.concatenate(parents), kind="stable") if parents else np.zeros(0, np.int64)
-            leaves = pieces[0].keys() if pieces else self.leaves(args[0], path)
-            for k in leaves:
+            if not pieces:  # no record has an element: the empty columns, typed as the element's would be
+                pieces = [self.empty(args[0], path)]
+                parents = [np.zeros(0, np.int64)]
+            order = np.argsort(np.concatenate(parents), kind="stable")
+            for k in pieces[0]:
                 parts = [pa.array(p[k]) if isinstance(p[k], np.ndarray) else p[k] for p in pieces]
-                col = pa.concat_arrays(parts) if parts else pa.array([], self.arrow_type(args[0], k, path))
-                out[k] = col.take(pa.array(order))
+                out[k] = pa.concat_arrays(parts).take(pa.array(order))
             return cur
         if origin is tuple:
             counts, cur = self.array_head(cur, ends)
@@ -257,16 +258,11 @@ class _Parser:
         out[path], cur = parse(cur, ends)
         return cur
 
-    def leaves(self, tp: Any, path: str) -> list[str]:
+    def empty(self, tp: Any, path: str) -> dict[str, Any]:
+        """The columns of ``tp`` at ``path`` for no record at all (their names and types)."""
         out: dict[str, Any] = {}
         self.value(tp, np.zeros(0, np.int64), np.zeros(0, np.int64), path, out, True)
-        return list(out)
-
-    def arrow_type(self, tp: Any, key: str, path: str) -> pa.DataType:
-        out: dict[str, Any] = {}
-        self.value(tp, np.zeros(0, np.int64), np.zeros(0, np.int64), path, out, True)
-        v = out[key]
-        return v.type if isinstance(v, pa.Array) else pa.array(v).type
+        return out
 
 
 def decode_columns(cls: type[msgspec.Struct], buf: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> dict[str, Any] | None:
@@ -289,7 +285,7 @@ def columns_of_rows(cls: Any, rows: list[Any], path: str = "", out: dict[str, An
     nested structs as tuples too), for the payloads it leaves to msgspec."""
     if out is None:
         out = {}
-    fields = _fields(cls)
+    fields = struct_fields(cls)
     if fields is not None:
         first = 0 if cls.__struct_config__.tag is None else 1
         cols = list(zip(*rows, strict=True)) if rows else [()] * (len(fields) + first)

@@ -49,7 +49,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
-from mtaq.analytics.columnar import columns_of_rows, decode_columns
+from mtaq.analytics.columnar import columns_of_rows, decode_columns, struct_fields
 from mtaq.core.frame import (
     FRAME_HEADER_BYTES,
     FRAME_MAGIC,
@@ -330,9 +330,9 @@ def _row_type(tp: Any) -> Any:
     """The type of a record class's msgpack array as a plain tuple (msgspec validates it just as strictly):
     a struct becomes ``tuple[Literal[tag], field types...]`` (its tag first when it has one), nested structs
     and unions and tuples of them likewise. Derived from the classes, so it stays equal to them."""
-    if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
-        hints = typing.get_type_hints(tp)
-        elems = [_row_type(hints[f.name]) for f in msgspec.structs.fields(tp)]
+    fields = struct_fields(tp)
+    if fields is not None:
+        elems = [_row_type(ftp) for _name, ftp in fields]
         tag = tp.__struct_config__.tag
         return tuple[(*([Literal[tag]] if tag is not None else []), *elems)]  # type: ignore[misc]
     origin, args = typing.get_origin(tp), typing.get_args(tp)
@@ -370,6 +370,15 @@ _DECODE_ERRORS = (msgspec.MsgspecError, ValueError)  # ValueError: msgspec lets 
 Walk = tuple[dict[int, np.ndarray], dict[int, np.ndarray], int, bool]  # offsets by type, payload ends by type, good frames, sealed
 
 
+def _checked_header(segment: int, buf: bytes) -> SegmentHeader | None:
+    """The header of segment file ``buf`` when it decodes and names ``segment``, else None."""
+    try:
+        header = decode_segment_header(buf)
+    except HeaderError:
+        return None
+    return header if header.segment == segment else None
+
+
 def _walk(segment: int, buf: bytes) -> Walk | None:
     """Walk the frames of a clean segment: (frame offsets by type, payload ends by type, good frames, sealed),
     or None when anything does not check out (then :func:`scan_segment` must read it). A frame's payload is
@@ -384,11 +393,8 @@ def _walk(segment: int, buf: bytes) -> Walk | None:
     length in its header, SEAL only as the last frame, and its CRC (the CRC of its first 8 header bytes by
     tables, since it is affine in those bytes, then one zlib call over each frame's payload).
     Call it with the cyclic GC paused (:func:`_gc_paused`)."""
-    try:
-        header = decode_segment_header(buf)
-    except HeaderError:
-        return None
-    if header.segment != segment:
+    header = _checked_header(segment, buf)
+    if header is None:
         return None
     n, first = len(buf), SEGMENT_HEADER_BYTES
     if n - FRAME_HEADER_BYTES < first:
@@ -457,11 +463,8 @@ def _walk_loop(segment: int, buf: bytes) -> Walk | None:
     Each distinct first 8 bytes of a frame header (magic, type, flags, length) is checked, and its part of
     the CRC computed, once per segment: a log has a few hundred of them (a type and a length), not one per
     frame. Call it with the cyclic GC paused (:func:`_gc_paused`): it makes a memoryview per record."""
-    try:
-        header = decode_segment_header(buf)
-    except HeaderError:
-        return None
-    if header.segment != segment:
+    header = _checked_header(segment, buf)
+    if header is None:
         return None
     salt, n, mv = header.salt, len(buf), memoryview(buf)
     unpack, crc32 = _HEAD.unpack_from, zlib.crc32
