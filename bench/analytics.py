@@ -13,8 +13,13 @@ bounced (5xx), 5 % deferred three times then delivered; 1-3 recipients per messa
   JVM and Spark start-up included;
 * ``pflogsumm`` (``--pflogsumm``): the same messages as Postfix 3.7 would have logged them (smtpd, cleanup,
   qmgr, smtp lines with mtaq's queue IDs, one smtp line per recipient outcome; :func:`postfix_log`), read by
-  ``pflogsumm`` (Debian package) just before the fresh-process job; its totals (received, delivered) are
-  checked against the segments'. ``cold_job_vs_pflogsumm_per_message`` > 1 means mtaq is faster per message.
+  ``pflogsumm`` (Debian package) just before each fresh-process job (``--pairs`` of them, alternating;
+  medians); its totals (received, delivered) are checked against the segments'.
+  ``cold_job_vs_pflogsumm_per_message`` > 1 means mtaq is faster per message.
+
+The fresh-process jobs find the driver JVM's class archive (mtaq/analytics/jvm.py) that the in-process
+session made or found (``class_archive``: "used"); ``--first-run`` also times a machine's first job (no
+archive yet: it is written at the job's end) and ``--without-archive`` one with the archive off.
 
 Prints one JSON object: for each, seconds, records/s, MB/s (segment bytes, DATA included) and messages/s
 (received + DSNs, to compare with pflogsumm's messages/s); the load average; whether the totals agree.
@@ -30,8 +35,10 @@ import json
 import os
 import random
 import shutil
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 from mtaq.core.records import DataRecord, DeliveryRecord, EnvelopeRecord, FinishRecord, Outcome, Recipient, StartRecord
@@ -181,7 +188,14 @@ def main() -> int:
                     help="also time `mtaq analyze` in a fresh process (Spark start-up included)")
     ap.add_argument("--pflogsumm", action="store_true",
                     help="also write Postfix's log of the same messages and time pflogsumm on it (right before "
-                         "the fresh-process job; implies --cold)")
+                         "each fresh-process job; implies --cold)")
+    ap.add_argument("--pairs", type=int, default=3,
+                    help="fresh-process jobs (alternating with pflogsumm runs): medians are reported (default 3)")
+    ap.add_argument("--first-run", action="store_true",
+                    help="also time a machine's first fresh-process job: no class archive yet, written at its end "
+                         "(mtaq/analytics/jvm.py)")
+    ap.add_argument("--without-archive", action="store_true",
+                    help=f"also time a fresh-process job with the class archive off ({'MTAQ_SPARK_CLASS_ARCHIVE'}=off)")
     args = ap.parse_args()
     spool = os.path.join(args.dir, "spool")
     t = time.monotonic()
@@ -197,7 +211,7 @@ def main() -> int:
     records = plain["records"]
     size = sum(os.path.getsize(os.path.join(spool, "log", f)) for f in os.listdir(os.path.join(spool, "log")))
 
-    from mtaq.analytics.job import Options, analyze, spark_session
+    from mtaq.analytics.job import Options, analyze, class_archive, spark_session, stop_session
 
     conf = [("spark.driver.memory", args.driver_memory), *(tuple(c.split("=", 1)) for c in args.conf)]
     if args.event_log:
@@ -216,27 +230,50 @@ def main() -> int:
     res = analyze(spark, Options(paths=[spool], out=os.path.join(args.dir, "out"),
                                  progress=lambda m: print(f"  {time.monotonic() - t:7.1f} s {m}", file=sys.stderr)))
     job_s = time.monotonic() - t
-    spark.stop()
+    session_archive = class_archive(spark)
+    stop_session(spark)  # the first run on a machine writes the class archive here
     cold_s = None
     pfl: dict[str, object] | None = None
+    cold_runs: list[float] = []
+    pfl_runs: list[float] = []
+    got: dict[str, float | int] = {}
+    made: dict[str, int] = {}
+    pf_path = os.path.join(args.dir, "postfix.log")
     if args.pflogsumm:
         args.cold = True
-        pf_path = os.path.join(args.dir, "postfix.log")
         made = postfix_log(spool, pf_path)
-        got = run_pflogsumm(pf_path)
-        seconds = float(got["s"])
-        pfl = {**got, "lines": made["lines"], "log_bytes": os.path.getsize(pf_path),
-               "messages_per_s": round(made["messages"] / seconds),
-               "mb_per_s": round(os.path.getsize(pf_path) / 1e6 / seconds, 1),
-               "totals_agree": got["received"] == made["messages"] and got["delivered"] == made["delivered"]}
-    if args.cold:
+
+    def cold(env: dict[str, str] | None = None) -> float:
         # The whole job as a user runs it: a fresh process, Spark start-up included.
         t = time.monotonic()
         subprocess.run([sys.executable, "-m", "mtaq.cli", "analyze", "--segments", spool, "--out",
                         os.path.join(args.dir, "out-cold"), "--master", args.master, "--quiet",
                         "--conf", f"spark.driver.memory={args.driver_memory}",
-                        *(x for c in args.conf for x in ("--conf", c))], check=True)
-        cold_s = time.monotonic() - t
+                        *(x for c in args.conf for x in ("--conf", c))], check=True, env=env)
+        return time.monotonic() - t
+
+    from mtaq.analytics import jvm
+
+    archive_state = jvm.plan(args.master).state if args.cold else None  # what the fresh-process runs find
+    first_run_s = without_s = None
+    if args.first_run:
+        with tempfile.TemporaryDirectory() as fresh:  # a machine's first run: the class archive written at its end
+            first_run_s = cold({**os.environ, jvm.ARCHIVE_ENV: fresh})
+    if args.without_archive:
+        without_s = cold({**os.environ, jvm.ARCHIVE_ENV: "off"})
+    for _ in range(args.pairs if args.cold else 0):  # alternating, pflogsumm first
+        if args.pflogsumm:
+            got = run_pflogsumm(pf_path)
+            pfl_runs.append(float(got["s"]))
+        cold_runs.append(cold())
+    if cold_runs:
+        cold_s = statistics.median(cold_runs)
+    if args.pflogsumm:
+        seconds = statistics.median(pfl_runs)
+        pfl = {**got, "s": round(seconds, 2), "runs_s": pfl_runs, "lines": made["lines"],
+               "log_bytes": os.path.getsize(pf_path), "messages_per_s": round(made["messages"] / seconds),
+               "mb_per_s": round(os.path.getsize(pf_path) / 1e6 / seconds, 1),
+               "totals_agree": got["received"] == made["messages"] and got["delivered"] == made["delivered"]}
     same = {k: (plain[k], res.totals[k]) for k in ("received", "delivered", "deferrals", "bounced", "bytes_received")}
     messages = plain["received"] + plain["dsn_generated"]
     mb = size / 1e6
@@ -254,12 +291,17 @@ def main() -> int:
         "load_average": os.getloadavg(),
         "plain": rates(plain_s),
         "spark_start_s": round(start_s, 2),
+        "class_archive": session_archive,
         "spark_scan": rates(scan_s),
         "spark_job": rates(job_s),
-        "spark_job_cold_process": rates(cold_s) if cold_s is not None else None,
+        "spark_job_cold_process": ({**rates(cold_s), "runs_s": [round(x, 2) for x in cold_runs],
+                                    "class_archive": archive_state} if cold_s is not None else None),
+        "spark_job_cold_first_run_s": None if first_run_s is None else round(first_run_s, 2),
+        "spark_job_cold_without_archive_s": None if without_s is None else round(without_s, 2),
         "pflogsumm": pfl,
         "cold_job_vs_pflogsumm_per_message": (round(float(pfl["s"]) / cold_s, 2)  # type: ignore[arg-type]
                                               if pfl is not None and cold_s else None),
+        "pairs_ratios": [round(a / b, 2) for a, b in zip(pfl_runs, cold_runs, strict=False)],
         "totals_agree": all(a == b for a, b in same.values()),
         "totals": same,
     }))

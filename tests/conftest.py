@@ -71,11 +71,14 @@ def relay_factory(tmp_path) -> Iterator:
 def spark():
     """One SparkSession (local[2], UTC) for the whole test session: starting one costs 6-9 s."""
     pytest.importorskip("pyspark")
-    from mtaq.analytics.job import spark_session
+    from mtaq.analytics.job import spark_session, stop_session
 
     s = spark_session("local[2]", [("spark.ui.enabled", "false")], app="mtaq tests")
+    from mtaq.analytics.datasource import register
+
+    register(s)  # spark.read.format("mtaq") (the job itself runs its tasks as an RDD, without it)
     yield s
-    s.stop()
+    stop_session(s)
 
 
 @pytest.fixture

@@ -320,27 +320,33 @@ def test_facts_from_the_data_source_equal_the_spark_merge(spark, script, tmp_pat
 
     u = None if until is None else dt.datetime.fromtimestamp(until, dt.UTC)
     paths = [script["archive"], script["spool"]]
-    def run(pb: int, close: bool, driver: int = 100_000) -> dict:
-        out = str(tmp_path / f"{pb}-{close}-{driver}")
+    def run(pb: int, close: bool, driver: int = 100_000, tables: int | None = None) -> dict:
+        tables = driver if tables is None else tables
+        out = str(tmp_path / f"{pb}-{close}-{driver}-{tables}")
         progress: list[str] = []
         got = _comparable(analyze(spark, Options(paths=paths, out=out, top=5, partition_bytes=pb, until=u, plots=False,
                                                  close_messages=close, driver_merge_rows=driver,
-                                                 progress=progress.append)))
+                                                 driver_table_rows=tables, progress=progress.append)))
         # the open messages merged where the limit says: by Spark, or on the driver (pyarrow)
         merged_by = {m.rsplit(" ", 1)[-1] for m in progress if m.startswith("per message and per recipient facts")}
         assert merged_by == ({"Spark"} if driver == 0 else {"driver"}) or (close and pb > 1 << 30 and not merged_by)
-        # the big tables too: files the tasks staged, moved in, and what Spark merged, appended
+        # the senders and recipients added up on the driver only when no Spark merge ran and the limit allows
+        [added] = [m for m in progress if m.startswith("senders and recipients added up")]
+        assert ("on the driver" in added) == (tables > 0 and merged_by != {"Spark"}), added
+        # the big tables too: files the tasks staged, moved in, and what Spark merged, appended; the senders and
+        # recipients, written by the driver or by Spark
         got["parquet"] = {t: sorted(map(repr, spark.read.parquet(f"{out}/tables/{t}").collect()))
-                          for t in ("outcomes", "messages")}
+                          for t in ("outcomes", "messages", "senders", "recipients")}
         # one timestamp type in every file, Spark's and the tasks': a plain Parquet reader reads the table
         import pyarrow.parquet as pq
 
         assert str(pq.read_table(f"{out}/tables/outcomes").schema.field("ts").type) == "timestamp[us, tz=UTC]"
         return got
 
-    runs = {(pb, close, driver): run(pb, close, driver) for pb, close, driver in (
-        (150_000, True, 100_000), (150_000, True, 0), (150_000, False, 100_000), (150_000, False, 0), (1 << 40, True, 0))}
-    first = runs[(150_000, False, 0)]
+    runs = {(pb, close, driver, tables): run(pb, close, driver, tables) for pb, close, driver, tables in (
+        (150_000, True, 100_000, None), (150_000, True, 0, None), (150_000, False, 100_000, None),
+        (150_000, False, 0, None), (1 << 40, True, 0, None), (1 << 40, True, 0, 100_000), (150_000, True, 100_000, 0))}
+    first = runs[(150_000, False, 0, None)]
     assert all(first == other for other in runs.values())
     t = first["totals"]
     assert len(first["parquet"]["outcomes"]) == t["delivered"] + t["deferrals"] + t["bounced"] > 0
@@ -387,7 +393,7 @@ def test_staged_facts_are_parquet_files_of_each_partition(spark, script, tmp_pat
     option is refused."""
     from mtaq.analytics.datasource import STAGED_DDL
     from mtaq.analytics.facts import FACT_SPARK_DDL, MESSAGE_COLUMNS, MESSAGE_SPARK_DDL, OUTCOME_SPARK_DDL
-    from mtaq.analytics.partials import PARTS
+    from mtaq.analytics.partials import FILE_PARTS, PARTS
 
     paths = json.dumps([script["archive"], script["spool"]])
     stage = str(tmp_path / "stage" / "_facts-x")
@@ -398,7 +404,7 @@ def test_staged_facts_are_parquet_files_of_each_partition(spark, script, tmp_pat
     got = [r for r in got if r["path"] is not None]
     assert len(files) > 1
     assert sorted(r["table"] for r in got if not r["table"].startswith("outcomes/")) == sorted(
-        len(files) * ["facts", "messages", "p_bucket"])
+        len(files) * ["facts", "messages", "p_bucket", "senders", "recipients"])
     # The OUTCOME rows by UTC date, a file each: every row of a date's file is of that date. Which dates the
     # tasks stage depends on where the segments split the messages (a task closes only the messages it holds
     # whole; the others are merged later), which depends on how the script's deliveries interleaved in the
@@ -413,9 +419,10 @@ def test_staged_facts_are_parquet_files_of_each_partition(spark, script, tmp_pat
             assert len(stamps) == r["rows"] > 0
             assert {f"outcomes/date={t.date().isoformat()}" for t in stamps} == {r["table"]}
     # every part but the queue shape at --until (none given): the closed messages are all FINISHed by the end
-    # (the percentile buckets are a file, p_bucket: per domain and bucket, too many rows to collect with the rest)
+    # (the percentile buckets, the senders and the recipients are files, FILE_PARTS: up to a row per fact, too
+    # many rows to collect with the rest)
     assert sorted(r["part"] for r in parts) == sorted(len(files) * [p for p in PARTS if not p.startswith("qshape_now")
-                                                                    and p != "p_bucket"])
+                                                                    and p not in FILE_PARTS])
     assert all(r["path"] is None and r["data"] for r in parts)
     assert sorted(os.listdir(stage)) == sorted(os.path.basename(r["path"]) for r in got)
     facts = spark.read.format("mtaq").option("rows", "facts").option("partitionBytes", "1").option("paths", paths).load()
@@ -424,9 +431,19 @@ def test_staged_facts_are_parquet_files_of_each_partition(spark, script, tmp_pat
         return spark.read.schema(ddl).parquet(*(r["path"] for r in got if r["table"].split("/")[0] == table))
 
     staged = of("facts", FACT_SPARK_DDL)
-    assert sum(r["rows"] for r in got if r["table"] != "p_bucket") == facts.count()
+    assert sum(r["rows"] for r in got if r["table"] not in FILE_PARTS) == facts.count()
     delivered = facts.filter("record_type = 'OUTCOME' AND status = 'delivered' AND delay_s IS NOT NULL").count()
     assert spark.read.parquet(*(r["path"] for r in got if r["table"] == "p_bucket")).agg({"n": "sum"}).first()[0] == delivered
+    # the senders' partials count the closed messages received (first seen, not DSNs), the recipients' their
+    # delivered outcomes (none here: with a partition per segment no task holds one of the script's messages
+    # whole; the job's tests compare the tables both ways)
+    def total(table: str, col: str) -> int:
+        return spark.read.parquet(*(r["path"] for r in got if r["table"] == table)).agg({col: "sum"}).first()[0] or 0
+
+    assert total("senders", "messages") == facts.filter(
+        "record_type = 'MESSAGE' AND first_seen AND bounce_of = ''").count()
+    assert total("recipients", "delivered") == facts.filter(
+        "record_type = 'OUTCOME' AND status = 'delivered'").count()
     assert staged.filter("record_type in ('MESSAGE', 'OUTCOME')").count() == 0
     assert staged.exceptAll(facts).count() == 0
     msgs = facts.filter("record_type = 'MESSAGE'").select(*MESSAGE_COLUMNS)

@@ -112,16 +112,19 @@ def test_the_driver_merge_equals_sparks_on_an_awkward_log(spark, spool, tmp_path
         progress: list[str] = []
         res = analyze(spark, Options(paths=[spool], out=out, top=5, partition_bytes=9000, since=since, until=until,
                                      plots=False, close_messages=close, driver_merge_rows=driver,
-                                     progress=progress.append))
+                                     driver_table_rows=driver, progress=progress.append))
         got = _comparable(res)
         got["parquet"] = {t: sorted(map(repr, spark.read.parquet(f"{out}/tables/{t}").collect()))
-                          for t in ("outcomes", "messages")}
+                          for t in ("outcomes", "messages", "senders", "recipients")}
         got["by"] = [m for m in progress if m.startswith("per message")]
+        got["tables_by"] = [m for m in progress if m.startswith("senders and recipients added up")]
         return got
 
     runs = {(c, d): run(c, d) for c in (True, False) for d in (0, 100_000)}
     for (_, driver), v in runs.items():  # each merge ran where the limit says
         assert [m.rsplit(" ", 1)[-1] for m in v.pop("by")] == ["Spark" if driver == 0 else "driver"]
+        [by] = v.pop("tables_by")
+        assert ("by Spark" if driver == 0 else "on the driver") in by
     ref = runs[(False, 0)]
     for k, v in runs.items():
         for part in ("totals", "tables", "parquet"):
@@ -136,9 +139,10 @@ def test_the_driver_merge_equals_sparks_on_an_awkward_log(spark, spool, tmp_path
         assert {k: ref["totals"][k] for k in keys} == pytest.approx({k: plain[k] for k in keys}, abs=1e-6)
 
 
-def test_percentile_read_back_with_negative_delays_repeats_and_odd_domains(spark):
-    """Spark's read-back of a bucket's values with negative delays, exact repeats, a domain named '?' and a
-    null one (also '?'), in four task splits: equal to the plain nearest rank."""
+def test_percentile_read_back_with_negative_delays_repeats_and_odd_domains(spark, tmp_path):
+    """The read-back of a bucket's values, by Spark and by the driver from the outcomes files (one a task),
+    with negative delays, exact repeats, a domain named '?' and a null one (also '?'), in four task splits:
+    equal to the plain nearest rank. Outcomes not delivered, in the files among them, are not counted."""
     from test_analytics_percentiles import outcome_table
 
     from mtaq.analytics.job import PERCENTILES, _percentiles
@@ -158,3 +162,26 @@ def test_percentile_read_back_with_negative_delays_repeats_and_odd_domains(spark
     for dom in ("a.example", "?"):
         want[dom] = [nearest_rank(sorted(us / 1e6 for d, us, _ in rows if (d or "?") == dom), p) for p in PERCENTILES]
     assert got == want
+    # the driver's read-back, from files as the tasks stage them (OUTCOME_COLUMNS), deferred outcomes among them
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from mtaq.analytics.facts import OUTCOME_COLUMNS
+
+    paths = []
+    for g in range(4):
+        t = outcome_table([r for r in rows if r[2] == g] + [(None, 5_000, g), ("a.example", -250_000, g)])
+        n = t.num_rows
+        t = t.set_column(t.schema.get_field_index("status"), "status",
+                         pa.array(["delivered"] * (n - 2) + ["deferred"] * 2))
+        paths.append(str(tmp_path / f"outcomes-{g}.parquet"))
+        pq.write_table(t.select(list(OUTCOME_COLUMNS)), paths[-1])
+    assert pc.sum(pc.equal(pq.read_table(paths[0])["status"], "deferred")).as_py() == 2
+
+    def spark_must_not(*_a):
+        raise AssertionError("the driver's read-back was to be used")
+
+    assert want == {r["domain"]: r["p"] for r in _percentiles(p_bucket, spark_must_not, outcome_paths=paths,
+                                                              driver_rows=len(rows))}
+    assert want == {r["domain"]: r["p"] for r in _percentiles(p_bucket, delays, outcome_paths=paths, driver_rows=0)}

@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--conf: expected KEY=VALUE, got {item!r}")
         conf.append((key.strip(), value.strip()))
     try:
-        from mtaq.analytics.job import Options, analyze, spark_session
+        from mtaq.analytics.job import Options, analyze, class_archive, spark_session, stop_session
         from mtaq.analytics.source import SourceError, discover
     except ImportError as exc:
         raise ConfigError(f"analyze needs the spark extra (pip install 'mtaq[spark]'): {exc}") from exc
@@ -89,13 +89,16 @@ def run(args: argparse.Namespace) -> int:
 
     say("starting Spark")
     spark = spark_session(args.master, conf)
+    say(f"Spark started (class archive: {class_archive(spark)})")
     opts = Options(paths=args.segments, out=args.out, since=since, until=until, top=args.top,
                    partition_bytes=args.partition_bytes, plots=not args.no_plots, progress=say,
                    parquet_out=args.parquet_out)
     try:
         result = analyze(spark, opts)
     finally:
-        spark.stop()
+        if class_archive(spark) == "creating":
+            say("writing the class archive for the next runs (once)")
+        stop_session(spark)
     if args.json:
         keys = ("received", "delivered", "deferred", "bounced", "rejected", "deferrals", "expired", "dsn_generated",
                 "bytes_received", "bytes_delivered", "delay_p50_s", "delay_p90_s", "delay_p99_s", "outcome_unknown",

@@ -52,18 +52,20 @@ from pyspark import StorageLevel
 from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
-from mtaq.analytics.datasource import PARTITION_BYTES_DEFAULT, STAGED_DDL, register, write_staged
+from mtaq.analytics import jvm
+from mtaq.analytics.datasource import PARTITION_BYTES_DEFAULT, stage_partitions, write_staged
 from mtaq.analytics.facts import (
     FACT_COLUMNS,
     FACT_SCHEMA,
     FACT_SPARK_DDL,
     MESSAGE_COLUMNS,
-    MESSAGE_SPARK_DDL,
     OUTCOME_COLUMNS,
     OUTCOME_SPARK_DDL,
     open_facts,
 )
 from mtaq.analytics.partials import (
+    FILE_PARTS,
+    RankTarget,
     decode,
     encode,
     locate_percentiles,
@@ -74,10 +76,11 @@ from mtaq.analytics.partials import (
     rank_value,
 )
 from mtaq.analytics.report import write_report
-from mtaq.analytics.source import discover, join_path, resolve
+from mtaq.analytics.source import discover, join_path, plan_partitions, resolve
 from mtaq.analytics.tables import AGE_BUCKETS_MIN, DELAY_BUCKETS_S, Result, bucket_labels
 
-__all__ = ["AGE_BUCKETS_MIN", "DELAY_BUCKETS_S", "Options", "Result", "analyze", "spark_session"]
+__all__ = ["AGE_BUCKETS_MIN", "DELAY_BUCKETS_S", "Options", "Result", "analyze", "class_archive", "spark_session",
+           "stop_session"]
 
 # Record rows per partition of Spark's merge of the open messages (see analyze); its facts go to a Python worker
 # as Row objects (partials.partial_rows), about 1 KB each: this bounds a worker's memory to about 100 MB.
@@ -85,6 +88,10 @@ MERGE_ROWS_PER_PARTITION = 100_000
 # Open record rows (messages no task held whole) up to which the driver merges them with pyarrow
 # (facts.open_facts) instead of Spark: at 10,000,000 records 42 rows took Spark's merge 6 s of stages.
 DRIVER_MERGE_ROWS_MAX = 100_000
+# Rows of the tasks' senders and recipients partial tables up to which the driver adds them up (pyarrow, about
+# 100 bytes a row) instead of Spark; also the most delay values the driver reads back for the percentiles.
+# At 1,000,000 records Spark's aggregation and top lists took 4.5 s of a 12 s job, the driver's 0.2 s.
+DRIVER_TABLE_ROWS_MAX = 2_000_000
 TOP_ROWS_COLLECTED = 1000  # rows of the senders and recipients tables the driver gets (by count and by bytes)
 
 REJECTED_NOTE = (
@@ -108,6 +115,8 @@ class Options:
     close_messages: bool = True  # False: every message's facts by Spark, none by the data source (tests compare)
     # Open record rows up to which the driver merges them (pyarrow) instead of Spark; 0: always Spark (tests)
     driver_merge_rows: int = DRIVER_MERGE_ROWS_MAX
+    # Partial rows of the senders and recipients tables up to which the driver adds them up; 0: always Spark
+    driver_table_rows: int = DRIVER_TABLE_ROWS_MAX
     progress: Callable[[str], None] = field(default=lambda msg: None)
 
 
@@ -123,6 +132,15 @@ def spark_session(master: str | None = None, conf: Sequence[tuple[str, str]] = (
         b = b.master(master)
     elif "PYSPARK_GATEWAY_PORT" not in os.environ:  # not launched by spark-submit
         b = b.master("local[*]")
+    # The driver JVM's start (mtaq/analytics/jvm.py): a class archive of Spark's classes and C1 only, for a
+    # driver this process starts; the user's own extraJavaOptions (--conf) come after ours.
+    from pyspark import SparkContext
+
+    start = jvm.plan(master) if SparkContext._active_spark_context is None else jvm.JvmStart("", "off")
+    theirs = " ".join(v for k, v in conf if k == "spark.driver.extraJavaOptions")
+    conf = [(k, v) for k, v in conf if k != "spark.driver.extraJavaOptions"]
+    if start.options or theirs:
+        b = b.config("spark.driver.extraJavaOptions", f"{start.options} {theirs}".strip())
     b = b.config("spark.sql.session.timeZone", "UTC").config("spark.ui.showConsoleProgress", "true")
     # The tables are small after aggregation: Spark's 200 shuffle partitions cost more than they bring here;
     # on this machine two per core (on local[2], 4 instead of 16 took about 3 s off the job: each of its
@@ -133,9 +151,26 @@ def spark_session(master: str | None = None, conf: Sequence[tuple[str, str]] = (
     for k, v in conf:
         b = b.config(k, v)
     spark = b.getOrCreate()
+    _STARTS[id(spark)] = start
     spark.sparkContext.setLogLevel("ERROR")
     spark.conf.set("spark.sql.session.timeZone", "UTC")
     return spark
+
+
+_STARTS: dict[int, jvm.JvmStart] = {}
+
+
+def class_archive(spark: SparkSession) -> str:
+    """How ``spark``'s driver JVM started (:mod:`mtaq.analytics.jvm`): "used" (a class archive mapped),
+    "creating" (this run writes it when stopped by :func:`stop_session`) or "off"."""
+    start = _STARTS.get(id(spark))
+    return "off" if start is None else start.state
+
+
+def stop_session(spark: SparkSession) -> None:
+    """Stop a session made by :func:`spark_session`; the first run on a machine also waits for its driver JVM
+    to write the class archive (a few seconds, once: :func:`mtaq.analytics.jvm.stop`)."""
+    jvm.stop(spark, _STARTS.pop(id(spark), jvm.JvmStart("", "off")))
 
 
 def _shuffle_partitions(master: str | None) -> int:
@@ -262,6 +297,64 @@ def _pylist(t: pa.Table) -> list[dict[str, Any]]:
             for c in t.columns]
     rows: list[dict[str, Any]] = pa.Table.from_arrays(cols, names=t.column_names).to_pylist()
     return rows
+
+
+# The senders and recipients tables (counts never null, as Spark's count() writes them)
+SENDER_SCHEMA = pa.schema([("sender", pa.string()), ("sender_domain", pa.string()),
+                           pa.field("messages", pa.int64(), nullable=False), ("bytes", pa.int64())])
+RECIPIENT_SCHEMA = pa.schema([("rcpt_address", pa.string()), ("rcpt_domain", pa.string()),
+                              pa.field("delivered", pa.int64(), nullable=False), ("bytes", pa.int64())])
+
+
+def _ddl(schema: pa.Schema) -> str:
+    """Spark's DDL of a schema of string and int64 columns."""
+    return ", ".join(f"{f.name} {'bigint' if f.type == pa.int64() else 'string'}" for f in schema)
+
+
+STAGED_MERGE_FILES = 32  # staged partial files read before they are added up
+
+
+def _merge_staged(name: str, paths: Sequence[str], schema: pa.Schema) -> pa.Table:
+    """The partial tables of the part ``name`` in the staged files ``paths``, added up on the driver
+    (:func:`mtaq.analytics.partials.merge_tables`), STAGED_MERGE_FILES at a time: the driver holds the sum
+    and one batch of files, not every task's."""
+    merged = schema.empty_table()
+    for i in range(0, len(paths), STAGED_MERGE_FILES):
+        read = [_read_staged(path) for path in paths[i : i + STAGED_MERGE_FILES]]
+        merged = merge_tables(name, [t for t in (merged, *read) if t.num_rows]) if any(t.num_rows for t in read) else merged
+    return merged.select(schema.names).cast(schema) if merged.num_rows else schema.empty_table()
+
+
+def _top(t: pa.Table, order: Sequence[str], n: int) -> list[dict[str, Any]]:
+    """The first ``n`` rows of ``t`` in ``order`` ("-k": descending) as Spark's ``orderBy(...).limit(n)``
+    orders them: nulls last in a descending key, first in an ascending one."""
+    if t.num_rows == 0:
+        return []
+    keys: list[tuple[str, str]] = []
+    cols = {}
+    for i, k in enumerate(order):
+        name = k.lstrip("-")
+        desc = k.startswith("-")
+        cols[f"_null{i}"] = pc.is_null(t[name]) if desc else pc.is_valid(t[name])
+        keys += [(f"_null{i}", "ascending"), (name, "descending" if desc else "ascending")]
+    keyed = t
+    for c, v in cols.items():
+        keyed = keyed.append_column(c, v)
+    idx = pc.sort_indices(keyed, sort_keys=keys)
+    return _pylist(t.take(idx.slice(0, n)))
+
+
+def _write_table(uri: str, t: pa.Table) -> None:
+    """``t`` as the Parquet table ``uri`` (local path or URI), written by the driver: what was there removed
+    first (as Spark's overwrite), then ``part-0.parquet`` and an empty ``_SUCCESS``, as Spark's writer leaves
+    a complete table."""
+    fs, inner, _ = resolve(uri)
+    if fs.get_file_info(inner).type != pafs.FileType.NotFound:
+        fs.delete_dir(inner)
+    fs.create_dir(inner, recursive=True)
+    pq.write_table(t, f"{inner}/part-0.parquet", filesystem=fs)
+    with fs.open_output_stream(f"{inner}/_SUCCESS"):
+        pass
 
 
 def _as_facts(df: DataFrame, rtype: str) -> DataFrame:
@@ -438,7 +531,6 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
     t0 = time.monotonic()
     say = opts.progress
     since, until = opts.since, opts.until
-    register(spark)
     # Joins on (queue_id, rcpt_index) of sides both partitioned by queue_id: no new shuffle.
     spark.conf.set("spark.sql.requireAllClusterKeysForCoPartition", "false")
     # Timestamps in every table as the tasks' files (pyarrow) have them: INT64 microseconds, UTC (Spark's
@@ -455,26 +547,21 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
     # tables' partial aggregates (mtaq/analytics/partials.py), which replaced some 40 Spark stages. The
     # queries below read only the columns and row groups they need, vectorised. Spark's own cache of the
     # same rows cost more JVM CPU than the decoding (docs/performance.md, "Fourth round (issue 17)").
-    discover(opts.paths)  # a path that names no segments: SourceError here, not from inside Spark
-    reader = (
-        spark.read.format("mtaq")
-        .schema(STAGED_DDL)  # given, so that Spark does not start a Python process to ask the source
-        .option("paths", json.dumps(list(opts.paths)))
-        .option("partitionBytes", str(opts.partition_bytes))
-        .option("rows", "staged")
-        .option("stage", stage)
-        .option("closeMessages", "true" if opts.close_messages else "false")
-    )
-    if until is not None:
-        reader = reader.option("untilMicros", str(_micros(until)))
-    if since is not None:
-        reader = reader.option("sinceMicros", str(_micros(since)))
-    staged = reader.load().collect()
+    segment_files = discover(opts.paths)  # a path that names no segments: SourceError here, not from inside Spark
+    groups = plan_partitions(segment_files, opts.partition_bytes)
+    # The tasks as an RDD over the groups of segments: the data source's "staged" rows are the same rows, but
+    # Spark plans a Python data source in a Python process of its own on the driver (2 s on two cores).
+    task = partial(stage_partitions, stage=stage, until_us=None if until is None else _micros(until),
+                   close=opts.close_messages, since_us=None if since is None else _micros(since))
+    staged: list[dict[str, Any]] = [dict(zip(("table", "path", "rows", "part", "data"), row, strict=True)) for row in
+              spark.sparkContext.parallelize(groups, len(groups)).mapPartitions(task).collect()]
     files: dict[str, list[str]] = {}
+    table_rows = 0  # rows of the senders' and recipients' partial tables the tasks staged
     for got_row in staged:
         if got_row["path"] is not None:
             files.setdefault(got_row["table"].split("/")[0], []).append(got_row["path"])
-    base = _read(spark, files.get("facts", []), FACT_SPARK_DDL)
+            if got_row["table"] in ("senders", "recipients"):
+                table_rows += got_row["rows"]
     # The small tables' partial aggregates, one set per task (mtaq/analytics/partials.py); Spark's merge of the
     # open messages adds its own below, and the driver adds them all up.
     part_rows = [(x["part"], bytes(x["data"])) for x in staged if x["part"] is not None]
@@ -489,23 +576,34 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
     open_msgs: DataFrame | None = None
     since_us, until_us = (None if x is None else _micros(x) for x in (since, until))
     end_us = None if end_value is None else _micros(end_value)
-    published = [(x["table"], x["path"]) for x in staged if x["path"] is not None and x["table"] not in ("facts", "p_bucket")]
+    published = [(x["table"], x["path"]) for x in staged
+                 if x["path"] is not None and x["table"] not in ("facts", *FILE_PARTS)]
     on_driver = 0 < inventory["open_rows"] <= opts.driver_merge_rows
     if on_driver:
         # Few messages no task held whole: their record rows read back from the staged facts files and merged
         # here, by the same definitions as the tasks' (facts.open_facts), staged and added like a task's.
         t = open_facts(_read_open_rows(files.get("facts", [])))
-        part_rows += list(encode(partials(t, since_us, until_us, end_us)))
-        more = list(write_staged(t, stage, f"open-{uuid.uuid4().hex}", since_us, until_us))
-        published += [(kind, path) for kind, path, _, _, _ in more]
-        for kind, path, _, _, _ in more:
+        got_parts = partials(t, since_us, until_us, end_us)
+        file_parts = {k: got_parts.pop(k) for k in FILE_PARTS if k in got_parts}
+        part_rows += list(encode(got_parts))
+        more = list(write_staged(t, stage, f"open-{uuid.uuid4().hex}", since_us, until_us, parts=file_parts))
+        for kind, path, nrows, _, _ in more:
             files.setdefault(kind.split("/")[0], []).append(path)
+            if kind in ("senders", "recipients"):
+                table_rows += nrows
+            elif kind not in FILE_PARTS:
+                published.append((kind, path))
         rt = t["record_type"]
         say(f"per message and per recipient facts: {pc.sum(pc.equal(rt, 'OUTCOME')).as_py() or 0} outcomes and "
             f"{pc.sum(pc.equal(rt, 'MESSAGE')).as_py() or 0} messages merged on the driver")
-    msgs = _read(spark, files.get("messages", []), MESSAGE_SPARK_DDL)
-    oe = _read(spark, files.get("outcomes", []), OUTCOME_SPARK_DDL)  # outcomes in the window (the tasks filtered)
-    if inventory["open_rows"] and not on_driver:
+    # The tables with a row per sender and per recipient (and the percentiles' read-back) from the tasks'
+    # partial tables: added up on the driver (pyarrow) when they are few and no Spark merge of open messages
+    # ran, else by Spark.
+    spark_merge = bool(inventory["open_rows"]) and not on_driver
+    tables_on_driver = not spark_merge and table_rows <= opts.driver_table_rows
+    open_window: DataFrame | None = None  # the outcomes in the window of the messages Spark merged
+    if spark_merge:
+        base = _read(spark, files.get("facts", []), FACT_SPARK_DDL)
         # Messages no task held whole (spread over partitions, or still queued): their record rows merged by
         # Spark into the same facts, then the same partial aggregates as the tasks'.
         # Partitions by the rows to merge, not by the log's size: at 10,000,000 records 42 rows were merged in
@@ -513,15 +611,15 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
         nparts = -(-inventory["open_rows"] // MERGE_ROWS_PER_PARTITION)
         open_msgs, merged, open_rcpts, merge_cached = _merge_open(base, nparts)
         cached += merge_cached
-        msgs = msgs.unionByName(open_msgs)
-        oe = oe.unionByName(merged.filter(_window(F.col("ts"), since, until)))
+        open_delivered = merged.filter(_window(F.col("ts"), since, until) & (F.col("status") == "delivered"))
+        open_window = merged.filter(_window(F.col("ts"), since, until))
         facts = _as_facts(open_msgs, "MESSAGE").unionByName(_as_facts(merged, "OUTCOME")).unionByName(
             _as_facts(open_rcpts, "RCPT")).repartition(nparts, "queue_id")
         names = facts.columns
         facts = facts.select(*(F.unix_micros(F.col(f.name)).alias(f.name) if f.dataType.typeName() == "timestamp"
                                else F.col(f.name) for f in facts.schema.fields))
         got_open = facts.rdd.mapPartitions(partial(partial_rows, names=names, since_us=since_us, until_us=until_us,
-                                                   end_us=end_us)).collect()
+                                                   end_us=end_us, without=("senders", "recipients"))).collect()
         part_rows += [(name, bytes(data)) for name, data in got_open]
         [spread] = _pylist(merge([(name, data) for name, data in got_open if name == "inventory"])["inventory"]) or [
             {"outcomes": 0, "messages": 0}]
@@ -531,34 +629,64 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
     # at a time, so that the driver holds the merged buckets, not every task's.
     p_bucket = _merge_p_bucket(files.get("p_bucket", []), [decode(data) for name, data in part_rows if name == "p_bucket"])
     parts = merge([(name, data) for name, data in part_rows if name != "p_bucket"])
-    st = F.col("status")
-    delivered = st == "delivered"
-    received = msgs.filter(F.col("first_seen") & (F.col("bounce_of") == "") & _window(F.col("arrival_ts"), since, until))
-
-    # --------------------------------------------------------------------------- what stays in Spark
     say("computing the tables")
-    domain = F.coalesce(F.col("rcpt_domain"), F.lit("?")).alias("domain")
-    senders = received.groupBy("sender", "sender_domain").agg(F.count("*").alias("messages"),
-                                                               F.sum("size").alias("bytes"))
-    recipients = oe.filter(delivered).groupBy("rcpt_address", "rcpt_domain").agg(
-        F.count("*").alias("delivered"), F.sum("size").alias("bytes"))
-    senders = senders.persist(StorageLevel.MEMORY_AND_DISK)
-    recipients = recipients.persist(StorageLevel.MEMORY_AND_DISK)
-    cached += [senders, recipients]
     shown = max(opts.top, TOP_ROWS_COLLECTED)
-    # The counts first: each fills its cache (queries started together on a cache not yet filled each compute
-    # it: the recipients' aggregation ran three times at once), the two side by side.
-    got = _collect_tables({
-        "senders_count": senders.agg(F.count("*").alias("senders")),
-        "recipients_count": recipients.filter(F.col("rcpt_address").isNotNull()).agg(F.count("*").alias("recipients"))})
-    say("senders and recipients counted")
-    got |= _collect_tables({
-        "senders_by_count": senders.orderBy(F.desc("messages"), F.desc("bytes"), "sender").limit(shown),
-        "senders_by_bytes": senders.orderBy(F.desc("bytes"), "sender").limit(shown),
-        "recipients_by_count": recipients.orderBy(F.desc("delivered"), F.desc("bytes"), "rcpt_address").limit(shown),
-        "recipients_by_bytes": recipients.orderBy(F.desc("bytes"), "rcpt_address").limit(shown),
-    })
-    got |= _split_parts(parts, _percentiles(p_bucket, oe.filter(delivered).select(domain, "delay_s")))
+
+    def delays() -> DataFrame:
+        """The delivered outcomes in the window (domain, delay_s), for Spark's percentile read-back."""
+        oe = _read(spark, files.get("outcomes", []), OUTCOME_SPARK_DDL)  # the tasks' files: in the window already
+        if open_window is not None:
+            oe = oe.unionByName(open_window)
+        return oe.filter(F.col("status") == "delivered").select(
+            F.coalesce(F.col("rcpt_domain"), F.lit("?")).alias("domain"), "delay_s")
+
+    if tables_on_driver:
+        senders_t = _merge_staged("senders", files.get("senders", []), SENDER_SCHEMA)
+        recipients_t = _merge_staged("recipients", files.get("recipients", []), RECIPIENT_SCHEMA)
+        got = {
+            "senders_count": [{"senders": senders_t.num_rows}],
+            "recipients_count": [{"recipients": recipients_t.num_rows - recipients_t["rcpt_address"].null_count}],
+            "senders_by_count": _top(senders_t, ("-messages", "-bytes", "sender"), shown),
+            "senders_by_bytes": _top(senders_t, ("-bytes", "sender"), shown),
+            "recipients_by_count": _top(recipients_t, ("-delivered", "-bytes", "rcpt_address"), shown),
+            "recipients_by_bytes": _top(recipients_t, ("-bytes", "rcpt_address"), shown),
+        }
+        say(f"senders and recipients added up on the driver ({table_rows} partial rows)")
+        percentiles = _percentiles(p_bucket, delays, outcome_paths=files.get("outcomes", []),
+                                   driver_rows=opts.driver_table_rows)
+    else:
+        # Spark adds up the tasks' partial tables, and those of the messages Spark merged.
+        senders = _read(spark, files.get("senders", []), _ddl(SENDER_SCHEMA))
+        recipients = _read(spark, files.get("recipients", []), _ddl(RECIPIENT_SCHEMA))
+        if open_msgs is not None:
+            received = open_msgs.filter(F.col("first_seen") & (F.col("bounce_of") == "")
+                                        & _window(F.col("arrival_ts"), since, until))
+            senders = senders.unionByName(received.groupBy("sender", "sender_domain").agg(
+                F.count("*").alias("messages"), F.sum("size").alias("bytes")))
+            recipients = recipients.unionByName(open_delivered.groupBy("rcpt_address", "rcpt_domain").agg(
+                F.count("*").alias("delivered"), F.sum("size").alias("bytes")))
+        senders = senders.groupBy("sender", "sender_domain").agg(
+            F.coalesce(F.sum("messages"), F.lit(0)).alias("messages"), F.sum("bytes").alias("bytes"))
+        recipients = recipients.groupBy("rcpt_address", "rcpt_domain").agg(
+            F.coalesce(F.sum("delivered"), F.lit(0)).alias("delivered"), F.sum("bytes").alias("bytes"))
+        senders = senders.persist(StorageLevel.MEMORY_AND_DISK)
+        recipients = recipients.persist(StorageLevel.MEMORY_AND_DISK)
+        cached += [senders, recipients]
+        # The counts first: each fills its cache (queries started together on a cache not yet filled each compute
+        # it: the recipients' aggregation ran three times at once), the two side by side.
+        got = _collect_tables({
+            "senders_count": senders.agg(F.count("*").alias("senders")),
+            "recipients_count": recipients.filter(F.col("rcpt_address").isNotNull()).agg(
+                F.count("*").alias("recipients"))})
+        got |= _collect_tables({
+            "senders_by_count": senders.orderBy(F.desc("messages"), F.desc("bytes"), "sender").limit(shown),
+            "senders_by_bytes": senders.orderBy(F.desc("bytes"), "sender").limit(shown),
+            "recipients_by_count": recipients.orderBy(F.desc("delivered"), F.desc("bytes"), "rcpt_address").limit(shown),
+            "recipients_by_bytes": recipients.orderBy(F.desc("bytes"), "rcpt_address").limit(shown),
+        })
+        say(f"senders and recipients added up by Spark ({table_rows} partial rows)")
+        percentiles = _percentiles(p_bucket, delays)
+    got |= _split_parts(parts, percentiles)
     say("tables collected")
     [r] = got["totals_r"]
     [d] = got["totals_d"]
@@ -644,8 +772,12 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
     say(f"writing the outcomes, messages, senders and recipients tables (Parquet, {big})")
     # A row per address: written by the executors, so under BIG (--parquet-out on a cluster), as the outcomes and
     # messages are (OUT is the driver's: an executor elsewhere would write its part on its own disk).
-    senders.write.mode("overwrite").parquet(join_path(big, "senders"))
-    recipients.write.mode("overwrite").parquet(join_path(big, "recipients"))
+    if tables_on_driver:
+        _write_table(join_path(big, "senders"), senders_t)
+        _write_table(join_path(big, "recipients"), recipients_t)
+    else:
+        senders.write.mode("overwrite").parquet(join_path(big, "senders"))
+        recipients.write.mode("overwrite").parquet(join_path(big, "recipients"))
     # The outcomes (by date) and messages the tasks staged become those tables' files as they are, moved
     # (no second copy by Spark); Spark appends what it merged.
     _publish(spark, big, published, open_outcomes=None if open_msgs is None else merged.filter(_window(F.col("ts"), since, until)),
@@ -677,28 +809,96 @@ def _remove_stage(uri: str) -> None:
 PERCENTILES = (0.5, 0.9, 0.99)
 
 
-def _percentiles(p_bucket: pa.Table, delays: DataFrame) -> list[dict[str, Any]]:
+def _percentiles(p_bucket: pa.Table, delays: DataFrame | Callable[[], DataFrame], outcome_paths: Sequence[str] | None = None,
+                 driver_rows: int = 0) -> list[dict[str, Any]]:
     """Exact nearest-rank PERCENTILES of the time to deliver, for all recipients and per recipient domain, as
     rows {domain, g_domain (true for all recipients), p: [values]}: located in the merged ``p_bucket`` partial
     (:func:`mtaq.analytics.partials.locate_percentiles`); where a bucket holds several values and the rank
-    falls inside it, that bucket's values and counts are read from ``delays`` (columns domain, delay_s: the
-    delivered outcomes of the window) by one Spark query, and the rank is counted off among them."""
+    falls inside it, that bucket's values and counts are read back and the rank is counted off among them:
+    from the staged outcomes files ``outcome_paths`` by the driver (pyarrow) when they are given and the
+    buckets to read hold at most ``driver_rows`` values, else from ``delays`` (columns domain, delay_s: the
+    delivered outcomes of the window; or a function that makes it, called only then) by one Spark query."""
     found, todo = locate_percentiles(p_bucket, PERCENTILES)
     if todo:
-        spark = delays.sparkSession
-        targets = spark.createDataFrame([(i, t.domain, t.lo, t.hi) for i, t in enumerate(todo)],
-                                        "tid int, t_domain string, lo double, hi double")
-        by_domain = delays.join(F.broadcast(targets.filter(F.col("t_domain").isNotNull())),
-                                F.col("domain") == F.col("t_domain"))
-        every = delays.crossJoin(F.broadcast(targets.filter(F.col("t_domain").isNull())))
-        rows = (by_domain.unionByName(every).filter(F.col("delay_s").between(F.col("lo"), F.col("hi")))
-                .groupBy("tid", "delay_s").count().toArrow().to_pylist())
-        values: dict[int, list[tuple[float, int]]] = {}
-        for r in rows:
-            values.setdefault(r["tid"], []).append((r["delay_s"], r["count"]))
+        if outcome_paths is not None and sum(t.n for t in todo) <= driver_rows:
+            values = _read_back_files(todo, outcome_paths)
+        else:
+            values = _read_back_spark(todo, delays if isinstance(delays, DataFrame) else delays())
         for i, t in enumerate(todo):
             found[t.domain][t.p] = rank_value(t, values.get(i, []))
     return [{"domain": d, "g_domain": d is None, "p": p} for d, p in found.items()]
+
+
+def _read_back_spark(todo: Sequence[RankTarget], delays: DataFrame) -> dict[int, list[tuple[float, int]]]:
+    """The values of each target's bucket with their counts, {target number: [(delay_s, count)]}, by Spark
+    from ``delays`` (columns domain, delay_s)."""
+    spark = delays.sparkSession
+    targets = spark.createDataFrame([(i, t.domain, t.lo, t.hi) for i, t in enumerate(todo)],
+                                    "tid int, t_domain string, lo double, hi double")
+    by_domain = delays.join(F.broadcast(targets.filter(F.col("t_domain").isNotNull())),
+                            F.col("domain") == F.col("t_domain"))
+    every = delays.crossJoin(F.broadcast(targets.filter(F.col("t_domain").isNull())))
+    rows = (by_domain.unionByName(every).filter(F.col("delay_s").between(F.col("lo"), F.col("hi")))
+            .groupBy("tid", "delay_s").count().toArrow().to_pylist())
+    values: dict[int, list[tuple[float, int]]] = {}
+    for r in rows:
+        values.setdefault(r["tid"], []).append((r["delay_s"], r["count"]))
+    return values
+
+
+def _read_back_files(todo: Sequence[RankTarget], paths: Sequence[str]) -> dict[int, list[tuple[float, int]]]:
+    """:func:`_read_back_spark` by the driver from the staged outcomes files ``paths`` (OUTCOME_COLUMNS, the
+    outcomes of the window): a file at a time, the delivered rows with a delay in some target's range,
+    counted by (domain, delay); then each target's values cut out of those counts (numpy, sorted)."""
+    import numpy as np
+
+    ranges = sorted((t.lo, t.hi) for t in todo)
+    starts, ends = [ranges[0][0]], [ranges[0][1]]
+    for lo, hi in ranges[1:]:  # the targets' ranges, overlapping ones joined
+        if lo <= ends[-1]:
+            ends[-1] = max(ends[-1], hi)
+        else:
+            starts.append(lo)
+            ends.append(hi)
+    lo_a, hi_a = np.asarray(starts), np.asarray(ends)
+    wanted = [("status", "=", "delivered"), ("delay_s", ">=", starts[0]), ("delay_s", "<=", max(ends))]
+    counted: list[pa.Table] = []
+    for path in paths:
+        got = _read_staged(path, columns=["rcpt_domain", "delay_s"], filters=wanted)
+        if got.num_rows == 0:
+            continue
+        d = np.asarray(got["delay_s"].to_numpy(zero_copy_only=False), dtype=np.float64)
+        i = np.searchsorted(lo_a, d, side="right") - 1
+        keep = (i >= 0) & (d <= hi_a[np.maximum(i, 0)])
+        got = pa.table({"domain": pc.fill_null(got["rcpt_domain"], "?"), "delay_s": got["delay_s"]}).filter(pa.array(keep))
+        counted.append(got.group_by(["domain", "delay_s"], use_threads=False).aggregate([([], "count_all")]))
+    if not counted:
+        return {}
+    t = pa.concat_tables(counted).group_by(["domain", "delay_s"], use_threads=False).aggregate([("count_all", "sum")])
+    t = t.rename_columns(["domain", "delay_s", "n"])
+
+    def cut(table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+        table = table.group_by("delay_s", use_threads=False).aggregate([("n", "sum")]).sort_by("delay_s")
+        return (np.asarray(table["delay_s"].to_numpy(zero_copy_only=False), dtype=np.float64),
+                np.asarray(table["n_sum"].to_numpy(zero_copy_only=False), dtype=np.int64))
+
+    by_domain: dict[str | None, tuple[np.ndarray, np.ndarray]] = {}
+    if any(x.domain is None for x in todo):
+        by_domain[None] = cut(t)
+    named = sorted({x.domain for x in todo if x.domain is not None})
+    if named:
+        mine = t.filter(pc.is_in(t["domain"], value_set=pa.array(named, pa.string()))).sort_by("domain")
+        dom = mine["domain"].to_pylist()
+        edges = np.searchsorted(np.asarray(dom, dtype=object), np.asarray(named, dtype=object), side="left").tolist()
+        ends_at = np.searchsorted(np.asarray(dom, dtype=object), np.asarray(named, dtype=object), side="right").tolist()
+        for name, a, b in zip(named, edges, ends_at, strict=True):
+            by_domain[name] = cut(mine.slice(a, b - a))
+    values: dict[int, list[tuple[float, int]]] = {}
+    for k, x in enumerate(todo):
+        v, c = by_domain[x.domain]
+        a, b = np.searchsorted(v, x.lo, side="left"), np.searchsorted(v, x.hi, side="right")
+        values[k] = list(zip(v[a:b].tolist(), c[a:b].tolist(), strict=True))
+    return values
 
 
 P_BUCKET_MERGE_FILES = 32  # files of the tasks' percentile buckets read before they are merged

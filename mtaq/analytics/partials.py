@@ -10,9 +10,10 @@ partitioned by queue ID, so :func:`partials` runs on each of them, and :func:`me
 the driver. This replaces some 40 Spark stages (a few seconds each on two cores; docs/performance.md,
 "Fifth round (issue 17)").
 
-What stays in Spark: the tables with a row per address (senders, recipients) or per fact (outcomes,
-messages), which are written by the executors, and the read-back of the few percentile buckets whose values
-the counts alone do not tell (see "percentiles" below).
+What stays in Spark: the tables with a row per fact (outcomes, messages), which are written by the
+executors; and, when there are too many rows for the driver, the sum of the tasks' ``senders`` and
+``recipients`` partials and the read-back of the few percentile buckets whose values the counts alone do
+not tell (see "percentiles" below).
 
 Definitions are those of :mod:`mtaq.analytics.job` (its docstring), value for value. Partial tables
 (``PARTS``), each an Arrow table of its keys and its values:
@@ -36,7 +37,13 @@ Definitions are those of :mod:`mtaq.analytics.job` (its docstring), value for va
 * ``qshape``, ``qshape_age``: at every whole hour in the window, the messages arrived and not FINISHed:
   messages and bytes by tick, messages by tick and age bucket (minutes);
 * ``qshape_now``, ``qshape_now_age``: recipients of messages still queued at the end with no final outcome
-  by then, by domain, and by domain and age bucket.
+  by then, by domain, and by domain and age bucket;
+* ``senders``: received messages (first seen, arrived in the window, not a DSN) by sender and sending
+  domain: messages, bytes (sum of sizes);
+* ``recipients``: delivered outcomes in the window by recipient address and domain: delivered, bytes.
+
+``p_bucket``, ``senders`` and ``recipients`` (:data:`FILE_PARTS`) may have a row per fact: the tasks write
+them as files, and the job adds them up on the driver when they are few, else with Spark.
 """
 
 from __future__ import annotations
@@ -52,7 +59,7 @@ import pyarrow.compute as pc
 
 from mtaq.analytics.tables import AGE_BUCKETS_MIN, DELAY_BUCKETS_S, bucket_labels
 
-__all__ = ["PARTS", "RankTarget", "decode", "delay_key", "encode", "in_window", "locate_percentiles", "merge", "merge_tables", "partial_rows",
+__all__ = ["FILE_PARTS", "PARTS", "RankTarget", "decode", "delay_key", "encode", "in_window", "locate_percentiles", "merge", "merge_tables", "partial_rows",
            "partials", "rank_value"]
 
 _TS = pa.timestamp("us", tz="UTC")
@@ -81,7 +88,12 @@ PARTS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     "qshape_age": (("tick", "age"), {"messages": "sum"}),
     "qshape_now": (("domain",), {"recipients": "sum"}),
     "qshape_now_age": (("domain", "age"), {"recipients": "sum"}),
+    "senders": (("sender", "sender_domain"), {"messages": "sum", "bytes": "sum"}),
+    "recipients": (("rcpt_address", "rcpt_domain"), {"delivered": "sum", "bytes": "sum"}),
 }
+# The parts with up to a row per fact (per delay bucket, per address): the tasks write them as staged files, never
+# with the small parts collected from every task (mtaq/analytics/datasource.py, stage_facts).
+FILE_PARTS = ("p_bucket", "senders", "recipients")
 
 
 def in_window(ts: pa.ChunkedArray | pa.Array, since_us: int | None, until_us: int | None) -> pa.ChunkedArray:
@@ -303,6 +315,11 @@ def _outcome_parts(oe: pa.Table) -> dict[str, pa.Table]:
     reasons = _group(per_msg, why, sums=("n", "recipients"), mins=("text",), count="messages")
     out["reasons"] = reasons.rename_columns([*why, "count", "recipients", "example", "messages"]).select(
         [*why, "count", "recipients", "messages", "example"])
+    got = oe.filter(delivered)
+    out["recipients"] = _group(pa.table({"rcpt_address": got["rcpt_address"], "rcpt_domain": got["rcpt_domain"],
+                                         "bytes": got["size"].cast(pa.int64())}),
+                               ("rcpt_address", "rcpt_domain"), sums=("bytes",), count="delivered").select(
+        ["rcpt_address", "rcpt_domain", "delivered", "bytes"])
     return out
 
 
@@ -320,8 +337,14 @@ def _message_parts(msgs: pa.Table, since_us: int | None, until_us: int | None) -
         "bytes_received": pc.if_else(recv, pc.fill_null(m["size"].cast(pa.int64()), 0), zero),
         "dsn_generated": pc.if_else(_true(pc.not_equal(bo, "")), one, zero),
     })
-    return {name: _group(v, keys, sums=_M_VALUES) for name, keys in (
+    out = {name: _group(v, keys, sums=_M_VALUES) for name, keys in (
         ("m_total", ()), ("m_domain", ("domain",)), ("m_attempts", ("attempts",)), ("m_hour", ("hour",)))}
+    got = m.filter(recv)
+    out["senders"] = _group(pa.table({"sender": got["sender"], "sender_domain": got["sender_domain"],
+                                      "bytes": got["size"].cast(pa.int64())}),
+                            ("sender", "sender_domain"), sums=("bytes",), count="messages").select(
+        ["sender", "sender_domain", "messages", "bytes"])
+    return out
 
 
 def _ints(a: pa.ChunkedArray | pa.Array) -> np.ndarray:
@@ -395,12 +418,13 @@ def decode(data: bytes) -> pa.Table:
 
 
 def partial_rows(rows: Iterable[Sequence[Any]], names: Sequence[str], since_us: int | None, until_us: int | None,
-                 end_us: int | None) -> Iterator[tuple[str, bytes]]:
+                 end_us: int | None, without: Sequence[str] = ()) -> Iterator[tuple[str, bytes]]:
     """For Spark's ``rdd.mapPartitions`` over fact rows partitioned by queue ID (every row of a message in one
     partition): the partial tables of the partition as (part, data). ``rows`` are tuples of the columns
     ``names`` of :data:`mtaq.analytics.facts.FACT_SCHEMA`, timestamps as microseconds since the epoch (so
     that no time zone of an executor comes into it). A Python row API rather than ``mapInArrow``, which needs
-    pandas on the driver and every executor; the rows here are only those of the messages no task closed."""
+    pandas on the driver and every executor; the rows here are only those of the messages no task closed.
+    ``without``: parts not to compute (the job adds up the senders and recipients of these messages in Spark)."""
     got = list(rows)
     if not got:
         return
@@ -411,7 +435,10 @@ def partial_rows(rows: Iterable[Sequence[Any]], names: Sequence[str], since_us: 
     for name, values in zip(names, cols, strict=True):
         typ = FACT_SCHEMA.field(name).type
         arrays.append(pa.array(values, pa.int64()).cast(typ) if pa.types.is_timestamp(typ) else pa.array(values, typ))
-    yield from encode(partials(pa.Table.from_arrays(arrays, names=list(names)), since_us, until_us, end_us))
+    parts = partials(pa.Table.from_arrays(arrays, names=list(names)), since_us, until_us, end_us)
+    for name in without:
+        parts.pop(name, None)
+    yield from encode(parts)
 
 
 def merge(rows: Iterable[tuple[str, bytes]]) -> dict[str, pa.Table]:

@@ -1,0 +1,157 @@
+"""The Spark driver JVM's start on this machine: a class-data-sharing archive of Spark's classes (issue 17).
+
+Most of a fresh ``mtaq analyze``'s start-up was the driver JVM loading and verifying some 15,000 classes
+from Spark's jars (4.5 s to a SparkSession and 2.3 s more to a first trivial job on a 2-core machine; with
+the archive 1.8 s and 0.9 s: docs/performance.md, "Eighth round (issue 17)"). The JDK's *dynamic CDS
+archive* (JDK 13+, JEP 350) keeps those classes parsed and verified in a file the next JVM maps:
+
+* the first run on a machine (no archive for this JVM and these jars) starts the driver with
+  ``-XX:ArchiveClassesAtExit=TMP``; when the job is over, :func:`stop` shuts the JVM down, waits for it to
+  write the archive (a few seconds, once) and, if it exited 0, renames TMP to its final name, which
+  carries the file's size;
+* later runs start it with ``-XX:SharedArchiveFile=FINAL -XX:+VerifySharedSpaces``, but only when FINAL's
+  size is still the size in its name: the JVM does not check an archive's length, and a truncated one
+  makes it crash (SIGBUS) instead of starting without it. ``VerifySharedSpaces`` checks the archive's
+  checksums: a damaged one of the right size is ignored by the JVM, which then starts as without it.
+  The JVM also ignores an archive made for another class path or JVM.
+
+The archive is keyed by the ``java`` that ``spark-submit`` runs (its real path, size and time) and
+PySpark's jars (names, sizes, times): another JDK or PySpark gets its own. It lives in
+``$MTAQ_SPARK_CLASS_ARCHIVE`` (a directory), else ``$XDG_CACHE_HOME/mtaq`` (``~/.cache/mtaq``); about
+150 MB; deleting it is always safe. ``MTAQ_SPARK_CLASS_ARCHIVE=off`` turns it off. Only for a driver this
+process starts (``local`` and ``local-cluster`` masters, not under ``spark-submit``, whose JVM runs already).
+
+Also ``-XX:TieredStopAtLevel=1``: the driver compiles with C1 only. The job's driver runs short Spark
+plans; C2's compilations cost more CPU than they return in a job of seconds (about 1 s of start-up).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+
+__all__ = ["ARCHIVE_ENV", "JvmStart", "archive_dir", "plan", "stop"]
+
+ARCHIVE_ENV = "MTAQ_SPARK_CLASS_ARCHIVE"
+_QUIET = "-Xlog:cds*=off"  # the archive's warnings (signed jars skipped, an archive not usable) are not ours to show
+_C1 = "-XX:TieredStopAtLevel=1"
+_STALE_S = 3600.0  # a TMP archive older than this was left by a killed run
+
+
+@dataclass
+class JvmStart:
+    """How the driver JVM is started: ``options`` (for ``spark.driver.extraJavaOptions``, before the user's),
+    ``state`` ("used": an archive is mapped; "creating": this run writes it at exit; "off"), and for
+    "creating" the TMP and FINAL-without-size paths :func:`stop` needs."""
+
+    options: str
+    state: str
+    tmp: str | None = None
+    final_stem: str | None = None
+
+
+def archive_dir() -> str | None:
+    """The archive directory, or None when ``MTAQ_SPARK_CLASS_ARCHIVE`` is ``off``."""
+    got = os.environ.get(ARCHIVE_ENV, "")
+    if got.strip().lower() in ("off", "0", "no", "false"):
+        return None
+    if got:
+        return got
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "mtaq")
+
+
+def _key() -> str | None:
+    """A digest of the ``java`` spark-submit runs and PySpark's jars; None if either is not found."""
+    import pyspark
+
+    home = os.environ.get("JAVA_HOME")
+    java = os.path.join(home, "bin", "java") if home else shutil.which("java")
+    jars = os.path.join(os.environ.get("SPARK_HOME") or os.path.dirname(os.path.abspath(pyspark.__file__)), "jars")
+    if not java or not os.path.exists(java) or not os.path.isdir(jars):
+        return None
+    h = hashlib.sha256()
+    real = os.path.realpath(java)
+    st = os.stat(real)
+    h.update(f"{real}\0{st.st_size}\0{st.st_mtime_ns}\0{pyspark.__version__}\0".encode())
+    for name in sorted(os.listdir(jars)):
+        st = os.stat(os.path.join(jars, name))
+        h.update(f"{name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+    return h.hexdigest()[:16]
+
+
+def plan(master: str | None) -> JvmStart:
+    """How to start the driver JVM for ``master`` (None: ``local[*]``). Never raises: where the archive
+    cannot be had (no directory, no java found, under spark-submit), the options are C1 only or nothing."""
+    if "PYSPARK_GATEWAY_PORT" in os.environ or not (master or "local").startswith("local"):
+        return JvmStart("", "off")
+    directory = archive_dir()
+    try:
+        key = _key() if directory else None
+    except OSError:
+        key = None
+    if directory is None or key is None:
+        return JvmStart(_C1, "off")
+    stem = os.path.join(directory, f"spark-classes-{key}")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        names = os.listdir(directory)
+    except OSError:
+        return JvmStart(_C1, "off")
+    prefix = os.path.basename(stem) + "-"
+    for name in names:
+        path = os.path.join(directory, name)
+        if ".tmp-" in name and name.startswith(prefix):
+            try:
+                if time.time() - os.stat(path).st_mtime > _STALE_S:
+                    os.unlink(path)
+            except OSError:
+                pass
+            continue
+        if name.startswith(prefix) and name.endswith(".jsa"):
+            size = name[len(prefix):-len(".jsa")]
+            try:
+                if size.isdigit() and os.stat(path).st_size == int(size) > 0:
+                    return JvmStart(f"-XX:SharedArchiveFile={path} -XX:+VerifySharedSpaces {_QUIET} {_C1}", "used")
+                os.unlink(path)  # not the length it was written with: never mapped (a truncated one crashes the JVM)
+            except OSError:
+                pass
+    tmp = f"{stem}-x.tmp-{os.getpid()}"
+    return JvmStart(f"-XX:ArchiveClassesAtExit={tmp} {_QUIET} {_C1}", "creating", tmp, stem)
+
+
+def stop(spark: object, start: JvmStart, wait_s: float = 120.0) -> None:
+    """``spark.stop()``; when this run creates the archive, also shut the driver JVM down, wait for it (at
+    most ``wait_s`` seconds) and, if it exited 0 having written the archive, put it in place under its
+    final name. Failures to do so only leave no archive (the next run tries again)."""
+    spark.stop()  # type: ignore[attr-defined]
+    if start.state != "creating" or start.tmp is None or start.final_stem is None:
+        return
+    from pyspark import SparkContext
+
+    gateway = SparkContext._gateway
+    proc = getattr(gateway, "proc", None)
+    try:
+        if proc is None:
+            return
+        gateway.shutdown()  # type: ignore[union-attr]
+        if proc.stdin is not None:
+            proc.stdin.close()  # spark-submit's gateway exits when its stdin closes, and writes the archive
+        rc = proc.wait(timeout=wait_s)
+        SparkContext._gateway = None
+        SparkContext._jvm = None
+        size = os.path.getsize(start.tmp) if os.path.exists(start.tmp) else 0
+        if rc == 0 and size > 0:
+            os.replace(start.tmp, f"{start.final_stem}-{size}.jsa")
+    except Exception as exc:  # an archive not made is no failure of the job
+        print(f"mtaq analyze: no class archive this time: {exc}", file=sys.stderr)
+    finally:
+        if os.path.exists(start.tmp):
+            try:
+                os.unlink(start.tmp)
+            except OSError:
+                pass

@@ -1,0 +1,77 @@
+"""The driver JVM's class archive (mtaq/analytics/jvm.py): made once, used after, never a damaged one."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("pyspark")
+
+from mtaq.analytics import jvm
+
+
+def test_plan_creates_uses_and_refuses(tmp_path, monkeypatch):
+    """No archive: this run creates it (to a TMP name of its own). One whose size is the size in its name: used,
+    with its checksums verified. One of another size (truncated: the JVM would crash mapping it): deleted,
+    never passed to the JVM. A TMP left by a killed run over an hour ago: deleted. Off, or a master elsewhere:
+    no archive."""
+    monkeypatch.setenv(jvm.ARCHIVE_ENV, str(tmp_path))
+    monkeypatch.delenv("PYSPARK_GATEWAY_PORT", raising=False)
+    first = jvm.plan("local[2]")
+    assert first.state == "creating" and first.tmp is not None and first.final_stem is not None
+    assert f"-XX:ArchiveClassesAtExit={first.tmp}" in first.options and os.path.dirname(first.tmp) == str(tmp_path)
+    final = f"{first.final_stem}-1000.jsa"
+    with open(final, "wb") as f:
+        f.write(b"x" * 1000)
+    used = jvm.plan("local[2]")
+    assert used.state == "used" and f"-XX:SharedArchiveFile={final} -XX:+VerifySharedSpaces" in used.options
+    os.truncate(final, 600)
+    again = jvm.plan("local[2]")
+    assert again.state == "creating" and final not in again.options and not os.path.exists(final)
+    stale = f"{first.final_stem}-x.tmp-999999"
+    fresh = f"{first.final_stem}-x.tmp-999998"
+    for p in (stale, fresh):
+        open(p, "wb").close()
+    old = time.time() - 2 * 3600
+    os.utime(stale, (old, old))
+    jvm.plan("local[2]")
+    assert not os.path.exists(stale) and os.path.exists(fresh)  # a run may still be writing the fresh one
+    monkeypatch.setenv(jvm.ARCHIVE_ENV, "off")
+    assert (jvm.plan("local[2]").state, jvm.plan("local[2]").options) == ("off", "-XX:TieredStopAtLevel=1")
+    monkeypatch.setenv(jvm.ARCHIVE_ENV, str(tmp_path))
+    assert (jvm.plan("spark://h:7077").state, jvm.plan("spark://h:7077").options) == ("off", "")
+    monkeypatch.setenv("PYSPARK_GATEWAY_PORT", "1")  # under spark-submit: its JVM runs already
+    assert jvm.plan("local[2]").state == "off"
+
+
+def test_the_first_run_writes_the_archive_and_the_next_uses_it(tmp_path):
+    """Two fresh `mtaq analyze` processes on a small log: the first starts its driver without an archive and
+    leaves one (size in its name, no TMP left); the second maps it and gives the same totals."""
+    from test_analytics_merges import write_log
+
+    spool = str(tmp_path / "spool")
+    write_log(spool)
+    archive = tmp_path / "archive"
+    env = {**os.environ, jvm.ARCHIVE_ENV: str(archive)}
+
+    def run(n: int) -> tuple[str, dict]:
+        p = subprocess.run([sys.executable, "-m", "mtaq.cli", "analyze", "--segments", spool, "--out",
+                            str(tmp_path / f"out{n}"), "--master", "local[2]", "--json", "--no-plots"],
+                           capture_output=True, text=True, timeout=300, env=env)
+        assert p.returncode == 0, p.stderr[-3000:]
+        [state] = [line.rsplit("class archive: ", 1)[1].rstrip(")") for line in p.stderr.splitlines()
+                   if "Spark started (class archive: " in line]
+        return state, json.loads(p.stdout.strip().splitlines()[-1])
+
+    state, first = run(1)
+    assert state == "creating"
+    [made] = os.listdir(archive)
+    assert made.endswith(".jsa") and os.path.getsize(archive / made) == int(made.rsplit("-", 1)[1][:-4]) > 0
+    state, second = run(2)
+    assert state == "used" and second == first and first["delivered"] > 0
+    assert os.listdir(archive) == [made]
