@@ -218,7 +218,8 @@ def main() -> int:
         os.makedirs(args.event_log, exist_ok=True)
         conf += [("spark.eventLog.enabled", "true"), ("spark.eventLog.dir", "file://" + os.path.abspath(args.event_log))]
     t = time.monotonic()
-    spark = spark_session(args.master, conf, app="mtaq bench")
+    # A session as a user's own (C2 as well): the data source's rows go into the JVM here (mtaq/analytics/jvm.py)
+    spark = spark_session(args.master, conf, app="mtaq bench", short_lived=False)
     start_s = time.monotonic() - t
     from mtaq.analytics.datasource import register
 

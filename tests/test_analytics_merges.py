@@ -184,4 +184,12 @@ def test_percentile_read_back_with_negative_delays_repeats_and_odd_domains(spark
 
     assert want == {r["domain"]: r["p"] for r in _percentiles(p_bucket, spark_must_not, outcome_paths=paths,
                                                               driver_rows=len(rows))}
-    assert want == {r["domain"]: r["p"] for r in _percentiles(p_bucket, delays, outcome_paths=paths, driver_rows=0)}
+    called = []
+
+    def by_spark():
+        called.append(True)
+        return delays
+
+    # more distinct values in the buckets than the driver may hold: Spark's turn, midway, with the same result
+    assert want == {r["domain"]: r["p"] for r in _percentiles(p_bucket, by_spark, outcome_paths=paths, driver_rows=5)}
+    assert called == [True]

@@ -72,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
         if not sep or not key:
             raise ConfigError(f"--conf: expected KEY=VALUE, got {item!r}")
         conf.append((key.strip(), value.strip()))
+    if args.quiet:
+        conf.insert(0, ("spark.ui.showConsoleProgress", "false"))  # no stage bars either (--conf may say otherwise)
     try:
         from mtaq.analytics.job import Options, analyze, class_archive, spark_session, stop_session
         from mtaq.analytics.source import SourceError, discover

@@ -88,10 +88,11 @@ MERGE_ROWS_PER_PARTITION = 100_000
 # Open record rows (messages no task held whole) up to which the driver merges them with pyarrow
 # (facts.open_facts) instead of Spark: at 10,000,000 records 42 rows took Spark's merge 6 s of stages.
 DRIVER_MERGE_ROWS_MAX = 100_000
-# Rows of the tasks' senders and recipients partial tables up to which the driver adds them up (pyarrow, about
-# 100 bytes a row) instead of Spark; also the most delay values the driver reads back for the percentiles.
-# At 1,000,000 records Spark's aggregation and top lists took 4.5 s of a 12 s job, the driver's 0.2 s.
-DRIVER_TABLE_ROWS_MAX = 2_000_000
+# Rows of the tasks' senders and recipients partial tables up to which the driver adds them up (pyarrow)
+# instead of Spark; also the most delay values the driver reads back for the percentiles. At 1,000,000
+# records Spark's sums and top lists took 4.5 s of a 12 s job, the driver's 0.5 s; at 10,000,000 records
+# (2,970,725 partial rows) Spark's 10.7 s, the driver's 3.6 s, its process's peak RSS then 0.6 GB.
+DRIVER_TABLE_ROWS_MAX = 4_000_000
 TOP_ROWS_COLLECTED = 1000  # rows of the senders and recipients tables the driver gets (by count and by bytes)
 
 REJECTED_NOTE = (
@@ -120,8 +121,12 @@ class Options:
     progress: Callable[[str], None] = field(default=lambda msg: None)
 
 
-def spark_session(master: str | None = None, conf: Sequence[tuple[str, str]] = (), app: str = "mtaq analyze") -> SparkSession:
-    """A SparkSession in UTC. ``master`` None means ``local[*]``, except under ``spark-submit`` (its own)."""
+def spark_session(master: str | None = None, conf: Sequence[tuple[str, str]] = (), app: str = "mtaq analyze",
+                  short_lived: bool = True) -> SparkSession:
+    """A SparkSession in UTC. ``master`` None means ``local[*]``, except under ``spark-submit`` (its own).
+    ``short_lived``: the driver JVM compiles with C1 only (:mod:`mtaq.analytics.jvm`): right for one job
+    of seconds to minutes (``mtaq analyze``); False for a session that reads many rows into the JVM
+    (the data source's own benchmark: C1 read its rows 15 % slower)."""
     if "PYSPARK_PYTHON" not in os.environ:
         os.environ["PYSPARK_PYTHON"] = _worker_python(master) or sys.executable
     # collect() turns timestamps into naive datetimes in the process's local time zone: make that UTC.
@@ -136,7 +141,7 @@ def spark_session(master: str | None = None, conf: Sequence[tuple[str, str]] = (
     # driver this process starts; the user's own extraJavaOptions (--conf) come after ours.
     from pyspark import SparkContext
 
-    start = jvm.plan(master) if SparkContext._active_spark_context is None else jvm.JvmStart("", "off")
+    start = jvm.plan(master, c1=short_lived) if SparkContext._active_spark_context is None else jvm.JvmStart("", "off")
     theirs = " ".join(v for k, v in conf if k == "spark.driver.extraJavaOptions")
     conf = [(k, v) for k, v in conf if k != "spark.driver.extraJavaOptions"]
     if start.options or theirs:
@@ -311,7 +316,7 @@ def _ddl(schema: pa.Schema) -> str:
     return ", ".join(f"{f.name} {'bigint' if f.type == pa.int64() else 'string'}" for f in schema)
 
 
-STAGED_MERGE_FILES = 32  # staged partial files read before they are added up
+STAGED_MERGE_FILES = 8  # staged partial files read before they are added up
 
 
 def _merge_staged(name: str, paths: Sequence[str], schema: pa.Schema) -> pa.Table:
@@ -340,8 +345,10 @@ def _top(t: pa.Table, order: Sequence[str], n: int) -> list[dict[str, Any]]:
     keyed = t
     for c, v in cols.items():
         keyed = keyed.append_column(c, v)
-    idx = pc.sort_indices(keyed, sort_keys=keys)
-    return _pylist(t.take(idx.slice(0, n)))
+    if n < t.num_rows:  # the first n in any order (no sort of every row), then those sorted
+        pick = pc.select_k_unstable(keyed, k=n, sort_keys=keys)
+        keyed, t = keyed.take(pick), t.take(pick)
+    return _pylist(t.take(pc.sort_indices(keyed, sort_keys=keys)))
 
 
 def _write_table(uri: str, t: pa.Table) -> None:
@@ -816,13 +823,13 @@ def _percentiles(p_bucket: pa.Table, delays: DataFrame | Callable[[], DataFrame]
     (:func:`mtaq.analytics.partials.locate_percentiles`); where a bucket holds several values and the rank
     falls inside it, that bucket's values and counts are read back and the rank is counted off among them:
     from the staged outcomes files ``outcome_paths`` by the driver (pyarrow) when they are given and the
-    buckets to read hold at most ``driver_rows`` values, else from ``delays`` (columns domain, delay_s: the
-    delivered outcomes of the window; or a function that makes it, called only then) by one Spark query."""
+    buckets to read hold at most ``driver_rows`` distinct (domain, value) pairs, else from ``delays``
+    (columns domain, delay_s: the delivered outcomes of the window; or a function that makes it, called only
+    then) by one Spark query."""
     found, todo = locate_percentiles(p_bucket, PERCENTILES)
     if todo:
-        if outcome_paths is not None and sum(t.n for t in todo) <= driver_rows:
-            values = _read_back_files(todo, outcome_paths)
-        else:
+        values = None if outcome_paths is None else _read_back_files(todo, outcome_paths, driver_rows)
+        if values is None:
             values = _read_back_spark(todo, delays if isinstance(delays, DataFrame) else delays())
         for i, t in enumerate(todo):
             found[t.domain][t.p] = rank_value(t, values.get(i, []))
@@ -846,10 +853,13 @@ def _read_back_spark(todo: Sequence[RankTarget], delays: DataFrame) -> dict[int,
     return values
 
 
-def _read_back_files(todo: Sequence[RankTarget], paths: Sequence[str]) -> dict[int, list[tuple[float, int]]]:
+def _read_back_files(todo: Sequence[RankTarget], paths: Sequence[str],
+                     limit: int) -> dict[int, list[tuple[float, int]]] | None:
     """:func:`_read_back_spark` by the driver from the staged outcomes files ``paths`` (OUTCOME_COLUMNS, the
     outcomes of the window): a file at a time, the delivered rows with a delay in some target's range,
-    counted by (domain, delay); then each target's values cut out of those counts (numpy, sorted)."""
+    counted by (domain, delay); then each target's values cut out of those counts (numpy, sorted). None
+    (Spark's turn) as soon as the counts hold more than ``limit`` distinct (domain, delay) pairs: the driver
+    holds at most that many, and one file's rows."""
     import numpy as np
 
     ranges = sorted((t.lo, t.hi) for t in todo)
@@ -871,10 +881,16 @@ def _read_back_files(todo: Sequence[RankTarget], paths: Sequence[str]) -> dict[i
         i = np.searchsorted(lo_a, d, side="right") - 1
         keep = (i >= 0) & (d <= hi_a[np.maximum(i, 0)])
         got = pa.table({"domain": pc.fill_null(got["rcpt_domain"], "?"), "delay_s": got["delay_s"]}).filter(pa.array(keep))
-        counted.append(got.group_by(["domain", "delay_s"], use_threads=False).aggregate([([], "count_all")]))
+        counted.append(got.group_by(["domain", "delay_s"], use_threads=False).aggregate([([], "count_all")])
+                       .rename_columns(["domain", "delay_s", "n"]))
+        if sum(x.num_rows for x in counted) > limit:
+            counted = [pa.concat_tables(counted).group_by(["domain", "delay_s"], use_threads=False).aggregate(
+                [("n", "sum")]).rename_columns(["domain", "delay_s", "n"])]
+            if counted[0].num_rows > limit:
+                return None
     if not counted:
         return {}
-    t = pa.concat_tables(counted).group_by(["domain", "delay_s"], use_threads=False).aggregate([("count_all", "sum")])
+    t = pa.concat_tables(counted).group_by(["domain", "delay_s"], use_threads=False).aggregate([("n", "sum")])
     t = t.rename_columns(["domain", "delay_s", "n"])
 
     def cut(table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
