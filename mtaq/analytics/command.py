@@ -89,6 +89,11 @@ def run(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(f"mtaq analyze [{time.monotonic() - t0:7.1f} s] {msg}", file=sys.stderr, flush=True)
 
+    if not args.no_plots:
+        # matplotlib's import (0.5 s) while the driver JVM starts, which leaves a core idle, not after the job
+        import threading
+
+        threading.Thread(target=_import_plotting, name="mtaq-import-matplotlib", daemon=True).start()
     say("starting Spark")
     spark = spark_session(args.master, conf)
     say(f"Spark started (class archive: {class_archive(spark)})")
@@ -107,6 +112,17 @@ def run(args: argparse.Namespace) -> int:
                 "problems", "segments", "records")
         print(json.dumps({k: result.totals[k] for k in keys}), flush=True)
     return 0
+
+
+def _import_plotting() -> None:
+    """Import matplotlib with the Agg backend, as :mod:`mtaq.analytics.report` does (nothing if absent)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot
+    except Exception:  # the report says what is missing when it gets there
+        pass
 
 
 def main(argv: Sequence[str] | None = None) -> int:
