@@ -48,7 +48,7 @@ bench: install
 	$(BIN)/python bench/throughput.py --messages 10000 --concurrency 20 --size 2048
 
 bench-analytics: install debs
-	$(BIN)/python bench/analytics.py --records 1000000 --pflogsumm
+	$(BIN)/python bench/analytics.py --records 1000000 --pflogsumm --first-run --without-archive
 	$(BIN)/python bench/analytics.py --records 10000000
 
 # The module zip for spark-submit --py-files (executors import mtaq from it).
