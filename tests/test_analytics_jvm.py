@@ -75,3 +75,30 @@ def test_the_first_run_writes_the_archive_and_the_next_uses_it(tmp_path):
     state, second = run(2)
     assert state == "used" and second == first and first["delivered"] > 0
     assert os.listdir(archive) == [made]
+
+
+def _session_in_a_process(tmp_path, env: dict, script: str) -> subprocess.CompletedProcess:
+    """``script`` (after a SparkSession ``s`` made by spark_session on local[1]) in a fresh process."""
+    code = ("from mtaq.analytics.job import class_archive, spark_session, stop_session\n"
+            "s = spark_session('local[1]', [('spark.ui.enabled', 'false')])\n" + script + "\nstop_session(s)\n")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **env}, cwd=str(tmp_path))
+
+
+def test_an_archive_directory_with_spaces_and_quotes(tmp_path, monkeypatch):
+    """Spark splits spark.driver.extraJavaOptions at whitespace (shell-like quotes): a cache directory with a
+    space in its name made the driver JVM fail to start on every run. The paths are quoted: the JVM starts,
+    and writes its archive there."""
+    import shlex
+
+    archive = tmp_path / "My Cache's dir"
+    p = _session_in_a_process(tmp_path, {jvm.ARCHIVE_ENV: str(archive)},
+                              "print('STATE', class_archive(s), s.range(3).count())")
+    assert p.returncode == 0 and "STATE creating 3" in p.stdout, p.stderr[-3000:]
+    [made] = os.listdir(archive)
+    assert made.endswith(".jsa")
+    monkeypatch.setenv(jvm.ARCHIVE_ENV, str(archive))
+    monkeypatch.delenv("PYSPARK_GATEWAY_PORT", raising=False)
+    got = jvm.plan("local[2]")
+    assert got.state == "used" and f"-XX:SharedArchiveFile={archive / made}" in shlex.split(got.options)
+

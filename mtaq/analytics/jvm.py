@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -120,12 +121,19 @@ def plan(master: str | None, c1: bool = True) -> JvmStart:
             size = name[len(prefix):-len(".jsa")]
             try:
                 if size.isdigit() and os.stat(path).st_size == int(size) > 0:
-                    return JvmStart(f"-XX:SharedArchiveFile={path} -XX:+VerifySharedSpaces {_QUIET} {_c1}".strip(), "used")
+                    return JvmStart(f"{_arg('-XX:SharedArchiveFile', path)} -XX:+VerifySharedSpaces {_QUIET} {_c1}".strip(),
+                                    "used")
                 os.unlink(path)  # not the length it was written with: never mapped (a truncated one crashes the JVM)
             except OSError:
                 pass
     tmp = f"{stem}-x.tmp-{os.getpid()}"
-    return JvmStart(f"-XX:ArchiveClassesAtExit={tmp} {_QUIET} {_c1}".strip(), "creating", tmp, stem)
+    return JvmStart(f"{_arg('-XX:ArchiveClassesAtExit', tmp)} {_QUIET} {_c1}".strip(), "creating", tmp, stem)
+
+
+def _arg(flag: str, path: str) -> str:
+    """``FLAG=PATH`` as one option of ``spark.driver.extraJavaOptions``, which Spark splits at whitespace with
+    a shell's quotes: quoted where the path needs it (a space in it made the JVM fail to start)."""
+    return shlex.quote(f"{flag}={path}")
 
 
 def stop(spark: object, start: JvmStart, wait_s: float = 120.0) -> None:
