@@ -102,3 +102,38 @@ def test_an_archive_directory_with_spaces_and_quotes(tmp_path, monkeypatch):
     got = jvm.plan("local[2]")
     assert got.state == "used" and f"-XX:SharedArchiveFile={archive / made}" in shlex.split(got.options)
 
+
+def test_the_driver_java_options_of_spark_defaults_are_kept(tmp_path):
+    """spark.driver.extraJavaOptions from spark-defaults.conf (SPARK_CONF_DIR) still reach the driver JVM: the
+    job's own options (C1, the class archive) are set with --conf, which replaces the file's value, so the
+    file's value is added after them."""
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    (conf / "spark-defaults.conf").write_text("# the admin's\nspark.driver.extraJavaOptions  -Dmtaq.probe=1 \\\n"
+                                              "    -Dmtaq.other=two\n")
+    p = _session_in_a_process(tmp_path, {"SPARK_CONF_DIR": str(conf), jvm.ARCHIVE_ENV: "off"},
+                              "j = s.sparkContext._jvm.System\n"
+                              "print('PROBE', j.getProperty('mtaq.probe'), j.getProperty('mtaq.other'))")
+    assert p.returncode == 0 and "PROBE 1 two" in p.stdout, p.stderr[-3000:]
+
+
+def test_spark_defaults_read_as_java_properties(tmp_path, monkeypatch):
+    """The properties file as java.util.Properties reads it (separators =, : or blanks; comments; continued
+    lines; escapes; the last of a key), values trimmed; --properties-file in PYSPARK_SUBMIT_ARGS instead of
+    SPARK_CONF_DIR's spark-defaults.conf; none: {}."""
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    (conf / "spark-defaults.conf").write_text(
+        "! a comment\n  # another\n\na.b=1\nc.d : two words \ne\\ f\\=g\tthree\\\n    four\nu 4\nu 5\nv \\u0041\\tB\n"
+        "x.y")
+    monkeypatch.setenv("SPARK_CONF_DIR", str(conf))
+    monkeypatch.delenv("PYSPARK_SUBMIT_ARGS", raising=False)
+    assert jvm.spark_defaults() == {"a.b": "1", "c.d": "two words", "e f=g": "threefour", "u": "5", "v": "A\tB", "x.y": ""}
+    other = tmp_path / "other.conf"
+    other.write_text("spark.driver.extraJavaOptions -Dp=1\n")
+    for args in (f"--properties-file {other} pyspark-shell", f"--properties-file={other} pyspark-shell"):
+        monkeypatch.setenv("PYSPARK_SUBMIT_ARGS", args)
+        assert jvm.spark_defaults() == {"spark.driver.extraJavaOptions": "-Dp=1"}
+    monkeypatch.setenv("PYSPARK_SUBMIT_ARGS", "pyspark-shell")
+    monkeypatch.setenv("SPARK_CONF_DIR", str(tmp_path / "none"))
+    assert jvm.spark_defaults() == {}

@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shlex
 import shutil
 import sys
 import time
 from dataclasses import dataclass
 
-__all__ = ["ARCHIVE_ENV", "JvmStart", "archive_dir", "plan", "stop"]
+__all__ = ["ARCHIVE_ENV", "JvmStart", "archive_dir", "plan", "spark_defaults", "stop"]
 
 ARCHIVE_ENV = "MTAQ_SPARK_CLASS_ARCHIVE"
 _QUIET = "-Xlog:cds*=off"  # the archive's warnings (signed jars skipped, an archive not usable) are not ours to show
@@ -134,6 +135,51 @@ def _arg(flag: str, path: str) -> str:
     """``FLAG=PATH`` as one option of ``spark.driver.extraJavaOptions``, which Spark splits at whitespace with
     a shell's quotes: quoted where the path needs it (a space in it made the JVM fail to start)."""
     return shlex.quote(f"{flag}={path}")
+
+
+def spark_defaults() -> dict[str, str]:
+    """The properties spark-submit reads from its properties file (``--properties-file`` in
+    ``PYSPARK_SUBMIT_ARGS``, else ``spark-defaults.conf`` in ``SPARK_CONF_DIR``, by default ``SPARK_HOME/conf``),
+    values trimmed as Spark's launcher trims them; {} when there is none or it cannot be read. The job gives
+    ``spark.driver.extraJavaOptions`` with ``--conf``, which replaces the file's: it adds the file's after its own."""
+    import pyspark
+
+    try:
+        args = shlex.split(os.environ.get("PYSPARK_SUBMIT_ARGS", ""))
+    except ValueError:
+        args = []
+    path = next((a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else "")
+                 for i, a in enumerate(args) if a.split("=", 1)[0] == "--properties-file"), None)
+    if path is None:
+        home = os.environ.get("SPARK_HOME") or os.path.dirname(os.path.abspath(pyspark.__file__))
+        path = os.path.join(os.environ.get("SPARK_CONF_DIR") or os.path.join(home, "conf"), "spark-defaults.conf")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError):
+        return {}
+    props: dict[str, str] = {}
+    pending: str | None = None
+    for raw in [*text.splitlines(), ""]:  # java.util.Properties.load's format
+        line = raw.lstrip(" \t\f")
+        if pending is None and (not line or line[0] in "#!"):
+            continue
+        more = (len(line) - len(line.rstrip("\\"))) % 2 == 1  # an odd number of backslashes: continued
+        pending = (pending or "") + (line[:-1] if more else line)
+        if more:
+            continue
+        m = re.match(r"((?:\\.|[^\\=:\s])*)\s*[=:]?\s*(.*)", pending, re.S)
+        pending = None
+        if m is not None:
+            props[_unescape(m.group(1))] = _unescape(m.group(2)).strip()
+    return props
+
+
+def _unescape(s: str) -> str:
+    """A key or value of a properties file without its escapes (``\\t``, ``\\uXXXX``, ``\\x`` for x)."""
+    named = {"t": "\t", "n": "\n", "r": "\r", "f": "\f"}
+    return re.sub(r"\\(u[0-9a-fA-F]{4}|.)", lambda m: chr(int(m.group(1)[1:], 16)) if len(m.group(1)) == 5
+                  else named.get(m.group(1), m.group(1)), s, flags=re.S)
 
 
 def stop(spark: object, start: JvmStart, wait_s: float = 120.0) -> None:
