@@ -137,3 +137,20 @@ def test_spark_defaults_read_as_java_properties(tmp_path, monkeypatch):
     monkeypatch.setenv("PYSPARK_SUBMIT_ARGS", "pyspark-shell")
     monkeypatch.setenv("SPARK_CONF_DIR", str(tmp_path / "none"))
     assert jvm.spark_defaults() == {}
+
+
+def test_no_archive_made_in_a_directory_this_user_cannot_write(tmp_path, monkeypatch):
+    """A directory this user cannot write (a shared or read-only cache): never "creating" (the JVM would build
+    the archive at exit, seconds of work, and then fail to write it, on every run), still "used" when an archive
+    is there."""
+    monkeypatch.setenv(jvm.ARCHIVE_ENV, str(tmp_path))
+    monkeypatch.delenv("PYSPARK_GATEWAY_PORT", raising=False)
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if str(p) == str(tmp_path) else real(p, mode, **kw))
+    assert (jvm.plan("local[2]").state, jvm.plan("local[2]").options) == ("off", "-XX:TieredStopAtLevel=1")
+    monkeypatch.setattr(os, "access", real)
+    stem = jvm.plan("local[2]").final_stem
+    with open(f"{stem}-1000.jsa", "wb") as f:
+        f.write(b"x" * 1000)
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if str(p) == str(tmp_path) else real(p, mode, **kw))
+    assert jvm.plan("local[2]").state == "used"

@@ -127,6 +127,8 @@ def plan(master: str | None, c1: bool = True) -> JvmStart:
                 os.unlink(path)  # not the length it was written with: never mapped (a truncated one crashes the JVM)
             except OSError:
                 pass
+    if not os.access(directory, os.W_OK | os.X_OK):  # the JVM would build the archive at exit, then fail to write it
+        return JvmStart(_c1, "off")
     tmp = f"{stem}-x.tmp-{os.getpid()}"
     return JvmStart(f"{_arg('-XX:ArchiveClassesAtExit', tmp)} {_QUIET} {_c1}".strip(), "creating", tmp, stem)
 
