@@ -154,3 +154,26 @@ def test_no_archive_made_in_a_directory_this_user_cannot_write(tmp_path, monkeyp
         f.write(b"x" * 1000)
     monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if str(p) == str(tmp_path) else real(p, mode, **kw))
     assert jvm.plan("local[2]").state == "used"
+
+
+def test_archives_of_other_installations_do_not_pile_up(tmp_path, monkeypatch):
+    """The key changes with every new PySpark install (a new virtualenv: new jar times) or JDK: each left an
+    archive of 150-200 MB in the cache for ever. An archive is touched when used; another key's archive unused
+    for longer than jvm._UNUSED_S, and another key's TMP older than an hour, are deleted; a recent one (another
+    installation in use) is kept."""
+    monkeypatch.setenv(jvm.ARCHIVE_ENV, str(tmp_path))
+    monkeypatch.delenv("PYSPARK_GATEWAY_PORT", raising=False)
+    stem = jvm.plan("local[2]").final_stem
+    mine = f"{stem}-1000.jsa"
+    old_other, new_other = tmp_path / "spark-classes-0123456789abcdef-500.jsa", tmp_path / "spark-classes-fedcba9876543210-500.jsa"
+    old_tmp, unrelated = tmp_path / "spark-classes-0123456789abcdef-x.tmp-4242", tmp_path / "notes.txt"
+    for p in (mine, old_other, new_other, old_tmp, unrelated):
+        with open(p, "wb") as f:
+            f.write(b"x" * (1000 if p == mine else 500))
+    long_ago = time.time() - jvm._UNUSED_S - 3600
+    for p in (mine, old_other, old_tmp, unrelated):
+        os.utime(p, (long_ago, long_ago))
+    got = jvm.plan("local[2]")
+    assert got.state == "used" and mine in got.options
+    assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(p) for p in (mine, new_other, unrelated))
+    assert time.time() - os.stat(mine).st_mtime < 60  # touched: in use

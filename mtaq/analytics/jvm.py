@@ -18,7 +18,8 @@ archive* (JDK 13+, JEP 350) keeps those classes parsed and verified in a file th
 The archive is keyed by the ``java`` that ``spark-submit`` runs (its real path, size and time) and
 PySpark's jars (names, sizes, times): another JDK or PySpark gets its own. It lives in
 ``$MTAQ_SPARK_CLASS_ARCHIVE`` (a directory), else ``$XDG_CACHE_HOME/mtaq`` (``~/.cache/mtaq``); about
-150 MB; deleting it is always safe. ``MTAQ_SPARK_CLASS_ARCHIVE=off`` turns it off. Only for a driver this
+150 MB; deleting it is always safe. Each run touches the archive it uses, and deletes another key's archive
+not used for 30 days (a new virtualenv is a new key: they would pile up). ``MTAQ_SPARK_CLASS_ARCHIVE=off`` turns it off. Only for a driver this
 process starts (``local`` and ``local-cluster`` masters, not under ``spark-submit``, whose JVM runs already).
 
 Also ``-XX:TieredStopAtLevel=1`` (unless ``c1=False``): the driver compiles with C1 only. The job's driver
@@ -44,6 +45,7 @@ ARCHIVE_ENV = "MTAQ_SPARK_CLASS_ARCHIVE"
 _QUIET = "-Xlog:cds*=off"  # the archive's warnings (signed jars skipped, an archive not usable) are not ours to show
 _C1 = "-XX:TieredStopAtLevel=1"
 _STALE_S = 3600.0  # a TMP archive older than this was left by a killed run
+_UNUSED_S = 30 * 86400.0  # another key's archive (another JDK or PySpark) not used for this long is deleted
 
 
 @dataclass
@@ -109,24 +111,31 @@ def plan(master: str | None, c1: bool = True) -> JvmStart:
     except OSError:
         return JvmStart(_c1, "off")
     prefix = os.path.basename(stem) + "-"
+    used: str | None = None
     for name in names:
         path = os.path.join(directory, name)
-        if ".tmp-" in name and name.startswith(prefix):
-            try:
+        try:
+            if not name.startswith(prefix):
+                # another JDK's or PySpark's (another virtualenv's): deleted when unused for long, a TMP when stale
+                if name.startswith("spark-classes-") and (name.endswith(".jsa") or ".tmp-" in name) and \
+                        time.time() - os.stat(path).st_mtime > (_UNUSED_S if name.endswith(".jsa") else _STALE_S):
+                    os.unlink(path)
+                continue
+            if ".tmp-" in name:
                 if time.time() - os.stat(path).st_mtime > _STALE_S:
                     os.unlink(path)
-            except OSError:
-                pass
-            continue
-        if name.startswith(prefix) and name.endswith(".jsa"):
-            size = name[len(prefix):-len(".jsa")]
-            try:
+                continue
+            if name.endswith(".jsa") and used is None:
+                size = name[len(prefix):-len(".jsa")]
                 if size.isdigit() and os.stat(path).st_size == int(size) > 0:
-                    return JvmStart(f"{_arg('-XX:SharedArchiveFile', path)} -XX:+VerifySharedSpaces {_QUIET} {_c1}".strip(),
-                                    "used")
+                    used = path
+                    os.utime(path)  # in use: not for another installation's run to delete
+                    continue
                 os.unlink(path)  # not the length it was written with: never mapped (a truncated one crashes the JVM)
-            except OSError:
-                pass
+        except OSError:
+            pass
+    if used is not None:
+        return JvmStart(f"{_arg('-XX:SharedArchiveFile', used)} -XX:+VerifySharedSpaces {_QUIET} {_c1}".strip(), "used")
     if not os.access(directory, os.W_OK | os.X_OK):  # the JVM would build the archive at exit, then fail to write it
         return JvmStart(_c1, "off")
     tmp = f"{stem}-x.tmp-{os.getpid()}"
