@@ -75,3 +75,105 @@ def test_the_first_run_writes_the_archive_and_the_next_uses_it(tmp_path):
     state, second = run(2)
     assert state == "used" and second == first and first["delivered"] > 0
     assert os.listdir(archive) == [made]
+
+
+def _session_in_a_process(tmp_path, env: dict, script: str) -> subprocess.CompletedProcess:
+    """``script`` (after a SparkSession ``s`` made by spark_session on local[1]) in a fresh process."""
+    code = ("from mtaq.analytics.job import class_archive, spark_session, stop_session\n"
+            "s = spark_session('local[1]', [('spark.ui.enabled', 'false')])\n" + script + "\nstop_session(s)\n")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **env}, cwd=str(tmp_path))
+
+
+def test_an_archive_directory_with_spaces_and_quotes(tmp_path, monkeypatch):
+    """Spark splits spark.driver.extraJavaOptions at whitespace (shell-like quotes): a cache directory with a
+    space in its name made the driver JVM fail to start on every run. The paths are quoted: the JVM starts,
+    and writes its archive there."""
+    import shlex
+
+    archive = tmp_path / "My Cache's dir"
+    p = _session_in_a_process(tmp_path, {jvm.ARCHIVE_ENV: str(archive)},
+                              "print('STATE', class_archive(s), s.range(3).count())")
+    assert p.returncode == 0 and "STATE creating 3" in p.stdout, p.stderr[-3000:]
+    [made] = os.listdir(archive)
+    assert made.endswith(".jsa")
+    monkeypatch.setenv(jvm.ARCHIVE_ENV, str(archive))
+    monkeypatch.delenv("PYSPARK_GATEWAY_PORT", raising=False)
+    got = jvm.plan("local[2]")
+    assert got.state == "used" and f"-XX:SharedArchiveFile={archive / made}" in shlex.split(got.options)
+
+
+def test_the_driver_java_options_of_spark_defaults_are_kept(tmp_path):
+    """spark.driver.extraJavaOptions from spark-defaults.conf (SPARK_CONF_DIR) still reach the driver JVM: the
+    job's own options (C1, the class archive) are set with --conf, which replaces the file's value, so the
+    file's value is added after them."""
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    (conf / "spark-defaults.conf").write_text("# the admin's\nspark.driver.extraJavaOptions  -Dmtaq.probe=1 \\\n"
+                                              "    -Dmtaq.other=two\n")
+    p = _session_in_a_process(tmp_path, {"SPARK_CONF_DIR": str(conf), jvm.ARCHIVE_ENV: "off"},
+                              "j = s.sparkContext._jvm.System\n"
+                              "print('PROBE', j.getProperty('mtaq.probe'), j.getProperty('mtaq.other'))")
+    assert p.returncode == 0 and "PROBE 1 two" in p.stdout, p.stderr[-3000:]
+
+
+def test_spark_defaults_read_as_java_properties(tmp_path, monkeypatch):
+    """The properties file as java.util.Properties reads it (separators =, : or blanks; comments; continued
+    lines; escapes; the last of a key), values trimmed; --properties-file in PYSPARK_SUBMIT_ARGS instead of
+    SPARK_CONF_DIR's spark-defaults.conf; none: {}."""
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    (conf / "spark-defaults.conf").write_text(
+        "! a comment\n  # another\n\na.b=1\nc.d : two words \ne\\ f\\=g\tthree\\\n    four\nu 4\nu 5\nv \\u0041\\tB\n"
+        "x.y")
+    monkeypatch.setenv("SPARK_CONF_DIR", str(conf))
+    monkeypatch.delenv("PYSPARK_SUBMIT_ARGS", raising=False)
+    assert jvm.spark_defaults() == {"a.b": "1", "c.d": "two words", "e f=g": "threefour", "u": "5", "v": "A\tB", "x.y": ""}
+    other = tmp_path / "other.conf"
+    other.write_text("spark.driver.extraJavaOptions -Dp=1\n")
+    for args in (f"--properties-file {other} pyspark-shell", f"--properties-file={other} pyspark-shell"):
+        monkeypatch.setenv("PYSPARK_SUBMIT_ARGS", args)
+        assert jvm.spark_defaults() == {"spark.driver.extraJavaOptions": "-Dp=1"}
+    monkeypatch.setenv("PYSPARK_SUBMIT_ARGS", "pyspark-shell")
+    monkeypatch.setenv("SPARK_CONF_DIR", str(tmp_path / "none"))
+    assert jvm.spark_defaults() == {}
+
+
+def test_no_archive_made_in_a_directory_this_user_cannot_write(tmp_path, monkeypatch):
+    """A directory this user cannot write (a shared or read-only cache): never "creating" (the JVM would build
+    the archive at exit, seconds of work, and then fail to write it, on every run), still "used" when an archive
+    is there."""
+    monkeypatch.setenv(jvm.ARCHIVE_ENV, str(tmp_path))
+    monkeypatch.delenv("PYSPARK_GATEWAY_PORT", raising=False)
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if str(p) == str(tmp_path) else real(p, mode, **kw))
+    assert (jvm.plan("local[2]").state, jvm.plan("local[2]").options) == ("off", "-XX:TieredStopAtLevel=1")
+    monkeypatch.setattr(os, "access", real)
+    stem = jvm.plan("local[2]").final_stem
+    with open(f"{stem}-1000.jsa", "wb") as f:
+        f.write(b"x" * 1000)
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if str(p) == str(tmp_path) else real(p, mode, **kw))
+    assert jvm.plan("local[2]").state == "used"
+
+
+def test_archives_of_other_installations_do_not_pile_up(tmp_path, monkeypatch):
+    """The key changes with every new PySpark install (a new virtualenv: new jar times) or JDK: each left an
+    archive of 150-200 MB in the cache for ever. An archive is touched when used; another key's archive unused
+    for longer than jvm._UNUSED_S, and another key's TMP older than an hour, are deleted; a recent one (another
+    installation in use) is kept."""
+    monkeypatch.setenv(jvm.ARCHIVE_ENV, str(tmp_path))
+    monkeypatch.delenv("PYSPARK_GATEWAY_PORT", raising=False)
+    stem = jvm.plan("local[2]").final_stem
+    mine = f"{stem}-1000.jsa"
+    old_other, new_other = tmp_path / "spark-classes-0123456789abcdef-500.jsa", tmp_path / "spark-classes-fedcba9876543210-500.jsa"
+    old_tmp, unrelated = tmp_path / "spark-classes-0123456789abcdef-x.tmp-4242", tmp_path / "notes.txt"
+    for p in (mine, old_other, new_other, old_tmp, unrelated):
+        with open(p, "wb") as f:
+            f.write(b"x" * (1000 if p == mine else 500))
+    long_ago = time.time() - jvm._UNUSED_S - 3600
+    for p in (mine, old_other, old_tmp, unrelated):
+        os.utime(p, (long_ago, long_ago))
+    got = jvm.plan("local[2]")
+    assert got.state == "used" and mine in got.options
+    assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(p) for p in (mine, new_other, unrelated))
+    assert time.time() - os.stat(mine).st_mtime < 60  # touched: in use

@@ -138,11 +138,14 @@ def spark_session(master: str | None = None, conf: Sequence[tuple[str, str]] = (
     elif "PYSPARK_GATEWAY_PORT" not in os.environ:  # not launched by spark-submit
         b = b.master("local[*]")
     # The driver JVM's start (mtaq/analytics/jvm.py): a class archive of Spark's classes and C1 only, for a
-    # driver this process starts; the user's own extraJavaOptions (--conf) come after ours.
+    # driver this process starts; the user's own extraJavaOptions (--conf, else spark-defaults.conf's, which
+    # ours would replace) come after ours.
     from pyspark import SparkContext
 
     start = jvm.plan(master, c1=short_lived) if SparkContext._active_spark_context is None else jvm.JvmStart("", "off")
     theirs = " ".join(v for k, v in conf if k == "spark.driver.extraJavaOptions")
+    if start.options and not any(k == "spark.driver.extraJavaOptions" for k, _ in conf):
+        theirs = jvm.spark_defaults().get("spark.driver.extraJavaOptions", "")
     conf = [(k, v) for k, v in conf if k != "spark.driver.extraJavaOptions"]
     if start.options or theirs:
         b = b.config("spark.driver.extraJavaOptions", f"{start.options} {theirs}".strip())

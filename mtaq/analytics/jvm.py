@@ -18,7 +18,8 @@ archive* (JDK 13+, JEP 350) keeps those classes parsed and verified in a file th
 The archive is keyed by the ``java`` that ``spark-submit`` runs (its real path, size and time) and
 PySpark's jars (names, sizes, times): another JDK or PySpark gets its own. It lives in
 ``$MTAQ_SPARK_CLASS_ARCHIVE`` (a directory), else ``$XDG_CACHE_HOME/mtaq`` (``~/.cache/mtaq``); about
-150 MB; deleting it is always safe. ``MTAQ_SPARK_CLASS_ARCHIVE=off`` turns it off. Only for a driver this
+150 MB; deleting it is always safe. Each run touches the archive it uses, and deletes another key's archive
+not used for 30 days (a new virtualenv is a new key: they would pile up). ``MTAQ_SPARK_CLASS_ARCHIVE=off`` turns it off. Only for a driver this
 process starts (``local`` and ``local-cluster`` masters, not under ``spark-submit``, whose JVM runs already).
 
 Also ``-XX:TieredStopAtLevel=1`` (unless ``c1=False``): the driver compiles with C1 only. The job's driver
@@ -31,17 +32,20 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
+import shlex
 import shutil
 import sys
 import time
 from dataclasses import dataclass
 
-__all__ = ["ARCHIVE_ENV", "JvmStart", "archive_dir", "plan", "stop"]
+__all__ = ["ARCHIVE_ENV", "JvmStart", "archive_dir", "plan", "spark_defaults", "stop"]
 
 ARCHIVE_ENV = "MTAQ_SPARK_CLASS_ARCHIVE"
 _QUIET = "-Xlog:cds*=off"  # the archive's warnings (signed jars skipped, an archive not usable) are not ours to show
 _C1 = "-XX:TieredStopAtLevel=1"
 _STALE_S = 3600.0  # a TMP archive older than this was left by a killed run
+_UNUSED_S = 30 * 86400.0  # another key's archive (another JDK or PySpark) not used for this long is deleted
 
 
 @dataclass
@@ -107,25 +111,86 @@ def plan(master: str | None, c1: bool = True) -> JvmStart:
     except OSError:
         return JvmStart(_c1, "off")
     prefix = os.path.basename(stem) + "-"
+    used: str | None = None
     for name in names:
         path = os.path.join(directory, name)
-        if ".tmp-" in name and name.startswith(prefix):
-            try:
+        try:
+            if not name.startswith(prefix):
+                # another JDK's or PySpark's (another virtualenv's): deleted when unused for long, a TMP when stale
+                if name.startswith("spark-classes-") and (name.endswith(".jsa") or ".tmp-" in name) and \
+                        time.time() - os.stat(path).st_mtime > (_UNUSED_S if name.endswith(".jsa") else _STALE_S):
+                    os.unlink(path)
+                continue
+            if ".tmp-" in name:
                 if time.time() - os.stat(path).st_mtime > _STALE_S:
                     os.unlink(path)
-            except OSError:
-                pass
-            continue
-        if name.startswith(prefix) and name.endswith(".jsa"):
-            size = name[len(prefix):-len(".jsa")]
-            try:
+                continue
+            if name.endswith(".jsa") and used is None:
+                size = name[len(prefix):-len(".jsa")]
                 if size.isdigit() and os.stat(path).st_size == int(size) > 0:
-                    return JvmStart(f"-XX:SharedArchiveFile={path} -XX:+VerifySharedSpaces {_QUIET} {_c1}".strip(), "used")
+                    used = path
+                    os.utime(path)  # in use: not for another installation's run to delete
+                    continue
                 os.unlink(path)  # not the length it was written with: never mapped (a truncated one crashes the JVM)
-            except OSError:
-                pass
+        except OSError:
+            pass
+    if used is not None:
+        return JvmStart(f"{_arg('-XX:SharedArchiveFile', used)} -XX:+VerifySharedSpaces {_QUIET} {_c1}".strip(), "used")
+    if not os.access(directory, os.W_OK | os.X_OK):  # the JVM would build the archive at exit, then fail to write it
+        return JvmStart(_c1, "off")
     tmp = f"{stem}-x.tmp-{os.getpid()}"
-    return JvmStart(f"-XX:ArchiveClassesAtExit={tmp} {_QUIET} {_c1}".strip(), "creating", tmp, stem)
+    return JvmStart(f"{_arg('-XX:ArchiveClassesAtExit', tmp)} {_QUIET} {_c1}".strip(), "creating", tmp, stem)
+
+
+def _arg(flag: str, path: str) -> str:
+    """``FLAG=PATH`` as one option of ``spark.driver.extraJavaOptions``, which Spark splits at whitespace with
+    a shell's quotes: quoted where the path needs it (a space in it made the JVM fail to start)."""
+    return shlex.quote(f"{flag}={path}")
+
+
+def spark_defaults() -> dict[str, str]:
+    """The properties spark-submit reads from its properties file (``--properties-file`` in
+    ``PYSPARK_SUBMIT_ARGS``, else ``spark-defaults.conf`` in ``SPARK_CONF_DIR``, by default ``SPARK_HOME/conf``),
+    values trimmed as Spark's launcher trims them; {} when there is none or it cannot be read. The job gives
+    ``spark.driver.extraJavaOptions`` with ``--conf``, which replaces the file's: it adds the file's after its own."""
+    import pyspark
+
+    try:
+        args = shlex.split(os.environ.get("PYSPARK_SUBMIT_ARGS", ""))
+    except ValueError:
+        args = []
+    path = next((a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else "")
+                 for i, a in enumerate(args) if a.split("=", 1)[0] == "--properties-file"), None)
+    if path is None:
+        home = os.environ.get("SPARK_HOME") or os.path.dirname(os.path.abspath(pyspark.__file__))
+        path = os.path.join(os.environ.get("SPARK_CONF_DIR") or os.path.join(home, "conf"), "spark-defaults.conf")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError):
+        return {}
+    props: dict[str, str] = {}
+    pending: str | None = None
+    for raw in [*text.splitlines(), ""]:  # java.util.Properties.load's format
+        line = raw.lstrip(" \t\f")
+        if pending is None and (not line or line[0] in "#!"):
+            continue
+        more = (len(line) - len(line.rstrip("\\"))) % 2 == 1  # an odd number of backslashes: continued
+        pending = (pending or "") + (line[:-1] if more else line)
+        if more:
+            continue
+        m = re.match(r"((?:\\.|[^\\=:\s])*)\s*[=:]?\s*(.*)", pending, re.S)
+        pending = None
+        if m is not None:
+            props[_unescape(m.group(1))] = _unescape(m.group(2)).strip()
+    return props
+
+
+def _unescape(s: str) -> str:
+    """A key or value of a properties file without its escapes (``\\t``, ``\\uXXXX``, ``\\x`` for x)."""
+    named = {"t": "\t", "n": "\n", "r": "\r", "f": "\f"}
+    return re.sub(r"\\(u[0-9a-fA-F]{4}|.)", lambda m: chr(int(m.group(1)[1:], 16)) if len(m.group(1)) == 5
+                  else named.get(m.group(1), m.group(1)), s, flags=re.S)
 
 
 def stop(spark: object, start: JvmStart, wait_s: float = 120.0) -> None:
