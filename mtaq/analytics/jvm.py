@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import shlex
 import shutil
 import sys
@@ -164,33 +163,15 @@ def spark_defaults() -> dict[str, str]:
     if path is None:
         home = os.environ.get("SPARK_HOME") or os.path.dirname(os.path.abspath(pyspark.__file__))
         path = os.path.join(os.environ.get("SPARK_CONF_DIR") or os.path.join(home, "conf"), "spark-defaults.conf")
+    from jproperties import Properties  # java.util.Properties' format, as Spark's launcher reads the file
+
+    props = Properties()
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError):
+        with open(path, "rb") as f:
+            props.load(f, "utf-8")
+    except (OSError, UnicodeDecodeError, ValueError):
         return {}
-    props: dict[str, str] = {}
-    pending: str | None = None
-    for raw in [*text.splitlines(), ""]:  # java.util.Properties.load's format
-        line = raw.lstrip(" \t\f")
-        if pending is None and (not line or line[0] in "#!"):
-            continue
-        more = (len(line) - len(line.rstrip("\\"))) % 2 == 1  # an odd number of backslashes: continued
-        pending = (pending or "") + (line[:-1] if more else line)
-        if more:
-            continue
-        m = re.match(r"((?:\\.|[^\\=:\s])*)\s*[=:]?\s*(.*)", pending, re.S)
-        pending = None
-        if m is not None:
-            props[_unescape(m.group(1))] = _unescape(m.group(2)).strip()
-    return props
-
-
-def _unescape(s: str) -> str:
-    """A key or value of a properties file without its escapes (``\\t``, ``\\uXXXX``, ``\\x`` for x)."""
-    named = {"t": "\t", "n": "\n", "r": "\r", "f": "\f"}
-    return re.sub(r"\\(u[0-9a-fA-F]{4}|.)", lambda m: chr(int(m.group(1)[1:], 16)) if len(m.group(1)) == 5
-                  else named.get(m.group(1), m.group(1)), s, flags=re.S)
+    return {k: v.data.strip() for k, v in props.items()}
 
 
 def stop(spark: object, start: JvmStart, wait_s: float = 120.0) -> None:
