@@ -315,12 +315,14 @@ def _outcome_parts(oe: pa.Table) -> dict[str, pa.Table]:
     reasons = _group(per_msg, why, sums=("n", "recipients"), mins=("text",), count="messages")
     out["reasons"] = reasons.rename_columns([*why, "count", "recipients", "example", "messages"]).select(
         [*why, "count", "recipients", "messages", "example"])
-    got = oe.filter(delivered)
-    out["recipients"] = _group(pa.table({"rcpt_address": got["rcpt_address"], "rcpt_domain": got["rcpt_domain"],
-                                         "bytes": got["size"].cast(pa.int64())}),
-                               ("rcpt_address", "rcpt_domain"), sums=("bytes",), count="delivered").select(
-        ["rcpt_address", "rcpt_domain", "delivered", "bytes"])
+    out["recipients"] = _count_bytes(oe.filter(delivered), ("rcpt_address", "rcpt_domain"), "delivered")
     return out
+
+
+def _count_bytes(t: pa.Table, keys: tuple[str, str], count: str) -> pa.Table:
+    """The rows of ``t`` by ``keys``: ``count`` (rows) and bytes (the sum of ``size``), in that column order."""
+    v = pa.table({keys[0]: t[keys[0]], keys[1]: t[keys[1]], "bytes": t["size"].cast(pa.int64())})
+    return _group(v, keys, sums=("bytes",), count=count).select([*keys, count, "bytes"])
 
 
 def _message_parts(msgs: pa.Table, since_us: int | None, until_us: int | None) -> dict[str, pa.Table]:
@@ -339,11 +341,7 @@ def _message_parts(msgs: pa.Table, since_us: int | None, until_us: int | None) -
     })
     out = {name: _group(v, keys, sums=_M_VALUES) for name, keys in (
         ("m_total", ()), ("m_domain", ("domain",)), ("m_attempts", ("attempts",)), ("m_hour", ("hour",)))}
-    got = m.filter(recv)
-    out["senders"] = _group(pa.table({"sender": got["sender"], "sender_domain": got["sender_domain"],
-                                      "bytes": got["size"].cast(pa.int64())}),
-                            ("sender", "sender_domain"), sums=("bytes",), count="messages").select(
-        ["sender", "sender_domain", "messages", "bytes"])
+    out["senders"] = _count_bytes(m.filter(recv), ("sender", "sender_domain"), "messages")
     return out
 
 
