@@ -91,7 +91,7 @@ DRIVER_MERGE_ROWS_MAX = 100_000
 # Rows of the tasks' senders and recipients partial tables up to which the driver adds them up (pyarrow)
 # instead of Spark; also the most delay values the driver reads back for the percentiles. At 1,000,000
 # records Spark's sums and top lists took 4.5 s of a 12 s job, the driver's 0.5 s; at 10,000,000 records
-# (2,970,725 partial rows) Spark's 10.7 s, the driver's 3.6 s, its process's peak RSS then 0.6 GB.
+# (2,970,725 partial rows) Spark's 10.7 s, the driver's 2.2 s, its process's peak RSS then 0.6 GB.
 DRIVER_TABLE_ROWS_MAX = 4_000_000
 TOP_ROWS_COLLECTED = 1000  # rows of the senders and recipients tables the driver gets (by count and by bytes)
 
@@ -563,8 +563,8 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
     # Spark plans a Python data source in a Python process of its own on the driver (2 s on two cores).
     task = partial(stage_partitions, stage=stage, until_us=None if until is None else _micros(until),
                    close=opts.close_messages, since_us=None if since is None else _micros(since))
-    staged: list[dict[str, Any]] = [dict(zip(("table", "path", "rows", "part", "data"), row, strict=True)) for row in
-              spark.sparkContext.parallelize(groups, len(groups)).mapPartitions(task).collect()]
+    tasks = spark.sparkContext.parallelize(groups, len(groups)).mapPartitions(task).collect()
+    staged: list[dict[str, Any]] = [dict(zip(("table", "path", "rows", "part", "data"), r, strict=True)) for r in tasks]
     files: dict[str, list[str]] = {}
     table_rows = 0  # rows of the senders' and recipients' partial tables the tasks staged
     for got_row in staged:
@@ -780,8 +780,9 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
         _write_small(os.path.join(tables_dir, name), rows, schemas.get(name))
     _write_small(os.path.join(tables_dir, "totals"), [totals], None)
     say(f"writing the outcomes, messages, senders and recipients tables (Parquet, {big})")
-    # A row per address: written by the executors, so under BIG (--parquet-out on a cluster), as the outcomes and
-    # messages are (OUT is the driver's: an executor elsewhere would write its part on its own disk).
+    # A row per address: under BIG (--parquet-out on a cluster), as the outcomes and messages are, written by the
+    # driver through pyarrow.fs when it added them up, else by the executors (OUT is the driver's: an executor
+    # elsewhere would write its part on its own disk).
     if tables_on_driver:
         _write_table(join_path(big, "senders"), senders_t)
         _write_table(join_path(big, "recipients"), recipients_t)
