@@ -177,3 +177,26 @@ def test_archives_of_other_installations_do_not_pile_up(tmp_path, monkeypatch):
     assert got.state == "used" and mine in got.options
     assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(p) for p in (mine, new_other, unrelated))
     assert time.time() - os.stat(mine).st_mtime < 60  # touched: in use
+
+
+def test_no_archive_in_a_directory_others_can_write_or_of_another_user(tmp_path, monkeypatch):
+    """The JVM checks an archive's checksums, not who wrote it: a directory others may write to (a shared /tmp)
+    is not used at all, and an archive there of another owner is neither mapped nor deleted."""
+    monkeypatch.delenv("PYSPARK_GATEWAY_PORT", raising=False)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    monkeypatch.setenv(jvm.ARCHIVE_ENV, str(shared))
+    assert (jvm.plan("local[2]").state, jvm.plan("local[2]").options) == ("off", "-XX:TieredStopAtLevel=1")
+    mine = tmp_path / "mine"
+    monkeypatch.setenv(jvm.ARCHIVE_ENV, str(mine))
+    made = jvm.plan("local[2]")
+    assert made.state == "creating" and (os.stat(mine).st_mode & 0o777) == 0o700
+    if os.getuid() != 0:
+        return  # giving a file to another user needs root
+    planted = f"{made.final_stem}-1000.jsa"
+    with open(planted, "wb") as f:
+        f.write(b"x" * 1000)
+    os.chown(planted, 65534, 65534)
+    got = jvm.plan("local[2]")
+    assert got.state == "creating" and planted not in got.options and os.path.exists(planted)

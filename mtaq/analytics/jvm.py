@@ -17,7 +17,9 @@ archive* (JDK 13+, JEP 350) keeps those classes parsed and verified in a file th
 
 The archive is keyed by the ``java`` that ``spark-submit`` runs (its real path, size and time) and
 PySpark's jars (names, sizes, times): another JDK or PySpark gets its own. It lives in
-``$MTAQ_SPARK_CLASS_ARCHIVE`` (a directory), else ``$XDG_CACHE_HOME/mtaq`` (``~/.cache/mtaq``); about
+``$MTAQ_SPARK_CLASS_ARCHIVE`` (a directory), else ``$XDG_CACHE_HOME/mtaq`` (``~/.cache/mtaq``), made
+mode 0700, used only when this user owns it and no one else may write to it, as are the archives in it
+(the JVM checks an archive's checksums, not who wrote it: a planted one would run as this user); about
 150 MB; deleting it is always safe. Each run touches the archive it uses, and deletes another key's archive
 not used for 30 days (a new virtualenv is a new key: they would pile up). ``MTAQ_SPARK_CLASS_ARCHIVE=off`` turns it off. Only for a driver this
 process starts (``local`` and ``local-cluster`` masters, not under ``spark-submit``, whose JVM runs already).
@@ -105,9 +107,14 @@ def plan(master: str | None, c1: bool = True) -> JvmStart:
         return JvmStart(_c1, "off")
     stem = os.path.join(directory, f"spark-classes-{key}")
     try:
-        os.makedirs(directory, exist_ok=True)
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        st = os.stat(directory)
         names = os.listdir(directory)
     except OSError:
+        return JvmStart(_c1, "off")
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        # Another user who can put a file there could have our JVM map an archive of their making: the JVM
+        # checks its checksums, not who wrote it. Only a directory of ours that no one else can write to.
         return JvmStart(_c1, "off")
     prefix = os.path.basename(stem) + "-"
     used: str | None = None
@@ -126,7 +133,10 @@ def plan(master: str | None, c1: bool = True) -> JvmStart:
                 continue
             if name.endswith(".jsa") and used is None:
                 size = name[len(prefix):-len(".jsa")]
-                if size.isdigit() and os.stat(path).st_size == int(size) > 0:
+                fst = os.stat(path)
+                if fst.st_uid != os.getuid():  # not ours (the directory is): neither mapped nor deleted
+                    continue
+                if size.isdigit() and fst.st_size == int(size) > 0:
                     used = path
                     os.utime(path)  # in use: not for another installation's run to delete
                     continue
