@@ -20,9 +20,10 @@ PySpark's jars (names, sizes, times): another JDK or PySpark gets its own. It li
 ``$MTAQ_SPARK_CLASS_ARCHIVE`` (a directory), else ``$XDG_CACHE_HOME/mtaq`` (``~/.cache/mtaq``), made
 mode 0700, used only when this user owns it and no one else may write to it, as are the archives in it
 (the JVM checks an archive's checksums, not who wrote it: a planted one would run as this user); about
-150 MB; deleting it is always safe. Each run touches the archive it uses, and deletes another key's archive
-not used for 30 days (a new virtualenv is a new key: they would pile up). ``MTAQ_SPARK_CLASS_ARCHIVE=off`` turns it off. Only for a driver this
-process starts (``local`` and ``local-cluster`` masters, not under ``spark-submit``, whose JVM runs already).
+190 MB; deleting it is always safe. Each run touches the archive it uses, and deletes another key's archive
+not used for 30 days (a new virtualenv is a new key: they would pile up). ``MTAQ_SPARK_CLASS_ARCHIVE=off``
+turns it off. Only for a driver this process starts (``local`` and ``local-cluster`` masters, not under
+``spark-submit``, whose JVM runs already).
 
 Also ``-XX:TieredStopAtLevel=1`` (unless ``c1=False``): the driver compiles with C1 only. The job's driver
 runs short Spark plans; C2's compilations cost more CPU than they return in a job of seconds (0.9 s of a
