@@ -740,11 +740,7 @@ class Log:
 
     def _fail(self, exc: OSError, what: str = "fsync failed") -> None:
         self._failed = StorageFatal(f"{what}: {exc.strerror or exc}; exiting, recovery will re-read the disk")
-        for w in self._waiters:
-            if not w[1].done():
-                w[1].set_exception(self._failed)
-        self._waiters = []
-        self._go_on()
+        self._fail_waiters(self._failed)
         for cb in self.on_fatal:
             cb(self._failed)
 
@@ -919,16 +915,20 @@ class Log:
         if old is not None:
             old.close()
 
+    def _fail_waiters(self, error: StorageFatal) -> None:
+        """Every caller still waiting for a round gets ``error``; a lingering round's wait ends."""
+        for w in self._waiters:
+            if not w[1].done():
+                w[1].set_exception(error)
+        self._waiters = []
+        self._go_on()
+
     def close(self) -> None:
         """Release file handles (tests and one-shot tools; the daemon never closes, it crashes). Callers still
         waiting for a commit get StorageFatal: no round will cover them."""
         if self._failed is None and self._waiters:
             self._failed = StorageFatal("the log was closed before a commit round covered the record")
-            for w in self._waiters:
-                if not w[1].done():
-                    w[1].set_exception(self._failed)
-            self._waiters = []
-            self._go_on()
+            self._fail_waiters(self._failed)
         for f in self._files.values():
             try:
                 f.close()
