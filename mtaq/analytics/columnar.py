@@ -132,15 +132,22 @@ class _Parser:
             raise _Reject
         return b == 0xC3, cur + 1
 
-    def str_(self, cur: np.ndarray, ends: np.ndarray) -> tuple[pa.Array, np.ndarray]:
+    def length(self, cur: np.ndarray, ends: np.ndarray, heads: np.ndarray,
+               fixed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A str's or array's length header at each cursor: (lengths, header sizes in bytes). ``heads`` and
+        ``fixed`` map the first byte to the header's size (0: not this kind) and to a fix-format length."""
         b = self.byte(cur, ends)
-        head = _STR_HEAD[b]
+        head = heads[b]
         if len(b) and head.min() == 0:
             raise _Reject
-        lens = _STR_FIXLEN[b]
+        lens = fixed[b]
         sized = np.flatnonzero(head > 1)
         if len(sized):
             lens[sized] = self.be(cur[sized] + 1, head[sized] - 1, ends[sized]).astype(np.int64)
+        return lens, head
+
+    def str_(self, cur: np.ndarray, ends: np.ndarray) -> tuple[pa.Array, np.ndarray]:
+        lens, head = self.length(cur, ends, _STR_HEAD, _STR_FIXLEN)
         starts = cur + head
         nxt = starts + lens
         if len(cur) and not (nxt <= ends).all():
@@ -169,14 +176,7 @@ class _Parser:
 
     def array_head(self, cur: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(element counts, cursor after the array header)."""
-        b = self.byte(cur, ends)
-        head = _ARR_HEAD[b]
-        if len(b) and head.min() == 0:
-            raise _Reject
-        counts = _ARR_FIXCOUNT[b]
-        sized = np.flatnonzero(head > 1)
-        if len(sized):
-            counts[sized] = self.be(cur[sized] + 1, head[sized] - 1, ends[sized]).astype(np.int64)
+        counts, head = self.length(cur, ends, _ARR_HEAD, _ARR_FIXCOUNT)
         return counts, cur + head
 
     def value(self, tp: Any, cur: np.ndarray, ends: np.ndarray, path: str, out: dict[str, Any],
