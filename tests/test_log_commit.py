@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import time
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -437,69 +438,64 @@ def _client(log: Log, name: str) -> asyncio.Future[float]:
     return done
 
 
-def test_a_lone_client_does_not_wait_for_the_spacing_because_of_sync_soon(tmp_path):
-    """One session: the client's 250 (when_durable) and a delivery's conclude() (sync_soon: a retry envelope
-    or a DSN) wait at the same round start. Only one *client* waits, yet the round is spaced: the lone
-    client's 250 waits up to round_spacing_s (10 ms in the daemon) longer."""
+def _lone_client_wait(tmp_path, scenario: Callable[[Log], Awaitable[float]]) -> float:
+    """Seconds a lone client's 250 waited in ``scenario`` (on a log spaced SPACING, right after a round)."""
 
     async def main() -> float:
         log, _ = Log.open(OsFileSystem(), str(tmp_path), segment_bytes_max=1 << 20)
         log.round_spacing_s = SPACING
         try:
             await _lone_round(log)
-            waited = _client(log, "client")
-            log.append(StartRecord("retry-envelope", Pos(1, 32), 1.0))
-            log.sync_soon()  # Queue.conclude of a deferred delivery, same loop turn
-            return await waited
+            return await scenario(log)
         finally:
             log.close()
 
-    waited = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_a_lone_client_does_not_wait_for_the_spacing_because_of_sync_soon(tmp_path):
+    """One session: the client's 250 (when_durable) and a delivery's conclude() (sync_soon: a retry envelope
+    or a DSN) wait at the same round start. Only one *client* waits: before, the round was spaced anyway,
+    and the lone client's 250 waited up to round_spacing_s (10 ms in the daemon) longer."""
+
+    async def scenario(log: Log) -> float:
+        waited = _client(log, "client")
+        log.append(StartRecord("retry-envelope", Pos(1, 32), 1.0))
+        log.sync_soon()  # Queue.conclude of a deferred delivery, same loop turn
+        return await waited
+
+    waited = _lone_client_wait(tmp_path, scenario)
     assert waited < SPACING / 2, f"the lone client waited {waited:.3f} s for the spacing"
 
 
 def test_a_lone_client_does_not_wait_for_the_spacing_because_of_a_checkpoint(tmp_path):
-    """Same with the checkpointer's Log.sync() (Daemon.checkpoint) or an admin operation's commit().
-   """
+    """Same with the checkpointer's Log.sync() (Daemon.checkpoint) or an admin operation's commit()."""
 
-    async def main() -> float:
-        log, _ = Log.open(OsFileSystem(), str(tmp_path), segment_bytes_max=1 << 20)
-        log.round_spacing_s = SPACING
-        try:
-            await _lone_round(log)
-            log.append(StartRecord("runner-position", Pos(1, 32), 1.0))
-            checkpoint = asyncio.ensure_future(log.sync())  # Daemon.checkpoint
-            await asyncio.sleep(0)  # the checkpoint is waiting; the commit loop has not started its round
-            waited = _client(log, "client")  # a client's DATA ends in the same loop turn
-            w = await waited
-            await checkpoint
-            return w
-        finally:
-            log.close()
+    async def scenario(log: Log) -> float:
+        log.append(StartRecord("runner-position", Pos(1, 32), 1.0))
+        checkpoint = asyncio.ensure_future(log.sync())  # Daemon.checkpoint
+        await asyncio.sleep(0)  # the checkpoint is waiting; the commit loop has not started its round
+        waited = _client(log, "client")  # a client's DATA ends in the same loop turn
+        w = await waited
+        await checkpoint
+        return w
 
-    waited = asyncio.run(main())
+    waited = _lone_client_wait(tmp_path, scenario)
     assert waited < SPACING / 2, f"the lone client waited {waited:.3f} s for the spacing"
 
 
 def test_a_cancelled_committer_does_not_count_as_a_second_caller(tmp_path):
-    """A commit() whose caller was cancelled (its future is done) still counts as an at-once caller until
-    a round covers it: a lone client then waits for the spacing."""
+    """A commit() whose caller was cancelled (its future is done) does not count as an at-once caller:
+    before, it counted until a round covered it, and a lone client then waited for the spacing."""
 
-    async def main() -> float:
-        log, _ = Log.open(OsFileSystem(), str(tmp_path), segment_bytes_max=1 << 20)
-        log.round_spacing_s = SPACING
-        try:
-            await _lone_round(log)
-            _, lsn = log.append(StartRecord("gone", Pos(1, 32), 1.0))
-            gone = asyncio.ensure_future(log.commit(lsn))
-            await asyncio.sleep(0)  # enqueued
-            gone.cancel()
-            waited = _client(log, "client")
-            return await waited
-        finally:
-            log.close()
+    async def scenario(log: Log) -> float:
+        _, lsn = log.append(StartRecord("gone", Pos(1, 32), 1.0))
+        gone = asyncio.ensure_future(log.commit(lsn))
+        await asyncio.sleep(0)  # enqueued
+        gone.cancel()
+        return await _client(log, "client")
 
-    waited = asyncio.run(main())
+    waited = _lone_client_wait(tmp_path, scenario)
     assert waited < SPACING / 2, f"the lone client waited {waited:.3f} s for the spacing"
 
 
