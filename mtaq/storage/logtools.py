@@ -27,7 +27,7 @@ from mtaq.core.records import (
     SealRecord,
     StartRecord,
 )
-from mtaq.storage.fs import OsFileSystem
+from mtaq.storage.fs import FileSystem, OsFileSystem
 from mtaq.storage.log import list_segments, scan_log
 from mtaq.storage.quarantine import CORRUPT_DIR, list_quarantine
 
@@ -88,9 +88,10 @@ def dump(log_dir: str, *, as_json: bool, out: IO[str], shard: int | None = None)
     return 0
 
 
-def verify(log_dir: str, *, out: IO[str]) -> int:
-    """Check the whole log; print the problems (first one first) and return 0 when sound, 1 otherwise."""
-    fs = OsFileSystem()
+def verify(log_dir: str, *, out: IO[str], fs: FileSystem | None = None) -> int:
+    """Check the whole log; print the problems (first one first) and return 0 when sound, 1 otherwise.
+    ``fs``: the file system holding it (the real one when None; tests pass a crash file system)."""
+    fs = fs or OsFileSystem()
     present = list_segments(fs, log_dir)
     newest = present[-1] if present else None
     first = present[0] if present else 0

@@ -25,6 +25,12 @@ What it models:
   directory change survives or not independently (created files vanish, unlinked ones reappear with
   their durable contents, renames are undone);
 * after a crash every open :class:`File` is dead: any call raises ``OSError(EBADF)``;
+* for enumerating crash states rather than sampling them (ALICE, CrashMonkey; :mod:`mtaq.testing.explorer`):
+  :meth:`CrashFileSystem.pending` lists every unsynced change in the order made, :meth:`CrashFileSystem.crash_to`
+  is a power cut that keeps exactly a chosen subset (and tears chosen writes), :meth:`CrashFileSystem.kill`
+  is a ``kill -9`` that leaves the page cache as it is (a later cut can still take it),
+  :meth:`CrashFileSystem.snapshot` / :meth:`CrashFileSystem.restore` copy the whole state at any moment,
+  and ``on_op`` is called after every operation (a snapshot at every system call);
 * injected faults: the N-th fsync (file or directory) from now raises EIO and makes nothing durable
   (``fail_fsync_at``); the N-th append raises a chosen errno and leaves the file unchanged
   (``fail_write_errno`` with ``fail_write_at``); the N-th append writes a prefix and raises ENOSPC
@@ -48,7 +54,7 @@ import errno
 import os
 import random
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -57,7 +63,7 @@ from mtaq.storage.fs import File
 if TYPE_CHECKING:
     from mtaq.storage.fs import FileSystem
 
-__all__ = ["CRASH_MODES", "CrashFileSystem"]
+__all__ = ["CRASH_MODES", "Change", "CrashFileSystem", "FsSnapshot"]
 
 CRASH_MODES = ("random", "drop", "keep")
 
@@ -68,11 +74,13 @@ Op = tuple[str | int, ...]
 class _Write:
     offset: int
     data: bytes
+    seq: int = 0  # CrashFileSystem._seq when made: the order of every unsynced change (pending, crash_to)
 
 
 @dataclass(slots=True)
 class _Truncate:
     size: int
+    seq: int = 0
 
 
 @dataclass(eq=False, slots=True)
@@ -90,6 +98,7 @@ class _DirOp:
     name: str
     node: _Inode | _Dir
     new_name: str = ""
+    seq: int = 0
 
 
 @dataclass(eq=False, slots=True)
@@ -143,6 +152,109 @@ def _apply_dir_op(entries: dict[str, _Inode | _Dir], op: _DirOp) -> None:
         entries[op.new_name] = op.node
 
 
+def _rebuild_tree(
+    root: _Dir, dir_op_survives: Callable[[_DirOp], bool], file_after: Callable[[_Inode], bytearray]
+) -> _Dir:
+    """The tree a power loss leaves: each directory from its durable entries and the pending changes that
+    ``dir_op_survives`` keeps (asked in order, directories visited depth first by sorted name); each reachable
+    file from ``file_after`` (its contents after the crash). Everything in the result is durable."""
+    memo: dict[int, _Inode | _Dir] = {}
+
+    def rebuild_dir(d: _Dir) -> _Dir:
+        done = memo.get(id(d))
+        if done is not None:
+            assert isinstance(done, _Dir)
+            return done
+        new = _Dir()
+        memo[id(d)] = new
+        entries = dict(d.durable)
+        for op in d.pending:
+            if dir_op_survives(op):
+                _apply_dir_op(entries, op)
+        for name in sorted(entries):
+            node = entries[name]
+            new.entries[name] = rebuild_dir(node) if isinstance(node, _Dir) else rebuild_file(node)
+        new.durable = dict(new.entries)
+        return new
+
+    def rebuild_file(f: _Inode) -> _Inode:
+        done = memo.get(id(f))
+        if done is not None:
+            assert isinstance(done, _Inode)
+            return done
+        buf = file_after(f)
+        new = _Inode(durable=bytes(buf), data=bytearray(buf))
+        memo[id(f)] = new
+        return new
+
+    return rebuild_dir(root)
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One change not yet made durable (see :meth:`CrashFileSystem.pending`).
+
+    ``seq`` orders every change of the file system as it was made. ``kind`` is ``"write"`` (``path`` is
+    the file, ``offset`` and ``nbytes`` the bytes written), ``"truncate"`` (``size``), or a change of the
+    directory ``path``: ``"link"`` (a creation, a makedirs or a rename's arrival: ``name``), ``"unlink"``
+    (also a rename's departure) or ``"rename"`` (within the directory, atomic: ``name`` -> ``new_name``).
+    """
+
+    seq: int
+    kind: str
+    path: str
+    offset: int = 0
+    nbytes: int = 0
+    size: int = 0
+    name: str = ""
+    new_name: str = ""
+
+    def __str__(self) -> str:
+        if self.kind == "write":
+            return f"#{self.seq} write {self.path}@{self.offset}+{self.nbytes}"
+        if self.kind == "truncate":
+            return f"#{self.seq} truncate {self.path} to {self.size}"
+        tail = f" -> {self.new_name}" if self.kind == "rename" else ""
+        return f"#{self.seq} {self.kind} {self.path.rstrip('/')}/{self.name}{tail}"
+
+
+class FsSnapshot:
+    """The whole state of a :class:`CrashFileSystem` at one moment (durable and current contents, and the
+    changes in between), detached from it: :meth:`CrashFileSystem.restore` makes a new file system from it,
+    as often as wanted. Taking one copies the tree's structure, not file contents (bytes are shared)."""
+
+    __slots__ = ("_root", "_seq", "ops")
+
+    def __init__(self, root: _Dir, seq: int, ops: int) -> None:
+        self._root = root
+        self._seq = seq
+        self.ops = ops  # how many operations the file system had recorded
+
+
+def _copy_tree(root: _Dir) -> _Dir:
+    """A structural copy of ``root``: new nodes, shared immutable bytes and change records."""
+    memo: dict[int, _Inode | _Dir] = {}
+
+    def node(n: _Inode | _Dir) -> _Inode | _Dir:
+        done = memo.get(id(n))
+        if done is not None:
+            return done
+        if isinstance(n, _Inode):
+            f = _Inode(durable=n.durable, data=bytearray(n.data), pending=list(n.pending))
+            memo[id(n)] = f
+            return f
+        d = _Dir()
+        memo[id(n)] = d
+        d.durable = {k: node(v) for k, v in n.durable.items()}
+        d.entries = {k: node(v) for k, v in n.entries.items()}
+        d.pending = [_DirOp(op.kind, op.name, node(op.node), op.new_name, op.seq) for op in n.pending]
+        return d
+
+    out = node(root)
+    assert isinstance(out, _Dir)
+    return out
+
+
 class _CrashFile:
     """An open file of a :class:`CrashFileSystem`; dead (EBADF) once closed or after a crash."""
 
@@ -170,14 +282,14 @@ class _CrashFile:
             start = len(inode.data)
             fail, short = self._fs._append_faults()
             if fail is not None:
-                self._fs.ops.append(("append-failed", self.path, start, fail))
+                self._fs._record(("append-failed", self.path, start, fail))
                 raise _oserror(fail, self.path)
             if short:
                 # Like _OsFile: part of the data went in, the disk filled up, the file is cut back.
                 part = bytes(data[: len(data) // 2])
                 self._fs._write(self.path, inode, start, part)
                 self._fs._truncate(self.path, inode, start)
-                self._fs.ops.append(("append-failed", self.path, start, errno.ENOSPC))
+                self._fs._record(("append-failed", self.path, start, errno.ENOSPC))
                 raise _oserror(errno.ENOSPC, self.path)
             self._fs._write(self.path, inode, start, bytes(data))
             return start
@@ -200,11 +312,11 @@ class _CrashFile:
         with self._fs.lock:
             inode = self._check()
             if self._fs._fsync_fault():
-                self._fs.ops.append(("fsync-failed", self.path))
+                self._fs._record(("fsync-failed", self.path))
                 raise _oserror(errno.EIO, self.path)
             inode.durable = bytes(inode.data)
             inode.pending.clear()
-            self._fs.ops.append(("fsync", self.path))
+            self._fs._record(("fsync", self.path))
 
     def close(self) -> None:
         with self._fs.lock:
@@ -223,7 +335,8 @@ class CrashFileSystem:
     ``("create", path)``, ``("makedirs", path)`` (one per directory made), ``("append", path, offset,
     nbytes)``, ``("append-failed", path, offset, errno)``, ``("truncate", path, size)``,
     ``("fsync", path)``, ``("fsync-failed", path)``, ``("fsync_dir", path)``, ``("fsync_dir-failed", path)``,
-    ``("rename", src, dst)``, ``("unlink", path)``, ``("crash", mode)``.
+    ``("rename", src, dst)``, ``("unlink", path)``, ``("crash", mode)`` (mode ``"chosen"`` for
+    :meth:`crash_to`), ``("kill",)``.
 
     Fault injection (counted from when the attribute is set; each fires once, then resets to None):
 
@@ -244,6 +357,15 @@ class CrashFileSystem:
         self.fail_write_errno: int | None = None
         self.fail_write_at: int | None = None
         self.short_write_at: int | None = None
+        self._seq = 0  # numbers every change as it is made (the order pending() lists them in)
+        # Called after every operation is recorded in ``ops`` (with the lock held), e.g. to take a
+        # snapshot() at every system call (mtaq.testing.explorer). Must not raise.
+        self.on_op: Callable[[Op], None] | None = None
+
+    def _record(self, op: Op) -> None:
+        self.ops.append(op)
+        if self.on_op is not None:
+            self.on_op(op)
 
     # ------------------------------------------------------------------------------------ fault counters
     def _fsync_fault(self) -> bool:
@@ -274,17 +396,22 @@ class CrashFileSystem:
         return fail, short
 
     # ------------------------------------------------------------------------------------ changes
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
     def _write(self, path: str, inode: _Inode, offset: int, data: bytes) -> None:
         _write_at(inode.data, offset, data)
-        inode.pending.append(_Write(offset, data))
-        self.ops.append(("append", path, offset, len(data)))
+        inode.pending.append(_Write(offset, data, self._next_seq()))
+        self._record(("append", path, offset, len(data)))
 
     def _truncate(self, path: str, inode: _Inode, size: int) -> None:
         _truncate(inode.data, size)
-        inode.pending.append(_Truncate(size))
-        self.ops.append(("truncate", path, size))
+        inode.pending.append(_Truncate(size, self._next_seq()))
+        self._record(("truncate", path, size))
 
     def _dir_change(self, d: _Dir, op: _DirOp) -> None:
+        op.seq = self._next_seq()
         _apply_dir_op(d.entries, op)
         d.pending.append(op)
 
@@ -340,7 +467,7 @@ class CrashFileSystem:
                 raise _oserror(errno.EEXIST, path)
             inode = _Inode()
             self._dir_change(parent, _DirOp("link", name, inode))
-            self.ops.append(("create", path))
+            self._record(("create", path))
             return _CrashFile(self, path, inode)
 
     def read_file(self, path: str) -> bytes:
@@ -364,7 +491,7 @@ class CrashFileSystem:
                 if nxt is None:
                     nxt = _Dir()
                     self._dir_change(d, _DirOp("link", name, nxt))
-                    self.ops.append(("makedirs", cur))
+                    self._record(("makedirs", cur))
                 elif not isinstance(nxt, _Dir):
                     raise _oserror(errno.EEXIST if i == len(parts) - 1 else errno.ENOTDIR, cur)
                 d = nxt
@@ -375,11 +502,11 @@ class CrashFileSystem:
             path = _norm(path)
             d = self._dir(path)
             if self._fsync_fault():
-                self.ops.append(("fsync_dir-failed", path))
+                self._record(("fsync_dir-failed", path))
                 raise _oserror(errno.EIO, path)
             d.durable = dict(d.entries)
             d.pending.clear()
-            self.ops.append(("fsync_dir", path))
+            self._record(("fsync_dir", path))
 
     def rename(self, src: str, dst: str) -> None:
         """POSIX rename: replaces a file at ``dst``; within one directory the change is atomic at a crash,
@@ -408,7 +535,7 @@ class CrashFileSystem:
             else:
                 self._dir_change(sdir, _DirOp("unlink", sname, node))
                 self._dir_change(ddir, _DirOp("link", dname, node))
-            self.ops.append(("rename", src, dst))
+            self._record(("rename", src, dst))
 
     def unlink(self, path: str) -> None:
         with self.lock:
@@ -416,7 +543,7 @@ class CrashFileSystem:
             inode = self._file(path)
             parent, name = self._parent(path)
             self._dir_change(parent, _DirOp("unlink", name, inode))
-            self.ops.append(("unlink", path))
+            self._record(("unlink", path))
 
     def free_bytes(self, path: str) -> int:
         """As much as anyone needs: the crash file system lives in memory."""
@@ -441,36 +568,91 @@ class CrashFileSystem:
         with self.lock:
             self._root = self._rebuild(rng, mode)
             self.crashes += 1
-            self.ops.append(("crash", mode))
+            self._record(("crash", mode))
+
+    def kill(self) -> None:
+        """``kill -9`` of the process: every open :class:`File` is dead (EBADF); nothing else changes. The
+        page cache keeps every unsynced change, which a later :meth:`crash` (power cut) can still take."""
+        with self.lock:
+            self.crashes += 1
+            self._record(("kill",))
+
+    def pending(self) -> list[Change]:
+        """Every change not yet durable, in the order made (ascending ``seq``): writes and truncations of
+        files (reachable now or through a durable entry or a pending directory change), and directory
+        changes. These are what a power cut may keep or lose (:meth:`crash_to`). Changes nothing."""
+        with self.lock:
+            out: list[Change] = []
+            seen: set[int] = set()
+            stack: list[tuple[str, _Inode | _Dir]] = [("/", self._root)]
+            while stack:
+                path, n = stack.pop()
+                if id(n) in seen:
+                    continue
+                seen.add(id(n))
+                if isinstance(n, _Inode):
+                    for c in n.pending:
+                        if isinstance(c, _Write):
+                            out.append(Change(c.seq, "write", path, offset=c.offset, nbytes=len(c.data)))
+                        else:
+                            out.append(Change(c.seq, "truncate", path, size=c.size))
+                    continue
+                for op in n.pending:
+                    out.append(Change(op.seq, op.kind, path, name=op.name, new_name=op.new_name))
+                children: dict[str, _Inode | _Dir] = {**n.durable, **n.entries}
+                for op in n.pending:
+                    children.setdefault(op.new_name or op.name, op.node)
+                for name in sorted(children, reverse=True):
+                    stack.append((os.path.join(path, name), children[name]))
+            out.sort(key=lambda c: c.seq)
+            return out
+
+    def crash_to(self, keep: Collection[int], torn: Mapping[int, int] | None = None) -> None:
+        """Power loss with every outcome chosen: of the unsynced changes (:meth:`pending`), exactly those
+        whose ``seq`` is in ``keep`` reach the disk; ``torn`` maps the ``seq`` of a write to how many of its
+        first bytes reach the disk (a torn write; it need not be in ``keep``). A lost write reads as zeros
+        where a later kept write extended the file past it (out-of-order write-back); a lost truncation
+        is undone; a lost directory change is undone (a created file vanishes, an unlinked one is back
+        with its durable contents, a rename is undone). Deterministic; afterwards as :meth:`crash`."""
+        keep = frozenset(keep)
+        torn = dict(torn or {})
+
+        def file_after(f: _Inode) -> bytearray:
+            buf = bytearray(f.durable)
+            for c in f.pending:
+                if isinstance(c, _Truncate):
+                    if c.seq in keep:
+                        _truncate(buf, c.size)
+                elif c.seq in torn:
+                    _write_at(buf, c.offset, c.data[: torn[c.seq]])
+                elif c.seq in keep:
+                    _write_at(buf, c.offset, c.data)
+            return buf
+
+        with self.lock:
+            self._root = _rebuild_tree(self._root, lambda op: op.seq in keep, file_after)
+            self.crashes += 1
+            self._record(("crash", "chosen"))
+
+    def snapshot(self) -> FsSnapshot:
+        """The whole state now (see :class:`FsSnapshot`); later changes do not affect it."""
+        with self.lock:
+            return FsSnapshot(_copy_tree(self._root), self._seq, len(self.ops))
+
+    @classmethod
+    def restore(cls, snap: FsSnapshot) -> CrashFileSystem:
+        """A new file system in the state of ``snap`` (as a new process finds it after ``kill -9``: durable
+        and unsynced changes as they were, no file open), with an empty ``ops`` list and no faults set."""
+        fs = cls()
+        fs._root = _copy_tree(snap._root)
+        fs._seq = snap._seq
+        return fs
 
     def _rebuild(self, rng: random.Random, mode: str) -> _Dir:
-        memo: dict[int, _Inode | _Dir] = {}
-
         def survives() -> bool:
             return mode == "keep" or (mode == "random" and rng.random() < 0.5)
 
-        def rebuild_dir(d: _Dir) -> _Dir:
-            done = memo.get(id(d))
-            if done is not None:
-                assert isinstance(done, _Dir)
-                return done
-            new = _Dir()
-            memo[id(d)] = new
-            entries = dict(d.durable)
-            for op in d.pending:
-                if survives():
-                    _apply_dir_op(entries, op)
-            for name in sorted(entries):
-                node = entries[name]
-                new.entries[name] = rebuild_dir(node) if isinstance(node, _Dir) else rebuild_file(node)
-            new.durable = dict(new.entries)
-            return new
-
-        def rebuild_file(f: _Inode) -> _Inode:
-            done = memo.get(id(f))
-            if done is not None:
-                assert isinstance(done, _Inode)
-                return done
+        def file_after(f: _Inode) -> bytearray:
             buf = bytearray(f.durable)
             writes = [c for c in f.pending if isinstance(c, _Write)]
             fates = self._write_fates(rng, mode, len(writes))
@@ -490,11 +672,9 @@ class CrashFileSystem:
                 elif fate == "torn":
                     data = data[: rng.randrange(len(data))] if data else data
                 _write_at(buf, change.offset, data)
-            new = _Inode(durable=bytes(buf), data=bytearray(buf))
-            memo[id(f)] = new
-            return new
+            return buf
 
-        return rebuild_dir(self._root)
+        return _rebuild_tree(self._root, lambda _op: survives(), file_after)
 
     @staticmethod
     def _write_fates(rng: random.Random, mode: str, n: int) -> list[str]:
