@@ -74,7 +74,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 from mtaq.admin.service import AdminService
-from mtaq.core.errors import CorruptRecord, StorageError, StorageFatal
+from mtaq.core.errors import CorruptRecord, StorageError
 from mtaq.core.records import PARKED, EnvelopeRecord, Outcome, Pos, StartRecord
 from mtaq.core.state import RetryPolicy
 from mtaq.core.view import Selector
@@ -105,7 +105,7 @@ SPOOL = "/spool"
 LOG_DIR = "/spool/log"
 SENDER = "s@example.org"
 T0 = 1_800_000_000.0  # the clock of the first run (UTC seconds)
-RUN_GAP_S = 10_000.0  # each run after a crash starts this much later
+RUN_GAP_S = 2_000.0  # each run starts this much later than the one before (8 numbers per crash)
 IDLE_JUMP_S = 61.0  # finishing: the clock jump when nothing is due (the retry interval is 60 s)
 POLICY = RetryPolicy(intervals_s=(60.0,))
 
@@ -150,14 +150,19 @@ def deterministic() -> Iterator[None]:
     """While it is entered: queue IDs (``mtaq.queue.store.new_queue_id``) and segment salts and header
     times (``mtaq.storage.log``) depend only on the run and the order of the calls, so that a history
     replays byte for byte. Restores the real ones on exit."""
-    saved = (store.new_queue_id, log_module.secrets, log_module.time)
-    store.new_queue_id = _Ids.queue_id  # type: ignore[assignment]
-    log_module.secrets = cast(Any, types.SimpleNamespace(randbits=_Ids.randbits))
-    log_module.time = cast(Any, _FixedTime())
+    patches: list[tuple[types.ModuleType, str, object]] = [
+        (store, "new_queue_id", _Ids.queue_id),
+        (log_module, "secrets", types.SimpleNamespace(randbits=_Ids.randbits)),
+        (log_module, "time", _FixedTime()),
+    ]
+    saved = [(mod, name, mod.__dict__[name]) for mod, name, _new in patches]
+    for mod, name, new in patches:
+        mod.__dict__[name] = new
     try:
         yield
     finally:
-        store.new_queue_id, log_module.secrets, log_module.time = saved  # type: ignore[assignment]
+        for mod, name, old in saved:
+            mod.__dict__[name] = old
 
 
 # ---------------------------------------------------------------------------------------------- events
@@ -469,14 +474,14 @@ class Proc:
             for i in hops:
                 self.trace.events[i] = replace(cast(Hop, self.trace.events[i]), durable_t=self.trace.t)
         try:
-            c, _pos = q.conclude(attempt, body)
+            q.conclude(attempt, body)
         except CorruptRecord as exc:
             for r in rcpts:
                 o = attempt.outcomes.get(r.index)
                 if o is None or o.status == "deferred":
                     attempt.outcomes[r.index] = Outcome(index=r.index, status="failed", code=554, enhanced="5.3.0",
                                                         text=f"message data unreadable in queue: {exc}")
-            c, _pos = q.conclude(attempt, b"")
+            q.conclude(attempt, b"")
         # Not waited for: the round Queue.conclude asked for (sync_soon) runs at the next await, so the next
         # offer's START may come first (and roll the segment over), as in the daemon, whose worker goes back
         # to the dispatcher while that round runs in its thread.
@@ -871,7 +876,8 @@ class _Explorer:
                           path: tuple[Step, ...], snapshots: bool) -> tuple[Trace, Final]:
         """One run from ``fs`` (the workload's when ``path`` is empty, else a start after the crashes of
         ``path``), finished; returns its trace and final state."""
-        trace = Trace(fs, snapshots=snapshots, run=len(path))
+        # Runs number 8 per crash (a workload may restart): queue IDs never repeat within a history.
+        trace = Trace(fs, snapshots=snapshots, run=8 * len(path))
         proc = Proc(trace, spec.segment_bytes_max)
         failure, drained = "", False
         try:
