@@ -92,3 +92,27 @@ def test_negative_control_recovery_that_drops_delivery_records_is_caught(monkeyp
     monkeypatch.setattr(recovery, "DeliveryRecord", NoDelivery)
     report = explore(["dsn"], Bounds(crashes=1, kill=False, torn=False))
     assert report.violations[("dsn", "delivered-twice")] > 0
+
+
+MIRRORED = ["checkpoint", "copy_forward", "hold_release", "delay_flush", "flush_deferred", "delete", "bounce"]
+
+
+@pytest.mark.parametrize("workload", MIRRORED)
+def test_the_mirrored_daemon_and_admin_steps_do_exactly_what_the_real_ones_do(workload, monkeypatch):
+    """mtaq.testing may not import the daemon or the admin service, so the explorer mirrors
+    Daemon.checkpoint, Daemon._copy_parked_forward and AdminService.act. The same workload, finished, with
+    the real ones in their place makes the same file-system operations, byte for byte, and leaves the
+    same files: a change to the daemon's steps that the mirror does not follow fails here."""
+    from mtaq.admin.service import AdminService
+    from mtaq.daemon.process import Daemon
+    from mtaq.testing.explorer import SPOOL, Proc, run_once
+
+    mirrored = run_once(workload)
+    monkeypatch.setattr(Proc, "checkpoint", lambda self: Daemon.checkpoint(self))
+    monkeypatch.setattr(Proc, "_copy_parked_forward", lambda self: Daemon._copy_parked_forward(self))
+    monkeypatch.setattr(Proc, "act", lambda self, action, selector, *, delay_s=None: AdminService(
+        self.queue, self.runners, self.clock, SPOOL).act(action, selector, delay_s=delay_s))
+    real = run_once(workload)
+    assert real.ops == mirrored.ops
+    assert real.files() == mirrored.files()
+    assert len(real.ops) > 30

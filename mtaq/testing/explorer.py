@@ -2,8 +2,9 @@
 
 The approach of ALICE (Pillai et al., OSDI 2014) and CrashMonkey/B3 (Mohan et al., OSDI 2018): run a short
 *workload* of the real code (:class:`~mtaq.storage.log.Log`, :class:`~mtaq.queue.store.Queue`,
-:func:`~mtaq.queue.recovery.recover`, :class:`~mtaq.admin.service.AdminService`, ``Daemon.checkpoint``)
-on the in-memory :class:`~mtaq.testing.crashfs.CrashFileSystem`, take a snapshot of the file system after
+:func:`~mtaq.queue.recovery.recover`, the queue runners' cursors; ``Daemon.checkpoint`` and
+``AdminService.act`` mirrored line for line, as this package may not import them, with a test that the
+mirrors do exactly what the originals do) on the in-memory :class:`~mtaq.testing.crashfs.CrashFileSystem`, take a snapshot of the file system after
 every operation (append, truncate, fsync, fsync_dir, create, rename, unlink), then enumerate the crash
 states each snapshot allows, recover each with the real start (``Log.open``, ``recover``, the daemon's
 first checkpoint), finish the queue, and check the promises of GUIDE §1 on what happened.
@@ -33,8 +34,7 @@ count of distinct states is ``ExploreReport.states``.
 and positions, driven one pass at a time as ``Runner.run`` does, minus the waiting), the parked runner
 (``Daemon._parked_runner``), and a delivery worker (``Daemon._worker`` and ``Daemon._attempt``, mirrored
 step for step without logging) deliver everything due; held mail is released (``AdminService.act``);
-when nothing is due the daemon's periodic ``Daemon.checkpoint`` runs (the real method, called on this
-object) and the clock jumps 61 s (or to the next parked due time), until two such rounds pass idle. The next hop is :class:`FakeHop`,
+when nothing is due the daemon's periodic ``Daemon.checkpoint`` runs and the clock jumps 61 s (or to the next parked due time), until two such rounds pass idle. The next hop is :class:`FakeHop`,
 **a fake for the internet**: its replies are fixed per recipient (``ok*`` 250, ``bad*`` 550, ``slow*``
 451 at the first attempt and 250 after), and it remembers every message it accepted.
 
@@ -73,16 +73,19 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
-from mtaq.admin.service import AdminService
+from mtaq.core.checkpoint import Checkpoint
 from mtaq.core.errors import CorruptRecord, StorageError
-from mtaq.core.records import PARKED, EnvelopeRecord, Outcome, Pos, StartRecord
+from mtaq.core.frame import scan_segment
+from mtaq.core.records import PARKED, EnvelopeRecord, Outcome, Pos, RecordType, StartRecord
 from mtaq.core.state import RetryPolicy
-from mtaq.core.view import Selector
+from mtaq.core.view import QueueView, Selector
 from mtaq.queue import store
 from mtaq.queue.recovery import RecoveryResult, recover
 from mtaq.queue.runners import Dispatcher, Runner
 from mtaq.queue.store import Queue
 from mtaq.storage import log as log_module
+from mtaq.storage.checkpoint import write_checkpoint
+from mtaq.storage.cursor import LogCursor
 from mtaq.storage.log import Log, scan_log
 from mtaq.storage.logtools import verify
 from mtaq.testing.crashfs import Change, CrashFileSystem, FsSnapshot
@@ -99,6 +102,7 @@ __all__ = [
     "deterministic",
     "explore",
     "replay",
+    "run_once",
 ]
 
 SPOOL = "/spool"
@@ -108,6 +112,45 @@ T0 = 1_800_000_000.0  # the clock of the first run (UTC seconds)
 RUN_GAP_S = 2_000.0  # each run starts this much later than the one before (8 numbers per crash)
 IDLE_JUMP_S = 61.0  # finishing: the clock jump when nothing is due (the retry interval is 60 s)
 POLICY = RetryPolicy(intervals_s=(60.0,))
+PARKED_COPIES_MAX = 1000  # as mtaq.daemon.process
+_APPLIES = {  # as mtaq.admin.service: which states each action applies to
+    "delete": {"incoming", "deferred", "delayed", "held"},
+    "bounce": {"incoming", "deferred", "delayed", "held"},
+    "hold": {"incoming", "deferred", "delayed"},
+    "release": {"held"},
+    "flush": {"incoming", "deferred", "delayed"},
+    "delay": {"incoming", "deferred", "delayed"},
+}
+
+
+def _view_of_segments(log: Log, end: Pos) -> QueueView:
+    """As ``mtaq.admin.service._view_of_segments``: every record of the log before ``end``, folded."""
+    view = QueueView(end=end)
+    for n in log.segments():
+        if n > end.segment:
+            break
+        try:
+            buf = log.read_segment(n)
+        except FileNotFoundError:
+            continue
+        if n == end.segment:
+            buf = buf[: end.offset]
+        for pos, rec in scan_segment(n, buf, skip_data=True).records:
+            view.apply(pos, rec, pos)
+    view.end = end
+    return view
+
+
+def _catch_up(view: QueueView, log: Log) -> None:
+    """As ``mtaq.admin.service._catch_up``: bring ``view`` forward to the log's current end."""
+    end = log.end
+    cur = LogCursor(log, view.end)
+    while (found := cur.peek(end, lambda t: t != RecordType.DATA)) is not None:
+        assert found is not False
+        pos, rec = found
+        cur.skip()
+        view.apply(pos, rec, cur.pos)
+    view.end = end
 
 
 # ---------------------------------------------------------------------------------------------- determinism
@@ -330,9 +373,9 @@ class Proc:
     :meth:`start` (``Log.open``, ``Queue``, ``recover``, the runners, the first ``Daemon.checkpoint``), as
     ``Daemon.run`` does, without SMTP. Workloads call its steps; :meth:`finish` drains the queue.
 
-    It also serves as the ``self`` of the real ``Daemon.checkpoint`` and ``Daemon._copy_parked_forward``
-    (the attributes they use: queue, runners, fs, cfg.spool_dir, archive, clock, log, checkpoints,
-    reclaimed, _copy_failed).
+    It can also serve as the ``self`` of the real ``Daemon.checkpoint`` and ``Daemon._copy_parked_forward``
+    (it has the attributes they use: queue, runners, fs, cfg.spool_dir, archive, clock, log, checkpoints,
+    reclaimed, _copy_failed), which is how tests/test_explorer.py checks the mirrors below.
     """
 
     def __init__(self, trace: Trace, segment_bytes_max: int) -> None:
@@ -372,19 +415,84 @@ class Proc:
         dispatcher = Dispatcher(n + 1)
         self.runners = [Runner(k, qlog, dispatcher, res.runners[k], res.garbage[k], runners=n, clock=self.clock)
                         for k in range(n)]
-        self.admin_service = AdminService(self.queue, self.runners, self.clock, SPOOL)
         await self.checkpoint()
 
+    # The daemon's and the admin service's steps, mirrored line for line: mtaq.testing may not import
+    # mtaq.daemon nor mtaq.admin (tests/test_architecture.py). tests/test_explorer.py runs the workloads
+    # with the real Daemon.checkpoint, Daemon._copy_parked_forward and AdminService.act in their place and
+    # checks that every file-system operation and every byte is the same.
     async def checkpoint(self) -> None:
-        """The real ``Daemon.checkpoint`` (copy parked mail forward, positions, log sync, write, reclaim)."""
-        from mtaq.daemon.process import Daemon
-
-        await Daemon.checkpoint(cast(Any, self))
+        """``Daemon.checkpoint`` (no archive): copy parked mail forward, take the positions, fsync the log,
+        write the checkpoint, delete wholly-garbage segments."""
+        qlog, working = self.queue.log, self.queue.working
+        self._copy_parked_forward()
+        head = qlog.end
+        positions = tuple(r.position for r in self.runners)
+        garbage = tuple(tuple(sorted(r.garbage)) for r in self.runners)
+        suffix = working.earliest_start() or head
+        parked = self.queue.parked
+        pins = self.queue.data_pins
+        true_garbage_end = min((*positions, working.earliest_envelope() or head, parked.earliest() or head, head,
+                                *pins.values()))
+        self.queue.revoked = {p for p in self.queue.revoked if p >= min(positions, default=head)}
+        cp = Checkpoint(head=head, suffix=suffix, runners=positions, garbage=garbage, written_ts=self.clock(),
+                        parked=tuple(sorted(parked.entries)), counts=self.queue.counts.snapshot(),
+                        pins=tuple(sorted(pins.items())))
+        await qlog.sync()
+        await asyncio.to_thread(write_checkpoint, self.fs, self.cfg.spool_dir, cp)
+        self.checkpoints += 1
+        limit = true_garbage_end.segment - 1
+        gone = qlog.delete_segments_before(limit)
+        self.reclaimed += len(gone)
 
     def _copy_parked_forward(self) -> None:
-        from mtaq.daemon.process import Daemon
+        """``Daemon._copy_parked_forward``: copy the parked envelopes that alone pin old segments."""
+        q = self.queue
+        qlog, parked = q.log, q.parked
+        if not parked.entries:
+            return
+        head = qlog.end
+        positions = [r.position for r in self.runners]
+        pinned_below = min((*positions, q.working.earliest_envelope() or head, head)).segment - 1
+        old = sorted(p for p in parked.entries
+                     if p.segment < pinned_below and p not in self._copy_failed)[:PARKED_COPIES_MAX]
+        for pos in old:
+            try:
+                env = qlog.read(pos)
+                if not isinstance(env, EnvelopeRecord):
+                    raise CorruptRecord(f"{pos} is not an envelope")
+                q.copy_forward(pos, env)
+            except CorruptRecord:
+                self._copy_failed.add(pos)
+            except StorageError:
+                return
 
-        Daemon._copy_parked_forward(cast(Any, self))
+    async def act(self, action: str, selector: Selector, *, delay_s: float | None = None) -> None:
+        """``AdminService.act`` (its checks of the request aside): view the queue as of the durable end,
+        catch up to the end, append each chosen message's action, commit once."""
+        release_ts: float | None = None
+        if action == "delay":
+            assert delay_s is not None
+            release_ts = self.clock() + delay_s
+        qlog = self.queue.log
+        view = await asyncio.to_thread(_view_of_segments, qlog, qlog.durable_end)
+        _catch_up(view, qlog)
+        lsn = 0
+        for e in selector.select(view.entries.values(), self.clock()):
+            if e.state == "active" or e.state not in _APPLIES[action]:
+                continue
+            try:
+                _rec, _pos, lsn = self.queue.admin(e.pos, e.envelope, action, release_ts=release_ts)
+            except CorruptRecord:
+                continue
+            k = e.envelope.runner  # AdminService._out_of_runners_way
+            if k != PARKED and self.runners:
+                r = self.runners[min(k, len(self.runners) - 1)]
+                if e.pos >= r.position:
+                    r.garbage.add(e.pos)
+                    r.poke()
+        if lsn:
+            await qlog.commit(lsn)
 
     async def receive(self, marker: int, rcpts: Sequence[str], *, delay_s: float | None = None) -> str:
         """A client's message ``marker`` to ``rcpts`` (FUTURERELEASE ``delay_s``); returns after the 250."""
@@ -395,10 +503,10 @@ class Proc:
         return env.queue_id
 
     async def admin(self, action: str, marker: int, *, delay_s: float | None = None) -> None:
-        """An administrator's ``action`` on message ``marker`` through the real AdminService."""
+        """An administrator's ``action`` on message ``marker`` (:meth:`act`)."""
         qid = self.qids[marker]
         self.trace.events.append(Request(action, qid, self.trace.t))
-        await self.admin_service.act(action, Selector(ids=(qid,)), delay_s=delay_s)
+        await self.act(action, Selector(ids=(qid,)), delay_s=delay_s)
 
     async def deliver_due(self) -> int:
         """One pass of every runner and of the parked runner: deliver what is due now. Returns how many
@@ -503,7 +611,7 @@ class Proc:
         idle = 0
         for _ in range(rounds_max):
             if any(due is None for _q, due in self.queue.parked.entries.values()):
-                await self.admin_service.act("release", Selector(held=True))
+                await self.act("release", Selector(held=True))
             if await self.deliver_due():
                 idle = 0
                 continue
@@ -544,7 +652,7 @@ async def w_dsn(p: Proc) -> Proc:
 
 
 async def w_hold_release(p: Proc) -> Proc:
-    """Admin hold, then release (AdminService.act: START(admin) and a replacement, each committed)."""
+    """Admin hold, then release (``AdminService.act``: START(admin) and a replacement, each committed)."""
     await p.receive(1, ["ok1@example.net"])
     await p.admin("hold", 1)
     await p.admin("release", 1)
@@ -960,6 +1068,27 @@ def explore(workloads: Sequence[str] | None = None, bounds: Bounds | None = None
         asyncio.run(go())
     report.seconds = time.monotonic() - t0
     return report
+
+
+def run_once(workload: str) -> CrashFileSystem:
+    """Run ``workload`` and finish the queue, without a crash; return its file system (``ops`` records
+    every operation). Deterministic (see :func:`deterministic`)."""
+    spec = WORKLOADS[workload]
+
+    async def go() -> CrashFileSystem:
+        asyncio.get_running_loop().set_default_executor(_Inline(max_workers=1))
+        trace = Trace(CrashFileSystem(), snapshots=False, run=0)
+        proc = Proc(trace, spec.segment_bytes_max)
+        try:
+            await proc.start()
+            proc = await spec.fn(proc)
+            await proc.finish()
+        finally:
+            proc.close()
+        return trace.fs
+
+    with deterministic():
+        return asyncio.run(go())
 
 
 def replay(workload: str, path: Sequence[Step]) -> list[tuple[str, str]]:
