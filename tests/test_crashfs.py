@@ -230,6 +230,90 @@ def test_crash_is_deterministic_for_a_seed():
     assert len({tuple(sorted(run(s).items())) for s in range(10)}) > 1
 
 
+def test_pending_lists_every_unsynced_change_in_the_order_made():
+    """pending() lists the writes, truncations and directory changes not yet durable, in order, with
+    their place; an fsync (file) or fsync_dir (directory) removes its own from the list."""
+    fs = CrashFileSystem()
+    synced_file(fs, "/d/a", b"durable")
+    f = fs.open("/d/a")
+    f.append(b"one")
+    g = fs.open("/d/b", create=True)
+    g.append(b"two")
+    f.truncate(3)
+    fs.rename("/d/b", "/d/c")
+    assert [
+        "#4 write /d/a@7+3", "#5 link /d/b", "#6 write /d/b@0+3", "#7 truncate /d/a to 3", "#8 rename /d/b -> c",
+    ] == [str(c) for c in fs.pending()]
+    f.fsync()
+    fs.fsync_dir("/d")
+    assert ["#6 write /d/c@0+3"] == [str(c) for c in fs.pending()]
+    assert {"/d/a": b"dur", "/d/c": b"two"} == fs.files()
+
+
+def test_crash_to_keeps_exactly_the_chosen_changes():
+    """crash_to(keep, torn) is a power cut with every outcome chosen: a later write kept after a lost one
+    (out-of-order write-back: the lost one reads as zeros), a torn write's prefix, a creation undone."""
+    def setup() -> tuple[CrashFileSystem, list[int]]:
+        fs = CrashFileSystem()
+        synced_file(fs, "/d/a", b"D")
+        f = fs.open("/d/a")
+        f.append(b"111")
+        f.append(b"222")
+        fs.open("/d/new", create=True).append(b"x")
+        return fs, [c.seq for c in fs.pending()]
+
+    fs, (w1, w2, link, wx) = setup()
+    fs.crash_to({w2, link})
+    assert {"/d/a": b"D\x00\x00\x00222", "/d/new": b""} == fs.files()
+    assert [] == fs.pending()
+    fs, (w1, w2, link, wx) = setup()
+    fs.crash_to({w1, wx}, {w2: 1})
+    assert {"/d/a": b"D1112"} == fs.files()  # /d/new's entry was lost: its data is unreachable
+    fs, _ = setup()
+    fs.crash_to(())
+    assert {"/d/a": b"D"} == fs.files() == fs.durable_snapshot()
+    assert ("crash", "chosen") == fs.ops[-1]
+
+
+def test_kill_keeps_the_page_cache_and_a_later_cut_can_still_take_it():
+    """kill() (kill -9) kills the open files and changes nothing else: unsynced changes stay pending, and a
+    power cut after it (in the next run) can still lose them."""
+    fs = CrashFileSystem()
+    synced_file(fs, "/a", b"durable")
+    f = fs.open("/a")
+    f.append(b"+later")
+    fs.kill()
+    with pytest.raises(OSError) as info:
+        f.size()
+    assert errno.EBADF == info.value.errno
+    assert {"/a": b"durable+later"} == fs.files()
+    assert ["#3 write /a@7+6"] == [str(c) for c in fs.pending()]
+    fs.crash_to(())
+    assert {"/a": b"durable"} == fs.files()
+
+
+def test_snapshot_restores_the_whole_state_any_number_of_times():
+    """restore(snapshot()) is a new file system in the same state (durable contents, current contents and
+    pending changes), whatever happens afterwards to the original or to another copy; on_op is called
+    after every operation."""
+    fs = CrashFileSystem()
+    seen = []
+    fs.on_op = seen.append
+    synced_file(fs, "/d/a", b"durable")
+    fs.open("/d/a").append(b"+x")
+    snap = fs.snapshot()
+    fs.open("/d/a").append(b"+y")
+    fs.crash(random.Random(0), mode="drop")
+    one, two = CrashFileSystem.restore(snap), CrashFileSystem.restore(snap)
+    one.crash_to(())
+    assert {"/d/a": b"durable"} == one.files()
+    assert {"/d/a": b"durable+x"} == two.files() == CrashFileSystem.restore(snap).files()
+    assert ["#4 write /d/a@7+2"] == [str(c) for c in two.pending()]
+    assert {"/d/a": b"durable"} == two.durable_snapshot()
+    assert len(fs.ops) == len(seen)
+    assert ("crash", "drop") == seen[-1]
+
+
 def test_open_files_are_dead_after_a_crash():
     """After crash() every File object raises OSError(EBADF) on every call; so does a closed File."""
     fs = CrashFileSystem()
