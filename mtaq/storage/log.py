@@ -176,6 +176,7 @@ class OpenReport:
     repaired: list[Problem] = field(default_factory=list)  # torn tails truncated, torn segments removed
     unsealed: set[int] = field(default_factory=set)  # segments found unsealed (being written at the crash)
     new_segment: int = 0
+    baseline_fsyncs: int = 0  # fsync calls that made every existing segment durable before anything was read
 
 
 def _make_durable_dirs(fs: FileSystem, directory: str) -> None:
@@ -188,6 +189,24 @@ def _make_durable_dirs(fs: FileSystem, directory: str) -> None:
     for d in reversed(missing):
         fs.makedirs(d)
         fs.fsync_dir(os.path.dirname(d))
+
+
+def _durable_baseline(fs: FileSystem, directory: str, numbers: list[int]) -> int:
+    """Make every existing segment, and the log directory, durable before anything in them is read or
+    trusted (GUIDE I7; PostgreSQL's ``SyncDataDirectory`` after a crash). A run killed with kill -9 leaves
+    its unsynced writes in the page cache: this run would read them back, act on them and checkpoint past
+    them, and a power cut one run later could still take them. Returns the number of fsync calls. Raises
+    OSError (the caller makes it a StorageError: the daemon does not start on a spool it cannot sync)."""
+    calls = 0
+    for n in numbers:
+        f = fs.open(segment_path(directory, n))
+        try:
+            f.fsync()
+        finally:
+            f.close()
+        calls += 1
+    fs.fsync_dir(directory)
+    return calls + 1
 
 
 class _SourceError(Exception):
@@ -288,7 +307,8 @@ class Log:
     def open(cls, fs: FileSystem, directory: str, *, segment_bytes_max: int) -> tuple[Log, OpenReport]:
         """Open (creating if needed) the log in ``directory``; repair the newest segment's tail; start a new segment.
 
-        The newest segment is scanned: a torn tail is truncated, a segment whose header never reached the
+        First every existing segment and the directory are fsync'd (the durable baseline, GUIDE I7): what
+        this run reads of earlier runs is on disk, not only in the page cache. The newest segment is scanned: a torn tail is truncated, a segment whose header never reached the
         disk is removed, and the segment is sealed. Appends then go to a fresh segment, so the rest of
         recovery can read the old ones while mail is accepted. Raises StorageError when the disk refuses.
         """
@@ -297,6 +317,7 @@ class Log:
         try:
             _make_durable_dirs(fs, directory)
             nums = list_segments(fs, directory)
+            report.baseline_fsyncs = _durable_baseline(fs, directory, nums)
             highest = max(nums, default=0)
             while nums:
                 n = nums[-1]
