@@ -83,9 +83,9 @@ def test_a_power_cut_one_run_after_a_kill_loses_no_deferred_message() -> None:
     q._append_message("carol@example.org", ["dave@example.net"], BODY * 3)  # being received: rolls over
     assert q.log.current_segment == segment + 1  # the concluded attempt's segment is sealed
     # kill -9: the Log is abandoned; its writes stay in the (simulated) page cache, unsynced.
-    q2, _ = start(fs)
+    _q2, _ = start(fs)
     fs.crash(random.Random(0), mode="drop")  # the power cut, one run later
-    q3, res3 = start(fs)
+    _q3, res3 = start(fs)
     assert 1 == len(offered(fs, res3, env.queue_id))
 
 

@@ -59,7 +59,9 @@ from mtaq.core.frame import (
     scan_segment,
 )
 from mtaq.core.records import (
+    DeliveryRecord,
     EnvelopeRecord,
+    FinishRecord,
     PayloadError,
     Pos,
     Record,
@@ -394,7 +396,8 @@ class Log:
         """Seal the current segment (if not yet) and create the next one."""
         if not self._cur_sealed:
             assert self._cur is not None
-            rtype, payload = encode_payload(SealRecord(segment=self._cur_no, records=self._cur_records))
+            rtype, payload = encode_payload(SealRecord(segment=self._cur_no, records=self._cur_records,
+                                                       durable=self._durable_end))
             self._cur.append(encode_frame(int(rtype), payload, self._cur_salt))
             self._cur_sealed = True
             self._dirty[self._cur_no] = self._cur
@@ -470,7 +473,8 @@ class Log:
         """
         if self._failed is not None:
             raise self._failed
-        if (isinstance(record, EnvelopeRecord | StartRecord) and self._durable_end.segment
+        if (isinstance(record, EnvelopeRecord | StartRecord | DeliveryRecord | FinishRecord)
+                and self._durable_end.segment
                 and record.durable != self._durable_end):  # a replacement carries its predecessor's: renewed
             # Book-keeping that rides on records written anyway: where the fsync'd prefix ended when this was
             # appended. Recovery takes the largest such claim as a floor of the durable end (docs/log_format.md).
