@@ -1,6 +1,6 @@
 """Recovery: the only way to start (crash-only software; seed 001).
 
-Before SMTP listens, :meth:`Log.open` repairs the newest segment's tail and starts a fresh segment, so mail
+Before SMTP listens, :meth:`Log.open` fsyncs every existing segment (the durable baseline, GUIDE I7), repairs the newest segment's tail and starts a fresh segment, so mail
 is accepted at once. Then :func:`recover`:
 
 1. loads the checkpoint (advisory: without one, or with a torn one, it starts from the oldest segment);
@@ -15,7 +15,8 @@ is accepted at once. Then :func:`recover`:
    every ENVELOPE and START, the envelopes STARTs name): damage before that point is corruption, after it
    (with records after it) an unsynced hole. A conclusion written after a hole that lies within its own
    attempt is not trusted (the hole may have held its DATA copy or its DSNs): the attempt stays open, and
-   what that conclusion left is ended (docs/log_format.md, "Durable end, holes ...");
+   what that conclusion left is ended; so is a replacement whose START was lost (docs/log_format.md, "What
+   recovery trusts", the whole rule in one place);
 3. concludes each interrupted attempt like a delivery worker would: DSNs for durable failures, then a
    FINISH or a replacement envelope; DATA that cannot be copied forward bounces what is left (554 5.3.0). A recipient without a durable DELIVERY record has an *unknown*
    outcome (GUIDE I4): it is logged as such and retried at once by the runner for new mail.
@@ -402,9 +403,7 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
         k = min(env.runner, n - 1)
         if k >= 0 and pos >= runners[k]:
             garbage[k].add(pos)
-        reason = ("its data never reached the disk before the crash; no 250 was sent for it"
-                  if why == "unacknowledged_dropped" else
-                  "written after an unsynced hole within its attempt; the attempt is concluded again")
+        reason = "written after an unsynced hole within its attempt, or its START was lost; not a conclusion"
         logger.warning(why, queue_id=env.queue_id, envelope=str(pos), reason=reason)
     await log.sync()
     res.runners, res.garbage = runners, garbage
