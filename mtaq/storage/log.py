@@ -194,7 +194,7 @@ def _make_durable_dirs(fs: FileSystem, directory: str) -> None:
 
 
 def _durable_baseline(fs: FileSystem, directory: str, numbers: list[int]) -> int:
-    """Make every existing segment, and the log directory, durable before anything in them is read or
+    """Make every existing segment, the log directory and its parent (the spool) durable before anything is read or
     trusted (GUIDE I7; PostgreSQL's ``SyncDataDirectory`` after a crash). A run killed with kill -9 leaves
     its unsynced writes in the page cache: this run would read them back, act on them and checkpoint past
     them, and a power cut one run later could still take them. Returns the number of fsync calls. Raises
@@ -208,7 +208,8 @@ def _durable_baseline(fs: FileSystem, directory: str, numbers: list[int]) -> int
             f.close()
         calls += 1
     fs.fsync_dir(directory)
-    return calls + 1
+    fs.fsync_dir(os.path.dirname(os.path.abspath(directory)))  # the spool: the checkpoint's rename
+    return calls + 2
 
 
 class _SourceError(Exception):
