@@ -115,6 +115,40 @@ def test_a_copy_forward_whose_start_was_lost_leaves_one_held_envelope(tmp_path):
         log.close()
 
 
+def test_a_lost_start_before_a_surviving_data_copy_is_a_hole_not_corruption(tmp_path):
+    """Found by the crash-state explorer (V5): a copy forward of held mail, the power cut keeps the DATA copy
+    and loses the START before it (and the replacement after it was never written). Recovery lists no DATA
+    records (it checksums them only), so it took the last good frame for the one before the zeros and
+    called them corruption: ``mtaq log verify`` failed on a plain crash leftover. Now the zeros, with a good
+    frame after them and after the known durable end, are an unsynced hole; the message is held, once, and
+    the log verifies."""
+    import io
+
+    from mtaq.storage.logtools import verify
+
+    spool = str(tmp_path)
+    log, q, _ = start(spool, segment_bytes_max=1 << 20)
+    env = asyncio.run(q.receive("alice@example.org", ["bob@example.net"], BODY))
+    _rec, _pos, lsn = q.admin(live(spool)[env.queue_id][0][0], env, "hold")
+    asyncio.run(log.commit(lsn))
+    [(hpos, henv)] = live(spool)[env.queue_id]
+    checkpoint_here(spool, log, parked=(hpos,))
+    q.copy_forward(hpos, henv)
+    log.close()
+    [copy] = [p for p, r in records(spool) if isinstance(r, EnvelopeRecord) and r.replaces is not None
+              and p > hpos]
+    cut_after(spool, Pos(copy.segment, copy.offset - 1))  # the replacement never reached the file
+    [start_pos] = zero(spool, lambda p, r: isinstance(r, StartRecord) and r.admin == "copy")
+    for _ in range(2):
+        log, _q2, res = start(spool, segment_bytes_max=1 << 20)
+        assert ([start_pos.offset], []) == ([h.offset for h in res.holes], res.corrupt)
+        [(lpos, lenv)] = live(spool)[env.queue_id]
+        assert (hpos, True, BODY) == (lpos, lenv.held, body_of(log, lenv))
+        log.close()
+    out = io.StringIO()
+    assert 0 == verify(os.path.join(spool, "log"), out=out), out.getvalue()
+
+
 def test_a_bit_flip_in_the_fsynced_data_of_an_acknowledged_message_is_corruption_not_a_hole(tmp_path):
     """31.3: M is received and fsync'd (250); another message's DELIVERY, appended after that fsync, rolls
     the segment; a bit of M's body flips in the sealed segment. Before the fix M's ENVELOPE carried the

@@ -199,7 +199,10 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
                 durable_known = Pos(rec.envelope.segment, rec.envelope.offset + 1)
         await asyncio.sleep(0)  # let SMTP clients in between segments
 
-    last_record = max((sc.records[-1][0] for _s, sc, _u in scans if sc.records), default=Pos(0, 0))
+    # Where the last good frame ends, DATA frames included (recovery's scans list no DATA records): damage
+    # before it has good frames after it.
+    last_record = max((Pos(sc.segment, sc.valid_end) for _s, sc, _u in scans if sc.frames or sc.sealed),
+                      default=Pos(0, 0))
 
     hole_epoch: dict[tuple[int, int], Pos] = {}
 
