@@ -89,7 +89,7 @@ def test_payloads_outside_the_grammar_are_left_to_msgspec():
     enc = msgspec.msgpack.encode
     ok = enc(FinishRecord("Q1", Pos(1, 32), T0))
     assert columns(FinishRecord, [ok]) is not None
-    for wide in (b"\x94\xcc\x05" + ok[2:], b"\x94\xd0\x05" + ok[2:]):
+    for wide in (ok[:1] + b"\xcc\x05" + ok[2:], ok[:1] + b"\xd0\x05" + ok[2:]):
         rec = msgspec.msgpack.decode(wide, type=FinishRecord)
         assert same(columns(FinishRecord, [ok, wide]), columns_of_rows(FinishRecord, [_as_row(rec)] * 2))
     takes = [

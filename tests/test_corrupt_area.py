@@ -13,7 +13,7 @@ import structlog
 
 from mtaq.core.checkpoint import Checkpoint
 from mtaq.core.frame import scan_segment
-from mtaq.core.records import DataRecord, EnvelopeRecord, FinishRecord, Pos, RecordType, StartRecord
+from mtaq.core.records import DataRecord, EnvelopeRecord, Pos, RecordType, StartRecord
 from mtaq.core.state import RetryPolicy
 from mtaq.queue.recovery import recover
 from mtaq.queue.store import Queue
@@ -164,7 +164,7 @@ def test_hole_left_by_a_crash_after_the_checkpoint_is_an_unsynced_hole_not_corru
     and the log verifies. For bytes that were fsync'd after the last checkpoint (both messages got their
     250), the same damage is corruption: the second message's envelope carries the durable end when it
     was appended, which covers the first one (issue 12.4: the checkpoint's head alone called it a hole and
-    the acknowledged message was dropped silently); verify fails, nothing is dropped."""
+    the acknowledged message was dropped silently); verify fails. Either way nothing is dropped."""
     spool = str(tmp_path)
     log, q, _ = start(spool, segment_bytes_max=1 << 20)
     receive(q, 3)
@@ -197,23 +197,15 @@ def test_hole_left_by_a_crash_after_the_checkpoint_is_an_unsynced_hole_not_corru
     out = io.StringIO()
     assert (1 if acknowledged else 0) == verify(os.path.join(spool, "log"), out=out), out.getvalue()
     recs = [r for s in scan_log(OsFileSystem(), os.path.join(spool, "log")) for _, r in s.records]
-    if acknowledged:
-        # Never dropped: the envelope stays live, and a delivery worker bounces it (554 5.3.0, with a DSN).
-        assert not any(isinstance(r, StartRecord) and r.queue_id == late[0].queue_id for r in recs)
-        return
-    # The envelope whose DATA fell in the hole was never acknowledged: recovery ends it (START + FINISH)
-    # instead of bouncing it; the message after it stays queued. A second start changes nothing more.
-    env_pos = envelopes(spool)[late[0].queue_id]
-    starts = [r for r in recs if isinstance(r, StartRecord) and r.envelope == env_pos]
-    assert 1 == len(starts)
-    assert 1 == sum(1 for r in recs if isinstance(r, FinishRecord) and r.queue_id == late[0].queue_id)
+    # Never dropped silently (issue 31.3): recovery cannot tell a page a power cut lost from a bit flipped
+    # in fsync'd data that no later record vouches for, so the envelope stays live either way and a delivery
+    # worker bounces it (554 5.3.0, with a DSN). A second start classifies the damage the same way.
+    assert not any(isinstance(r, StartRecord) and r.queue_id == late[0].queue_id for r in recs)
     assert not any(isinstance(r, StartRecord) and r.queue_id == late[1].queue_id for r in recs)
     log, q, res = start(spool, segment_bytes_max=1 << 20)
     log.close()
-    assert [data_pos.offset] == [p.offset for p in res.holes]
-    assert [] == res.corrupt
-    recs = [r for s in scan_log(OsFileSystem(), os.path.join(spool, "log")) for _, r in s.records]
-    assert 1 == sum(1 for r in recs if isinstance(r, StartRecord) and r.envelope == env_pos)
+    assert [data_pos.offset] == [p.offset for p in (res.corrupt if acknowledged else res.holes)]
+    assert [] == (res.holes if acknowledged else res.corrupt)
 
 
 def runner_walk(log: Log, first: Pos, end: Pos) -> tuple[list[str], list]:

@@ -164,7 +164,7 @@ class DeliveryRecord(msgspec.Struct, frozen=True, array_like=True, tag=int(Recor
     """Final replies for a set of recipients of the attempt started at ``start``; ``relay`` names the next hop.
 
     ``remote_dsn`` is True when the next hop offered the DSN extension (RFC 3461), so that it, not we,
-    reports success to the sender.
+    reports success to the sender. ``durable``: as in :class:`EnvelopeRecord` (stamped by the log).
     """
 
     queue_id: str
@@ -173,21 +173,27 @@ class DeliveryRecord(msgspec.Struct, frozen=True, array_like=True, tag=int(Recor
     relay: str
     outcomes: tuple[Outcome, ...]
     remote_dsn: bool = False
+    durable: Pos | None = None
 
 
 class FinishRecord(msgspec.Struct, frozen=True, array_like=True, tag=int(RecordType.FINISH)):
-    """The attempt started at ``start`` left no recipients: the message is done."""
+    """The attempt started at ``start`` left no recipients: the message is done. ``durable``: as in
+    :class:`EnvelopeRecord` (stamped by the log)."""
 
     queue_id: str
     start: Pos
     ts: float
+    durable: Pos | None = None
 
 
 class SealRecord(msgspec.Struct, frozen=True, array_like=True, tag=int(RecordType.SEAL)):
-    """The last record of segment ``segment``, which holds ``records`` records before this one."""
+    """The last record of segment ``segment``, which holds ``records`` records before this one. ``durable``:
+    the log's durable end when it was appended (as in :class:`EnvelopeRecord`; nil in a seal written by
+    repair at start, when the whole segment is durable)."""
 
     segment: int
     records: int
+    durable: Pos | None = None
 
 
 Record = DataRecord | EnvelopeRecord | StartRecord | DeliveryRecord | FinishRecord | SealRecord

@@ -1,6 +1,6 @@
 """Recovery: the only way to start (crash-only software; seed 001).
 
-Before SMTP listens, :meth:`Log.open` repairs the newest segment's tail and starts a fresh segment, so mail
+Before SMTP listens, :meth:`Log.open` fsyncs every existing segment (the durable baseline, GUIDE I7), repairs the newest segment's tail and starts a fresh segment, so mail
 is accepted at once. Then :func:`recover`:
 
 1. loads the checkpoint (advisory: without one, or with a torn one, it starts from the oldest segment);
@@ -15,7 +15,8 @@ is accepted at once. Then :func:`recover`:
    every ENVELOPE and START, the envelopes STARTs name): damage before that point is corruption, after it
    (with records after it) an unsynced hole. A conclusion written after a hole that lies within its own
    attempt is not trusted (the hole may have held its DATA copy or its DSNs): the attempt stays open, and
-   what that conclusion left is ended (docs/log_format.md, "Durable end, holes ...");
+   what that conclusion left is ended; so is a replacement whose START was lost (docs/log_format.md, "What
+   recovery trusts", the whole rule in one place);
 3. concludes each interrupted attempt like a delivery worker would: DSNs for durable failures, then a
    FINISH or a replacement envelope; DATA that cannot be copied forward bounces what is left (554 5.3.0). A recipient without a durable DELIVERY record has an *unknown*
    outcome (GUIDE I4): it is logged as such and retried at once by the runner for new mail.
@@ -83,6 +84,15 @@ def _end_envelope(queue: Queue, pos: Pos, env: EnvelopeRecord, *, counted: bool)
     if counted:
         queue.counts.started(env)
         queue.counts.concluded(None)
+
+
+def _bounce_unreadable(attempt: Attempt, exc: Exception) -> None:
+    """Fail every recipient of ``attempt`` without a final outcome: its DATA cannot be read (554 5.3.0, RFC
+    3463 "other or undefined mail system status"), as the delivery worker does."""
+    for r in attempt.envelope.recipients:
+        if r.index not in attempt.outcomes or attempt.outcomes[r.index].status == "deferred":
+            attempt.outcomes[r.index] = Outcome(index=r.index, status="failed", code=554, enhanced="5.3.0",
+                                                text=f"message data unreadable in queue: {exc}")
 
 
 async def move_aside(log: Any, spool: str, p: Problem, logger: Any, *, epoch_segment: int = 0) -> None:
@@ -165,6 +175,7 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
     dsns: dict[str, list[tuple[Pos, EnvelopeRecord]]] = {}  # DSN envelopes by the queue ID they are about
     dropped: dict[Pos, tuple[EnvelopeRecord, bool, str]] = {}  # envelopes to end: (envelope, counted, why)
     replacements: dict[Pos, list[Pos]] = {}  # START -> the replacement envelopes that conclude it
+    starts_read: set[Pos] = set()  # START records read in the working suffix
 
     # Pass 1: read the working suffix, and learn how far the log is known to have been fsync'd. Every
     # ENVELOPE and START carries the durable end when it was appended, and a START names an envelope that
@@ -181,13 +192,17 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
             scan = await asyncio.to_thread(scan_segment, seg, buf, skip_data=True)
         scans.append((seg, scan, seg in report.unsealed or not scan.sealed))
         for _pos, rec in scan.records:
-            if isinstance(rec, EnvelopeRecord | StartRecord) and rec.durable is not None and rec.durable > durable_known:
-                durable_known = rec.durable
+            claim = getattr(rec, "durable", None)  # every record kind but DATA carries one (docs/log_format.md)
+            if claim is not None and claim > durable_known:
+                durable_known = claim
             if isinstance(rec, StartRecord) and rec.envelope >= durable_known:
                 durable_known = Pos(rec.envelope.segment, rec.envelope.offset + 1)
         await asyncio.sleep(0)  # let SMTP clients in between segments
 
-    last_record = max((sc.records[-1][0] for _s, sc, _u in scans if sc.records), default=Pos(0, 0))
+    # Where the last good frame ends, DATA frames included (recovery's scans list no DATA records): damage
+    # before it has good frames after it.
+    last_record = max((Pos(sc.segment, sc.valid_end) for _s, sc, _u in scans if sc.frames or sc.sealed),
+                      default=Pos(0, 0))
 
     hole_epoch: dict[tuple[int, int], Pos] = {}
 
@@ -243,9 +258,20 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
                     logger.warning("conclusion_distrusted", queue_id=qid, start=str(x), conclusion=str(pos),
                                    reason="an unsynced hole lies within the attempt; concluded again")
                     continue
+            if (isinstance(rec, EnvelopeRecord) and rec.replaces is not None and rec.replaces >= scan_from
+                    and rec.replaces not in starts_read and rec.replaces >= durable_known):
+                # A replacement whose START was never read: lost in an unsynced hole (a power cut kept this
+                # page and not the START's). Nothing it concludes happened as far as the log can show: the
+                # envelope the START named is still live, so this one is ended (31.2: two live envelopes
+                # would be delivered, or released, twice).
+                dropped[pos] = (rec, False, "replacement_dropped")
+                logger.warning("conclusion_distrusted", queue_id=rec.queue_id, start=str(rec.replaces),
+                               conclusion=str(pos), reason="its START was lost before it reached the disk")
+                continue
             if pos >= replay_from:
                 queue.counts.replay(rec, lambda p: _read_envelope(log, p))
             if isinstance(rec, StartRecord):
+                starts_read.add(pos)
                 open_attempts[pos] = _Open(rec)
                 started.add(rec.envelope)
                 dropped.pop(rec.envelope, None)
@@ -294,9 +320,12 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
         if pos in started or pos in dropped:
             continue
         if env.generation == 0 and not env.bounce_of:
-            # Its DATA was written after the last point known durable and never reached the disk, so no fsync
-            # covered it and the client never had a 250 (it will send again): end it quietly.
-            dropped[pos] = (env, pos >= replay_from, "unacknowledged_dropped")
+            # Its DATA lies after the last point known durable and did not survive. Most likely no fsync
+            # covered it and the client never had its 250; but a flipped bit in fsync'd DATA that no later
+            # record vouches for looks the same. When in doubt, never end it silently: it stays queued and
+            # the delivery worker bounces it (554 5.3.0) with a DSN to the sender (31.3).
+            logger.warning("data_unreadable", queue_id=env.queue_id, envelope=str(pos), data=str(env.data),
+                           action="bounced with a DSN when offered; it may never have been acknowledged")
         elif env.bounce_of or (env.replaces is not None and (
                 env.replaces in open_attempts
                 or any(r != pos and r not in unreadable for r in replacements.get(env.replaces, [])))):
@@ -321,12 +350,31 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
             continue
         env = read
         attempt = Attempt(env, o.start.envelope, start_pos, dict(o.outcomes), o.remote_dsn)
+        # The DSNs this attempt already queued before the crash (31.4): they are written after its START, in
+        # the order of its DSN groups. Those up to the first unreadable one count as queued; that one and
+        # any after it are ended and queued again.
+        mine = sorted(d for d in dsns.get(env.queue_id, []) if d[0] > start_pos)
+        for i, (dpos, _denv) in enumerate(mine):
+            if dpos in dropped or dpos in unreadable:
+                for dpos2, denv2 in mine[i:]:
+                    if dpos2 not in started:
+                        dropped[dpos2] = (denv2, dpos2 >= replay_from, "dsn_dropped")
+                break
+            attempt.dsns_queued += 1
         queue.working.attempts[start_pos] = attempt
         if o.start.admin:
             # An administrator's action interrupted between its START and its conclusion: finish it.
             try:
                 rec, _pos, _lsn = queue.finish_admin(attempt, o.start.admin)
-            except (CorruptRecord, ValueError) as exc:
+            except CorruptRecord as exc:
+                # Its DATA cannot be copied forward: bounce the message, as a delivery worker does (31.6).
+                logger.error("corrupt_message", queue_id=env.queue_id, error=str(exc), action="bounced",
+                             admin=o.start.admin)
+                _bounce_unreadable(attempt, exc)
+                queue.conclude(attempt, b"")
+                res.concluded += 1
+                continue
+            except ValueError as exc:
                 queue.working.concluded(start_pos)
                 logger.error("admin_action_lost", queue_id=env.queue_id, action=o.start.admin, error=str(exc))
                 continue
@@ -343,10 +391,7 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
             # The DATA to copy forward does not check out: bounce what is left, as a delivery worker does
             # (554 5.3.0, a DSN without the content), instead of leaving the message neither live nor ended.
             logger.error("corrupt_message", queue_id=env.queue_id, error=str(exc), action="bounced")
-            for r in env.recipients:
-                if r.index not in attempt.outcomes or attempt.outcomes[r.index].status == "deferred":
-                    attempt.outcomes[r.index] = Outcome(index=r.index, status="failed", code=554, enhanced="5.3.0",
-                                                        text=f"message data unreadable in queue: {exc}")
+            _bounce_unreadable(attempt, exc)
             c, _ = queue.conclude(attempt, b"")
         res.concluded += 1
         if isinstance(c.record, EnvelopeRecord):
@@ -361,9 +406,7 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
         k = min(env.runner, n - 1)
         if k >= 0 and pos >= runners[k]:
             garbage[k].add(pos)
-        reason = ("its data never reached the disk before the crash; no 250 was sent for it"
-                  if why == "unacknowledged_dropped" else
-                  "written after an unsynced hole within its attempt; the attempt is concluded again")
+        reason = "written after an unsynced hole within its attempt, or its START was lost; not a conclusion"
         logger.warning(why, queue_id=env.queue_id, envelope=str(pos), reason=reason)
     await log.sync()
     res.runners, res.garbage = runners, garbage

@@ -59,7 +59,9 @@ from mtaq.core.frame import (
     scan_segment,
 )
 from mtaq.core.records import (
+    DeliveryRecord,
     EnvelopeRecord,
+    FinishRecord,
     PayloadError,
     Pos,
     Record,
@@ -176,6 +178,7 @@ class OpenReport:
     repaired: list[Problem] = field(default_factory=list)  # torn tails truncated, torn segments removed
     unsealed: set[int] = field(default_factory=set)  # segments found unsealed (being written at the crash)
     new_segment: int = 0
+    baseline_fsyncs: int = 0  # fsync calls that made every existing segment durable before anything was read
 
 
 def _make_durable_dirs(fs: FileSystem, directory: str) -> None:
@@ -188,6 +191,25 @@ def _make_durable_dirs(fs: FileSystem, directory: str) -> None:
     for d in reversed(missing):
         fs.makedirs(d)
         fs.fsync_dir(os.path.dirname(d))
+
+
+def _durable_baseline(fs: FileSystem, directory: str, numbers: list[int]) -> int:
+    """Make every existing segment, the log directory and its parent (the spool) durable before anything is read or
+    trusted (GUIDE I7; PostgreSQL's ``SyncDataDirectory`` after a crash). A run killed with kill -9 leaves
+    its unsynced writes in the page cache: this run would read them back, act on them and checkpoint past
+    them, and a power cut one run later could still take them. Returns the number of fsync calls. Raises
+    OSError (the caller makes it a StorageError: the daemon does not start on a spool it cannot sync)."""
+    calls = 0
+    for n in numbers:
+        f = fs.open(segment_path(directory, n))
+        try:
+            f.fsync()
+        finally:
+            f.close()
+        calls += 1
+    fs.fsync_dir(directory)
+    fs.fsync_dir(os.path.dirname(os.path.abspath(directory)))  # the spool: the checkpoint's rename
+    return calls + 2
 
 
 class _SourceError(Exception):
@@ -288,7 +310,8 @@ class Log:
     def open(cls, fs: FileSystem, directory: str, *, segment_bytes_max: int) -> tuple[Log, OpenReport]:
         """Open (creating if needed) the log in ``directory``; repair the newest segment's tail; start a new segment.
 
-        The newest segment is scanned: a torn tail is truncated, a segment whose header never reached the
+        First every existing segment and the directory are fsync'd (the durable baseline, GUIDE I7): what
+        this run reads of earlier runs is on disk, not only in the page cache. The newest segment is scanned: a torn tail is truncated, a segment whose header never reached the
         disk is removed, and the segment is sealed. Appends then go to a fresh segment, so the rest of
         recovery can read the old ones while mail is accepted. Raises StorageError when the disk refuses.
         """
@@ -297,6 +320,7 @@ class Log:
         try:
             _make_durable_dirs(fs, directory)
             nums = list_segments(fs, directory)
+            report.baseline_fsyncs = _durable_baseline(fs, directory, nums)
             highest = max(nums, default=0)
             while nums:
                 n = nums[-1]
@@ -373,7 +397,8 @@ class Log:
         """Seal the current segment (if not yet) and create the next one."""
         if not self._cur_sealed:
             assert self._cur is not None
-            rtype, payload = encode_payload(SealRecord(segment=self._cur_no, records=self._cur_records))
+            rtype, payload = encode_payload(SealRecord(segment=self._cur_no, records=self._cur_records,
+                                                       durable=self._durable_end))
             self._cur.append(encode_frame(int(rtype), payload, self._cur_salt))
             self._cur_sealed = True
             self._dirty[self._cur_no] = self._cur
@@ -449,7 +474,8 @@ class Log:
         """
         if self._failed is not None:
             raise self._failed
-        if (isinstance(record, EnvelopeRecord | StartRecord) and self._durable_end.segment
+        if (isinstance(record, EnvelopeRecord | StartRecord | DeliveryRecord | FinishRecord)
+                and self._durable_end.segment
                 and record.durable != self._durable_end):  # a replacement carries its predecessor's: renewed
             # Book-keeping that rides on records written anyway: where the fsync'd prefix ended when this was
             # appended. Recovery takes the largest such claim as a floor of the durable end (docs/log_format.md).

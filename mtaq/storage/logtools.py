@@ -109,7 +109,7 @@ def verify(log_dir: str, *, out: IO[str], fs: FileSystem | None = None) -> int:
         if got is None and any(q.kind == "unsynced-hole" and q.segment == ref.segment and q.offset <= ref.offset < q.end
                                for q in aside.values()):
             notes.append(f"segment {pos.segment} offset {pos.offset}: {qid} {what} {ref} lies in a hole left by a crash "
-                         "(never acknowledged; recovery ends it)")
+                         "(recovery ends it, or bounces it with a DSN when it is a new message)")
             return
         if got is None or got[0] is not want or got[1] != qid:
             problems.append(f"segment {pos.segment} offset {pos.offset}: {qid} {what} {ref} is not a {want.__name__[:-6].upper()} of {qid}")
