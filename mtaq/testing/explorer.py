@@ -45,7 +45,9 @@ when nothing is due the daemon's periodic ``Daemon.checkpoint`` runs and the clo
 * a recipient is delivered more than once only when it was *in flight* at a crash (the next hop said 250,
   its DELIVERY record not yet durable), at most once more per such crash (``delivered-twice``);
 * no two DSNs for one recipient (``dsn-twice``); never delivered and bounced (``delivered-and-bounced``);
-  a deliverable recipient is bounced only by an administrator's ``bounce`` (``bounced-deliverable``);
+  a deliverable recipient of an acknowledged message is bounced only by an administrator's ``bounce``
+  (``bounced-deliverable``: its DATA was fsync'd before the 250, so "unreadable" is wrong); a message never
+  acknowledged may be bounced (recovery bounces when it cannot tell, issue 31 finding 3);
 * a delivered body is the body sent, byte for byte (``body-differs``);
 * recovery reports no corruption (only crashes happen here; fsync'd bytes never change:
   ``spurious-corruption``); the start and the finish raise nothing (``run-failed``); the queue drains
@@ -860,7 +862,7 @@ def check(events: Sequence[Event], final: Final) -> list[tuple[str, str]]:
             out.append(("dsn-twice", f"{key[0]} to {key[1]}: {len(ids)} DSNs: {', '.join(sorted(ids))}"))
         if delivered[key]:
             out.append(("delivered-and-bounced", f"{key[0]} to {key[1]}: delivered and bounced ({', '.join(sorted(ids))})"))
-        if not key[1].startswith("bad") and key[0] not in bounced_by_admin:
+        if key[0] in acked and not key[1].startswith("bad") and key[0] not in bounced_by_admin:
             out.append(("bounced-deliverable", f"{key[0]} to {key[1]}: bounced ({', '.join(sorted(ids))}) "
                         "although the next hop takes it"))
     for qid, ack in sorted(acked.items()):
