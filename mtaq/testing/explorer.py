@@ -356,6 +356,7 @@ class Trace:
 
     def __init__(self, fs: CrashFileSystem, *, snapshots: bool, run: int) -> None:
         self.fs = fs
+        self.base = len(fs.ops)  # operations before this trace (the crash that made ``fs``): not counted
         self.snaps: list[FsSnapshot] = []
         self.events: list[Event] = []
         self.start_end = 0  # operations when the first run's start (open, recovery, checkpoint) was done
@@ -367,7 +368,8 @@ class Trace:
 
     @property
     def t(self) -> int:
-        return len(self.fs.ops)
+        """Operations of this trace so far: ``snaps[t]`` is the state now."""
+        return len(self.fs.ops) - self.base
 
 
 class Proc:
@@ -1001,6 +1003,7 @@ class _Explorer:
         finally:
             proc.close()
             fs.on_op = None
+        assert not snapshots or len(trace.snaps) == trace.t + 1, "a snapshot after every operation"
         final = _final_state(fs, drained, failure)
         return trace, final
 
