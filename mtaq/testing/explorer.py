@@ -894,7 +894,8 @@ class Bounds:
     later_families: bool = True  # after a crash, also the "all but one" / "only one" subsets past the bound
     later_torn: bool = True  # after a crash, torn writes too
     # Which crashes get a further crash in the next run: "all"; "kill" (kill -9 only); "kill-unsynced" (a
-    # kill -9 that left unsynced changes in the page cache: the class of issue 31 finding 1).
+    # kill -9 that left unsynced changes in the page cache: the class of issue 31 finding 1); "unsynced"
+    # (those, and power cuts that kept a change after losing an earlier one: holes recovery must repair).
     deepen: str = "all"
     states_max: int = 0  # stop after this many distinct states (0: no limit)
 
@@ -1018,9 +1019,7 @@ class _Explorer:
             self.report.truncated = True
             return
         self.seen.add(key)
-        deepen = self.bounds.deepen
-        deeper = len(path) < self.bounds.crashes and (
-            not path or deepen == "all" or (path[-1].kind == "kill" and (deepen == "kill" or bool(fs.pending()))))
+        deeper = len(path) < self.bounds.crashes and (not path or self._deepens(path[-1], fs))
         trace, final = await self.run_history(name, spec, fs, before, path, deeper)
         self.report.states += 1
         self.report.per_workload[name] = self.report.per_workload.get(name, 0) + 1
@@ -1028,6 +1027,19 @@ class _Explorer:
             self.report.add(Violation(name, kind, detail, path))
         if deeper:
             await self.crashes_of(name, spec, trace, before, path)
+
+    def _deepens(self, step: Step, fs: CrashFileSystem) -> bool:
+        deepen = self.bounds.deepen
+        if deepen == "all":
+            return True
+        if step.kind == "kill":
+            return deepen == "kill" or bool(fs.pending())
+        if deepen != "unsynced":
+            return False
+        seqs = [int(c.split()[0][1:]) for c in step.changes]
+        kept = set(step.keep) | {s for s, _n in step.torn}
+        lost = [i for i, x in enumerate(seqs) if x not in kept]
+        return bool(lost) and any(x in kept for x in seqs[lost[0] + 1:])  # a hole: kept after lost
 
     async def crashes_of(self, name: str, spec: WorkloadSpec, trace: Trace, before: list[Event],
                          path: tuple[Step, ...]) -> None:
