@@ -115,6 +115,29 @@ def test_a_copy_forward_whose_start_was_lost_leaves_one_held_envelope(tmp_path):
         log.close()
 
 
+def test_an_administrators_bounce_whose_start_was_lost_sends_no_dsn(tmp_path):
+    """Found by the crash-state explorer (V8): an administrator bounces M; the power cut keeps the DSN (its
+    DATA and envelope) and loses START(admin=bounce). M is live again (no START names it) and was delivered,
+    while the DSN told the sender it had failed. Now a DSN names the START that queued it
+    (``bounce_start``), and one whose START was lost is ended: M stays queued, no DSN."""
+    spool = str(tmp_path)
+    log, q, _ = start(spool, segment_bytes_max=1 << 20)
+    env = asyncio.run(q.receive("alice@example.org", ["bob@example.net"], BODY))
+    checkpoint_here(spool, log)
+    [(pos, _e)] = live(spool)[env.queue_id]
+    in_loop(log, lambda: q.admin(pos, env, "bounce"))
+    log.close()
+    [dsn] = [r for _p, r in records(spool) if isinstance(r, EnvelopeRecord) and r.bounce_of == env.queue_id]
+    [start_pos] = zero(spool, lambda p, r: isinstance(r, StartRecord) and r.admin == "bounce")
+    assert start_pos == dsn.bounce_start
+    for _ in range(2):
+        log, _q2, _res = start(spool, segment_bytes_max=1 << 20)
+        log.close()
+        got = live(spool)
+        assert [pos] == [p for p, _e in got[env.queue_id]]
+        assert f"dsn:{env.queue_id}" not in got
+
+
 def test_a_held_message_whose_release_lost_its_start_stays_listed_and_held(tmp_path):
     """Found by the crash-state explorer (V7): a held message is released; the power cut keeps only the
     release's replacement (START(release) and the DATA copy lost). Recovery ends that replacement (its START

@@ -265,6 +265,7 @@ class Queue:
         helo: str = "",
         bounce_of: str = "",
         not_before_ts: float | None = None,
+        bounce_start: Pos | None = None,
     ) -> tuple[EnvelopeRecord, Pos, int]:
         now = self.clock()
         delayed = not_before_ts is not None and not_before_ts > now
@@ -297,6 +298,7 @@ class Queue:
             client=client,
             helo=helo,
             bounce_of=bounce_of,
+            bounce_start=bounce_start,
             runner=PARKED if delayed else 0,
         )
         if delayed:
@@ -470,7 +472,7 @@ class Queue:
         if c.dsn_groups[attempt.dsns_queued:]:
             original = body if body is not None else self._body_or_empty(env)
             for group in c.dsn_groups[attempt.dsns_queued:]:
-                self._queue_dsn(env, group, original, now)
+                self._queue_dsn(env, group, original, now, attempt.start_pos)
                 attempt.dsns_queued += 1
         if isinstance(rec, EnvelopeRecord):
             if body is not None:
@@ -499,7 +501,8 @@ class Queue:
         except (CorruptRecord, StorageError):
             return b""
 
-    def _queue_dsn(self, env: EnvelopeRecord, items: tuple[DsnItem, ...], original: bytes, now: float) -> None:
+    def _queue_dsn(self, env: EnvelopeRecord, items: tuple[DsnItem, ...], original: bytes, now: float,
+                   start: Pos) -> None:
         lifetime_end = env.arrival_ts + self.policy.lifetime_of(env)
         recips = [
             DsnRecipient(
@@ -528,5 +531,6 @@ class Queue:
             size_limit=self.bounce_size_limit_bytes,
         )
         msg = self.sign(msg)
-        dsn_env, _pos, _lsn = self._append_message("", [env.sender], msg, bounce_of=env.queue_id)
+        dsn_env, _pos, _lsn = self._append_message("", [env.sender], msg, bounce_of=env.queue_id,
+                                                   bounce_start=start)
         self.on_dsn(dsn_env, env.queue_id, items[0].action)
