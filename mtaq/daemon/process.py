@@ -50,7 +50,7 @@ from mtaq.queue.runners import RUNNER_READ_RETRY_S, Declined, Dispatcher, Runner
 from mtaq.queue.store import Queue, StoredBody, set_queue_id_shard
 from mtaq.storage.archive import ArchiveError, SegmentArchive
 from mtaq.storage.checkpoint import write_checkpoint
-from mtaq.storage.fs import FileSystem, OsFileSystem
+from mtaq.storage.fs import FileSystem, OsFileSystem, make_durable_dirs
 from mtaq.storage.log import Log, segment_path
 from mtaq.testing import killpoints, powercut
 
@@ -727,7 +727,7 @@ def serve(cfg: Config) -> int:
             # One token for worker 0's public API and the other workers' sockets, made before any worker starts.
             from mtaq.admin.token import spool_token
 
-            os.makedirs(cfg.spool_dir, exist_ok=True)
+            make_durable_dirs(OsFileSystem(), cfg.spool_dir)  # its entry in its parent too (issue 31.11)
             cfg = msgspec.structs.replace(cfg, admin_token=spool_token(cfg.spool_dir))
     except BaseException:
         for socks in sockets:

@@ -70,7 +70,7 @@ from mtaq.core.records import (
     encode_data_prefix,
     encode_payload,
 )
-from mtaq.storage.fs import File, FileSystem
+from mtaq.storage.fs import File, FileSystem, make_durable_dirs
 from mtaq.testing import killpoints
 
 FILES_OPEN_MAX = 64  # segment files kept open for reading (besides those being written)
@@ -178,16 +178,7 @@ class OpenReport:
     new_segment: int = 0
 
 
-def _make_durable_dirs(fs: FileSystem, directory: str) -> None:
-    """Create ``directory`` and any missing ancestors, fsyncing each new entry's parent (spool, then log)."""
-    missing = []
-    d = os.path.abspath(directory)
-    while not fs.exists(d):
-        missing.append(d)
-        d = os.path.dirname(d)
-    for d in reversed(missing):
-        fs.makedirs(d)
-        fs.fsync_dir(os.path.dirname(d))
+_make_durable_dirs = make_durable_dirs  # the name Log.open uses
 
 
 class _SourceError(Exception):
