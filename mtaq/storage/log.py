@@ -370,6 +370,9 @@ class Log:
             self._dirty[self._cur_no] = self._cur
         self._readers[self._cur_no] = None  # from now on only read: closed when least recently used
         self._new_segment(self._cur_no + 1)
+        # Its write handle counts against files_open_max like any reader (issue 31.12): the oldest go now, and
+        # this one, still to be fsync'd, at the end of the round that fsyncs it if it is beyond the bound.
+        self._close_readers(self.files_open_max)
 
     # ----------------------------------------------------------------------------------------- appending
     @property
@@ -700,6 +703,8 @@ class Log:
                 self.stats.fsync_calls += calls
                 self.stats.commit_rounds += 1
                 self._durable_lsn = max(self._durable_lsn, target)
+                if len(self._readers) > self.files_open_max:  # rolled-over segments fsync'd now (issue 31.12)
+                    self._close_readers(self.files_open_max)
                 waiting = []
                 for w in self._waiters:
                     if w[0] <= target:
