@@ -500,7 +500,7 @@ class Daemon:
     async def checkpoint(self) -> None:
         """Take the restart positions, fsync the log, write the checkpoint, delete wholly-garbage segments."""
         qlog, working = self.queue.log, self.queue.working
-        self._copy_parked_forward()
+        await self._copy_parked_forward()
         head = qlog.end
         positions = tuple(r.position for r in self.runners)
         garbage = tuple(tuple(sorted(r.garbage)) for r in self.runners)
@@ -528,14 +528,19 @@ class Daemon:
             self.reclaimed += len(gone)
             self.log.info("segments_reclaimed", segments=gone, garbage_end=str(true_garbage_end))
 
-    def _copy_parked_forward(self) -> None:
+    async def _copy_parked_forward(self) -> None:
         """Copy held and delayed envelopes that alone keep old segments from being reclaimed to the log's
         end (issue 12.9), at most ``PARKED_COPIES_MAX`` per checkpoint, oldest first: disk use stays bounded
         by the traffic of a few checkpoint intervals, however long mail stays on hold. Each copy rewrites
         the message once (its DATA and envelope); a message is copied again only when reclamation reaches it
-        again."""
+        again. Each body is read once, in a thread (Queue.copy_forward): the SMTP sessions go on meanwhile."""
         q = self.queue
         qlog, parked = q.log, q.parked
+        try:
+            q.finish_open_copies()  # a full disk cut one short after its START: its replacement now
+        except StorageError as exc:
+            self.log.error("parked_copy_failed", error=str(exc), action="tried again later")
+            return
         if not parked.entries:
             return
         head = qlog.end
@@ -544,11 +549,13 @@ class Daemon:
         old = sorted(p for p in parked.entries
                      if p.segment < pinned_below and p not in self._copy_failed)[:PARKED_COPIES_MAX]
         for pos in old:
+            if pos not in parked:
+                continue  # released, deleted, ... or offered while an earlier copy was read
             try:
                 env = qlog.read(pos)
                 if not isinstance(env, EnvelopeRecord):
                     raise CorruptRecord(f"{pos} is not an envelope")
-                q.copy_forward(pos, env)
+                await q.copy_forward(pos, env)
             except CorruptRecord as exc:
                 self._copy_failed.add(pos)  # reported once; it keeps its segments (and shows in queue list)
                 self.log.error("parked_copy_failed", envelope=str(pos), error=str(exc), action="left where it is")

@@ -73,9 +73,11 @@ class StoredBody:
         self._prefix = encode_data_prefix(env.queue_id, env.size)  # the payload before the body's bytes
         self.piece_bytes = piece_bytes
 
-    def pieces(self) -> Iterator[bytes]:
+    def pieces(self, *, salt: int | None = None) -> Iterator[bytes]:
+        """The body's pieces (see the class). With ``salt`` (:meth:`Log.salt_of` of its segment) the log is read
+        through a handle of its own, so that this may run in another thread."""
         rest, seen = self._prefix, 0  # the prefix (msgpack array, tag, queue ID, length) must be what we expect
-        for piece in self._log.read_payload(self._pos, int(RecordType.DATA), piece_bytes=self.piece_bytes):
+        for piece in self._log.read_payload(self._pos, int(RecordType.DATA), piece_bytes=self.piece_bytes, salt=salt):
             if rest:
                 n = min(len(rest), len(piece))
                 if piece[:n] != rest[:n]:
@@ -194,6 +196,9 @@ class Queue:
         # -> the old DATA it names, more than a segment behind it. Reclamation keeps those segments until the
         # envelope is concluded again (Daemon.checkpoint; kept in the checkpoint, rebuilt by recovery).
         self.data_pins: dict[Pos, Pos] = {}
+        # Copies forward whose START is appended but not their replacement (a full disk in between): START
+        # position -> (the attempt, the DATA copy). See finish_open_copies.
+        self._open_copies: dict[Pos, tuple[Attempt, Pos]] = {}
         # Called with each new envelope and its position once it is durable (the daemon logs `queued`).
         self.on_durable: Callable[[EnvelopeRecord, Pos], None] = lambda env, pos: None
         # Called for each DSN queued: (dsn envelope, original queue ID, kind).
@@ -347,21 +352,76 @@ class Queue:
         self.revoked.add(envelope_pos)
         return self.finish_admin(attempt, action, release_ts=release_ts)
 
-    def copy_forward(self, envelope_pos: Pos, env: EnvelopeRecord) -> Pos:
+    async def copy_forward(self, envelope_pos: Pos, env: EnvelopeRecord) -> Pos | None:
         """Copy the parked envelope at ``envelope_pos`` and its DATA to the end of the log, unchanged (held
-        stays held, a delayed one keeps its due time; counts do not change): START(admin="copy") and a
-        replacement, appended as book-keeping. Returns the new envelope's position. Raises CorruptRecord
-        (the DATA does not check out; the message stays where it is), StorageError."""
-        self.check_body(env)  # before the START: damaged data is reported by the caller, not half-copied
+        stays held, a delayed one keeps its due time; counts do not change). Returns the new envelope's
+        position, or None when the envelope was no longer parked once its DATA had been read (an
+        administrator's action or its due time came meanwhile; nothing appended).
+
+        The DATA is read once, and checked, in a thread (never in the event loop: a large held message does
+        not hold up the SMTP sessions, issue 31.10), then appended; START(admin="copy") and the replacement
+        only after that, as book-keeping. So a full disk or a read error during the copy leaves the envelope
+        parked where it was, with nothing in the log that refers to a half-done copy (issue 31.5); at most
+        an unreferenced DATA copy. Should the replacement itself not fit after its START, the attempt stays
+        open and :meth:`finish_open_copies` (each checkpoint) appends it once there is room.
+
+        Raises CorruptRecord (the DATA does not check out; the message stays where it is), StorageError
+        (StorageFull: a full disk)."""
+        salt = self.log.salt_of(env.data.segment)
+        body = await asyncio.to_thread(self._read_checked, env, salt)
+        try:
+            if envelope_pos not in self.parked:
+                return None
+            try:
+                if isinstance(body, bytes):
+                    data_pos, _ = self.log.append(DataRecord(queue_id=env.queue_id, body=body))
+                else:
+                    data_pos, _ = self.log.append_data(env.queue_id, body.pieces, body.size)
+            except OSError as exc:  # the temporary copy could not be read back: nothing appended
+                raise storage_error(exc, "temporary body file") from exc
+        finally:
+            if isinstance(body, BodyBuffer):
+                body.close()
         attempt = self.start(envelope_pos, env, admin=COPY_FORWARD)
         self.revoked.add(envelope_pos)
-        _rec, pos, _lsn = self.finish_admin(attempt, COPY_FORWARD)
-        return pos
+        self._open_copies[attempt.start_pos] = (attempt, data_pos)
+        return self.finish_open_copies()[-1]
+
+    def finish_open_copies(self) -> list[Pos]:
+        """Append the replacement of every copy forward whose START is in the log but whose replacement could
+        not be appended (a full disk in between); return their positions, oldest first. Raises StorageError
+        (those not done stay open: the working set keeps their envelopes, recovery completes them)."""
+        done = []
+        for start_pos, (attempt, data_pos) in sorted(self._open_copies.items()):
+            _rec, pos, _lsn = self.finish_admin(attempt, COPY_FORWARD, data=data_pos)
+            del self._open_copies[start_pos]
+            done.append(pos)
+        return done
+
+    def _read_checked(self, env: EnvelopeRecord, salt: int) -> bytes | BodyBuffer:
+        """The body of ``env``, read once through a handle of its own and checked (in a thread): bytes when
+        smaller than :attr:`stream_bytes_min`, else a :class:`BodyBuffer` (memory up to
+        :attr:`body_memory_bytes`, the rest in a temporary file) that the caller closes. Raises CorruptRecord,
+        StorageError."""
+        pieces = StoredBody(self.log, env).pieces(salt=salt)
+        if env.size < self.stream_bytes_min:
+            return b"".join(pieces)
+        buf = self.new_body()
+        try:
+            for piece in pieces:
+                buf.write(piece)
+            if buf.failure is not None:
+                raise storage_error(buf.failure, "temporary body file")
+        except BaseException:
+            buf.close()
+            raise
+        return buf
 
     def finish_admin(
-        self, attempt: Attempt, action: str, *, release_ts: float | None = None
+        self, attempt: Attempt, action: str, *, release_ts: float | None = None, data: Pos | None = None
     ) -> tuple[EnvelopeRecord | FinishRecord, Pos, int]:
-        """Conclude the admin action started as ``attempt`` (also used by recovery). See :meth:`admin`."""
+        """Conclude the admin action started as ``attempt`` (also used by recovery). See :meth:`admin`.
+        ``data``: a copy of the DATA already appended for the replacement (else it is copied here)."""
         env = attempt.envelope
         if action == "bounce":
             code, enhanced, text = ADMIN_BOUNCE
@@ -373,7 +433,7 @@ class Queue:
             release_ts = self.clock()  # recovery completing a delay cut short: due now rather than lost
         rec = admin_conclusion(env, attempt.start_pos, action, self.clock(), release_ts)
         if isinstance(rec, EnvelopeRecord):
-            rec = msgspec.structs.replace(rec, data=self.copy_data(env))
+            rec = msgspec.structs.replace(rec, data=data if data is not None else self.copy_data(env))
         pos, lsn = self.log.append(rec)
         self.working.concluded(attempt.start_pos)
         self.data_pins.pop(attempt.envelope_pos, None)  # an admin action copies the DATA forward or ends it
@@ -396,14 +456,6 @@ class Queue:
         if check:
             body.verify()
         return body
-
-    def check_body(self, env: EnvelopeRecord) -> None:
-        """Read the DATA record of ``env`` and check it (a large one in pieces, never whole). Raises
-        CorruptRecord, StorageError as :meth:`read_body`."""
-        if env.size >= self.stream_bytes_min:
-            StoredBody(self.log, env).verify()
-        else:
-            self.read_body(env)
 
     def copy_data(self, env: EnvelopeRecord) -> Pos:
         """Append a copy of the DATA record of ``env`` (a large one in pieces: a checksum pass, then the

@@ -846,7 +846,19 @@ class Log:
         except PayloadError as exc:
             raise CorruptRecord(f"segment {pos.segment} offset {pos.offset}: {exc}") from exc
 
-    def read_payload(self, pos: Pos, rtype: int, *, piece_bytes: int = PIECE_BYTES) -> Iterator[bytes]:
+    def salt_of(self, number: int) -> int:
+        """The checksum salt of segment ``number``, for :meth:`read_payload` in another thread (call this in the
+        event loop: it may open the segment). Raises CorruptRecord (missing, header beyond salvage),
+        StorageError."""
+        try:
+            return self._file(number)[1]
+        except FileNotFoundError as exc:
+            raise CorruptRecord(f"segment {number} is missing") from exc
+        except OSError as exc:
+            raise storage_error(exc, f"reading segment {number}") from exc
+
+    def read_payload(self, pos: Pos, rtype: int, *, piece_bytes: int = PIECE_BYTES,
+                     salt: int | None = None) -> Iterator[bytes]:
         """The payload of the frame of type ``rtype`` at ``pos``, in order, in pieces of at most
         ``piece_bytes`` bytes, never held whole (issue 15.2: a large message is sent as it is read).
 
@@ -855,10 +867,18 @@ class Log:
         (at once for a damaged header, another type or a length past the end of the segment). A consumer
         must treat what it was given as good only when the iteration ended without an error. Raises
         StorageError on I/O errors, CorruptRecord for a missing segment.
+
+        With ``salt`` (the segment's, from :meth:`salt_of`) the segment is read through a file handle of its
+        own, closed at the end, never the shared ones: the iteration may then run in another thread (a copy
+        forward reads off the event loop, issue 31.10).
         """
         where = f"segment {pos.segment} offset {pos.offset}"
+        own: File | None = None
         try:
-            f, salt = self._file(pos.segment)
+            if salt is None:
+                f, salt = self._file(pos.segment)
+            else:
+                f = own = self.fs.open(segment_path(self.directory, pos.segment))
             head = f.pread(pos.offset, FRAME_HEADER_BYTES)
             if len(head) < FRAME_HEADER_BYTES:
                 raise CorruptRecord(f"{where}: beyond end of segment")
@@ -874,7 +894,8 @@ class Log:
                 raise CorruptRecord(f"{where}: frame length {length} runs past the end of the segment")
             crc = zlib.crc32(head[:8], salt)
             while at < end:
-                f, _salt = self._file(pos.segment)  # each time: the LRU may have closed it in between
+                if own is None:
+                    f, _salt = self._file(pos.segment)  # each time: the LRU may have closed it in between
                 piece = f.pread(at, min(piece_bytes, end - at))
                 if not piece:
                     raise CorruptRecord(f"{where}: cut off at {at}")
@@ -885,6 +906,9 @@ class Log:
             raise CorruptRecord(f"segment {pos.segment} is missing") from exc
         except OSError as exc:
             raise storage_error(exc, f"reading segment {pos.segment}") from exc
+        finally:
+            if own is not None:
+                own.close()
         if crc != int.from_bytes(head[8:12], "little"):
             raise CorruptRecord(f"{where}: checksum mismatch")
 
