@@ -17,6 +17,7 @@ checkpoint; only the archived prefix is deleted.
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
 import importlib
 import os
@@ -51,7 +52,7 @@ from mtaq.queue.store import Queue, StoredBody, set_queue_id_shard
 from mtaq.storage.archive import ArchiveError, SegmentArchive
 from mtaq.storage.checkpoint import write_checkpoint
 from mtaq.storage.fs import FileSystem, OsFileSystem, make_durable_dirs
-from mtaq.storage.log import Log, segment_path
+from mtaq.storage.log import RESERVE_BYTES, Log, release_reserve, segment_path
 from mtaq.testing import killpoints, powercut
 
 if TYPE_CHECKING:  # imported when needed, not before the first 250 (issue 15.6)
@@ -128,6 +129,7 @@ class Daemon:
         self.archive: SegmentArchive | None = None
         self._reclaim_task: asyncio.Task[None] | None = None
         self._reclaim_limit = 0
+        self._reserve_released = 0  # Log.stats.reserve_released already reported (spool_reserve_released)
 
     def _on_durable(self, env: EnvelopeRecord, pos: Pos) -> None:
         self.log.info(
@@ -174,9 +176,16 @@ class Daemon:
         if cfg.archive_dir:
             self.archive = SegmentArchive(self.fs, cfg.archive_dir, compress=cfg.archive_compress,
                                           retention_s=cfg.archive_retention_s, clock=self.clock)
-        qlog, report = Log.open(self.fs, os.path.join(cfg.spool_dir, "log"), segment_bytes_max=cfg.segment_bytes_max)
+        log_dir = os.path.join(cfg.spool_dir, "log")
+        if self._free_bytes(log_dir) < RESERVE_BYTES and release_reserve(self.fs, log_dir):
+            # A start on a full disk (issue 31.9): the reserve's room seals the last segment, creates the new
+            # one, and lets recovery and the deliveries that free space write their records.
+            self.log.warning("spool_reserve_released", bytes=RESERVE_BYTES, free_bytes=self._free_bytes(log_dir),
+                             action="made again once the disk has room")
+        qlog, report = Log.open(self.fs, log_dir, segment_bytes_max=cfg.segment_bytes_max)
         qlog.on_fatal.append(self._on_fatal)
         self.queue = Queue(qlog, policy=self.policy, reporting_mta=cfg.hostname(), clock=self.clock)
+        self._note_reserve()  # a start on a full disk: the new segment took the reserve's room
         self.queue.on_durable = self._on_durable
         self.queue.messages_max = cfg.queue_messages_max
         self.queue.commit_backlog_max = cfg.commit_backlog_max
@@ -515,8 +524,22 @@ class Daemon:
                         parked=tuple(sorted(parked.entries)), counts=self.queue.counts.snapshot(),
                         pins=tuple(sorted(pins.items())))
         await qlog.sync()  # every START behind the positions is durable before the checkpoint says so
-        await asyncio.to_thread(write_checkpoint, self.fs, self.cfg.spool_dir, cp)
+        try:
+            await asyncio.to_thread(self._write_checkpoint, cp)
+        except OSError as exc:
+            # Like a failed archive (issue 31.9): a full disk or no descriptor left must not end the daemon,
+            # whose deliveries free space. The last checkpoint written stays; nothing is reclaimed past it.
+            self._note_reserve()
+            self.log.error("checkpoint_failed", error=oserror_line(exc),
+                           action="tried again at the next checkpoint; no segment reclaimed")
+            return
         self.checkpoints += 1
+        self._note_reserve()
+        try:
+            await asyncio.to_thread(qlog.keep_reserve, RESERVE_BYTES,
+                                    free_at_least=self.queue.minfree_bytes + 2 * RESERVE_BYTES)
+        except OSError as exc:
+            self.log.warning("spool_reserve_failed", error=oserror_line(exc), action="tried again at the next checkpoint")
         # Keep the segment before the garbage end too: an envelope's DATA may sit at the end of it (DATA
         # further behind its envelope is pinned above).
         limit = true_garbage_end.segment - 1
@@ -527,6 +550,31 @@ class Daemon:
         if gone:
             self.reclaimed += len(gone)
             self.log.info("segments_reclaimed", segments=gone, garbage_end=str(true_garbage_end))
+
+    def _write_checkpoint(self, cp: Checkpoint) -> None:
+        """write_checkpoint (in a thread); on a full disk once more after giving up the reserve. Raises OSError."""
+        try:
+            write_checkpoint(self.fs, self.cfg.spool_dir, cp)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not self.queue.log.release_reserve():
+                raise
+            write_checkpoint(self.fs, self.cfg.spool_dir, cp)
+
+    def _note_reserve(self) -> None:
+        """Log ``spool_reserve_released`` once for each time the log gave up its reserve to a full disk."""
+        released = self.queue.log.stats.reserve_released
+        if released > self._reserve_released:
+            self._reserve_released = released
+            self.log.warning("spool_reserve_released", bytes=RESERVE_BYTES,
+                             free_bytes=self._free_bytes(self.queue.log.directory),
+                             action="made again once the disk has room")
+
+    def _free_bytes(self, directory: str) -> int:
+        """Bytes free where ``directory`` is; a large number when that cannot be told (a first start)."""
+        try:
+            return self.fs.free_bytes(directory)
+        except OSError:
+            return 1 << 62
 
     async def _copy_parked_forward(self) -> None:
         """Copy held and delayed envelopes that alone keep old segments from being reclaimed to the log's

@@ -75,8 +75,12 @@ from mtaq.testing import killpoints
 
 FILES_OPEN_MAX = 64  # segment files kept open for reading (besides those being written)
 PIECE_BYTES = 64 * 1024  # bytes per read of Log.read_payload
+RESERVE_NAME = "reserve"  # LOG_DIR/reserve: room kept for a full disk (Log.keep_reserve)
+RESERVE_BYTES = 1 << 20
+"""Bytes of the reserve file: a new segment and a few thousand records (STARTs, DELIVERY records, FINISHes)
+of the deliveries that free space, and the checkpoint that lets reclamation delete their segments."""
 
-__all__ = ["ENVELOPES_LISTED_MAX", "FILES_OPEN_MAX", "FREE_BYTES_TTL_S", "PIECE_BYTES", "Log", "LogStats", "OpenReport", "list_segments", "scan_log", "segment_path",
+__all__ = ["ENVELOPES_LISTED_MAX", "FILES_OPEN_MAX", "FREE_BYTES_TTL_S", "PIECE_BYTES", "RESERVE_BYTES", "RESERVE_NAME", "Log", "LogStats", "OpenReport", "list_segments", "release_reserve", "scan_log", "segment_path",
            "storage_error"]
 
 _SUFFIX = ".seg"
@@ -165,6 +169,7 @@ class LogStats:
     fsync_calls: int = 0  # file + directory fsync system calls
     fsync_seconds: float = 0.0
     segments_created: int = 0
+    reserve_released: int = 0  # times the reserve file was given up for a full disk (issue 31.9)
 
 
 @dataclass
@@ -179,6 +184,18 @@ class OpenReport:
 
 
 _make_durable_dirs = make_durable_dirs  # the name Log.open uses
+
+
+def release_reserve(fs: FileSystem, directory: str) -> bool:
+    """Delete the reserve file of the log in ``directory`` (``LOG_DIR/reserve``, room kept for a full disk;
+    see :meth:`Log.keep_reserve`): True if there was one. Never raises (False on any error). The daemon calls
+    this before :meth:`Log.open` when the disk has less than ``RESERVE_BYTES`` free, so that sealing the
+    last segment, creating the new one, recovery and the deliveries that free space can be written."""
+    try:
+        fs.unlink(os.path.join(directory, RESERVE_NAME))
+    except OSError:
+        return False
+    return True
 
 
 class _SourceError(Exception):
@@ -341,6 +358,24 @@ class Log:
     def _new_segment(self, number: int) -> None:
         salt = secrets.randbits(32)
         path = segment_path(self.directory, number)
+        try:
+            f = self._create_segment(path, number, salt)
+        except OSError as exc:
+            # A full disk: the room the reserve kept lets the log go on (at a start, recovery and the deliveries
+            # that free space; issue 31.9). Without a reserve the error stands.
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not self.release_reserve():
+                raise
+            f = self._create_segment(path, number, salt)
+        self._cur, self._cur_no, self._cur_salt = f, number, salt
+        self._cur_records = 0
+        self._cur_sealed = False
+        self._files[number] = f
+        self._salts[number] = salt
+        self._dirty[number] = f
+        self._dir_dirty = True
+        self.stats.segments_created += 1
+
+    def _create_segment(self, path: str, number: int, salt: int) -> File:
         f = self.fs.open(path, create=True)
         try:
             f.append(encode_segment_header(SegmentHeader(segment=number, salt=salt, created=int(time.time()))))
@@ -351,14 +386,45 @@ class Log:
             except OSError:
                 pass
             raise
-        self._cur, self._cur_no, self._cur_salt = f, number, salt
-        self._cur_records = 0
-        self._cur_sealed = False
-        self._files[number] = f
-        self._salts[number] = salt
-        self._dirty[number] = f
-        self._dir_dirty = True
-        self.stats.segments_created += 1
+        return f
+
+    def release_reserve(self) -> bool:
+        """:func:`release_reserve` of this log (counted in ``stats.reserve_released``). Called when a segment
+        cannot be created for want of space, and by the daemon when its checkpoint cannot be written for
+        that reason. Never raises (False on any error)."""
+        if not release_reserve(self.fs, self.directory):
+            return False
+        self.stats.reserve_released += 1
+        return True
+
+    def keep_reserve(self, nbytes: int, *, free_at_least: int) -> bool:
+        """Make the reserve file of ``nbytes`` bytes when there is none and the disk has at least
+        ``free_at_least`` bytes free; True when made now. Its room is given back by :meth:`release_reserve`
+        when the disk is full, so that a start on a full disk can still create its segment, recover and
+        deliver (which frees space), as Postfix keeps ``queue_minfree`` for deliveries. Its bytes are written
+        and fsync'd (allocated), its name is not (a reserve lost in a power cut is made again). Safe in a
+        thread (it touches only the reserve). Raises OSError (nothing of it left behind)."""
+        path = os.path.join(self.directory, RESERVE_NAME)
+        if self.fs.exists(path) or self.fs.free_bytes(self.directory) < free_at_least:
+            return False
+        tmp = path + ".tmp"
+        if self.fs.exists(tmp):
+            self.fs.unlink(tmp)
+        f = self.fs.open(tmp, create=True)
+        try:
+            chunk = bytes(PIECE_BYTES)
+            left = nbytes
+            while left > 0:
+                f.append(chunk[: min(left, len(chunk))])
+                left -= min(left, len(chunk))
+            f.fsync()
+        except OSError:
+            f.close()
+            self.fs.unlink(tmp)
+            raise
+        f.close()
+        self.fs.rename(tmp, path)
+        return True
 
     def _roll(self) -> None:
         """Seal the current segment (if not yet) and create the next one."""

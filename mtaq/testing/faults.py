@@ -6,6 +6,7 @@ The full crash file system (drop unsynced writes, forget directory entries) is :
 from __future__ import annotations
 
 import errno
+import os
 import threading
 import time
 from typing import Any
@@ -71,7 +72,8 @@ class FaultyFileSystem(OsFileSystem):
     file, e.g. the next segment) to make the next calls fail, ``fail_open = errno.EMFILE`` (opening an
     existing file), ``fail_pread = errno.EIO`` (reading) or ``fail_truncate = errno.EIO``, and ``fsync_delay_s`` to make every fsync that
     slow. ``opened`` counts the files opened. ``room = N`` (bytes) is a nearly full disk: appends take from it,
-    and one larger than what is left fails with ENOSPC and writes nothing (None: no limit). ``reads`` set to a
+    and one larger than what is left fails with ENOSPC and writes nothing (None: no limit); an unlink gives
+    the file's bytes back. ``reads`` set to a
     list records every read as ``(path, offset, bytes read, thread name)``."""
 
     def __init__(self) -> None:
@@ -87,6 +89,19 @@ class FaultyFileSystem(OsFileSystem):
         self.room: int | None = None
         self.reads: list[tuple[str, int, int, str]] | None = None
         self.lock = threading.Lock()
+
+    def free_bytes(self, path: str) -> int:
+        """As :class:`OsFileSystem`, but never more than ``room`` when it is set."""
+        free = super().free_bytes(path)
+        return free if self.room is None else min(free, self.room)
+
+    def unlink(self, path: str) -> None:
+        """As :class:`OsFileSystem`; on a disk with ``room`` set, the file's bytes become room again."""
+        size = os.path.getsize(path) if self.room is not None and os.path.exists(path) else 0
+        super().unlink(path)
+        with self.lock:
+            if self.room is not None:
+                self.room += size
 
     def open(self, path: str, *, create: bool = False) -> File:
         if create and self.fail_create is not None:
