@@ -87,13 +87,14 @@ class Daemon:
     """The running relay: one log, its SMTP listeners, the runners, ``delivery_concurrency`` workers."""
 
     def __init__(self, cfg: Config, *, clock: Callable[[], float] = time.time,
-                 listen_sockets: list[list[socket.socket]] | None = None, fs: FileSystem | None = None, admin_socket: str = "", admin_peers: dict[int, str] | None = None) -> None:
+                 monotonic: Callable[[], float] = time.monotonic, listen_sockets: list[list[socket.socket]] | None = None, fs: FileSystem | None = None, admin_socket: str = "", admin_peers: dict[int, str] | None = None) -> None:
         self.cfg = cfg
         # Several workers (mtaq.daemon.workers): worker k >= 1 serves the admin API on ``admin_socket`` for
         # worker 0, whose public API reaches the other shards through ``admin_peers`` {shard: socket}.
         self.admin_socket = admin_socket
         self.admin_peers = dict(admin_peers or {})
-        self.clock = clock
+        self.clock = clock  # UTC seconds (steps with the wall clock)
+        self.monotonic = monotonic  # seconds no clock step moves: waits and message ages (issue 31.8)
         self._fs_given = fs  # tests pass a failing one; else the real file system (or MTAQ_TEST_FS)
         # One of several worker processes (mtaq.daemon.workers): per listener, the sockets the supervisor bound,
         # which every worker accepts from (None: bind the listeners here).
@@ -184,7 +185,8 @@ class Daemon:
                              action="made again once the disk has room")
         qlog, report = Log.open(self.fs, log_dir, segment_bytes_max=cfg.segment_bytes_max)
         qlog.on_fatal.append(self._on_fatal)
-        self.queue = Queue(qlog, policy=self.policy, reporting_mta=cfg.hostname(), clock=self.clock)
+        self.queue = Queue(qlog, policy=self.policy, reporting_mta=cfg.hostname(), clock=self.clock,
+                           monotonic=self.monotonic)
         self._note_reserve()  # a start on a full disk: the new segment took the reserve's room
         self.queue.on_durable = self._on_durable
         self.queue.messages_max = cfg.queue_messages_max
@@ -281,6 +283,8 @@ class Daemon:
                 res.garbage[k],
                 runners=self.policy.runners,
                 clock=self.clock,
+                monotonic=self.monotonic,
+                interval_s=self.policy.delay_of(k),
                 on_corrupt=self._on_corrupt,
                 on_read_error=self._on_runner_read_error,
             )

@@ -158,7 +158,8 @@ def _param(params: Sequence[tuple[str, str]], key: str) -> str | None:
 
 
 class Queue:
-    """The log plus the working set it implies. ``clock`` returns UTC seconds (injectable for tests)."""
+    """The log plus the working set it implies. ``clock`` returns UTC seconds, ``monotonic`` seconds that no
+    clock step moves (both injectable for tests; see :meth:`age_clock`)."""
 
     def __init__(
         self,
@@ -166,11 +167,14 @@ class Queue:
         *,
         policy: RetryPolicy,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
         reporting_mta: str | None = None,
     ) -> None:
         self.log = log
         self.policy = policy
         self.clock = clock
+        self.monotonic = monotonic
+        self._wall0, self._mono0 = clock(), monotonic()
         self.reporting_mta = reporting_mta or socket.getfqdn()
         self.working = WorkingSet()
         self.received = 0
@@ -206,6 +210,15 @@ class Queue:
         # Returns a DSN this queue generated as it is to be relayed: the daemon gives DKIM signing here
         # (mtaq.edge.dkim, RFC 6376; the queue does not import the edge). Must not raise.
         self.sign: Callable[[bytes], bytes] = lambda message: message
+
+    def age_clock(self) -> float:
+        """The time (UTC seconds) at which a message's age is measured, for its lifetime and the delay
+        warning: the wall clock, but never ahead of the wall clock at this queue's start plus the monotonic
+        time elapsed since (issue 31.8). A forward step of the wall clock while the process runs therefore
+        expires nothing early: expiry needs the wall clock *and* the elapsed time to agree. A backward step
+        delays expiry by the step (never early). Across a restart the wall clock at the start is trusted
+        (there is nothing else), and NTP's slewing (at most 500 ppm) can delay expiry by that fraction."""
+        return min(self.clock(), self._wall0 + (self.monotonic() - self._mono0))
 
     async def receive(
         self,
@@ -500,7 +513,7 @@ class Queue:
         conclusion (its record with the copied DATA reference) and the position of that record.
         """
         now = self.clock()
-        c = conclude(attempt, now, self.policy)
+        c = conclude(attempt, now, self.policy, age_ts=self.age_clock())
         env = attempt.envelope
         rec = c.record
         copied: Pos | None = None
