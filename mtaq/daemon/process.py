@@ -659,8 +659,9 @@ class Daemon:
                 except StorageError as exc:
                     self.log.error("reclaim_failed", error=str(exc), action="segments kept")
                     return
-                self.reclaimed += len(gone)
-                self.log.info("segments_reclaimed", segments=gone, archived=archived, limit=limit)
+                if gone:  # none while an admin view reads the segments (Log.segments_kept): the next checkpoint
+                    self.reclaimed += len(gone)
+                    self.log.info("segments_reclaimed", segments=gone, archived=archived, limit=limit)
             try:
                 expired = await asyncio.to_thread(archive.expire)
             except ArchiveError as exc:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import errno
 import math
 import os
@@ -290,6 +291,7 @@ class Log:
         self._free = 0  # free_bytes(): the last statvfs answer, when, and bytes_appended then
         self._free_at: float | None = None
         self._free_base = 0
+        self._kept = 0  # holders of segments_kept(): no segment is deleted meanwhile
 
     # ----------------------------------------------------------------------------------------- opening
     @classmethod
@@ -479,10 +481,26 @@ class Log:
         """Current length in bytes of segment ``number``."""
         return self._file(number)[0].size()
 
+    @contextlib.contextmanager
+    def segments_kept(self) -> Iterator[None]:
+        """While held (in the event loop, around a reader of whole segments in another thread: the admin
+        view), :meth:`delete_segments_before` deletes nothing and returns ``[]``; the next checkpoint
+        reclaims. A reader therefore sees every segment that existed when it began: before, reclamation
+        could delete the segment of a message's START and FINISH under it, and the message looked live
+        (issue 31.7: ``bounce`` sent an "expired" DSN for delivered mail)."""
+        self._kept += 1
+        try:
+            yield
+        finally:
+            self._kept -= 1
+
     def delete_segments_before(self, number: int) -> list[int]:
         """Reclaim: unlink every segment numbered below ``number`` (never the current one), oldest first, then
-        fsync the directory. A crash in between leaves a suffix of them, which are garbage and deleted again."""
-        gone = []
+        fsync the directory. A crash in between leaves a suffix of them, which are garbage and deleted again.
+        Nothing while :meth:`segments_kept` is held."""
+        gone: list[int] = []
+        if self._kept:
+            return gone
         try:
             for n in self.segments():
                 if n >= number or n >= self._cur_no or n in self._dirty or n in self._syncing:

@@ -9,6 +9,7 @@ import errno
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from mtaq.storage.fs import File, OsFileSystem
@@ -89,6 +90,13 @@ class FaultyFileSystem(OsFileSystem):
         self.room: int | None = None
         self.reads: list[tuple[str, int, int, str]] | None = None
         self.lock = threading.Lock()
+        self.before_read_file: Callable[[str], None] | None = None
+
+    def read_file(self, path: str) -> bytes:
+        """As :class:`OsFileSystem`, after calling ``before_read_file(path)`` when set (in the reading thread)."""
+        if self.before_read_file is not None:
+            self.before_read_file(path)
+        return super().read_file(path)
 
     def free_bytes(self, path: str) -> int:
         """As :class:`OsFileSystem`, but never more than ``room`` when it is set."""
