@@ -2,8 +2,9 @@
 
 Issue 31.5: a full disk during the copy used to leave START(copy) in the log and the envelope unparked with
 nothing to conclude the attempt while the process ran: the message was stranded until the next restart
-(a delayed one never offered, release/delete answered "delivery in progress"). The DATA is now copied
-first; on failure nothing refers to it and the envelope stays parked.
+(a delayed one never offered, release/delete answered "delivery in progress"). Now the envelope is put
+back at once (a replacement naming its old DATA), or, if not even that fits, the copy is concluded by the
+next checkpoint.
 
 Issue 31.10: the copy read each body three times, in the event loop; now once, in a thread.
 
@@ -41,9 +42,10 @@ def _held(tmp_path, fs: FaultyFileSystem, size: int):
 
 
 def test_a_full_disk_during_a_copy_forward_leaves_the_message_held_and_releasable(tmp_path):
-    """The disk has room for a START but not for the DATA copy: copy_forward raises StorageFull, the log
-    holds no START(copy), the message is still held, not active, and an administrator can release it at
-    once; with room again the next copy succeeds."""
+    """The disk has room for a START and an envelope but not for the DATA copy: copy_forward raises
+    StorageFull after putting the message back, held, as a replacement naming its old DATA; the message is
+    not active, an administrator can release it at once, and the released envelope reads the intact body
+    (before: the attempt stayed open, and release answered "delivery in progress")."""
     fs = FaultyFileSystem()
     log, q, adm, body = _held(tmp_path, fs, 300_000)
 
@@ -52,25 +54,28 @@ def test_a_full_disk_during_a_copy_forward_leaves_the_message_held_and_releasabl
         assert [env.queue_id] == (await adm.act("hold", Selector(ids=(env.queue_id,)))).done
         [(pos, held)] = [(p, q.log.read(p)) for p in q.parked.entries]
         assert isinstance(held, EnvelopeRecord)
-        fs.room = 4096  # a START fits, the 300 kB copy does not
+        fs.room = 4096  # a START and an envelope fit, the 300 kB copy does not
         with pytest.raises(StorageFull):
             await q.copy_forward(pos, held)
         fs.room = None
         await log.sync()
-        starts = [r for s in scan_log(OsFileSystem(), log.directory) for _p, r in s.records
-                  if isinstance(r, StartRecord) and r.envelope == pos]
-        assert [] == starts
-        assert (True, 0) == (pos in q.parked, len(q.working))
+        assert 0 == len(q.working)
+        [new] = [q.log.read(p) for p in q.parked.entries]
+        assert isinstance(new, EnvelopeRecord)
+        assert held.data == new.data  # (pinned when far behind it: Queue.finish_admin)
         [m] = (await adm.list(Selector()))[1]
-        assert "held" == m["queue_name"]
+        assert (env.queue_id, "held") == (m["queue_id"], m["queue_name"])
         assert [env.queue_id] == (await adm.act("release", Selector(ids=(env.queue_id,)))).done
+        [released] = [r for s in scan_log(OsFileSystem(), log.directory) for _p, r in s.records
+                      if isinstance(r, EnvelopeRecord) and r.queue_id == env.queue_id and r.runner == 0 and r.generation]
+        assert body == q.read_body(released)
 
     asyncio.run(main())
     log.close()
 
 
 def test_a_replacement_that_does_not_fit_after_its_start_is_appended_at_the_next_try(tmp_path):
-    """The DATA copy and the START fit, the replacement does not: the copy stays open (the message counts as
+    """The START and the DATA copy fit, the replacement does not: the copy stays open (the message counts as
     active) until finish_open_copies, run by the next checkpoint once there is room, appends it; the
     message is then held once, with its body."""
     fs = FaultyFileSystem()

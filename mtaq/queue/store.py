@@ -371,39 +371,53 @@ class Queue:
         position, or None when the envelope was no longer parked once its DATA had been read (an
         administrator's action or its due time came meanwhile; nothing appended).
 
-        The DATA is read once, and checked, in a thread (never in the event loop: a large held message does
-        not hold up the SMTP sessions, issue 31.10), then appended; START(admin="copy") and the replacement
-        only after that, as book-keeping. So a full disk or a read error during the copy leaves the envelope
-        parked where it was, with nothing in the log that refers to a half-done copy (issue 31.5); at most
-        an unreferenced DATA copy. Should the replacement itself not fit after its START, the attempt stays
-        open and :meth:`finish_open_copies` (each checkpoint) appends it once there is room.
+        The DATA is read once, and checked, in a thread, before anything is appended (never in the event
+        loop: a large held message does not hold up the SMTP sessions, issue 31.10). Then START(admin="copy"),
+        the DATA copy and the replacement are appended as book-keeping, in that order (so that a hole that
+        takes the copy lies within the attempt, and recovery concludes it again: docs/log_format.md).
+
+        A full disk (issue 31.5): if the START does not fit, nothing is appended and the envelope stays
+        parked; if the DATA copy does not fit, nothing of it is left and the envelope is put back at once,
+        a replacement naming its old DATA (pinned, as a retry that could not copy its DATA), and the
+        StorageError is raised after that; if the replacement does not fit either, the copy stays open (the
+        message counts as active) and :meth:`finish_open_copies` (each checkpoint) appends it once there is
+        room. Never an attempt that nothing concludes while the process runs.
 
         Raises CorruptRecord (the DATA does not check out; the message stays where it is), StorageError
-        (StorageFull: a full disk)."""
+        (StorageFull: a full disk; see above)."""
         salt = self.log.salt_of(env.data.segment)
         body = await asyncio.to_thread(self._read_checked, env, salt)
+        failure: StorageError | None = None
         try:
             if envelope_pos not in self.parked:
                 return None
+            attempt = self.start(envelope_pos, env, admin=COPY_FORWARD)  # StorageError: nothing appended
+            self.revoked.add(envelope_pos)
             try:
-                if isinstance(body, bytes):
-                    data_pos, _ = self.log.append(DataRecord(queue_id=env.queue_id, body=body))
-                else:
-                    data_pos, _ = self.log.append_data(env.queue_id, body.pieces, body.size)
-            except OSError as exc:  # the temporary copy could not be read back: nothing appended
-                raise storage_error(exc, "temporary body file") from exc
+                try:
+                    if isinstance(body, bytes):
+                        data_pos, _ = self.log.append(DataRecord(queue_id=env.queue_id, body=body))
+                    else:
+                        data_pos, _ = self.log.append_data(env.queue_id, body.pieces, body.size)
+                except OSError as exc:  # the temporary copy could not be read back: nothing appended
+                    raise storage_error(exc, "temporary body file") from exc
+            except StorageFatal:
+                raise
+            except StorageError as exc:
+                data_pos, failure = env.data, exc  # put back as it was: the old DATA, pinned
         finally:
             if isinstance(body, BodyBuffer):
                 body.close()
-        attempt = self.start(envelope_pos, env, admin=COPY_FORWARD)
-        self.revoked.add(envelope_pos)
         self._open_copies[attempt.start_pos] = (attempt, data_pos)
-        return self.finish_open_copies()[-1]
+        pos = self.finish_open_copies()[-1]
+        if failure is not None:
+            raise failure
+        return pos
 
     def finish_open_copies(self) -> list[Pos]:
         """Append the replacement of every copy forward whose START is in the log but whose replacement could
-        not be appended (a full disk in between); return their positions, oldest first. Raises StorageError
-        (those not done stay open: the working set keeps their envelopes, recovery completes them)."""
+        not be appended (a full disk); return their positions, oldest first. Raises StorageError (those not
+        done stay open: the working set keeps their envelopes; recovery completes them after a restart)."""
         done = []
         for start_pos, (attempt, data_pos) in sorted(self._open_copies.items()):
             _rec, pos, _lsn = self.finish_admin(attempt, COPY_FORWARD, data=data_pos)
@@ -434,7 +448,8 @@ class Queue:
         self, attempt: Attempt, action: str, *, release_ts: float | None = None, data: Pos | None = None
     ) -> tuple[EnvelopeRecord | FinishRecord, Pos, int]:
         """Conclude the admin action started as ``attempt`` (also used by recovery). See :meth:`admin`.
-        ``data``: a copy of the DATA already appended for the replacement (else it is copied here)."""
+        ``data``: the DATA the replacement names, already appended (else it is copied here); a reference far
+        behind the replacement is pinned (:attr:`data_pins`) until the message is concluded again."""
         env = attempt.envelope
         if action == "bounce":
             code, enhanced, text = ADMIN_BOUNCE
@@ -450,6 +465,8 @@ class Queue:
         pos, lsn = self.log.append(rec)
         self.working.concluded(attempt.start_pos)
         self.data_pins.pop(attempt.envelope_pos, None)  # an admin action copies the DATA forward or ends it
+        if isinstance(rec, EnvelopeRecord) and far_data(pos, rec):
+            self.data_pins[pos] = rec.data  # a copy forward that could not copy its DATA: that segment stays
         self.counts.concluded(rec if isinstance(rec, EnvelopeRecord) else None)
         if isinstance(rec, EnvelopeRecord) and rec.runner == PARKED:
             self.parked.add(pos, rec)
