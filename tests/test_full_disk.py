@@ -90,7 +90,7 @@ def test_a_start_on_a_full_disk_gives_up_the_reserve_and_delivers(tmp_path):
 def test_a_roll_over_on_a_full_disk_takes_the_reserves_room(tmp_path):
     """While running: the disk fills up, and the next segment cannot be created; the log gives up its
     reserve (made by keep_reserve while there was room) and the append goes on into the new segment."""
-    from mtaq.core.frame import FRAME_HEADER_BYTES
+    from mtaq.core.frame import FRAME_HEADER_BYTES, SEGMENT_HEADER_BYTES
     from mtaq.core.records import FinishRecord, Pos, SealRecord, encode_payload
     from mtaq.storage.log import Log
 
@@ -107,7 +107,10 @@ def test_a_roll_over_on_a_full_disk_takes_the_reserves_room(tmp_path):
         log.append(FinishRecord(f"Q{i:06d}", Pos(1, 32), float(i)))
         i += 1
     _t, seal = encode_payload(SealRecord(segment=first, records=i))
-    fs.room = FRAME_HEADER_BYTES + len(seal)  # room for this segment's SEAL; nothing for the next segment
+    # Room for this segment's SEAL (16 bytes more than its fields: the durable end the log may stamp in it)
+    # and not for the next segment's header (SEGMENT_HEADER_BYTES, 32).
+    fs.room = FRAME_HEADER_BYTES + len(seal) + 16
+    assert 16 < SEGMENT_HEADER_BYTES
     log.append(FinishRecord(f"Q{i:06d}", Pos(1, 32), float(i)))
     assert (first + 1, 1) == (log.current_segment, log.stats.reserve_released)
     assert not os.path.exists(str(tmp_path / "log" / RESERVE_NAME))
