@@ -139,3 +139,25 @@ def test_a_copy_forward_reads_the_body_once_and_off_the_event_loop(tmp_path):
     datas = [r.body for s in scan_log(OsFileSystem(), os.path.join(str(tmp_path), "log")) for _p, r in s.records
              if isinstance(r, DataRecord)]
     assert [body] * 3 == datas  # received, held (the admin's copy), copied forward
+
+
+def test_an_administrators_hold_on_a_full_disk_is_done_with_the_old_data(tmp_path):
+    """hold on a disk with room for a START and an envelope but not the DATA copy: done, the message held
+    (not active), its replacement naming the old DATA, released again at once (before: StorageFull after
+    the START, and the message stuck as "delivery in progress" until a restart)."""
+    fs = FaultyFileSystem()
+    log, q, adm, body = _held(tmp_path, fs, 300_000)
+
+    async def main() -> None:
+        env = await q.receive("s@x.test", ["r@y.test"], body)
+        fs.room = 4096
+        assert [env.queue_id] == (await adm.act("hold", Selector(ids=(env.queue_id,)))).done
+        fs.room = None
+        assert 0 == len(q.working)
+        [held] = [q.log.read(p) for p in q.parked.entries]
+        assert isinstance(held, EnvelopeRecord)
+        assert (env.data, body) == (held.data, q.read_body(held))
+        assert [env.queue_id] == (await adm.act("release", Selector(ids=(env.queue_id,)))).done
+
+    asyncio.run(main())
+    log.close()

@@ -356,8 +356,9 @@ class Queue:
         Appends START (``admin=action``) and its conclusion back to back (FINISH, or a replacement with the
         DATA copied forward; ``bounce`` also queues the DSN first), and marks the envelope revoked so that
         an offer of it still on its way to a worker is dropped. Returns the concluding record, its position
-        and the LSN to commit before reporting success. Raises StorageError (nothing appended counts until
-        committed), CorruptRecord if the data cannot be copied.
+        and the LSN to commit before reporting success. A replacement whose DATA cannot be copied for want of
+        space or a read error names the old DATA (pinned until it is concluded again). Raises StorageError
+        (nothing appended counts until committed), CorruptRecord if the data does not check out.
         """
         if action not in ADMIN_ACTIONS:
             raise ValueError(f"unknown admin action {action!r}")
@@ -461,12 +462,21 @@ class Queue:
             release_ts = self.clock()  # recovery completing a delay cut short: due now rather than lost
         rec = admin_conclusion(env, attempt.start_pos, action, self.clock(), release_ts)
         if isinstance(rec, EnvelopeRecord):
-            rec = msgspec.structs.replace(rec, data=data if data is not None else self.copy_data(env))
+            if data is None:
+                try:
+                    data = self.copy_data(env)
+                except StorageFatal:
+                    raise
+                except StorageError:
+                    # A full disk or a read error (issue 31.5): the action still concludes, its replacement
+                    # naming the old DATA (pinned below), rather than leave an attempt nothing concludes.
+                    data = env.data
+            rec = msgspec.structs.replace(rec, data=data)
         pos, lsn = self.log.append(rec)
         self.working.concluded(attempt.start_pos)
         self.data_pins.pop(attempt.envelope_pos, None)  # an admin action copies the DATA forward or ends it
         if isinstance(rec, EnvelopeRecord) and far_data(pos, rec):
-            self.data_pins[pos] = rec.data  # a copy forward that could not copy its DATA: that segment stays
+            self.data_pins[pos] = rec.data  # its DATA could not be copied: that segment stays until it is concluded
         self.counts.concluded(rec if isinstance(rec, EnvelopeRecord) else None)
         if isinstance(rec, EnvelopeRecord) and rec.runner == PARKED:
             self.parked.add(pos, rec)
