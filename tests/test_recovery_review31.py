@@ -104,7 +104,7 @@ def test_a_copy_forward_whose_start_was_lost_leaves_one_held_envelope(tmp_path):
     asyncio.run(log.commit(lsn))
     [(hpos, henv)] = live(spool)[env.queue_id]
     checkpoint_here(spool, log, parked=(hpos,))
-    q.copy_forward(hpos, henv)
+    asyncio.run(q.copy_forward(hpos, henv))
     log.close()
     zero(spool, lambda p, r: isinstance(r, StartRecord) and r.admin == "copy")
     for _ in range(2):
@@ -186,7 +186,7 @@ def test_a_lost_start_before_a_surviving_data_copy_is_a_hole_not_corruption(tmp_
     asyncio.run(log.commit(lsn))
     [(hpos, henv)] = live(spool)[env.queue_id]
     checkpoint_here(spool, log, parked=(hpos,))
-    q.copy_forward(hpos, henv)
+    asyncio.run(q.copy_forward(hpos, henv))
     log.close()
     [copy] = [p for p, r in records(spool) if isinstance(r, EnvelopeRecord) and r.replaces is not None
               and p > hpos]
