@@ -78,7 +78,7 @@ def main() -> int:
     out: dict[str, Any] = {"messages": n, "message_bytes": args.size, "repeat": args.repeat}
     out["prefill_s"] = round(prefill(spool, n, args.size), 3)
     log_dir = os.path.join(spool, "log")
-    out["log_bytes"] = sum(os.path.getsize(os.path.join(log_dir, x)) for x in os.listdir(log_dir))
+    out["log_bytes"] = sum(os.path.getsize(os.path.join(log_dir, x)) for x in os.listdir(log_dir) if x.endswith(".seg"))
     daemon = start_daemon(spool, free_port(), os.path.join(work, "daemon.log"), config=conf)
     ok = True
     try:

@@ -209,7 +209,7 @@ def main() -> int:
     plain = plain_totals([spool])
     plain_s = time.monotonic() - t
     records = plain["records"]
-    size = sum(os.path.getsize(os.path.join(spool, "log", f)) for f in os.listdir(os.path.join(spool, "log")))
+    size = sum(os.path.getsize(os.path.join(spool, "log", f)) for f in os.listdir(os.path.join(spool, "log")) if f.endswith(".seg"))
 
     from mtaq.analytics.job import Options, analyze, class_archive, spark_session, stop_session
 

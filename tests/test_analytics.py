@@ -120,7 +120,7 @@ def run_script(tmp) -> dict:
             "stats_interval_s": 0, "checkpoint_interval_s": 3600, "segment_bytes_max": 65536,
             "retry_intervals_s": [1000.0, 3000.0], "maximal_queue_lifetime_s": 3600.0,
             "archive_dir": archive, "archive_compress": "zstd", "admin_listen": "127.0.0.1:0"})
-        d = Daemon(cfg, clock=clock)
+        d = Daemon(cfg, clock=clock, monotonic=clock)  # the script's time passes: both clocks move
         task = asyncio.create_task(d.run())
         while not d.runners:
             await asyncio.sleep(0.01)

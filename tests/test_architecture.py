@@ -36,6 +36,22 @@ def test_only_storage_fs_calls_fsync():
     assert {"storage/fs.py"} == callers
 
 
+def test_spool_directories_are_made_by_the_storage_layer():
+    """A directory of the spool is created only by mtaq/storage (make_durable_dirs, CacheDir, quarantine,
+    the archive), which fsyncs its parent: an ``os.makedirs``/``os.mkdir`` elsewhere makes a directory whose
+    entry a power cut can take away (issue 31.11: the first start's spool). mtaq/analytics writes reports,
+    not the spool; mtaq/testing is the harness."""
+    callers = set()
+    for p in PKG.rglob("*.py"):
+        rel = p.relative_to(PKG)
+        if rel.parts[0] in ("storage", "testing", "analytics"):
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in ("makedirs", "mkdir") and isinstance(node.value, ast.Name) and node.value.id == "os":
+                callers.add(str(rel))
+    assert set() == callers
+
+
 # The packages of mtaq and what each may import (README "Layout"; each package's __init__ says the same).
 # A module is named by its package: mtaq/X/... is X, a module at the root (cli, config, logs) is itself.
 ALLOWED: dict[str, set[str]] = {

@@ -180,7 +180,7 @@ def test_holding_and_copying_a_large_parked_message_forward_never_reads_it_whole
             peaks.append(tracemalloc.get_traced_memory()[1])
             tracemalloc.reset_peak()
             assert isinstance(held, EnvelopeRecord)
-            q.copy_forward(held_pos, held)
+            await q.copy_forward(held_pos, held)
             peaks.append(tracemalloc.get_traced_memory()[1])
         finally:
             tracemalloc.stop()

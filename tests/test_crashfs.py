@@ -684,3 +684,16 @@ def test_negative_control_harness_catches_a_log_that_never_fsyncs(monkeypatch):
     assert harness_catches("drop", 65536)
     assert harness_catches("random", 65536)
     assert not harness_catches("keep", 65536)
+
+
+def test_make_durable_dirs_survives_a_power_cut_at_once():
+    """make_durable_dirs (the first start's spool, issue 31.11) fsyncs the parent of every directory it
+    creates: a power cut right after it returns, keeping nothing unsynced, still has every level."""
+    from mtaq.storage.fs import make_durable_dirs
+
+    fs = CrashFileSystem()
+    fs.makedirs("/var")
+    fs.fsync_dir("/")
+    make_durable_dirs(fs, "/var/spool/mtaq/shard-1")
+    fs.crash(random.Random(0), mode="drop")
+    assert fs.exists("/var/spool/mtaq/shard-1")

@@ -91,3 +91,28 @@ def test_runners_survive_emfile_and_eio_and_deliver_once_they_pass(tmp_path):
             h.sink_server.close()
 
     asyncio.run(main())
+
+
+def test_segments_this_process_wrote_do_not_stay_open_after_their_fsync(tmp_path):
+    """files_open_max bounds the segments a process wrote too (issue 31.12): rolling over 40 segments, each
+    round fsync'd and nothing reclaimed (held mail pins them all), leaves at most files_open_max segment
+    files open besides the one being written (before: each rolled-over segment kept its write handle until
+    reclamation deleted it, up to the last retry interval, so a busy spool ran out of descriptors)."""
+    from mtaq.core.records import FinishRecord, Pos
+
+    async def main() -> None:
+        log, _report = Log.open(OsFileSystem(), str(tmp_path), segment_bytes_max=65536)
+        log.files_open_max = 4
+        before = open_fds()
+        first = log.current_segment
+        i = 0
+        while log.current_segment < first + 40:
+            for _ in range(200):
+                log.append(FinishRecord(f"Q{i:06d}", Pos(1, 32), float(i)))
+                i += 1
+            await log.sync()
+        assert 40 == len(log.segments()) - 1  # nothing reclaimed
+        assert open_fds() - before <= 4
+        log.close()
+
+    asyncio.run(main())

@@ -24,7 +24,7 @@ from test_corrupt_area import start
 from test_hole_conclusions import BODY, DEFERRED, FAILED, body_of, flip, live, zero
 
 from mtaq.core.checkpoint import Checkpoint
-from mtaq.core.records import EnvelopeRecord, FinishRecord, Pos, StartRecord
+from mtaq.core.records import DataRecord, EnvelopeRecord, FinishRecord, Pos, StartRecord
 from mtaq.storage.checkpoint import write_checkpoint
 from mtaq.storage.fs import OsFileSystem
 from mtaq.storage.log import scan_log, segment_path
@@ -104,7 +104,7 @@ def test_a_copy_forward_whose_start_was_lost_leaves_one_held_envelope(tmp_path):
     asyncio.run(log.commit(lsn))
     [(hpos, henv)] = live(spool)[env.queue_id]
     checkpoint_here(spool, log, parked=(hpos,))
-    q.copy_forward(hpos, henv)
+    asyncio.run(q.copy_forward(hpos, henv))
     log.close()
     zero(spool, lambda p, r: isinstance(r, StartRecord) and r.admin == "copy")
     for _ in range(2):
@@ -113,6 +113,59 @@ def test_a_copy_forward_whose_start_was_lost_leaves_one_held_envelope(tmp_path):
         assert (hpos, True, BODY) == (lpos, lenv.held, body_of(log, lenv))
         assert [hpos] == sorted(q2.parked.entries)
         log.close()
+
+
+def test_an_administrators_bounce_whose_start_was_lost_sends_no_dsn(tmp_path):
+    """Found by the crash-state explorer (V8): an administrator bounces M; the power cut keeps the DSN (its
+    DATA and envelope) and loses START(admin=bounce). M is live again (no START names it) and was delivered,
+    while the DSN told the sender it had failed. Now a DSN names the START that queued it
+    (``bounce_start``), and one whose START was lost is ended: M stays queued, no DSN."""
+    spool = str(tmp_path)
+    log, q, _ = start(spool, segment_bytes_max=1 << 20)
+    env = asyncio.run(q.receive("alice@example.org", ["bob@example.net"], BODY))
+    checkpoint_here(spool, log)
+    [(pos, _e)] = live(spool)[env.queue_id]
+    in_loop(log, lambda: q.admin(pos, env, "bounce"))
+    log.close()
+    [dsn] = [r for _p, r in records(spool) if isinstance(r, EnvelopeRecord) and r.bounce_of == env.queue_id]
+    [start_pos] = zero(spool, lambda p, r: isinstance(r, StartRecord) and r.admin == "bounce")
+    assert start_pos == dsn.bounce_start
+    for _ in range(2):
+        log, _q2, _res = start(spool, segment_bytes_max=1 << 20)
+        log.close()
+        got = live(spool)
+        assert [pos] == [p for p, _e in got[env.queue_id]]
+        assert f"dsn:{env.queue_id}" not in got
+
+
+def test_a_held_message_whose_release_lost_its_start_stays_listed_and_held(tmp_path):
+    """Found by the crash-state explorer (V7): a held message is released; the power cut keeps only the
+    release's replacement (START(release) and the DATA copy lost). Recovery ends that replacement (its START
+    was lost) and the held envelope is live again; the queue view, which kept one envelope per queue ID,
+    took the ended replacement's FINISH for the end of the message: ``mtaq queue list`` no longer showed
+    it and no release could select it, held forever. Now the view falls back to the older envelope no START
+    named: the message is listed, held, at its position."""
+    from mtaq.admin.service import offline_view
+
+    spool = str(tmp_path)
+    log, q, _ = start(spool, segment_bytes_max=1 << 20)
+    env = asyncio.run(q.receive("alice@example.org", ["bob@example.net"], BODY))
+    _rec, _pos, lsn = q.admin(live(spool)[env.queue_id][0][0], env, "hold")
+    asyncio.run(log.commit(lsn))
+    [(hpos, henv)] = live(spool)[env.queue_id]
+    checkpoint_here(spool, log, parked=(hpos,))
+    in_loop(log, lambda: q.admin(hpos, henv, "release"))
+    log.close()
+    zero(spool, lambda p, r: (isinstance(r, StartRecord) and r.admin == "release")
+         or (isinstance(r, DataRecord) and p > hpos))
+    for _ in range(2):
+        log, q2, _res = start(spool, segment_bytes_max=1 << 20)
+        log.close()
+        [(lpos, _lenv)] = live(spool)[env.queue_id]
+        assert hpos == lpos
+        entry = offline_view(spool).entries[env.queue_id]
+        assert (hpos, "held") == (entry.pos, entry.state)
+        assert [hpos] == sorted(q2.parked.entries)
 
 
 def test_a_lost_start_before_a_surviving_data_copy_is_a_hole_not_corruption(tmp_path):
@@ -133,7 +186,7 @@ def test_a_lost_start_before_a_surviving_data_copy_is_a_hole_not_corruption(tmp_
     asyncio.run(log.commit(lsn))
     [(hpos, henv)] = live(spool)[env.queue_id]
     checkpoint_here(spool, log, parked=(hpos,))
-    q.copy_forward(hpos, henv)
+    asyncio.run(q.copy_forward(hpos, henv))
     log.close()
     [copy] = [p for p, r in records(spool) if isinstance(r, EnvelopeRecord) and r.replaces is not None
               and p > hpos]

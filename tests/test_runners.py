@@ -25,14 +25,22 @@ from mtaq.storage.log import Log
 
 
 class Clock:
+    """The daemon's clocks in a test: ``offset`` is time passing (the wall clock and the monotonic clock both
+    move by it), ``step`` a step of the wall clock alone (an administrator or NTP setting it; issue 31.8)."""
+
     def __init__(self) -> None:
         import time
 
         self.offset = 0.0
+        self.step = 0.0
         self._time = time.time
+        self._monotonic = time.monotonic
 
     def __call__(self) -> float:
-        return self._time() + self.offset
+        return self._time() + self.offset + self.step
+
+    def monotonic(self) -> float:
+        return self._monotonic() + self.offset
 
 
 class Sink:
@@ -81,7 +89,7 @@ class Harness:
         cfg = load_config(None, {"spool_dir": self.spool, "listen": "127.0.0.1:0",
                                  "relayhost": f"[127.0.0.1]:{self.sink_port}", "stats_interval_s": 0,
                                  "checkpoint_interval_s": 3600, "admin_listen": "127.0.0.1:0", **self.config})
-        self.daemon = Daemon(cfg, clock=self.clock, fs=fs)
+        self.daemon = Daemon(cfg, clock=self.clock, monotonic=self.clock.monotonic, fs=fs)
         self.task = asyncio.create_task(self.daemon.run())
         while not self.daemon.runners:
             if self.task.done():

@@ -50,7 +50,7 @@ def _log_bytes(spool: str) -> dict[int, bytes]:
     """Every shard's log segments, concatenated (shard -> bytes)."""
     out = {}
     for k, d in log_dirs(spool):
-        out[k] = b"".join(Path(d, f).read_bytes() for f in sorted(os.listdir(d)))
+        out[k] = b"".join(Path(d, f).read_bytes() for f in sorted(os.listdir(d)) if f.endswith(".seg"))
     return out
 
 

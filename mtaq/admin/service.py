@@ -3,7 +3,9 @@
 Every action is a durable record in the log (a START with ``admin=`` and its conclusion), so it is audited,
 survives crashes (recovery completes an action interrupted half-way), and acts on a consistent view:
 
-1. the log is read in a thread up to its durable end P (a :class:`~mtaq.core.view.QueueView` as of P);
+1. the log is read in a thread up to its durable end P (a :class:`~mtaq.core.view.QueueView` as of P),
+   with reclamation held off meanwhile (``Log.segments_kept``: a segment deleted under the reader would
+   make the messages concluded in it look live);
 2. then, in the event loop and without awaiting, the view is brought forward to the log's current end
    (what workers and runners appended meanwhile, durable or not), the messages are selected and the
    actions appended. No delivery worker can start one of them in between: workers run in the same loop;
@@ -83,7 +85,7 @@ def _view_of_segments(log: Log, end: Pos) -> QueueView:
             break
         try:
             buf = log.read_segment(n)
-        except FileNotFoundError:  # reclaimed meanwhile: it held nothing live
+        except FileNotFoundError:  # reclaimed before the caller took Log.segments_kept: it held nothing live
             continue
         if n == end.segment:
             buf = buf[: end.offset]
@@ -119,7 +121,8 @@ class AdminService:
     async def view(self) -> QueueView:
         """The queue as of now: read in a thread up to the durable end, then caught up in the loop."""
         log = self.queue.log
-        view = await asyncio.to_thread(_view_of_segments, log, log.durable_end)
+        with log.segments_kept():  # no reclamation under the reading thread (issue 31.7)
+            view = await asyncio.to_thread(_view_of_segments, log, log.durable_end)
         _catch_up(view, log)
         return view
 
@@ -172,7 +175,8 @@ class AdminService:
                                  f"{self.delay_max_s:.0f} seconds (delay_max_s)")
             release_ts = self.clock() + delay_s
         async with self._lock:
-            view = await asyncio.to_thread(_view_of_segments, self.queue.log, self.queue.log.durable_end)
+            with self.queue.log.segments_kept():  # no reclamation under the reading thread (issue 31.7)
+                view = await asyncio.to_thread(_view_of_segments, self.queue.log, self.queue.log.durable_end)
             # From here to the commit below nothing awaits: no worker can start a selected message.
             _catch_up(view, self.queue.log)
             res = ActionResult(action, str(view.end))

@@ -119,7 +119,9 @@ class EnvelopeRecord(msgspec.Struct, frozen=True, array_like=True, tag=int(Recor
     administrator releases it) or delayed by the client (RFC 4865 FUTURERELEASE; due at ``not_before_ts``).
     Parked envelopes are tracked by position (and kept in checkpoints), so they never block a runner.
     ``durable`` is the log's durable end when the record was appended (stamped by the log): every byte
-    before it had been fsync'd, which recovery uses to tell damage from an unsynced hole.
+    before it had been fsync'd, which recovery uses to tell damage from an unsynced hole. ``bounce_start``
+    (a DSN's first envelope) is the START of the attempt or administrator's bounce that queued it: recovery
+    counts the DSNs an interrupted attempt already queued by it, and ends a DSN whose START was lost.
     """
 
     queue_id: str
@@ -140,6 +142,7 @@ class EnvelopeRecord(msgspec.Struct, frozen=True, array_like=True, tag=int(Recor
     bounce_of: str = ""
     held: bool = False
     durable: Pos | None = None
+    bounce_start: Pos | None = None
 
 
 class StartRecord(msgspec.Struct, frozen=True, array_like=True, tag=int(RecordType.START)):

@@ -175,8 +175,12 @@ class Conclusion:
         return [g for g in (self.failed, self.delayed, self.succeeded) if g]
 
 
-def conclude(attempt: Attempt, now_ts: float, policy: RetryPolicy) -> Conclusion:
+def conclude(attempt: Attempt, now_ts: float, policy: RetryPolicy, *, age_ts: float | None = None) -> Conclusion:
     """Decide how ``attempt`` ends, at ``now_ts`` (UTC seconds).
+
+    ``age_ts`` (UTC seconds, default ``now_ts``) is the time the message's age is measured at, for the
+    lifetime (expiry, 4.4.7) and the delay warning: the queue gives a time that a forward step of the wall
+    clock does not move (issue 31.8; :meth:`mtaq.queue.store.Queue.age_clock`).
 
     Recipients left are those with a ``deferred`` outcome (unless the lifetime ran out: then they fail
     with 4.4.7) and those with no outcome (unknown: retried at once by runner 0). The replacement keeps
@@ -189,7 +193,8 @@ def conclude(attempt: Attempt, now_ts: float, policy: RetryPolicy) -> Conclusion
     succeeded: list[DsnItem] = []
     expired: list[Recipient] = []
     unknown = False
-    out_of_time = now_ts - env.arrival_ts >= policy.lifetime_of(env)
+    age = (now_ts if age_ts is None else age_ts) - env.arrival_ts
+    out_of_time = age >= policy.lifetime_of(env)
     for r in env.recipients:
         o = attempt.outcomes.get(r.index)
         notify = notify_of(r)
@@ -221,7 +226,7 @@ def conclude(attempt: Attempt, now_ts: float, policy: RetryPolicy) -> Conclusion
         policy.delay_warning_time_s > 0
         and not env.warned
         and env.sender != ""
-        and now_ts - env.arrival_ts >= policy.delay_warning_time_s
+        and age >= policy.delay_warning_time_s
     )
     if warn:
         for r in left:

@@ -7,7 +7,8 @@ Postfix's ``mailq``, which walks directories while they change and can show a me
 (GUIDE §4). The view can be brought forward by applying what came after P.
 
 What must hold: a message is live as of P iff its newest envelope before P has no START before P, or
-has one whose attempt has no FINISH and no replacement before P (then it is active).
+has one whose attempt has no FINISH and no replacement before P (then it is active), or an older envelope
+of it has no START before P (recovery ended a newer one whose own START was lost: issue 31.2).
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ class QueueView:
     end: Pos = field(default_factory=lambda: Pos(0, 0))
     entries: dict[str, Entry] = field(default_factory=dict)  # queue_id -> entry
     _by_start: dict[Pos, str] = field(default_factory=dict)  # open START -> queue_id
+    # Envelopes no START has named yet, by queue ID. Normally one; two when recovery ended a replacement
+    # whose START was lost (issue 31.2): the older one is live again once the newer one is ended.
+    _unstarted: dict[str, dict[Pos, EnvelopeRecord]] = field(default_factory=dict)
     _reasons: dict[str, dict[int, str]] = field(default_factory=dict)  # queue_id -> index -> last reply
 
     def apply(self, pos: Pos, rec: Record, end: Pos) -> None:
@@ -74,11 +78,17 @@ class QueueView:
             if rec.replaces is not None:
                 self._by_start.pop(rec.replaces, None)
             self.entries[rec.queue_id] = Entry(pos, rec, state_of(rec))
+            self._unstarted.setdefault(rec.queue_id, {})[pos] = rec
             reasons = self._reasons.setdefault(rec.queue_id, {})
             for r in rec.recipients:
                 if r.last_reply and r.index not in reasons:
                     reasons[r.index] = r.last_reply
         elif isinstance(rec, StartRecord):
+            waiting = self._unstarted.get(rec.queue_id)
+            if waiting is not None:
+                waiting.pop(rec.envelope, None)
+                if not waiting:
+                    del self._unstarted[rec.queue_id]
             e = self.entries.get(rec.queue_id)
             if e is not None and e.pos == rec.envelope:
                 e.state, e.start = "active", pos
@@ -90,8 +100,13 @@ class QueueView:
         elif isinstance(rec, FinishRecord):
             qid = self._by_start.pop(rec.start, None)
             if qid is not None:
-                self.entries.pop(qid, None)
-                self._reasons.pop(qid, None)
+                left = self._unstarted.get(qid)
+                if left:  # an older envelope of the message no START named: it is the live one again
+                    lpos = max(left)
+                    self.entries[qid] = Entry(lpos, left[lpos], state_of(left[lpos]))
+                else:
+                    self.entries.pop(qid, None)
+                    self._reasons.pop(qid, None)
 
     def reasons(self, queue_id: str) -> dict[int, str]:
         """The last reply per recipient index (deferrals and failures; ``delay_reason`` in listings)."""

@@ -17,6 +17,7 @@ checkpoint; only the archived prefix is deleted.
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
 import importlib
 import os
@@ -50,8 +51,8 @@ from mtaq.queue.runners import RUNNER_READ_RETRY_S, Declined, Dispatcher, Runner
 from mtaq.queue.store import Queue, StoredBody, set_queue_id_shard
 from mtaq.storage.archive import ArchiveError, SegmentArchive
 from mtaq.storage.checkpoint import write_checkpoint
-from mtaq.storage.fs import FileSystem, OsFileSystem
-from mtaq.storage.log import Log, segment_path
+from mtaq.storage.fs import FileSystem, OsFileSystem, make_durable_dirs
+from mtaq.storage.log import RESERVE_BYTES, Log, release_reserve, segment_path
 from mtaq.testing import killpoints, powercut
 
 if TYPE_CHECKING:  # imported when needed, not before the first 250 (issue 15.6)
@@ -86,13 +87,14 @@ class Daemon:
     """The running relay: one log, its SMTP listeners, the runners, ``delivery_concurrency`` workers."""
 
     def __init__(self, cfg: Config, *, clock: Callable[[], float] = time.time,
-                 listen_sockets: list[list[socket.socket]] | None = None, fs: FileSystem | None = None, admin_socket: str = "", admin_peers: dict[int, str] | None = None) -> None:
+                 monotonic: Callable[[], float] = time.monotonic, listen_sockets: list[list[socket.socket]] | None = None, fs: FileSystem | None = None, admin_socket: str = "", admin_peers: dict[int, str] | None = None) -> None:
         self.cfg = cfg
         # Several workers (mtaq.daemon.workers): worker k >= 1 serves the admin API on ``admin_socket`` for
         # worker 0, whose public API reaches the other shards through ``admin_peers`` {shard: socket}.
         self.admin_socket = admin_socket
         self.admin_peers = dict(admin_peers or {})
-        self.clock = clock
+        self.clock = clock  # UTC seconds (steps with the wall clock)
+        self.monotonic = monotonic  # seconds no clock step moves: waits and message ages (issue 31.8)
         self._fs_given = fs  # tests pass a failing one; else the real file system (or MTAQ_TEST_FS)
         # One of several worker processes (mtaq.daemon.workers): per listener, the sockets the supervisor bound,
         # which every worker accepts from (None: bind the listeners here).
@@ -128,6 +130,7 @@ class Daemon:
         self.archive: SegmentArchive | None = None
         self._reclaim_task: asyncio.Task[None] | None = None
         self._reclaim_limit = 0
+        self._reserve_released = 0  # Log.stats.reserve_released already reported (spool_reserve_released)
 
     def _on_durable(self, env: EnvelopeRecord, pos: Pos) -> None:
         self.log.info(
@@ -174,9 +177,17 @@ class Daemon:
         if cfg.archive_dir:
             self.archive = SegmentArchive(self.fs, cfg.archive_dir, compress=cfg.archive_compress,
                                           retention_s=cfg.archive_retention_s, clock=self.clock)
-        qlog, report = Log.open(self.fs, os.path.join(cfg.spool_dir, "log"), segment_bytes_max=cfg.segment_bytes_max)
+        log_dir = os.path.join(cfg.spool_dir, "log")
+        if self._free_bytes(log_dir) < RESERVE_BYTES and release_reserve(self.fs, log_dir):
+            # A start on a full disk (issue 31.9): the reserve's room seals the last segment, creates the new
+            # one, and lets recovery and the deliveries that free space write their records.
+            self.log.warning("spool_reserve_released", bytes=RESERVE_BYTES, free_bytes=self._free_bytes(log_dir),
+                             action="made again once the disk has room")
+        qlog, report = Log.open(self.fs, log_dir, segment_bytes_max=cfg.segment_bytes_max)
         qlog.on_fatal.append(self._on_fatal)
-        self.queue = Queue(qlog, policy=self.policy, reporting_mta=cfg.hostname(), clock=self.clock)
+        self.queue = Queue(qlog, policy=self.policy, reporting_mta=cfg.hostname(), clock=self.clock,
+                           monotonic=self.monotonic)
+        self._note_reserve()  # a start on a full disk: the new segment took the reserve's room
         self.queue.on_durable = self._on_durable
         self.queue.messages_max = cfg.queue_messages_max
         self.queue.commit_backlog_max = cfg.commit_backlog_max
@@ -272,6 +283,8 @@ class Daemon:
                 res.garbage[k],
                 runners=self.policy.runners,
                 clock=self.clock,
+                monotonic=self.monotonic,
+                interval_s=self.policy.delay_of(k),
                 on_corrupt=self._on_corrupt,
                 on_read_error=self._on_runner_read_error,
             )
@@ -500,7 +513,7 @@ class Daemon:
     async def checkpoint(self) -> None:
         """Take the restart positions, fsync the log, write the checkpoint, delete wholly-garbage segments."""
         qlog, working = self.queue.log, self.queue.working
-        self._copy_parked_forward()
+        await self._copy_parked_forward()
         head = qlog.end
         positions = tuple(r.position for r in self.runners)
         garbage = tuple(tuple(sorted(r.garbage)) for r in self.runners)
@@ -515,8 +528,22 @@ class Daemon:
                         parked=tuple(sorted(parked.entries)), counts=self.queue.counts.snapshot(),
                         pins=tuple(sorted(pins.items())))
         await qlog.sync()  # every START behind the positions is durable before the checkpoint says so
-        await asyncio.to_thread(write_checkpoint, self.fs, self.cfg.spool_dir, cp)
+        try:
+            await asyncio.to_thread(self._write_checkpoint, cp)
+        except OSError as exc:
+            # Like a failed archive (issue 31.9): a full disk or no descriptor left must not end the daemon,
+            # whose deliveries free space. The last checkpoint written stays; nothing is reclaimed past it.
+            self._note_reserve()
+            self.log.error("checkpoint_failed", error=oserror_line(exc),
+                           action="tried again at the next checkpoint; no segment reclaimed")
+            return
         self.checkpoints += 1
+        self._note_reserve()
+        try:
+            await asyncio.to_thread(qlog.keep_reserve, RESERVE_BYTES,
+                                    free_at_least=self.queue.minfree_bytes + 2 * RESERVE_BYTES)
+        except OSError as exc:
+            self.log.warning("spool_reserve_failed", error=oserror_line(exc), action="tried again at the next checkpoint")
         # Keep the segment before the garbage end too: an envelope's DATA may sit at the end of it (DATA
         # further behind its envelope is pinned above).
         limit = true_garbage_end.segment - 1
@@ -528,14 +555,44 @@ class Daemon:
             self.reclaimed += len(gone)
             self.log.info("segments_reclaimed", segments=gone, garbage_end=str(true_garbage_end))
 
-    def _copy_parked_forward(self) -> None:
+    def _write_checkpoint(self, cp: Checkpoint) -> None:
+        """write_checkpoint (in a thread); on a full disk once more after giving up the reserve. Raises OSError."""
+        try:
+            write_checkpoint(self.fs, self.cfg.spool_dir, cp)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not self.queue.log.release_reserve():
+                raise
+            write_checkpoint(self.fs, self.cfg.spool_dir, cp)
+
+    def _note_reserve(self) -> None:
+        """Log ``spool_reserve_released`` once for each time the log gave up its reserve to a full disk."""
+        released = self.queue.log.stats.reserve_released
+        if released > self._reserve_released:
+            self._reserve_released = released
+            self.log.warning("spool_reserve_released", bytes=RESERVE_BYTES,
+                             free_bytes=self._free_bytes(self.queue.log.directory),
+                             action="made again once the disk has room")
+
+    def _free_bytes(self, directory: str) -> int:
+        """Bytes free where ``directory`` is; a large number when that cannot be told (a first start)."""
+        try:
+            return self.fs.free_bytes(directory)
+        except OSError:
+            return 1 << 62
+
+    async def _copy_parked_forward(self) -> None:
         """Copy held and delayed envelopes that alone keep old segments from being reclaimed to the log's
         end (issue 12.9), at most ``PARKED_COPIES_MAX`` per checkpoint, oldest first: disk use stays bounded
         by the traffic of a few checkpoint intervals, however long mail stays on hold. Each copy rewrites
         the message once (its DATA and envelope); a message is copied again only when reclamation reaches it
-        again."""
+        again. Each body is read once, in a thread (Queue.copy_forward): the SMTP sessions go on meanwhile."""
         q = self.queue
         qlog, parked = q.log, q.parked
+        try:
+            q.finish_open_copies()  # a full disk cut one short after its START: its replacement now
+        except StorageError as exc:
+            self.log.error("parked_copy_failed", error=str(exc), action="tried again later")
+            return
         if not parked.entries:
             return
         head = qlog.end
@@ -544,11 +601,13 @@ class Daemon:
         old = sorted(p for p in parked.entries
                      if p.segment < pinned_below and p not in self._copy_failed)[:PARKED_COPIES_MAX]
         for pos in old:
+            if pos not in parked:
+                continue  # released, deleted, ... or offered while an earlier copy was read
             try:
                 env = qlog.read(pos)
                 if not isinstance(env, EnvelopeRecord):
                     raise CorruptRecord(f"{pos} is not an envelope")
-                q.copy_forward(pos, env)
+                await q.copy_forward(pos, env)
             except CorruptRecord as exc:
                 self._copy_failed.add(pos)  # reported once; it keeps its segments (and shows in queue list)
                 self.log.error("parked_copy_failed", envelope=str(pos), error=str(exc), action="left where it is")
@@ -600,8 +659,9 @@ class Daemon:
                 except StorageError as exc:
                     self.log.error("reclaim_failed", error=str(exc), action="segments kept")
                     return
-                self.reclaimed += len(gone)
-                self.log.info("segments_reclaimed", segments=gone, archived=archived, limit=limit)
+                if gone:  # none while an admin view reads the segments (Log.segments_kept): the next checkpoint
+                    self.reclaimed += len(gone)
+                    self.log.info("segments_reclaimed", segments=gone, archived=archived, limit=limit)
             try:
                 expired = await asyncio.to_thread(archive.expire)
             except ArchiveError as exc:
@@ -727,7 +787,7 @@ def serve(cfg: Config) -> int:
             # One token for worker 0's public API and the other workers' sockets, made before any worker starts.
             from mtaq.admin.token import spool_token
 
-            os.makedirs(cfg.spool_dir, exist_ok=True)
+            make_durable_dirs(OsFileSystem(), cfg.spool_dir)  # its entry in its parent too (issue 31.11)
             cfg = msgspec.structs.replace(cfg, admin_token=spool_token(cfg.spool_dir))
     except BaseException:
         for socks in sockets:

@@ -268,6 +268,16 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
                 logger.warning("conclusion_distrusted", queue_id=rec.queue_id, start=str(rec.replaces),
                                conclusion=str(pos), reason="its START was lost before it reached the disk")
                 continue
+            if (isinstance(rec, EnvelopeRecord) and rec.bounce_of and rec.replaces is None
+                    and rec.bounce_start is not None and rec.bounce_start >= scan_from
+                    and rec.bounce_start not in starts_read and rec.bounce_start >= durable_known):
+                # A DSN whose START (the attempt or the administrator's bounce that queued it) was lost: that
+                # attempt never happened as far as the log can show, and the message is still live. Ended, or
+                # the sender would be told of a failure while the message is delivered.
+                dropped[pos] = (rec, False, "dsn_dropped")
+                logger.warning("conclusion_distrusted", queue_id=rec.bounce_of, start=str(rec.bounce_start),
+                               conclusion=str(pos), reason="the START of the attempt that queued this DSN was lost")
+                continue
             if pos >= replay_from:
                 queue.counts.replay(rec, lambda p: _read_envelope(log, p))
             if isinstance(rec, StartRecord):
@@ -353,7 +363,8 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
         # The DSNs this attempt already queued before the crash (31.4): they are written after its START, in
         # the order of its DSN groups. Those up to the first unreadable one count as queued; that one and
         # any after it are ended and queued again.
-        mine = sorted(d for d in dsns.get(env.queue_id, []) if d[0] > start_pos)
+        mine = sorted(d for d in dsns.get(env.queue_id, [])
+                      if (d[1].bounce_start == start_pos if d[1].bounce_start is not None else d[0] > start_pos))
         for i, (dpos, _denv) in enumerate(mine):
             if dpos in dropped or dpos in unreadable:
                 for dpos2, denv2 in mine[i:]:

@@ -151,6 +151,8 @@ class Runner:
         *,
         runners: int,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+        interval_s: float | None = None,
         on_corrupt: Callable[[Problem], None] | None = None,
         on_read_error: Callable[[StorageError], None] | None = None,
     ) -> None:
@@ -161,6 +163,10 @@ class Runner:
         self.garbage = garbage
         self.runners = runners
         self.clock = clock
+        self.monotonic = monotonic
+        # The retry interval of this runner's envelopes (seconds; 0 for new mail): no envelope is waited for
+        # longer than this after the runner first saw it, whatever the wall clock says (None: no bound).
+        self.interval_s = interval_s
         self.waiting_until: float | None = None
         self._poke = asyncio.Event()
         self._flush = False
@@ -182,6 +188,18 @@ class Runner:
         self._flush = True
         self._flush_until = self.log.end
         self._poke.set()
+
+    def _wait_s(self, env: EnvelopeRecord, seen: float) -> float:
+        """Seconds until ``env`` is due: by the wall clock (its ``not_before_ts``), but never longer than
+        :attr:`interval_s` after the runner first saw it (``seen``, monotonic), so that a backward step of the
+        wall clock holds mail for at most its retry interval, and the runner for new mail (interval 0) never
+        waits: before, a step back of T held every new message behind the one in front for T (issue 31.8).
+        A forward step makes mail due early: it is retried early, which is harmless (its expiry does not
+        move: Queue.age_clock)."""
+        wait = env.not_before_ts - self.clock()
+        if self.interval_s is None:
+            return wait
+        return min(wait, seen + self.interval_s - self.monotonic())
 
     async def run(self) -> None:
         budget = _SCAN_BUDGET
@@ -219,8 +237,9 @@ class Runner:
                     budget = _SCAN_BUDGET
                     await asyncio.sleep(0)
                 continue
+            seen = self.monotonic()
             while not (self._flush and pos < self._flush_until) and pos not in self.garbage and (
-                wait := env.not_before_ts - self.clock()
+                wait := self._wait_s(env, seen)
             ) > 0:
                 self.waiting_until = env.not_before_ts
                 self._poke.clear()

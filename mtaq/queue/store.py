@@ -73,9 +73,11 @@ class StoredBody:
         self._prefix = encode_data_prefix(env.queue_id, env.size)  # the payload before the body's bytes
         self.piece_bytes = piece_bytes
 
-    def pieces(self) -> Iterator[bytes]:
+    def pieces(self, *, salt: int | None = None) -> Iterator[bytes]:
+        """The body's pieces (see the class). With ``salt`` (:meth:`Log.salt_of` of its segment) the log is read
+        through a handle of its own, so that this may run in another thread."""
         rest, seen = self._prefix, 0  # the prefix (msgpack array, tag, queue ID, length) must be what we expect
-        for piece in self._log.read_payload(self._pos, int(RecordType.DATA), piece_bytes=self.piece_bytes):
+        for piece in self._log.read_payload(self._pos, int(RecordType.DATA), piece_bytes=self.piece_bytes, salt=salt):
             if rest:
                 n = min(len(rest), len(piece))
                 if piece[:n] != rest[:n]:
@@ -156,7 +158,8 @@ def _param(params: Sequence[tuple[str, str]], key: str) -> str | None:
 
 
 class Queue:
-    """The log plus the working set it implies. ``clock`` returns UTC seconds (injectable for tests)."""
+    """The log plus the working set it implies. ``clock`` returns UTC seconds, ``monotonic`` seconds that no
+    clock step moves (both injectable for tests; see :meth:`age_clock`)."""
 
     def __init__(
         self,
@@ -164,11 +167,14 @@ class Queue:
         *,
         policy: RetryPolicy,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
         reporting_mta: str | None = None,
     ) -> None:
         self.log = log
         self.policy = policy
         self.clock = clock
+        self.monotonic = monotonic
+        self._wall0, self._mono0 = clock(), monotonic()
         self.reporting_mta = reporting_mta or socket.getfqdn()
         self.working = WorkingSet()
         self.received = 0
@@ -194,6 +200,9 @@ class Queue:
         # -> the old DATA it names, more than a segment behind it. Reclamation keeps those segments until the
         # envelope is concluded again (Daemon.checkpoint; kept in the checkpoint, rebuilt by recovery).
         self.data_pins: dict[Pos, Pos] = {}
+        # Copies forward whose START is appended but not their replacement (a full disk in between): START
+        # position -> (the attempt, the DATA copy). See finish_open_copies.
+        self._open_copies: dict[Pos, tuple[Attempt, Pos]] = {}
         # Called with each new envelope and its position once it is durable (the daemon logs `queued`).
         self.on_durable: Callable[[EnvelopeRecord, Pos], None] = lambda env, pos: None
         # Called for each DSN queued: (dsn envelope, original queue ID, kind).
@@ -201,6 +210,15 @@ class Queue:
         # Returns a DSN this queue generated as it is to be relayed: the daemon gives DKIM signing here
         # (mtaq.edge.dkim, RFC 6376; the queue does not import the edge). Must not raise.
         self.sign: Callable[[bytes], bytes] = lambda message: message
+
+    def age_clock(self) -> float:
+        """The time (UTC seconds) at which a message's age is measured, for its lifetime and the delay
+        warning: the wall clock, but never ahead of the wall clock at this queue's start plus the monotonic
+        time elapsed since (issue 31.8). A forward step of the wall clock while the process runs therefore
+        expires nothing early: expiry needs the wall clock *and* the elapsed time to agree. A backward step
+        delays expiry by the step (never early). Across a restart the wall clock at the start is trusted
+        (there is nothing else), and NTP's slewing (at most 500 ppm) can delay expiry by that fraction."""
+        return min(self.clock(), self._wall0 + (self.monotonic() - self._mono0))
 
     async def receive(
         self,
@@ -265,6 +283,7 @@ class Queue:
         helo: str = "",
         bounce_of: str = "",
         not_before_ts: float | None = None,
+        bounce_start: Pos | None = None,
     ) -> tuple[EnvelopeRecord, Pos, int]:
         now = self.clock()
         delayed = not_before_ts is not None and not_before_ts > now
@@ -297,6 +316,7 @@ class Queue:
             client=client,
             helo=helo,
             bounce_of=bounce_of,
+            bounce_start=bounce_start,
             runner=PARKED if delayed else 0,
         )
         if delayed:
@@ -338,8 +358,9 @@ class Queue:
         Appends START (``admin=action``) and its conclusion back to back (FINISH, or a replacement with the
         DATA copied forward; ``bounce`` also queues the DSN first), and marks the envelope revoked so that
         an offer of it still on its way to a worker is dropped. Returns the concluding record, its position
-        and the LSN to commit before reporting success. Raises StorageError (nothing appended counts until
-        committed), CorruptRecord if the data cannot be copied.
+        and the LSN to commit before reporting success. A replacement whose DATA cannot be copied for want of
+        space or a read error names the old DATA (pinned until it is concluded again). Raises StorageError
+        (nothing appended counts until committed), CorruptRecord if the data does not check out.
         """
         if action not in ADMIN_ACTIONS:
             raise ValueError(f"unknown admin action {action!r}")
@@ -347,21 +368,91 @@ class Queue:
         self.revoked.add(envelope_pos)
         return self.finish_admin(attempt, action, release_ts=release_ts)
 
-    def copy_forward(self, envelope_pos: Pos, env: EnvelopeRecord) -> Pos:
+    async def copy_forward(self, envelope_pos: Pos, env: EnvelopeRecord) -> Pos | None:
         """Copy the parked envelope at ``envelope_pos`` and its DATA to the end of the log, unchanged (held
-        stays held, a delayed one keeps its due time; counts do not change): START(admin="copy") and a
-        replacement, appended as book-keeping. Returns the new envelope's position. Raises CorruptRecord
-        (the DATA does not check out; the message stays where it is), StorageError."""
-        self.check_body(env)  # before the START: damaged data is reported by the caller, not half-copied
-        attempt = self.start(envelope_pos, env, admin=COPY_FORWARD)
-        self.revoked.add(envelope_pos)
-        _rec, pos, _lsn = self.finish_admin(attempt, COPY_FORWARD)
+        stays held, a delayed one keeps its due time; counts do not change). Returns the new envelope's
+        position, or None when the envelope was no longer parked once its DATA had been read (an
+        administrator's action or its due time came meanwhile; nothing appended).
+
+        The DATA is read once, and checked, in a thread, before anything is appended (never in the event
+        loop: a large held message does not hold up the SMTP sessions, issue 31.10). Then START(admin="copy"),
+        the DATA copy and the replacement are appended as book-keeping, in that order (so that a hole that
+        takes the copy lies within the attempt, and recovery concludes it again: docs/log_format.md).
+
+        A full disk (issue 31.5): if the START does not fit, nothing is appended and the envelope stays
+        parked; if the DATA copy does not fit, nothing of it is left and the envelope is put back at once,
+        a replacement naming its old DATA (pinned, as a retry that could not copy its DATA), and the
+        StorageError is raised after that; if the replacement does not fit either, the copy stays open (the
+        message counts as active) and :meth:`finish_open_copies` (each checkpoint) appends it once there is
+        room. Never an attempt that nothing concludes while the process runs.
+
+        Raises CorruptRecord (the DATA does not check out; the message stays where it is), StorageError
+        (StorageFull: a full disk; see above)."""
+        salt = self.log.salt_of(env.data.segment)
+        body = await asyncio.to_thread(self._read_checked, env, salt)
+        failure: StorageError | None = None
+        try:
+            if envelope_pos not in self.parked:
+                return None
+            attempt = self.start(envelope_pos, env, admin=COPY_FORWARD)  # StorageError: nothing appended
+            self.revoked.add(envelope_pos)
+            try:
+                try:
+                    if isinstance(body, bytes):
+                        data_pos, _ = self.log.append(DataRecord(queue_id=env.queue_id, body=body))
+                    else:
+                        data_pos, _ = self.log.append_data(env.queue_id, body.pieces, body.size)
+                except OSError as exc:  # the temporary copy could not be read back: nothing appended
+                    raise storage_error(exc, "temporary body file") from exc
+            except StorageFatal:
+                raise
+            except StorageError as exc:
+                data_pos, failure = env.data, exc  # put back as it was: the old DATA, pinned
+        finally:
+            if isinstance(body, BodyBuffer):
+                body.close()
+        self._open_copies[attempt.start_pos] = (attempt, data_pos)
+        pos = self.finish_open_copies()[-1]
+        if failure is not None:
+            raise failure
         return pos
 
+    def finish_open_copies(self) -> list[Pos]:
+        """Append the replacement of every copy forward whose START is in the log but whose replacement could
+        not be appended (a full disk); return their positions, oldest first. Raises StorageError (those not
+        done stay open: the working set keeps their envelopes; recovery completes them after a restart)."""
+        done = []
+        for start_pos, (attempt, data_pos) in sorted(self._open_copies.items()):
+            _rec, pos, _lsn = self.finish_admin(attempt, COPY_FORWARD, data=data_pos)
+            del self._open_copies[start_pos]
+            done.append(pos)
+        return done
+
+    def _read_checked(self, env: EnvelopeRecord, salt: int) -> bytes | BodyBuffer:
+        """The body of ``env``, read once through a handle of its own and checked (in a thread): bytes when
+        smaller than :attr:`stream_bytes_min`, else a :class:`BodyBuffer` (memory up to
+        :attr:`body_memory_bytes`, the rest in a temporary file) that the caller closes. Raises CorruptRecord,
+        StorageError."""
+        pieces = StoredBody(self.log, env).pieces(salt=salt)
+        if env.size < self.stream_bytes_min:
+            return b"".join(pieces)
+        buf = self.new_body()
+        try:
+            for piece in pieces:
+                buf.write(piece)
+            if buf.failure is not None:
+                raise storage_error(buf.failure, "temporary body file")
+        except BaseException:
+            buf.close()
+            raise
+        return buf
+
     def finish_admin(
-        self, attempt: Attempt, action: str, *, release_ts: float | None = None
+        self, attempt: Attempt, action: str, *, release_ts: float | None = None, data: Pos | None = None
     ) -> tuple[EnvelopeRecord | FinishRecord, Pos, int]:
-        """Conclude the admin action started as ``attempt`` (also used by recovery). See :meth:`admin`."""
+        """Conclude the admin action started as ``attempt`` (also used by recovery). See :meth:`admin`.
+        ``data``: the DATA the replacement names, already appended (else it is copied here); a reference far
+        behind the replacement is pinned (:attr:`data_pins`) until the message is concluded again."""
         env = attempt.envelope
         if action == "bounce":
             code, enhanced, text = ADMIN_BOUNCE
@@ -373,10 +464,21 @@ class Queue:
             release_ts = self.clock()  # recovery completing a delay cut short: due now rather than lost
         rec = admin_conclusion(env, attempt.start_pos, action, self.clock(), release_ts)
         if isinstance(rec, EnvelopeRecord):
-            rec = msgspec.structs.replace(rec, data=self.copy_data(env))
+            if data is None:
+                try:
+                    data = self.copy_data(env)
+                except StorageFatal:
+                    raise
+                except StorageError:
+                    # A full disk or a read error (issue 31.5): the action still concludes, its replacement
+                    # naming the old DATA (pinned below), rather than leave an attempt nothing concludes.
+                    data = env.data
+            rec = msgspec.structs.replace(rec, data=data)
         pos, lsn = self.log.append(rec)
         self.working.concluded(attempt.start_pos)
         self.data_pins.pop(attempt.envelope_pos, None)  # an admin action copies the DATA forward or ends it
+        if isinstance(rec, EnvelopeRecord) and far_data(pos, rec):
+            self.data_pins[pos] = rec.data  # its DATA could not be copied: that segment stays until it is concluded
         self.counts.concluded(rec if isinstance(rec, EnvelopeRecord) else None)
         if isinstance(rec, EnvelopeRecord) and rec.runner == PARKED:
             self.parked.add(pos, rec)
@@ -396,14 +498,6 @@ class Queue:
         if check:
             body.verify()
         return body
-
-    def check_body(self, env: EnvelopeRecord) -> None:
-        """Read the DATA record of ``env`` and check it (a large one in pieces, never whole). Raises
-        CorruptRecord, StorageError as :meth:`read_body`."""
-        if env.size >= self.stream_bytes_min:
-            StoredBody(self.log, env).verify()
-        else:
-            self.read_body(env)
 
     def copy_data(self, env: EnvelopeRecord) -> Pos:
         """Append a copy of the DATA record of ``env`` (a large one in pieces: a checksum pass, then the
@@ -448,7 +542,7 @@ class Queue:
         conclusion (its record with the copied DATA reference) and the position of that record.
         """
         now = self.clock()
-        c = conclude(attempt, now, self.policy)
+        c = conclude(attempt, now, self.policy, age_ts=self.age_clock())
         env = attempt.envelope
         rec = c.record
         copied: Pos | None = None
@@ -470,7 +564,7 @@ class Queue:
         if c.dsn_groups[attempt.dsns_queued:]:
             original = body if body is not None else self._body_or_empty(env)
             for group in c.dsn_groups[attempt.dsns_queued:]:
-                self._queue_dsn(env, group, original, now)
+                self._queue_dsn(env, group, original, now, attempt.start_pos)
                 attempt.dsns_queued += 1
         if isinstance(rec, EnvelopeRecord):
             if body is not None:
@@ -499,7 +593,8 @@ class Queue:
         except (CorruptRecord, StorageError):
             return b""
 
-    def _queue_dsn(self, env: EnvelopeRecord, items: tuple[DsnItem, ...], original: bytes, now: float) -> None:
+    def _queue_dsn(self, env: EnvelopeRecord, items: tuple[DsnItem, ...], original: bytes, now: float,
+                   start: Pos) -> None:
         lifetime_end = env.arrival_ts + self.policy.lifetime_of(env)
         recips = [
             DsnRecipient(
@@ -528,5 +623,6 @@ class Queue:
             size_limit=self.bounce_size_limit_bytes,
         )
         msg = self.sign(msg)
-        dsn_env, _pos, _lsn = self._append_message("", [env.sender], msg, bounce_of=env.queue_id)
+        dsn_env, _pos, _lsn = self._append_message("", [env.sender], msg, bounce_of=env.queue_id,
+                                                   bounce_start=start)
         self.on_dsn(dsn_env, env.queue_id, items[0].action)

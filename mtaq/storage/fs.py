@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable
 from typing import Protocol
 
-__all__ = ["File", "FileSystem", "OsFileSystem", "replace_file"]
+__all__ = ["File", "FileSystem", "OsFileSystem", "make_durable_dirs", "replace_file"]
 
 
 class File(Protocol):
@@ -154,6 +154,20 @@ class OsFileSystem:
     def free_bytes(self, path: str) -> int:
         st = os.statvfs(path)
         return st.f_bavail * st.f_frsize
+
+
+def make_durable_dirs(fs: FileSystem, directory: str) -> None:
+    """Create ``directory`` and any missing ancestors, fsyncing each new entry's parent (outermost first), so
+    that a power cut after this returns cannot take any of them away (a spool made at the first start, then
+    its log). Nothing is done for directories that exist. Raises OSError."""
+    missing = []
+    d = os.path.abspath(directory)
+    while not fs.exists(d):
+        missing.append(d)
+        d = os.path.dirname(d)
+    for d in reversed(missing):
+        fs.makedirs(d)
+        fs.fsync_dir(os.path.dirname(d))
 
 
 def replace_file(

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import errno
 import math
 import os
@@ -72,13 +73,17 @@ from mtaq.core.records import (
     encode_data_prefix,
     encode_payload,
 )
-from mtaq.storage.fs import File, FileSystem
+from mtaq.storage.fs import File, FileSystem, make_durable_dirs
 from mtaq.testing import killpoints
 
 FILES_OPEN_MAX = 64  # segment files kept open for reading (besides those being written)
 PIECE_BYTES = 64 * 1024  # bytes per read of Log.read_payload
+RESERVE_NAME = "reserve"  # LOG_DIR/reserve: room kept for a full disk (Log.keep_reserve)
+RESERVE_BYTES = 1 << 20
+"""Bytes of the reserve file: a new segment and a few thousand records (STARTs, DELIVERY records, FINISHes)
+of the deliveries that free space, and the checkpoint that lets reclamation delete their segments."""
 
-__all__ = ["ENVELOPES_LISTED_MAX", "FILES_OPEN_MAX", "FREE_BYTES_TTL_S", "PIECE_BYTES", "Log", "LogStats", "OpenReport", "list_segments", "scan_log", "segment_path",
+__all__ = ["ENVELOPES_LISTED_MAX", "FILES_OPEN_MAX", "FREE_BYTES_TTL_S", "PIECE_BYTES", "RESERVE_BYTES", "RESERVE_NAME", "Log", "LogStats", "OpenReport", "list_segments", "release_reserve", "scan_log", "segment_path",
            "storage_error"]
 
 _SUFFIX = ".seg"
@@ -167,6 +172,7 @@ class LogStats:
     fsync_calls: int = 0  # file + directory fsync system calls
     fsync_seconds: float = 0.0
     segments_created: int = 0
+    reserve_released: int = 0  # times the reserve file was given up for a full disk (issue 31.9)
 
 
 @dataclass
@@ -181,16 +187,19 @@ class OpenReport:
     baseline_fsyncs: int = 0  # fsync calls that made every existing segment durable before anything was read
 
 
-def _make_durable_dirs(fs: FileSystem, directory: str) -> None:
-    """Create ``directory`` and any missing ancestors, fsyncing each new entry's parent (spool, then log)."""
-    missing = []
-    d = os.path.abspath(directory)
-    while not fs.exists(d):
-        missing.append(d)
-        d = os.path.dirname(d)
-    for d in reversed(missing):
-        fs.makedirs(d)
-        fs.fsync_dir(os.path.dirname(d))
+_make_durable_dirs = make_durable_dirs  # the name Log.open uses
+
+
+def release_reserve(fs: FileSystem, directory: str) -> bool:
+    """Delete the reserve file of the log in ``directory`` (``LOG_DIR/reserve``, room kept for a full disk;
+    see :meth:`Log.keep_reserve`): True if there was one. Never raises (False on any error). The daemon calls
+    this before :meth:`Log.open` when the disk has less than ``RESERVE_BYTES`` free, so that sealing the
+    last segment, creating the new one, recovery and the deliveries that free space can be written."""
+    try:
+        fs.unlink(os.path.join(directory, RESERVE_NAME))
+    except OSError:
+        return False
+    return True
 
 
 def _durable_baseline(fs: FileSystem, directory: str, numbers: list[int]) -> int:
@@ -304,6 +313,7 @@ class Log:
         self._free = 0  # free_bytes(): the last statvfs answer, when, and bytes_appended then
         self._free_at: float | None = None
         self._free_base = 0
+        self._kept = 0  # holders of segments_kept(): no segment is deleted meanwhile
 
     # ----------------------------------------------------------------------------------------- opening
     @classmethod
@@ -374,6 +384,24 @@ class Log:
     def _new_segment(self, number: int) -> None:
         salt = secrets.randbits(32)
         path = segment_path(self.directory, number)
+        try:
+            f = self._create_segment(path, number, salt)
+        except OSError as exc:
+            # A full disk: the room the reserve kept lets the log go on (at a start, recovery and the deliveries
+            # that free space; issue 31.9). Without a reserve the error stands.
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not self.release_reserve():
+                raise
+            f = self._create_segment(path, number, salt)
+        self._cur, self._cur_no, self._cur_salt = f, number, salt
+        self._cur_records = 0
+        self._cur_sealed = False
+        self._files[number] = f
+        self._salts[number] = salt
+        self._dirty[number] = f
+        self._dir_dirty = True
+        self.stats.segments_created += 1
+
+    def _create_segment(self, path: str, number: int, salt: int) -> File:
         f = self.fs.open(path, create=True)
         try:
             f.append(encode_segment_header(SegmentHeader(segment=number, salt=salt, created=int(time.time()))))
@@ -384,14 +412,45 @@ class Log:
             except OSError:
                 pass
             raise
-        self._cur, self._cur_no, self._cur_salt = f, number, salt
-        self._cur_records = 0
-        self._cur_sealed = False
-        self._files[number] = f
-        self._salts[number] = salt
-        self._dirty[number] = f
-        self._dir_dirty = True
-        self.stats.segments_created += 1
+        return f
+
+    def release_reserve(self) -> bool:
+        """:func:`release_reserve` of this log (counted in ``stats.reserve_released``). Called when a segment
+        cannot be created for want of space, and by the daemon when its checkpoint cannot be written for
+        that reason. Never raises (False on any error)."""
+        if not release_reserve(self.fs, self.directory):
+            return False
+        self.stats.reserve_released += 1
+        return True
+
+    def keep_reserve(self, nbytes: int, *, free_at_least: int) -> bool:
+        """Make the reserve file of ``nbytes`` bytes when there is none and the disk has at least
+        ``free_at_least`` bytes free; True when made now. Its room is given back by :meth:`release_reserve`
+        when the disk is full, so that a start on a full disk can still create its segment, recover and
+        deliver (which frees space), as Postfix keeps ``queue_minfree`` for deliveries. Its bytes are written
+        and fsync'd (allocated), its name is not (a reserve lost in a power cut is made again). Safe in a
+        thread (it touches only the reserve). Raises OSError (nothing of it left behind)."""
+        path = os.path.join(self.directory, RESERVE_NAME)
+        if self.fs.exists(path) or self.fs.free_bytes(self.directory) < free_at_least:
+            return False
+        tmp = path + ".tmp"
+        if self.fs.exists(tmp):
+            self.fs.unlink(tmp)
+        f = self.fs.open(tmp, create=True)
+        try:
+            chunk = bytes(PIECE_BYTES)
+            left = nbytes
+            while left > 0:
+                f.append(chunk[: min(left, len(chunk))])
+                left -= min(left, len(chunk))
+            f.fsync()
+        except OSError:
+            f.close()
+            self.fs.unlink(tmp)
+            raise
+        f.close()
+        self.fs.rename(tmp, path)
+        return True
 
     def _roll(self) -> None:
         """Seal the current segment (if not yet) and create the next one."""
@@ -404,6 +463,9 @@ class Log:
             self._dirty[self._cur_no] = self._cur
         self._readers[self._cur_no] = None  # from now on only read: closed when least recently used
         self._new_segment(self._cur_no + 1)
+        # Its write handle counts against files_open_max like any reader (issue 31.12): the oldest go now, and
+        # this one, still to be fsync'd, at the end of the round that fsyncs it if it is beyond the bound.
+        self._close_readers(self.files_open_max)
 
     # ----------------------------------------------------------------------------------------- appending
     @property
@@ -444,10 +506,26 @@ class Log:
         """Current length in bytes of segment ``number``."""
         return self._file(number)[0].size()
 
+    @contextlib.contextmanager
+    def segments_kept(self) -> Iterator[None]:
+        """While held (in the event loop, around a reader of whole segments in another thread: the admin
+        view), :meth:`delete_segments_before` deletes nothing and returns ``[]``; the next checkpoint
+        reclaims. A reader therefore sees every segment that existed when it began: before, reclamation
+        could delete the segment of a message's START and FINISH under it, and the message looked live
+        (issue 31.7: ``bounce`` sent an "expired" DSN for delivered mail)."""
+        self._kept += 1
+        try:
+            yield
+        finally:
+            self._kept -= 1
+
     def delete_segments_before(self, number: int) -> list[int]:
         """Reclaim: unlink every segment numbered below ``number`` (never the current one), oldest first, then
-        fsync the directory. A crash in between leaves a suffix of them, which are garbage and deleted again."""
-        gone = []
+        fsync the directory. A crash in between leaves a suffix of them, which are garbage and deleted again.
+        Nothing while :meth:`segments_kept` is held."""
+        gone: list[int] = []
+        if self._kept:
+            return gone
         try:
             for n in self.segments():
                 if n >= number or n >= self._cur_no or n in self._dirty or n in self._syncing:
@@ -735,6 +813,8 @@ class Log:
                 self.stats.fsync_calls += calls
                 self.stats.commit_rounds += 1
                 self._durable_lsn = max(self._durable_lsn, target)
+                if len(self._readers) > self.files_open_max:  # rolled-over segments fsync'd now (issue 31.12)
+                    self._close_readers(self.files_open_max)
                 waiting = []
                 for w in self._waiters:
                     if w[0] <= target:
@@ -876,7 +956,19 @@ class Log:
         except PayloadError as exc:
             raise CorruptRecord(f"segment {pos.segment} offset {pos.offset}: {exc}") from exc
 
-    def read_payload(self, pos: Pos, rtype: int, *, piece_bytes: int = PIECE_BYTES) -> Iterator[bytes]:
+    def salt_of(self, number: int) -> int:
+        """The checksum salt of segment ``number``, for :meth:`read_payload` in another thread (call this in the
+        event loop: it may open the segment). Raises CorruptRecord (missing, header beyond salvage),
+        StorageError."""
+        try:
+            return self._file(number)[1]
+        except FileNotFoundError as exc:
+            raise CorruptRecord(f"segment {number} is missing") from exc
+        except OSError as exc:
+            raise storage_error(exc, f"reading segment {number}") from exc
+
+    def read_payload(self, pos: Pos, rtype: int, *, piece_bytes: int = PIECE_BYTES,
+                     salt: int | None = None) -> Iterator[bytes]:
         """The payload of the frame of type ``rtype`` at ``pos``, in order, in pieces of at most
         ``piece_bytes`` bytes, never held whole (issue 15.2: a large message is sent as it is read).
 
@@ -885,10 +977,18 @@ class Log:
         (at once for a damaged header, another type or a length past the end of the segment). A consumer
         must treat what it was given as good only when the iteration ended without an error. Raises
         StorageError on I/O errors, CorruptRecord for a missing segment.
+
+        With ``salt`` (the segment's, from :meth:`salt_of`) the segment is read through a file handle of its
+        own, closed at the end, never the shared ones: the iteration may then run in another thread (a copy
+        forward reads off the event loop, issue 31.10).
         """
         where = f"segment {pos.segment} offset {pos.offset}"
+        own: File | None = None
         try:
-            f, salt = self._file(pos.segment)
+            if salt is None:
+                f, salt = self._file(pos.segment)
+            else:
+                f = own = self.fs.open(segment_path(self.directory, pos.segment))
             head = f.pread(pos.offset, FRAME_HEADER_BYTES)
             if len(head) < FRAME_HEADER_BYTES:
                 raise CorruptRecord(f"{where}: beyond end of segment")
@@ -904,7 +1004,8 @@ class Log:
                 raise CorruptRecord(f"{where}: frame length {length} runs past the end of the segment")
             crc = zlib.crc32(head[:8], salt)
             while at < end:
-                f, _salt = self._file(pos.segment)  # each time: the LRU may have closed it in between
+                if own is None:
+                    f, _salt = self._file(pos.segment)  # each time: the LRU may have closed it in between
                 piece = f.pread(at, min(piece_bytes, end - at))
                 if not piece:
                     raise CorruptRecord(f"{where}: cut off at {at}")
@@ -915,6 +1016,9 @@ class Log:
             raise CorruptRecord(f"segment {pos.segment} is missing") from exc
         except OSError as exc:
             raise storage_error(exc, f"reading segment {pos.segment}") from exc
+        finally:
+            if own is not None:
+                own.close()
         if crc != int.from_bytes(head[8:12], "little"):
             raise CorruptRecord(f"{where}: checksum mismatch")
 

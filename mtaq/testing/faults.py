@@ -6,8 +6,10 @@ The full crash file system (drop unsynced writes, forget directory entries) is :
 from __future__ import annotations
 
 import errno
+import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from mtaq.storage.fs import File, OsFileSystem
@@ -45,11 +47,19 @@ class _FaultyFile:
     def pread(self, offset: int, n: int) -> bytes:
         if self._fs.fail_pread is not None:
             raise OSError(self._fs.fail_pread, "injected read failure")
-        return self._inner.pread(offset, n)
+        data = self._inner.pread(offset, n)
+        if self._fs.reads is not None:
+            self._fs.reads.append((self.path, offset, len(data), threading.current_thread().name))
+        return data
 
     def append(self, data: bytes) -> int:
         if self._fs.fail_append is not None:
             raise OSError(self._fs.fail_append, "injected failure")
+        with self._fs.lock:
+            if self._fs.room is not None:
+                if len(data) > self._fs.room:
+                    raise OSError(errno.ENOSPC, "No space left on device (injected: room used up)")
+                self._fs.room -= len(data)
         return self._inner.append(data)
 
     def truncate(self, size: int) -> None:
@@ -62,7 +72,10 @@ class FaultyFileSystem(OsFileSystem):
     """Set ``fail_fsync = True``, ``fail_append = errno.ENOSPC`` or ``fail_create = errno.ENOSPC`` (creating a
     file, e.g. the next segment) to make the next calls fail, ``fail_open = errno.EMFILE`` (opening an
     existing file), ``fail_pread = errno.EIO`` (reading) or ``fail_truncate = errno.EIO``, and ``fsync_delay_s`` to make every fsync that
-    slow. ``opened`` counts the files opened."""
+    slow. ``opened`` counts the files opened. ``room = N`` (bytes) is a nearly full disk: appends take from it,
+    and one larger than what is left fails with ENOSPC and writes nothing (None: no limit); an unlink gives
+    the file's bytes back. ``reads`` set to a
+    list records every read as ``(path, offset, bytes read, thread name)``."""
 
     def __init__(self) -> None:
         self.fsync_delay_s = 0.0
@@ -74,6 +87,29 @@ class FaultyFileSystem(OsFileSystem):
         self.fail_pread: int | None = None
         self.fail_truncate: int | None = None
         self.opened = 0
+        self.room: int | None = None
+        self.reads: list[tuple[str, int, int, str]] | None = None
+        self.lock = threading.Lock()
+        self.before_read_file: Callable[[str], None] | None = None
+
+    def read_file(self, path: str) -> bytes:
+        """As :class:`OsFileSystem`, after calling ``before_read_file(path)`` when set (in the reading thread)."""
+        if self.before_read_file is not None:
+            self.before_read_file(path)
+        return super().read_file(path)
+
+    def free_bytes(self, path: str) -> int:
+        """As :class:`OsFileSystem`, but never more than ``room`` when it is set."""
+        free = super().free_bytes(path)
+        return free if self.room is None else min(free, self.room)
+
+    def unlink(self, path: str) -> None:
+        """As :class:`OsFileSystem`; on a disk with ``room`` set, the file's bytes become room again."""
+        size = os.path.getsize(path) if self.room is not None and os.path.exists(path) else 0
+        super().unlink(path)
+        with self.lock:
+            if self.room is not None:
+                self.room += size
 
     def open(self, path: str, *, create: bool = False) -> File:
         if create and self.fail_create is not None:
