@@ -64,6 +64,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import errno
 import hashlib
 import io
 import itertools
@@ -115,6 +116,9 @@ RUN_GAP_S = 2_000.0  # each run starts this much later than the one before (8 nu
 IDLE_JUMP_S = 61.0  # finishing: the clock jump when nothing is due (the retry interval is 60 s)
 POLICY = RetryPolicy(intervals_s=(60.0,))
 PARKED_COPIES_MAX = 1000  # as mtaq.daemon.process
+# The spool reserve (Log.keep_reserve) the checkpoint makes: 4 KiB here instead of the daemon's RESERVE_BYTES
+# (1 MiB): one append instead of sixteen, and no megabyte in every snapshot. The same kind of operations.
+RESERVE_BYTES = 4096
 _APPLIES = {  # as mtaq.admin.service: which states each action applies to
     "delete": {"incoming", "deferred", "delayed", "held"},
     "bounce": {"incoming", "deferred", "delayed", "held"},
@@ -408,7 +412,9 @@ class Proc:
         self.qlog = qlog
         qlog._executor.shutdown(wait=False)
         qlog._executor = _Inline(max_workers=1)  # the fsync rounds in order, in this thread
-        self.queue = Queue(qlog, policy=POLICY, clock=self.clock, reporting_mta="mx.explorer.test")
+        # The fake clock is the monotonic clock too: here time passes only by its jumps.
+        self.queue = Queue(qlog, policy=POLICY, clock=self.clock, monotonic=self.clock,
+                           reporting_mta="mx.explorer.test")
         # The daemon's DELIVERY linger (2 ms) only moves when a lone round starts, never what it covers.
         self.queue.delivery_linger_s = 0.0
         res = await recover(self.queue, report, SPOOL, _Quiet())
@@ -417,8 +423,8 @@ class Proc:
             self.trace.events.append(Reported(f"corrupt {p.segment}:{p.offset}-{p.end} {p.reason}", self.trace.t))
         n = POLICY.runners
         dispatcher = Dispatcher(n + 1)
-        self.runners = [Runner(k, qlog, dispatcher, res.runners[k], res.garbage[k], runners=n, clock=self.clock)
-                        for k in range(n)]
+        self.runners = [Runner(k, qlog, dispatcher, res.runners[k], res.garbage[k], runners=n, clock=self.clock,
+                               monotonic=self.clock, interval_s=POLICY.delay_of(k)) for k in range(n)]
         await self.checkpoint()
 
     # The daemon's and the admin service's steps, mirrored line for line: mtaq.testing may not import
@@ -429,7 +435,7 @@ class Proc:
         """``Daemon.checkpoint`` (no archive): copy parked mail forward, take the positions, fsync the log,
         write the checkpoint, delete wholly-garbage segments."""
         qlog, working = self.queue.log, self.queue.working
-        self._copy_parked_forward()
+        await self._copy_parked_forward()
         head = qlog.end
         positions = tuple(r.position for r in self.runners)
         garbage = tuple(tuple(sorted(r.garbage)) for r in self.runners)
@@ -443,16 +449,35 @@ class Proc:
                         parked=tuple(sorted(parked.entries)), counts=self.queue.counts.snapshot(),
                         pins=tuple(sorted(pins.items())))
         await qlog.sync()
-        await asyncio.to_thread(write_checkpoint, self.fs, self.cfg.spool_dir, cp)
+        try:
+            await asyncio.to_thread(self._write_checkpoint, cp)
+        except OSError:
+            return
         self.checkpoints += 1
+        with contextlib.suppress(OSError):
+            await asyncio.to_thread(qlog.keep_reserve, RESERVE_BYTES,
+                                    free_at_least=self.queue.minfree_bytes + 2 * RESERVE_BYTES)
         limit = true_garbage_end.segment - 1
         gone = qlog.delete_segments_before(limit)
         self.reclaimed += len(gone)
 
-    def _copy_parked_forward(self) -> None:
+    def _write_checkpoint(self, cp: Checkpoint) -> None:
+        """``Daemon._write_checkpoint``: on a full disk once more after giving up the reserve."""
+        try:
+            write_checkpoint(self.fs, self.cfg.spool_dir, cp)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not self.queue.log.release_reserve():
+                raise
+            write_checkpoint(self.fs, self.cfg.spool_dir, cp)
+
+    async def _copy_parked_forward(self) -> None:
         """``Daemon._copy_parked_forward``: copy the parked envelopes that alone pin old segments."""
         q = self.queue
         qlog, parked = q.log, q.parked
+        try:
+            q.finish_open_copies()
+        except StorageError:
+            return
         if not parked.entries:
             return
         head = qlog.end
@@ -461,11 +486,13 @@ class Proc:
         old = sorted(p for p in parked.entries
                      if p.segment < pinned_below and p not in self._copy_failed)[:PARKED_COPIES_MAX]
         for pos in old:
+            if pos not in parked:
+                continue
             try:
                 env = qlog.read(pos)
                 if not isinstance(env, EnvelopeRecord):
                     raise CorruptRecord(f"{pos} is not an envelope")
-                q.copy_forward(pos, env)
+                await q.copy_forward(pos, env)
             except CorruptRecord:
                 self._copy_failed.add(pos)
             except StorageError:
@@ -479,7 +506,8 @@ class Proc:
             assert delay_s is not None
             release_ts = self.clock() + delay_s
         qlog = self.queue.log
-        view = await asyncio.to_thread(_view_of_segments, qlog, qlog.durable_end)
+        with qlog.segments_kept():
+            view = await asyncio.to_thread(_view_of_segments, qlog, qlog.durable_end)
         _catch_up(view, qlog)
         lsn = 0
         for e in selector.select(view.entries.values(), self.clock()):
@@ -529,7 +557,7 @@ class Proc:
                     r.garbage.discard(pos)
                     r.cursor.skip()
                     continue
-                if env.not_before_ts > self.now:
+                if r._wait_s(env, r.monotonic()) > 0:  # as Runner.run: by the clock, bounded by the interval
                     break
                 await self._work(r.k, pos, env)
                 did += 1
@@ -605,7 +633,7 @@ class Proc:
             if qid == self.qids[marker]:
                 env = self.qlog.read(pos)
                 assert isinstance(env, EnvelopeRecord)
-                q.copy_forward(pos, env)
+                await q.copy_forward(pos, env)
                 return
         raise AssertionError(f"message {marker} is not parked")
 
