@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-kill", action="store_true", help="power cuts only, no kill -9")
     ap.add_argument("--later-points", choices=("start", "all"), default="all",
                     help="crash points of runs after a crash: their start only, or every operation (default)")
-    ap.add_argument("--deepen", choices=("all", "kill", "kill-unsynced", "unsynced"), default="all",
+    ap.add_argument("--deepen", choices=("all", "kill", "kill-unsynced", "unsynced", "holes"), default="all",
                     help="which crashes get a further crash (default all)")
     ap.add_argument("--states-max", type=int, default=0, help="stop after this many states (0: no limit)")
     args = ap.parse_args(argv)

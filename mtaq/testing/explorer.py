@@ -921,9 +921,11 @@ class Bounds:
     later_points: str = "start"  # crash points of runs after a crash: "start" or "all"
     later_families: bool = True  # after a crash, also the "all but one" / "only one" subsets past the bound
     later_torn: bool = True  # after a crash, torn writes too
+    later_cuts: bool = True  # after a crash, power cuts too (False: only kill -9 in the runs after a crash)
     # Which crashes get a further crash in the next run: "all"; "kill" (kill -9 only); "kill-unsynced" (a
     # kill -9 that left unsynced changes in the page cache: the class of issue 31 finding 1); "unsynced"
-    # (those, and power cuts that kept a change after losing an earlier one: holes recovery must repair).
+    # (those, and power cuts that kept a change after losing an earlier one: holes recovery must repair);
+    # "holes" (only those power cuts).
     deepen: str = "all"
     states_max: int = 0  # stop after this many distinct states (0: no limit)
 
@@ -1061,8 +1063,8 @@ class _Explorer:
         if deepen == "all":
             return True
         if step.kind == "kill":
-            return deepen == "kill" or bool(fs.pending())
-        if deepen != "unsynced":
+            return deepen == "kill" or (deepen in ("kill-unsynced", "unsynced") and bool(fs.pending()))
+        if deepen not in ("unsynced", "holes"):
             return False
         seqs = [int(c.split()[0][1:]) for c in step.changes]
         kept = set(step.keep) | {s for s, _n in step.torn}
@@ -1083,8 +1085,9 @@ class _Explorer:
             probe = CrashFileSystem.restore(snap)
             changes = probe.pending()
             described = tuple(str(c) for c in changes)
-            for keep, torn in choices(changes, all_max, torn=b.torn and (not path or b.later_torn),
-                                      families=not path or b.later_families):
+            cuts = choices(changes, all_max, torn=b.torn and (not path or b.later_torn),
+                           families=not path or b.later_families) if not path or b.later_cuts else []
+            for keep, torn in cuts:
                 fs = CrashFileSystem.restore(snap)
                 fs.crash_to(keep, dict(torn))
                 step = Step(run, k, "cut", tuple(sorted(keep)), torn, described)
