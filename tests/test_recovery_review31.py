@@ -21,7 +21,7 @@ import asyncio
 import os
 
 from test_corrupt_area import start
-from test_hole_conclusions import BODY, DEFERRED, FAILED, body_of, flip, live, zero
+from test_hole_conclusions import BODY, DEFERRED, FAILED, acknowledged_then_attempted, body_of, flip, live, zero
 
 from mtaq.core.checkpoint import Checkpoint
 from mtaq.core.records import DataRecord, EnvelopeRecord, FinishRecord, Pos, StartRecord
@@ -136,6 +136,31 @@ def test_an_administrators_bounce_whose_start_was_lost_sends_no_dsn(tmp_path):
         got = live(spool)
         assert [pos] == [p for p, _e in got[env.queue_id]]
         assert f"dsn:{env.queue_id}" not in got
+
+
+def test_a_crash_while_recovery_ends_a_distrusted_replacement_does_not_bounce_it(tmp_path):
+    """Found by the crash-state explorer (V9): a deferral's replacement survived a power cut without its DATA
+    copy; the next start distrusts it, concludes the attempt again (a good replacement) and ends the orphan
+    with a START and a FINISH, and is killed between the two. Before the fix the start after that took the
+    orphan's START for an interrupted delivery attempt whose DATA was unreadable and bounced it (554 5.3.0)
+    while the good replacement was delivered: delivered and bounced. Now recovery's own ending is a START
+    with ``admin="end"``, completed with its FINISH: one live envelope, readable, no DSN."""
+    spool = str(tmp_path)
+    _q, env, _ = acknowledged_then_attempted(spool, DEFERRED)
+    [copy] = zero(spool, lambda p, r: isinstance(r, DataRecord) and r.queue_id == env.queue_id and p != env.data)
+    [orphan] = [p for p, r in records(spool) if isinstance(r, EnvelopeRecord) and r.data == copy]
+    log, _q2, _res = start(spool, segment_bytes_max=1 << 20)  # distrusts, concludes again, ends the orphan
+    log.close()
+    [end_start] = [p for p, r in records(spool) if isinstance(r, StartRecord) and r.envelope == orphan]
+    cut_after(spool, end_start)  # killed before the FINISH
+    for _ in range(2):
+        log, _q3, _res = start(spool, segment_bytes_max=1 << 20)
+        log.close()
+        got = live(spool)
+        [(_pos, renv)] = got[env.queue_id]
+        assert BODY == body_of(log, renv)
+        assert f"dsn:{env.queue_id}" not in got
+        assert 1 == len([r for _p, r in records(spool) if isinstance(r, FinishRecord) and r.start == end_start])
 
 
 def test_a_held_message_whose_release_lost_its_start_stays_listed_and_held(tmp_path):

@@ -29,7 +29,7 @@ import msgspec
 
 from mtaq.core.records import PARKED, EnvelopeRecord, FinishRecord, Pos, Record, StartRecord
 
-__all__ = ["ADMIN_ACTIONS", "ADMIN_BOUNCE", "COPY_FORWARD", "STATES", "Parked", "QueueCounts", "admin_conclusion", "state_of"]
+__all__ = ["ADMIN_ACTIONS", "ADMIN_BOUNCE", "COPY_FORWARD", "RECOVERY_END", "STATES", "Parked", "QueueCounts", "admin_conclusion", "state_of"]
 
 STATES = ("incoming", "active", "deferred", "delayed", "held")
 
@@ -139,6 +139,11 @@ ADMIN_ACTIONS = ("delete", "hold", "release", "flush", "bounce", "delay")
 # unchanged but for its generation, so that mail parked for days never pins old segments (seed 001: data
 # copied forward). Written like an admin action (START with admin="copy", then the replacement).
 COPY_FORWARD = "copy"
+# Not an administrator's either: recovery's own ending of an envelope that is no message of its own (a
+# replacement or DSN it distrusts, docs/log_format.md "What recovery trusts"): START with admin="end", then
+# FINISH, never an attempt. A crash between the two is completed with the FINISH (issue 31, explorer V9:
+# taken for a delivery attempt, the orphan was bounced or retried beside the message it came from).
+RECOVERY_END = "end"
 
 
 def admin_conclusion(
@@ -146,7 +151,7 @@ def admin_conclusion(
 ) -> EnvelopeRecord | FinishRecord:
     """The record that concludes an administrator's action on ``env`` (started at ``start_pos``).
 
-    ``delete``: FINISH (the message is gone, no DSN; Postfix ``postsuper -d``). ``hold``: a replacement
+    ``delete``: FINISH (the message is gone, no DSN; Postfix ``postsuper -d``); so is :data:`RECOVERY_END`. ``hold``: a replacement
     that is parked and held (``postsuper -h``). ``release``: a replacement for the new-mail runner, due now
     (``postsuper -H``). ``flush``: the same for deferred or delayed mail (``postqueue -i``). ``delay``: a
     replacement parked until ``release_ts`` (UTC seconds; the admin API's delayed delivery). ``copy``
@@ -155,7 +160,7 @@ def admin_conclusion(
     The replacement keeps the DATA reference; the caller copies the data forward. Raises ValueError for
     an unknown action.
     """
-    if action == "delete":
+    if action in ("delete", RECOVERY_END):
         return FinishRecord(queue_id=env.queue_id, start=start_pos, ts=now_ts)
     if action == COPY_FORWARD:
         return msgspec.structs.replace(env, generation=env.generation + 1, replaces=start_pos)

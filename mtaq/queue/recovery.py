@@ -35,7 +35,7 @@ from typing import Any
 from mtaq.core.checkpoint import Checkpoint, restore_runners
 from mtaq.core.errors import CorruptRecord
 from mtaq.core.frame import SEGMENT_HEADER_BYTES, Problem, scan_segment
-from mtaq.core.parking import QueueCounts
+from mtaq.core.parking import RECOVERY_END, QueueCounts
 from mtaq.core.records import PARKED, DeliveryRecord, EnvelopeRecord, FinishRecord, Outcome, Pos, StartRecord
 from mtaq.core.state import Attempt
 from mtaq.queue.store import Queue, far_data
@@ -78,7 +78,8 @@ def _end_envelope(queue: Queue, pos: Pos, env: EnvelopeRecord, *, counted: bool)
     """End the live envelope at ``pos`` without an attempt: START and FINISH. ``counted``: it is in the
     queue's counts (replayed), which then lose it."""
     log = queue.log
-    start_pos, _ = log.append(StartRecord(queue_id=env.queue_id, envelope=pos, ts=queue.clock(), runner=env.runner))
+    start_pos, _ = log.append(StartRecord(queue_id=env.queue_id, envelope=pos, ts=queue.clock(), runner=env.runner,
+                                          admin=RECOVERY_END))
     log.append(FinishRecord(queue_id=env.queue_id, start=start_pos, ts=queue.clock()))
     queue.parked.remove(pos)
     if counted:
