@@ -4,8 +4,8 @@ The approach of ALICE (Pillai et al., OSDI 2014) and CrashMonkey/B3 (Mohan et al
 *workload* of the real code (:class:`~mtaq.storage.log.Log`, :class:`~mtaq.queue.store.Queue`,
 :func:`~mtaq.queue.recovery.recover`, the queue runners' cursors; ``Daemon.checkpoint`` and
 ``AdminService.act`` mirrored line for line, as this package may not import them, with a test that the
-mirrors do exactly what the originals do) on the in-memory :class:`~mtaq.testing.crashfs.CrashFileSystem`, take a snapshot of the file system after
-every operation (append, truncate, fsync, fsync_dir, create, rename, unlink), then enumerate the crash
+mirrors do exactly what the originals do) on the in-memory :class:`~mtaq.testing.crashfs.CrashFileSystem`,
+take a snapshot of the file system after every operation (append, truncate, fsync, fsync_dir, create, rename, unlink), then enumerate the crash
 states each snapshot allows, recover each with the real start (``Log.open``, ``recover``, the daemon's
 first checkpoint), finish the queue, and check the promises of GUIDE §1 on what happened.
 
@@ -24,7 +24,12 @@ What is enumerated (bounds in :class:`Bounds`):
   run starts on it; a power cut in that run (the next crash) can still take what the killed run never
   fsync'd (issue 31 finding 1);
 * **nested crashes**: up to ``crashes`` crashes in one history (a cut or kill in the workload, then one
-  inside the recovery run that follows, ...). Each run that is not cut short finishes the queue.
+  inside the recovery run that follows, ...); ``deepen`` says which crashes get a further one (all; kills;
+  kills that left unsynced changes; cuts that left a hole), ``later_cuts=False`` only kills after the
+  first. Each run that is not cut short finishes the queue.
+
+A ``make test`` seed (tests/test_explorer.py) explores about 11,000 states in about a minute; a long run is
+``bench/explore.py``. Costs: about 3 to 5 ms a state (one start, recovery and finish of a small queue).
 
 Identical states are explored once: a state is the file system (files, durable contents and pending
 changes) plus what the outside world saw so far (acknowledgements, deliveries, admin requests); the
@@ -34,7 +39,8 @@ count of distinct states is ``ExploreReport.states``.
 and positions, driven one pass at a time as ``Runner.run`` does, minus the waiting), the parked runner
 (``Daemon._parked_runner``), and a delivery worker (``Daemon._worker`` and ``Daemon._attempt``, mirrored
 step for step without logging) deliver everything due; held mail is released (``AdminService.act``);
-when nothing is due the daemon's periodic ``Daemon.checkpoint`` runs and the clock jumps 61 s (or to the next parked due time), until two such rounds pass idle. The next hop is :class:`FakeHop`,
+when nothing is due the daemon's periodic ``Daemon.checkpoint`` runs and the clock jumps 61 s (or to the
+next parked due time), until two such rounds pass idle. The next hop is :class:`FakeHop`,
 **a fake for the internet**: its replies are fixed per recipient (``ok*`` 250, ``bad*`` 550, ``slow*``
 451 at the first attempt and 250 after), and it remembers every message it accepted.
 
