@@ -11,8 +11,8 @@ It prints ONE JSON line on stdout::
      "examples": ["the shortest history of each kind, replayable", ...], "seconds": S, "truncated": false,
      "bounds": {...}}
 
-and exits 1 when there are violations. ``--states-max`` stops after that many distinct states (then
-``truncated`` is true). Each example names its workload and crashes; replay one with
+and exits 1 when there are violations. ``--states-max`` stops each workload after that many distinct
+states (then ``truncated`` is true). Each example names its workload and crashes; replay one with
 ``mtaq.testing.explorer.replay(workload, path)``.
 """
 
@@ -23,7 +23,7 @@ import dataclasses
 import json
 import sys
 
-from mtaq.testing.explorer import WORKLOADS, Bounds, explore
+from mtaq.testing.explorer import WORKLOADS, Bounds, ExploreReport, explore
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="crash points of runs after a crash: their start only, or every operation (default)")
     ap.add_argument("--deepen", choices=("all", "kill", "kill-unsynced", "unsynced", "holes"), default="all",
                     help="which crashes get a further crash (default all)")
-    ap.add_argument("--states-max", type=int, default=0, help="stop after this many states (0: no limit)")
+    ap.add_argument("--states-max", type=int, default=0,
+                    help="stop each workload after this many states (0: no limit)")
     args = ap.parse_args(argv)
     bounds = Bounds(
         crashes=args.crashes,
@@ -55,11 +56,23 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [w for w in names if w not in WORKLOADS]
     if unknown:
         ap.error(f"unknown workload(s) {unknown}; known: {', '.join(WORKLOADS)}")
-    report = explore(names, bounds)
-    out = report.summary()
+    total = ExploreReport()
+    for name in names:  # one at a time: --states-max bounds each workload, not the whole run
+        r = explore([name], bounds)
+        total.states += r.states
+        total.duplicates += r.duplicates
+        total.per_workload.update(r.per_workload)
+        total.truncated = total.truncated or r.truncated
+        total.seconds += r.seconds
+        for examples in r.examples.values():
+            for v in examples:
+                total.add(v)
+        for key, n in r.violations.items():
+            total.violations[key] += n - len(r.examples.get(key, []))
+    out = total.summary()
     out["bounds"] = dataclasses.asdict(bounds)
     print(json.dumps(out))
-    return 1 if report.total() else 0
+    return 1 if total.total() else 0
 
 
 if __name__ == "__main__":
