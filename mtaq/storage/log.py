@@ -577,6 +577,7 @@ class Log:
             if len(listed) > ENVELOPES_LISTED_MAX:  # the oldest half goes: cursors behind it walk the frames
                 del listed[: len(listed) // 2]
                 self._envelopes_floor = listed[0]
+        killpoints.hit("log.append")  # kill after the k-th append (MTAQ_KILL_POINT=log.append / recovery.append)
         return pos, lsn
 
     def next_envelope(self, pos: Pos, end: Pos) -> Pos | Literal[False] | None:
@@ -659,6 +660,7 @@ class Log:
             raise exc.error from None
         except OSError as exc:
             raise storage_error(exc, f"appending to segment {self._cur_no}") from exc
+        killpoints.hit("log.append")  # (as in append) after the frame is written whole
         return self._appended(offset, size)
 
     async def commit(self, lsn: int, *, linger_s: float = 0.0) -> None:
