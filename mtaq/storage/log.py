@@ -463,6 +463,7 @@ class Log:
             self._dirty[self._cur_no] = self._cur
         self._readers[self._cur_no] = None  # from now on only read: closed when least recently used
         self._new_segment(self._cur_no + 1)
+        killpoints.hit("log.roll")  # kill after the k-th roll-over: a sealed segment whose tail is not fsync'd
         # Its write handle counts against files_open_max like any reader (issue 31.12): the oldest go now, and
         # this one, still to be fsync'd, at the end of the round that fsyncs it if it is beyond the bound.
         self._close_readers(self.files_open_max)

@@ -12,6 +12,8 @@ moment (the issue's "crash at each named point"; FoundationDB-style buggify, but
 
 Counted points (``COUNTED``), for kills at every step of a sequence rather than at one moment:
 
+* ``log.roll``: a segment was sealed and the next one created, neither fsync'd yet (the sealed one's tail
+  is only in the page cache: the next run reads it, and a later power cut can take it);
 * ``log.append``: a record was appended to the log (written, not yet fsync'd), any time in the run;
 * ``recovery.append``: the same, counted only while recovery runs (:data:`recovering`, set by the daemon
   around :func:`mtaq.queue.recovery.recover`): ``MTAQ_KILL_AFTER=k`` kills recovery right after its k-th
@@ -32,7 +34,7 @@ POINTS = (
     "reclaim.after_first_unlink",
     "recovery.before_conclude",
 )
-COUNTED = ("log.append", "recovery.append")
+COUNTED = ("log.append", "log.roll", "recovery.append")
 recovering = False  # True while recovery runs (the daemon sets it): log.append counts as recovery.append too
 _POINT = os.environ.get("MTAQ_KILL_POINT") or None
 _AFTER = int(os.environ.get("MTAQ_KILL_AFTER", "1") or "1")
