@@ -271,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
                          "instead of cutting each file at its last fsync")
     ap.add_argument("--defer-fraction", type=float, default=0.0, metavar="F",
                     help="this fraction of the messages is deferred once by the sink and retried after 1 s")
+    ap.add_argument("--retry-interval", type=float, default=1.0, metavar="S",
+                    help="retry_intervals_s of the daemon with --defer-fraction (seconds; longer: a deferred message "
+                         "stays queued across more crash cycles)")
     ap.add_argument("--vary-config", action="store_true",
                     help="restart with a different retry_intervals_s, segment_bytes_max and checkpoint_interval_s "
                          "each time (nothing may be lost or offered twice by the change)")
@@ -360,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         def write_config() -> str | None:
             """The daemon's config for its next start; with --vary-config, picked anew at every restart."""
             lines = []
-            intervals = [1.0] if args.defer_fraction else None
+            intervals = [args.retry_interval] if args.defer_fraction else None
             seg = args.segment_bytes
             if args.vary_config:
                 # What an administrator may change between runs (issue 12.3): retry intervals added and
