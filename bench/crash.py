@@ -117,6 +117,8 @@ from mtaq.testing.procs import (
     start_sink,
 )
 
+RECOVERY_KILLS_MAX = 3  # starts in a row crashed before their recovery completed, then one is let finish
+RECOVERY_WAIT_S = 120.0
 MAX_TRIES = 50  # DATA attempts per message before the client gives up on it
 CONNECT_GIVE_UP_S = 60.0  # a daemon that does not accept connections this long is a failed run
 SMTP_TIMEOUT_S = 30.0
@@ -350,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     # Multi-run sequences: crashes cut or not, kills since the last cut that were not cut (their unsynced writes
     # are still in the page cache), and the k of the next recovery.append kill (the sweep).
     seq = {"cuts": 0, "kills_without_cut": 0, "cuts_after_uncut_kills": 0, "uncut_since_cut": 0,
-           "recovery_kill_k": 1, "recovery_kill_k_max": 0}
+           "recovery_kill_k": 1, "recovery_kill_k_max": 0, "recoveries_waited_for": 0}
     fs_mode = "" if args.no_power_cut else ("powercut-nofsync" if args.break_fsync else "powercut")
     result: dict[str, object] = {}
     broken: list[str] = []
@@ -444,9 +446,29 @@ def main(argv: list[str] | None = None) -> int:
         port = free_port()
         daemon = spawn(None)
 
+        def recovered() -> int:
+            """recovery_complete events in the daemon log so far (one per worker and start)."""
+            try:
+                with open(daemon_log, "rb") as f:
+                    return f.read().count(b'"event":"recovery_complete"')
+            except FileNotFoundError:
+                return 0
+
+        def let_recover(before: int) -> None:
+            """Progress: after RECOVERY_KILLS_MAX starts in a row were crashed before their recovery
+            completed (a recovery that scans every segment, its checkpoint damaged, can take longer than a
+            slice; killed every time it would never write the checkpoint that shortens the next one), the
+            crash waits until this start's recovery completes, the daemon dies, or RECOVERY_WAIT_S pass."""
+            deadline = time.monotonic() + RECOVERY_WAIT_S
+            while (daemon is not None and daemon.alive() and recovered() < before + args.workers
+                   and time.monotonic() < deadline and not tally.abort.is_set()):
+                time.sleep(0.05)
+
         def killer() -> None:
             nonlocal daemon, kills_done
             point: str | None = None
+            unrecovered = 0  # starts in a row crashed before their recovery completed
+            recs_before = 0  # recovery_complete events before the current start
             for at in kill_at:
                 with tally.cond:
                     while (tally.finished < at and not tally.abort.is_set() and tally.finished < n
@@ -465,12 +487,17 @@ def main(argv: list[str] | None = None) -> int:
                         self_killed[point] += 1
                 if point == "recovery.append":  # the sweep: one append further, or from the first again
                     seq["recovery_kill_k"] = 1 if daemon.alive() else seq["recovery_kill_k"] + 1
+                if unrecovered >= RECOVERY_KILLS_MAX and point != "recovery.append":
+                    let_recover(recs_before)
+                    seq["recoveries_waited_for"] += 1
+                unrecovered = unrecovered + 1 if recovered() < recs_before + args.workers else 0
                 crash(daemon)
                 kills_done += 1
                 restarts.append(time.time())
                 point = next_point()
                 for _ in range(20):  # a daemon told to die during recovery may be dead before it listens
                     try:
+                        recs_before = recovered()
                         daemon = spawn(point)
                         break
                     except RuntimeError as exc:
@@ -638,6 +665,7 @@ def main(argv: list[str] | None = None) -> int:
             "kills_without_cut": seq["kills_without_cut"],
             "cuts_after_uncut_kills": seq["cuts_after_uncut_kills"],
             "recovery_kills_k_max": seq["recovery_kill_k_max"],
+            "recoveries_waited_for": seq["recoveries_waited_for"],
             "power_cut_bytes_dropped": cut_totals["bytes_dropped"],
             "power_cut_files_removed": cut_totals["files_removed"],
             "killed_during_recovery": max(0, killed_during_recovery),
