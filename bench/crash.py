@@ -28,6 +28,10 @@ A cycle is a crash of the daemon and its restart on the same spool and port:
   (``MTAQ_KILL_POINT=recovery.append``), cut or not like any crash, then restarts; k sweeps 1, 2, 3, ...
   from one such restart to the next while recovery dies there (so every append of a recovery is a crash
   point in turn, recoveries of recoveries included), and starts again at 1 when a recovery appended fewer;
+* progress: a crash may land during recovery, but after three starts in a row crashed before their
+  recovery completed, the next crash (other than a recovery kill) waits for its recovery to complete
+  (``recoveries_waited_for``); otherwise a recovery slower than a slice (every segment scanned after media
+  damage to the checkpoint) is killed every time and never writes the checkpoint that would shorten it;
 * ``--roll-kills F``: a fraction F of the restarts kills itself right after its k-th segment roll-over
   (``MTAQ_KILL_POINT=log.roll``, k from 1 to 3), when the sealed segment's tail is only in the page cache:
   with a kill that is not cut, what the next run makes of it is exactly what a later cut tests.
