@@ -272,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--roll-kills", type=float, default=0.0, metavar="F",
                     help="fraction of the restarts told to kill themselves right after their k-th segment roll-over "
                          "(k from 1 to 3; MTAQ_KILL_POINT=log.roll): the sealed segment's tail is not fsync'd yet")
+    ap.add_argument("--cycles-after-sending", action="store_true",
+                    help="crash cycles the sending did not reach (it ended first) crash the draining daemon, each "
+                         "after it ran a random 0.3-2 s (default: fewer cycles is an error)")
     ap.add_argument("--reorder", action="store_true",
                     help="power cuts keep a random subset of the unsynced 4 KiB pages (out-of-order write-back) "
                          "instead of cutting each file at its last fsync")
@@ -356,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     # Multi-run sequences: crashes cut or not, kills since the last cut that were not cut (their unsynced writes
     # are still in the page cache), and the k of the next recovery.append kill (the sweep).
     seq = {"cuts": 0, "kills_without_cut": 0, "cuts_after_uncut_kills": 0, "uncut_since_cut": 0,
-           "recovery_kill_k": 1, "recovery_kill_k_max": 0, "recoveries_waited_for": 0}
+           "recovery_kill_k": 1, "recovery_kill_k_max": 0, "recoveries_waited_for": 0,
+           "cycles_after_sending": 0}
     fs_mode = "" if args.no_power_cut else ("powercut-nofsync" if args.break_fsync else "powercut")
     result: dict[str, object] = {}
     broken: list[str] = []
@@ -480,8 +484,15 @@ def main(argv: list[str] | None = None) -> int:
                         tally.cond.wait(0.05)
                     if tally.abort.is_set():
                         return
-                    if tally.finished >= n:
+                    sending_done = tally.finished >= n
+                if sending_done:
+                    if not args.cycles_after_sending:
                         break
+                    # The sending ended first: this cycle crashes the draining daemon after a random while.
+                    end = time.monotonic() + rng.uniform(0.3, 2.0)
+                    while daemon is not None and daemon.alive() and time.monotonic() < end:
+                        time.sleep(0.02)
+                    seq["cycles_after_sending"] += 1
                 assert daemon is not None
                 if not daemon.alive():
                     if point is None:
@@ -538,7 +549,8 @@ def main(argv: list[str] | None = None) -> int:
             tally.cond.notify_all()
         kt.join()
         if kills_done < k:
-            broken.append(f"only {kills_done} of {k} crash cycles happened during sending")
+            broken.append(f"only {kills_done} of {k} crash cycles happened"
+                          + ("" if args.cycles_after_sending else " during sending"))
         broken.extend(tally.errors)
 
         # Drain: every acknowledged Message-ID in the Maildir, or the timeout.
@@ -670,6 +682,7 @@ def main(argv: list[str] | None = None) -> int:
             "cuts_after_uncut_kills": seq["cuts_after_uncut_kills"],
             "recovery_kills_k_max": seq["recovery_kill_k_max"],
             "recoveries_waited_for": seq["recoveries_waited_for"],
+            "cycles_after_sending": seq["cycles_after_sending"],
             "power_cut_bytes_dropped": cut_totals["bytes_dropped"],
             "power_cut_files_removed": cut_totals["files_removed"],
             "killed_during_recovery": max(0, killed_during_recovery),
