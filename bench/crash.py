@@ -18,7 +18,23 @@ A cycle is a crash of the daemon and its restart on the same spool and port:
   ``MTAQ_TEST_FS=powercut`` and, once it is dead, :func:`mtaq.testing.powercut.cut` drops every write it
   never fsync'd (``kill -9`` alone keeps them in the page cache and would hide a missing fsync); with
   ``--reorder`` it keeps a random subset of the unsynced 4 KiB pages instead, as a disk's out-of-order
-  write-back does, so that a later record can survive an earlier one.
+  write-back does, so that a later record can survive an earlier one;
+* multi-run sequences (``--cut-fraction F`` < 1): each crash is followed by a power cut only with
+  probability F (drawn per cycle from the seed); the others are ``kill -9`` alone, whose unsynced writes
+  stay in the page cache: the next runs read them back, and the power cut of a later cycle drops whatever
+  no run fsync'd since (the ledger of :mod:`mtaq.testing.powercut` is kept across runs). A run that trusts
+  what an earlier run left in the page cache without fsyncing it loses mail here (issue 31.1);
+* ``--recovery-kills F``: a fraction F of the restarts kills its own recovery right after its k-th append
+  (``MTAQ_KILL_POINT=recovery.append``), cut or not like any crash, then restarts; k sweeps 1, 2, 3, ...
+  from one such restart to the next while recovery dies there (so every append of a recovery is a crash
+  point in turn, recoveries of recoveries included), and starts again at 1 when a recovery appended fewer;
+* progress: a crash may land during recovery, but after three starts in a row crashed before their
+  recovery completed, the next crash (other than a recovery kill) waits for its recovery to complete
+  (``recoveries_waited_for``); otherwise a recovery slower than a slice (every segment scanned after media
+  damage to the checkpoint) is killed every time and never writes the checkpoint that would shorten it;
+* ``--roll-kills F``: a fraction F of the restarts kills itself right after its k-th segment roll-over
+  (``MTAQ_KILL_POINT=log.roll``, k from 1 to 3), when the sealed segment's tail is only in the page cache:
+  with a kill that is not cut, what the next run makes of it is exactly what a later cut tests.
 
 ``--break-fsync`` is the negative control: the same run with fsync turned into a no-op
 (``MTAQ_TEST_FS=powercut-nofsync``); it must report lost mail, or the harness proves nothing.
@@ -35,7 +51,16 @@ recovery sees it as never started and logs nothing).
 After sending it waits (``--drain-timeout``) until every acknowledged Message-ID is in the sink's Maildir,
 kills the daemon and runs ``mtaq log verify`` on the spool. Checks:
 
-* ``lost``: acknowledged IDs not delivered. Must be 0 (RFC 5321 section 6.1; the daemon's promise).
+* ``lost``: acknowledged IDs not delivered (bounced or not), unless excused by reported media damage. Must
+  be 0 (RFC 5321 section 6.1; the daemon's promise). ``silently_ended``: those of them for which no DSN
+  came either (neither delivered nor bounced); ``bounced_acknowledged``: acknowledged, not delivered, and
+  bounced with a DSN (``bounced_undamaged`` of them outside reported damage, which ``lost`` counts).
+* ``dsn_twice``: failures reported by more than one DSN (DSNs are told apart by their own Message-ID;
+  counted per original queue ID, from ``X-Mtaq-Queue-ID``, and ``Final-Recipient``). Must be 0. The same
+  DSN delivered twice is an in-flight duplicate (``duplicated``), not this. ``dsns_failed`` counts the
+  failure DSNs, ``dsns_for_unacknowledged`` those about messages whose 250 was never sent (allowed: an
+  envelope that survived a power cut without its data is bounced, issue 31), ``dsns_for_delivered`` those
+  about acknowledged messages that were also delivered, ``dsns_delayed`` delay warnings.
 * ``truncated``: delivered copies whose content does not end with the exact bytes the client sent (a
   cut-off or altered body). Must be 0.
 * ``duplicated``: IDs delivered more than once. Allowed (in flight at a kill, or resent by the client).
@@ -48,8 +73,12 @@ kills the daemon and runs ``mtaq log verify`` on the spool. Checks:
   restarts; ``restart_to_recovered_s_max`` is the wall time from spawning the restarted process to that
   event (interpreter start and log open included).
 
-Prints one JSON line on stdout; exit status 1 if ``lost`` or ``truncated`` > 0 or the verify failed (or the
-run broke), else 0. With ``lost`` > 0 the evidence (Message-IDs, queue IDs, daemon log lines, ``mtaq log
+``cuts``, ``kills_without_cut``, ``cuts_after_uncut_kills`` (cuts that came after one or more crashes
+without a cut) and ``recovery_kills_k_max`` (the deepest append at which a recovery was killed) say what
+the multi-run sequences did.
+
+Prints one JSON line on stdout; exit status 1 if ``lost``, ``truncated`` or ``dsn_twice`` > 0 or the verify
+failed (or the run broke), else 0. With ``lost`` > 0 the evidence (Message-IDs, queue IDs, daemon log lines, ``mtaq log
 dump`` lines) goes to stderr; use ``--keep DIR`` to keep spool, Maildir and logs.
 
 Run::
@@ -57,6 +86,8 @@ Run::
     .venv/bin/python bench/crash.py --messages 25000 --cycles 500 --seed 7 --segment-bytes 262144
     .venv/bin/python bench/crash.py --messages 600 --cycles 3 --concurrency 10 --seed 1 --keep /tmp/crash1
     .venv/bin/python bench/crash.py --messages 600 --cycles 5 --seed 1 --break-fsync   # must exit 1, lost > 0
+    .venv/bin/python bench/crash.py --messages 6000 --cycles 300 --seed 31 --cut-fraction 0.5 \
+        --recovery-kills 0.2 --reorder --media-damage 0.2 --defer-fraction 0.5 --segment-bytes 65536
 """
 
 from __future__ import annotations
@@ -67,6 +98,7 @@ import itertools
 import json
 import os
 import random
+import re
 import shutil
 import smtplib
 import subprocess
@@ -89,6 +121,8 @@ from mtaq.testing.procs import (
     start_sink,
 )
 
+RECOVERY_KILLS_MAX = 3  # starts in a row crashed before their recovery completed, then one is let finish
+RECOVERY_WAIT_S = 120.0
 MAX_TRIES = 50  # DATA attempts per message before the client gives up on it
 CONNECT_GIVE_UP_S = 60.0  # a daemon that does not accept connections this long is a failed run
 SMTP_TIMEOUT_S = 30.0
@@ -227,11 +261,28 @@ def main(argv: list[str] | None = None) -> int:
                     help="plain kill -9 only: keep writes that were never fsync'd (they survive in the page cache)")
     ap.add_argument("--break-fsync", action="store_true",
                     help="negative control: fsync is a no-op (MTAQ_TEST_FS=powercut-nofsync); must report loss")
+    ap.add_argument("--cut-fraction", type=float, default=1.0, metavar="F",
+                    help="fraction of the crashes followed by a power cut (default 1: all); the others are kill -9 "
+                         "alone: their unsynced writes stay in the page cache for the next runs to read, and a power "
+                         "cut in a later cycle drops whatever no run fsync'd since (multi-run crash sequences)")
+    ap.add_argument("--recovery-kills", type=float, default=0.0, metavar="F",
+                    help="fraction of the restarts told to kill their recovery right after its k-th append "
+                         "(MTAQ_KILL_POINT=recovery.append); k sweeps 1, 2, 3, ... while recovery dies there and "
+                         "goes back to 1 when a recovery appended fewer")
+    ap.add_argument("--roll-kills", type=float, default=0.0, metavar="F",
+                    help="fraction of the restarts told to kill themselves right after their k-th segment roll-over "
+                         "(k from 1 to 3; MTAQ_KILL_POINT=log.roll): the sealed segment's tail is not fsync'd yet")
+    ap.add_argument("--cycles-after-sending", action="store_true",
+                    help="crash cycles the sending did not reach (it ended first) crash the draining daemon, each "
+                         "after it ran a random 0.3-2 s (default: fewer cycles is an error)")
     ap.add_argument("--reorder", action="store_true",
                     help="power cuts keep a random subset of the unsynced 4 KiB pages (out-of-order write-back) "
                          "instead of cutting each file at its last fsync")
     ap.add_argument("--defer-fraction", type=float, default=0.0, metavar="F",
                     help="this fraction of the messages is deferred once by the sink and retried after 1 s")
+    ap.add_argument("--retry-interval", type=float, default=1.0, metavar="S",
+                    help="retry_intervals_s of the daemon with --defer-fraction (seconds; longer: a deferred message "
+                         "stays queued across more crash cycles)")
     ap.add_argument("--vary-config", action="store_true",
                     help="restart with a different retry_intervals_s, segment_bytes_max and checkpoint_interval_s "
                          "each time (nothing may be lost or offered twice by the change)")
@@ -265,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--messages and --concurrency must be >= 1, --cycles >= 0")
     if not 0.0 <= args.kill_points <= 1.0:
         ap.error("--kill-points must be a fraction between 0 and 1")
+    if not all(0.0 <= f <= 1.0 for f in (args.cut_fraction, args.recovery_kills, args.roll_kills)):
+        ap.error("--cut-fraction, --recovery-kills and --roll-kills must be fractions between 0 and 1")
     if args.break_fsync and args.no_power_cut:
         ap.error("--break-fsync needs the power cut (a kill alone keeps unsynced writes)")
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
@@ -303,6 +356,11 @@ def main(argv: list[str] | None = None) -> int:
     kills_done = 0
     self_killed: Counter[str] = Counter()  # named kill point -> cycles in which the daemon died there
     cut_totals: Counter[str] = Counter()
+    # Multi-run sequences: crashes cut or not, kills since the last cut that were not cut (their unsynced writes
+    # are still in the page cache), and the k of the next recovery.append kill (the sweep).
+    seq = {"cuts": 0, "kills_without_cut": 0, "cuts_after_uncut_kills": 0, "uncut_since_cut": 0,
+           "recovery_kill_k": 1, "recovery_kill_k_max": 0, "recoveries_waited_for": 0,
+           "cycles_after_sending": 0}
     fs_mode = "" if args.no_power_cut else ("powercut-nofsync" if args.break_fsync else "powercut")
     result: dict[str, object] = {}
     broken: list[str] = []
@@ -315,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         def write_config() -> str | None:
             """The daemon's config for its next start; with --vary-config, picked anew at every restart."""
             lines = []
-            intervals = [1.0] if args.defer_fraction else None
+            intervals = [args.retry_interval] if args.defer_fraction else None
             seg = args.segment_bytes
             if args.vary_config:
                 # What an administrator may change between runs (issue 12.3): retry intervals added and
@@ -345,37 +403,96 @@ def main(argv: list[str] | None = None) -> int:
                 config = write_config()
             cut_totals["starts"] += 1
             env = {"MTAQ_TEST_FS": fs_mode} if fs_mode else {}
-            if kill_point:
+            if kill_point == "recovery.append":
+                k = seq["recovery_kill_k"]
+                seq["recovery_kill_k_max"] = max(seq["recovery_kill_k_max"], k)
+                env |= {"MTAQ_KILL_POINT": kill_point, "MTAQ_KILL_AFTER": str(k)}
+            elif kill_point == "log.roll":
+                env |= {"MTAQ_KILL_POINT": kill_point, "MTAQ_KILL_AFTER": str(rng.randint(1, 3))}
+            elif kill_point:
                 env |= {"MTAQ_KILL_POINT": kill_point, "MTAQ_KILL_AFTER": str(rng.randint(1, 20))}
             # No admin API: the harness does not use it, and a restart is then over when SMTP listens (the
             # API starts after SMTP; waiting for it too would let the sending run ahead of the crash cycles).
             return start_daemon(spool, sink.port, daemon_log, port=port, config=config, env=env, admin_listen="",
                                 workers=args.workers)
 
+        def power_cut() -> None:
+            """The power cut after a crash, or (--cut-fraction) not: then the unsynced writes stay in the page
+            cache, and the ledger keeps them droppable by the cut of a later cycle."""
+            if not fs_mode:
+                return
+            if args.cut_fraction < 1.0 and rng.random() >= args.cut_fraction:
+                seq["kills_without_cut"] += 1
+                seq["uncut_since_cut"] += 1
+                return
+            cut_totals.update(powercut.cut(spool, reorder=rng if args.reorder else None))
+            seq["cuts"] += 1
+            if seq["uncut_since_cut"]:
+                seq["cuts_after_uncut_kills"] += 1
+            seq["uncut_since_cut"] = 0
+
         def crash(proc: Proc) -> None:
-            """The crash itself: SIGKILL (if it is not dead already), then the power cut, then (with
-            --media-damage) a bit flip or a zeroed sector in a sealed segment or the checkpoint."""
+            """The crash itself: SIGKILL (if it is not dead already), then the power cut (or not, see
+            --cut-fraction), then (with --media-damage) a bit flip or a zeroed sector in a sealed segment or
+            the checkpoint."""
             proc.kill9()
-            if fs_mode:
-                cut_totals.update(powercut.cut(spool, reorder=rng if args.reorder else None))
+            power_cut()
             if args.media_damage and rng.random() < args.media_damage:
                 d = media.damage(spool, rng)
                 if d is not None:
                     damages.append(d)
 
+        def next_point() -> str | None:
+            """The kill point of the next start: recovery.append (--recovery-kills), log.roll (--roll-kills),
+            a named point (--kill-points), or none."""
+            if args.recovery_kills and rng.random() < args.recovery_kills:
+                return "recovery.append"
+            if args.roll_kills and rng.random() < args.roll_kills:
+                return "log.roll"
+            return rng.choice(killpoints.POINTS) if rng.random() < args.kill_points else None
+
         port = free_port()
         daemon = spawn(None)
+
+        def recovered() -> int:
+            """recovery_complete events in the daemon log so far (one per worker and start)."""
+            try:
+                with open(daemon_log, "rb") as f:
+                    return f.read().count(b'"event":"recovery_complete"')
+            except FileNotFoundError:
+                return 0
+
+        def let_recover(before: int) -> None:
+            """Progress: after RECOVERY_KILLS_MAX starts in a row were crashed before their recovery
+            completed (a recovery that scans every segment, its checkpoint damaged, can take longer than a
+            slice; killed every time it would never write the checkpoint that shortens the next one), the
+            crash waits until this start's recovery completes, the daemon dies, or RECOVERY_WAIT_S pass."""
+            deadline = time.monotonic() + RECOVERY_WAIT_S
+            while (daemon is not None and daemon.alive() and recovered() < before + args.workers
+                   and time.monotonic() < deadline and not tally.abort.is_set()):
+                time.sleep(0.05)
 
         def killer() -> None:
             nonlocal daemon, kills_done
             point: str | None = None
+            unrecovered = 0  # starts in a row crashed before their recovery completed
+            recs_before = 0  # recovery_complete events before the current start
             for at in kill_at:
                 with tally.cond:
                     while (tally.finished < at and not tally.abort.is_set() and tally.finished < n
                            and (daemon is None or daemon.alive())):
                         tally.cond.wait(0.05)
-                    if tally.abort.is_set() or tally.finished >= n:
+                    if tally.abort.is_set():
                         return
+                    sending_done = tally.finished >= n
+                if sending_done:
+                    if not args.cycles_after_sending:
+                        break
+                    # The sending ended first: this cycle crashes the draining daemon after a random while.
+                    end = time.monotonic() + rng.uniform(0.3, 2.0)
+                    while daemon is not None and daemon.alive() and time.monotonic() < end:
+                        time.sleep(0.02)
+                    seq["cycles_after_sending"] += 1
                 assert daemon is not None
                 if not daemon.alive():
                     if point is None:
@@ -383,12 +500,19 @@ def main(argv: list[str] | None = None) -> int:
                             tally.errors.append(f"daemon exited by itself with status {daemon.popen.returncode}")
                     else:
                         self_killed[point] += 1
+                if point == "recovery.append":  # the sweep: one append further, or from the first again
+                    seq["recovery_kill_k"] = 1 if daemon.alive() else seq["recovery_kill_k"] + 1
+                if unrecovered >= RECOVERY_KILLS_MAX and point != "recovery.append":
+                    let_recover(recs_before)
+                    seq["recoveries_waited_for"] += 1
+                unrecovered = unrecovered + 1 if recovered() < recs_before + args.workers else 0
                 crash(daemon)
                 kills_done += 1
                 restarts.append(time.time())
-                point = rng.choice(killpoints.POINTS) if rng.random() < args.kill_points else None
+                point = next_point()
                 for _ in range(20):  # a daemon told to die during recovery may be dead before it listens
                     try:
+                        recs_before = recovered()
                         daemon = spawn(point)
                         break
                     except RuntimeError as exc:
@@ -399,14 +523,13 @@ def main(argv: list[str] | None = None) -> int:
                             return
                         # It died at its point before it was seen listening (a crash during recovery).
                         self_killed[point] += 1
-                        if fs_mode:
-                            cut_totals.update(powercut.cut(spool, reorder=rng if args.reorder else None))
+                        power_cut()
                         kills_done += 1
                         restarts.append(time.time())
                         point = None
             # After the last cycle the daemon runs without a kill point, so that it can drain.
-            if point is not None and daemon is not None:
-                if not daemon.alive():
+            if daemon is not None and (point is not None or not daemon.alive()):
+                if not daemon.alive() and point is not None:
                     self_killed[point] += 1
                 crash(daemon)
                 restarts.append(time.time())
@@ -426,7 +549,8 @@ def main(argv: list[str] | None = None) -> int:
             tally.cond.notify_all()
         kt.join()
         if kills_done < k:
-            broken.append(f"only {kills_done} of {k} crash cycles happened during sending")
+            broken.append(f"only {kills_done} of {k} crash cycles happened"
+                          + ("" if args.cycles_after_sending else " during sending"))
         broken.extend(tally.errors)
 
         # Drain: every acknowledged Message-ID in the Maildir, or the timeout.
@@ -493,6 +617,24 @@ def main(argv: list[str] | None = None) -> int:
         unreported = [d for d in damages if not reported(d)
                       and any(queue_id_of(tally.acked[m]) in d.queue_ids for m in lost_ids)]
         lost_ids = [m for m in lost_ids if m not in lost_damaged]
+        # DSNs (sent to the client's sender, relayed to the sink): per original queue ID and recipient, the
+        # distinct DSN messages that report its failure. Two for one failure is a DSN twice; the same DSN
+        # delivered twice (one Message-ID) is an in-flight duplicate, not that.
+        reports = dsn_reports(maildir)
+        failed_dsns: dict[tuple[str, str], set[str]] = {}
+        for rep in reports:
+            for rcpt, action in rep.rows:
+                if action == "failed":
+                    failed_dsns.setdefault((rep.queue_id, rcpt.lower()), set()).add(rep.message_id)
+        bounced_qids = {q for q, _r in failed_dsns}
+        acked_qids = {queue_id_of(r) for r in tally.acked.values()} - {""}
+        dsn_twice = sorted(k for k, v in failed_dsns.items() if len(v) > 1)
+        failed_reports = {rep.message_id: rep for rep in reports if any(a == "failed" for _r, a in rep.rows)}
+        delivered_qids = {queue_id_of(tally.acked[m]) for m in acked if m in delivered}
+        not_delivered = acked - delivered.keys()
+        bounced_acked = [m for m in not_delivered if queue_id_of(tally.acked[m]) in bounced_qids]
+        silently_ended = [m for m in lost_ids if queue_id_of(tally.acked[m]) not in bounced_qids]
+        damaged_no_dsn = [m for m in lost_damaged if queue_id_of(tally.acked[m]) not in bounced_qids]
         dsn_ids = dsn_message_ids(maildir)
         truncated = truncated_copies(maildir, {mid: data for mid, data, _r in work})
         dup_ids = sorted(m for m, c in delivered.items() if c > 1)
@@ -509,7 +651,16 @@ def main(argv: list[str] | None = None) -> int:
             "acknowledged": len(acked),
             "delivered_unique": len(delivered),
             "lost": len(lost_ids),
+            "silently_ended": len(silently_ended),
+            "bounced_acknowledged": len(bounced_acked),
+            "bounced_undamaged": len([m for m in bounced_acked if m not in lost_damaged]),
+            "dsn_twice": len(dsn_twice),
+            "dsns_failed": len(failed_reports),
+            "dsns_for_unacknowledged": sum(1 for r in failed_reports.values() if r.queue_id not in acked_qids),
+            "dsns_for_delivered": sum(1 for r in failed_reports.values() if r.queue_id in delivered_qids),
+            "dsns_delayed": sum(1 for r in reports if any(a == "delayed" for _r, a in r.rows)),
             "lost_in_reported_damage": len(lost_damaged),
+            "lost_in_reported_damage_without_dsn": len(damaged_no_dsn),
             "media_damage": [f"{d.kind} {os.path.basename(d.path)}:{d.start}" for d in damages],
             "media_damage_unreported": len(unreported),
             "truncated": len(truncated),
@@ -525,6 +676,13 @@ def main(argv: list[str] | None = None) -> int:
             "reorder": bool(args.reorder),
             "configs": len(configs_used) if args.vary_config else 0,
             "workers": args.workers,
+            "cut_fraction": args.cut_fraction,
+            "cuts": seq["cuts"],
+            "kills_without_cut": seq["kills_without_cut"],
+            "cuts_after_uncut_kills": seq["cuts_after_uncut_kills"],
+            "recovery_kills_k_max": seq["recovery_kill_k_max"],
+            "recoveries_waited_for": seq["recoveries_waited_for"],
+            "cycles_after_sending": seq["cycles_after_sending"],
             "power_cut_bytes_dropped": cut_totals["bytes_dropped"],
             "power_cut_files_removed": cut_totals["files_removed"],
             "killed_during_recovery": max(0, killed_during_recovery),
@@ -540,6 +698,9 @@ def main(argv: list[str] | None = None) -> int:
             result["errors"] = broken
         if lost_ids:
             _report_lost(lost_ids, tally, daemon_log, spool, seed)
+        for (qid, rcpt), mids in dsn_twice[:5]:
+            print(f"crash: DSN twice: {len(mids)} failure DSNs for queue ID {qid} recipient {rcpt}: {sorted(mids)}",
+                  file=sys.stderr)
         for m in dup_unexplained[:5]:
             qid = queue_id_of(tally.acked[m])
             print(f"crash: duplicated without outcome_unknown: {m} queued as {qid}", file=sys.stderr)
@@ -561,8 +722,44 @@ def main(argv: list[str] | None = None) -> int:
     # With media damage the log is damaged on purpose: verify must name it (exit 1); what counts is that
     # every damage that cost a message was reported.
     log_ok = result.get("verify_ok") is True or (bool(damages) and result.get("media_damage_unreported") == 0)
-    ok = result.get("lost") == 0 and result.get("truncated") == 0 and log_ok and not broken
+    ok = (result.get("lost") == 0 and result.get("truncated") == 0 and result.get("dsn_twice") == 0 and log_ok
+          and not broken)
     return 0 if ok else 1
+
+
+@dataclass
+class DsnReport:
+    """One DSN the sink received: its own Message-ID, the queue ID of the message it reports on
+    (``X-Mtaq-Queue-ID``) and its (Final-Recipient address, Action) rows."""
+
+    message_id: str
+    queue_id: str
+    rows: list[tuple[str, str]]
+
+
+_DSN_QID_RE = re.compile(rb"^X-Mtaq-Queue-ID: *(\S+)", re.MULTILINE)
+_DSN_ROW_RE = re.compile(rb"^Final-Recipient: *[A-Za-z0-9-]+; *([^\r\n]+)\r?\n(?:[ \t][^\r\n]*\r?\n)*Action: *(\w+)",
+                         re.MULTILINE)
+
+
+def dsn_reports(maildir: str) -> list[DsnReport]:
+    """Every DSN in the Maildir (from the null sender, ``Return-Path: <>``), once per file (a DSN delivered
+    twice is two entries with one Message-ID)."""
+    out = []
+    for sub in ("new", "cur"):
+        d = os.path.join(maildir, sub)
+        for name in os.listdir(d) if os.path.isdir(d) else []:
+            with open(os.path.join(d, name), "rb") as f:
+                content = f.read()
+            head = content.split(b"\r\n\r\n", 1)[0].split(b"\r\n")
+            if not any(line.lower() in (b"return-path: <>", b"return-path: <<>>") for line in head):
+                continue
+            mid = next((line.split(b":", 1)[1].strip().decode(errors="replace") for line in head
+                        if line.lower().startswith(b"message-id:")), name)
+            m = _DSN_QID_RE.search(content)
+            rows = [(r.decode(errors="replace").strip(), a.decode().lower()) for r, a in _DSN_ROW_RE.findall(content)]
+            out.append(DsnReport(mid, m.group(1).decode(errors="replace") if m else "", rows))
+    return out
 
 
 def dsn_message_ids(maildir: str) -> set[str]:

@@ -72,3 +72,66 @@ def test_negative_control_file_system_makes_nothing_durable(tmp_path):
     fs.fsync_dir(spool)
     cut(spool)
     assert not (tmp_path / "x").exists()
+
+
+def test_the_ledger_outlives_a_kill_without_a_cut_and_a_later_run_fsyncs_count(tmp_path):
+    """Run 1 writes past its last fsync and is killed without a cut; run 2 (a new file system on the same
+    spool) reads the file from the page cache but does not fsync it: a cut after run 2 still drops run 1's
+    unsynced bytes. Once a later run fsyncs a file it did not write, a cut keeps all of it."""
+    spool = str(tmp_path)
+    run1 = PowerCutFileSystem(spool)
+    a = run1.open(str(tmp_path / "a"), create=True)
+    a.append(b"synced")
+    a.fsync()
+    run1.fsync_dir(spool)
+    a.append(b" unsynced")
+    b = run1.open(str(tmp_path / "b"), create=True)
+    b.append(b"b synced")
+    b.fsync()
+    b.append(b" b unsynced")
+    del run1, a, b  # kill -9, no cut: the bytes stay in the page cache
+    run2 = PowerCutFileSystem(spool)
+    assert b"synced unsynced" == run2.read_file(str(tmp_path / "a"))  # run 2 reads what run 1 never made durable
+    run2.fsync_dir(spool)  # b's name becomes durable; its unsynced bytes do not
+    run2.open(str(tmp_path / "a")).pread(0, 100)  # read, not fsync'd
+    out = cut(spool)
+    assert b"synced" == (tmp_path / "a").read_bytes()
+    assert b"b synced" == (tmp_path / "b").read_bytes()
+    assert len(b" unsynced") + len(b" b unsynced") == out["bytes_dropped"]
+    run3 = PowerCutFileSystem(spool)
+    a3 = run3.open(str(tmp_path / "a"))
+    a3.append(b" run3")
+    del run3, a3  # killed without a cut
+    run4 = PowerCutFileSystem(spool)
+    run4.open(str(tmp_path / "a")).fsync()  # a later run fsyncs what run 3 wrote
+    cut(spool)
+    assert b"synced run3" == (tmp_path / "a").read_bytes()
+
+
+def test_a_new_file_of_an_old_name_is_not_trusted_with_the_old_ones_fsyncd_size(tmp_path):
+    """A file fsync'd at 8 bytes is unlinked (or taken by a cut) and made again under the same name, its
+    directory fsync'd but not the file: a cut removes all of its bytes, not the first 8. A truncation lowers
+    what counts as durable; a ledger line cut by a kill does not spoil the next run's lines."""
+    spool = str(tmp_path)
+    fs = PowerCutFileSystem(spool)
+    p = str(tmp_path / "seg")
+    f = fs.open(p, create=True)
+    f.append(b"old data")
+    f.fsync()
+    fs.fsync_dir(spool)
+    fs.unlink(p)
+    f = fs.open(p, create=True)
+    f.append(b"new data, never fsync'd")
+    fs.fsync_dir(spool)
+    with open(tmp_path / ".powercut-ledger", "a") as led:
+        led.write("F\t" + p)  # a line cut by a kill
+    fs2 = PowerCutFileSystem(spool)
+    g = fs2.open(str(tmp_path / "other"), create=True)
+    g.append(b"x" * 10)
+    g.fsync()
+    g.truncate(4)
+    g.append(b"yyyyyy")
+    fs2.fsync_dir(spool)
+    cut(spool)
+    assert b"" == (tmp_path / "seg").read_bytes()
+    assert b"xxxx" == (tmp_path / "other").read_bytes()

@@ -253,7 +253,11 @@ class Daemon:
             segment=report.new_segment,
             seconds=round(time.monotonic() - t_start, 4),
         )
-        res = await recover(self.queue, report, cfg.spool_dir, self.log)
+        killpoints.recovering = True  # MTAQ_KILL_POINT=recovery.append counts recovery's appends only
+        try:
+            res = await recover(self.queue, report, cfg.spool_dir, self.log)
+        finally:
+            killpoints.recovering = False
         self.recovery = res
         self.metrics.recovery_seconds = res.seconds
         self.log.info(

@@ -463,6 +463,7 @@ class Log:
             self._dirty[self._cur_no] = self._cur
         self._readers[self._cur_no] = None  # from now on only read: closed when least recently used
         self._new_segment(self._cur_no + 1)
+        killpoints.hit("log.roll")  # kill after the k-th roll-over: a sealed segment whose tail is not fsync'd
         # Its write handle counts against files_open_max like any reader (issue 31.12): the oldest go now, and
         # this one, still to be fsync'd, at the end of the round that fsyncs it if it is beyond the bound.
         self._close_readers(self.files_open_max)
@@ -577,6 +578,7 @@ class Log:
             if len(listed) > ENVELOPES_LISTED_MAX:  # the oldest half goes: cursors behind it walk the frames
                 del listed[: len(listed) // 2]
                 self._envelopes_floor = listed[0]
+        killpoints.hit("log.append")  # kill after the k-th append (MTAQ_KILL_POINT=log.append / recovery.append)
         return pos, lsn
 
     def next_envelope(self, pos: Pos, end: Pos) -> Pos | Literal[False] | None:
@@ -659,6 +661,7 @@ class Log:
             raise exc.error from None
         except OSError as exc:
             raise storage_error(exc, f"appending to segment {self._cur_no}") from exc
+        killpoints.hit("log.append")  # (as in append) after the frame is written whole
         return self._appended(offset, size)
 
     async def commit(self, lsn: int, *, linger_s: float = 0.0) -> None:

@@ -9,6 +9,15 @@ moment (the issue's "crash at each named point"; FoundationDB-style buggify, but
 * ``checkpoint.after_tmp``: the new checkpoint is written and fsync'd as a temp file, not yet renamed;
 * ``reclaim.after_first_unlink``: one of several garbage segments is unlinked, the directory not fsync'd;
 * ``recovery.before_conclude``: recovery has read the working suffix, not yet concluded the attempts.
+
+Counted points (``COUNTED``), for kills at every step of a sequence rather than at one moment:
+
+* ``log.roll``: a segment was sealed and the next one created, neither fsync'd yet (the sealed one's tail
+  is only in the page cache: the next run reads it, and a later power cut can take it);
+* ``log.append``: a record was appended to the log (written, not yet fsync'd), any time in the run;
+* ``recovery.append``: the same, counted only while recovery runs (:data:`recovering`, set by the daemon
+  around :func:`mtaq.queue.recovery.recover`): ``MTAQ_KILL_AFTER=k`` kills recovery right after its k-th
+  append (a FINISH, a DSN, a replacement), and not at all if it appends fewer.
 """
 
 from __future__ import annotations
@@ -16,7 +25,7 @@ from __future__ import annotations
 import os
 import signal
 
-__all__ = ["POINTS", "hit"]
+__all__ = ["COUNTED", "POINTS", "hit"]
 
 POINTS = (
     "edge.after_commit",
@@ -25,6 +34,8 @@ POINTS = (
     "reclaim.after_first_unlink",
     "recovery.before_conclude",
 )
+COUNTED = ("log.append", "log.roll", "recovery.append")
+recovering = False  # True while recovery runs (the daemon sets it): log.append counts as recovery.append too
 _POINT = os.environ.get("MTAQ_KILL_POINT") or None
 _AFTER = int(os.environ.get("MTAQ_KILL_AFTER", "1") or "1")
 _count = 0
@@ -33,7 +44,9 @@ _count = 0
 def hit(name: str) -> None:
     """Kill the process with SIGKILL if ``name`` is the configured point and its count is reached."""
     global _count
-    if _POINT is None or name != _POINT:
+    if _POINT is None:
+        return
+    if name != _POINT and not (recovering and name == "log.append" and _POINT == "recovery.append"):
         return
     _count += 1
     if _count >= _AFTER:

@@ -16,6 +16,13 @@ reached the disk whole or not at all; pages that did not are zeros where a later
 file ends after the last page that survived (or at its last fsync). That is how an earlier record can be
 lost while a later one survives (ALICE, OSDI 2014).
 
+The ledger outlives the process: it is appended to by every run on the spool and read whole by
+:func:`cut`, so a run killed without a cut (``kill -9`` alone: its unsynced writes stay in the page cache
+and the next run reads them) leaves its unsynced bytes droppable by a cut after any later run, unless a
+later run fsyncs them (an fsync records the file's size whoever wrote it) or a later cut kept them. A file
+created anew (``create=True``), truncated or unlinked forgets what was fsync'd under its name before
+(``C``, ``T`` and ``U`` lines), so that a new file of an old name is not trusted with the old one's size.
+
 Not simulated: an unlink or a rename whose directory fsync never came is not undone (the old contents are
 gone), and written-but-unsynced data is never garbled (the in-process crash file system,
 :mod:`mtaq.testing.crashfs`, covers garbling).
@@ -62,6 +69,7 @@ class _LedgerFile:
 
     def truncate(self, size: int) -> None:
         self._inner.truncate(size)
+        self._fs._record("T", self.path, str(size))  # bytes rewritten past ``size`` are not durable yet
 
     def fsync(self) -> None:
         if not self._fs.fsync_works:
@@ -84,14 +92,27 @@ class PowerCutFileSystem(OsFileSystem):
         os.makedirs(spool, exist_ok=True)
         self.fsync_works = fsync_works
         self._lock = threading.Lock()  # fsyncs run in the commit thread and in checkpoint threads
-        self._ledger = open(os.path.join(spool, LEDGER_NAME), "a", encoding="utf-8", buffering=1)
+        path = os.path.join(spool, LEDGER_NAME)
+        self._ledger = open(path, "a", encoding="utf-8", buffering=1)
+        if self._ledger.tell() > 0:
+            with open(path, "rb") as f:  # an earlier run killed mid-line: start this run's lines on a line of their own
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    self._ledger.write("\n")
 
     def _record(self, *fields: str) -> None:
         with self._lock:
             self._ledger.write("\t".join(fields) + "\n")
 
     def open(self, path: str, *, create: bool = False) -> File:
-        return _LedgerFile(self, super().open(path, create=create), os.path.abspath(path))
+        f = _LedgerFile(self, super().open(path, create=create), os.path.abspath(path))
+        if create:
+            self._record("C", f.path)  # a new file: nothing of it is durable, whatever an old one of its name was
+        return f
+
+    def unlink(self, path: str) -> None:
+        super().unlink(path)
+        self._record("U", os.path.abspath(path))
 
     def fsync_dir(self, path: str) -> None:
         if not self.fsync_works:
@@ -160,6 +181,11 @@ def cut(spool: str, *, reorder: random.Random | None = None) -> dict[str, int]:
         kind, *rest = line.split("\t")
         if kind == "F" and len(rest) == 2 and rest[1].isdigit():
             synced[rest[0]] = int(rest[1])
+        elif kind == "T" and len(rest) == 2 and rest[1].isdigit():
+            if rest[0] in synced:
+                synced[rest[0]] = min(synced[rest[0]], int(rest[1]))
+        elif kind in ("C", "U") and len(rest) == 1:
+            synced.pop(rest[0], None)
         elif kind == "D" and rest:
             listing[rest[0]] = set(rest[1:])
         elif kind == "R" and len(rest) == 2:
@@ -169,6 +195,7 @@ def cut(spool: str, *, reorder: random.Random | None = None) -> dict[str, int]:
             else:
                 synced.pop(dst, None)
     out = {"files_removed": 0, "files_cut": 0, "bytes_dropped": 0, "pages_kept": 0}
+    removed: list[str] = []  # files the cut took: a later file of the same name starts from nothing
     after: list[str] = []  # files left: what the cut leaves is what the disk holds from now on
     root = os.path.abspath(spool)
     for dirpath, dirs, files in os.walk(root):
@@ -185,6 +212,7 @@ def cut(spool: str, *, reorder: random.Random | None = None) -> dict[str, int]:
             size = os.path.getsize(p)
             if name not in listing.get(dirpath, set()):
                 os.unlink(p)
+                removed.append(p)
                 out["files_removed"] += 1
                 out["bytes_dropped"] += size
                 continue
@@ -202,6 +230,10 @@ def cut(spool: str, *, reorder: random.Random | None = None) -> dict[str, int]:
     # After the cut, what survived is on the disk: a later cut must not take away the unsynced pages this
     # one kept, which the next start read and built on.
     with open(path, "a", encoding="utf-8") as f:
+        if lines[-1:] not in ([], [""]):
+            f.write("\n")  # the kill cut the last line: the cut's lines start on a line of their own
+        for p in removed:
+            f.write(f"U\t{p}\n")
         for p in after:
             if os.path.exists(p):
                 f.write(f"F\t{p}\t{os.path.getsize(p)}\n")
