@@ -195,7 +195,8 @@ def start_daemon(
     workers: int | str | None = 1,
 ) -> Proc:
     """Start ``mtaq serve`` on ``spool`` relaying to 127.0.0.1:``relay_port``; returns once SMTP listens
-    (the admin API listens before SMTP does, so ``SPOOL/admin.json`` is there by then).
+    (the admin API listens before SMTP does, so ``SPOOL/admin.json`` is there by then). Raises RuntimeError
+    when it does not listen in time, after killing it (never two daemons on one spool).
 
     With ``relay_port`` None there is no ``--relayhost`` flag: the config file (or the default) decides.
     ``admin_listen`` is the ``--admin-listen`` flag (default: a free port on 127.0.0.1, so that daemons
@@ -221,9 +222,17 @@ def start_daemon(
                              stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})})
     else:
         p = _mtaq(args, log_path, env)
-    wait_port(port, proc=p)
-    if _admin_enabled(admin_listen, config):
-        wait_admin_json(spool, p)
+    try:
+        wait_port(port, proc=p)
+        if _admin_enabled(admin_listen, config):
+            wait_admin_json(spool, p)
+    except BaseException:
+        # A daemon that is only slow to listen (a start fsyncing many segments on a loaded machine) must not
+        # live on unseen beside the next one started on the same spool.
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        raise
     return Proc(p, port, log_path)
 
 
