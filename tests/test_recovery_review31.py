@@ -163,6 +163,39 @@ def test_a_crash_while_recovery_ends_a_distrusted_replacement_does_not_bounce_it
         assert 1 == len([r for _p, r in records(spool) if isinstance(r, FinishRecord) and r.start == end_start])
 
 
+def test_a_hole_in_a_sealed_segment_is_a_hole_even_without_a_checkpoint(tmp_path):
+    """Found by the 300-cycle crash run (seed 33): a deferral's DATA copy and replacement, not fsync'd, then a
+    roll-over seals the segment; a reordered power cut zeroes the DATA copy and keeps the replacement and
+    the SEAL; and media damage has made the checkpoint unusable. Recovery required a checkpoint (or an
+    unsealed segment) before it would call anything an unsynced hole, so the lost copy was "corruption",
+    the replacement was trusted and the intact message bounced 554 5.3.0. The records' own ``durable``
+    claims are the evidence now: the zeros lie after all of them, so they are a hole, and the attempt is
+    concluded again from the original DATA."""
+    spool = str(tmp_path)
+    log, q, _ = start(spool, segment_bytes_max=1 << 20)
+    env = asyncio.run(q.receive("alice@example.org", ["bob@example.net"], BODY))
+    attempt = q.start(live(spool)[env.queue_id][0][0], env)
+    asyncio.run(q.record_outcomes(attempt, "mx[127.0.0.1]:25", [DEFERRED]))
+    log.sync_soon = lambda: None  # type: ignore[method-assign]  # the cut comes before that fsync
+    _c, rpos = q.conclude(attempt)
+    log.segment_bytes_max = log.end.offset + 8  # the next record rolls the segment over (and seals it)
+    q._append_message("carol@example.org", ["dave@example.net"], BODY)
+    log.close()
+    [copy] = [r.data for p, r in records(spool) if p == rpos]
+    path = segment_path(os.path.join(spool, "log"), copy.segment)
+    raw = bytearray(open(path, "rb").read())
+    raw[copy.offset:rpos.offset] = bytes(rpos.offset - copy.offset)  # that write never reached the disk
+    open(path, "wb").write(bytes(raw))
+    assert not os.path.exists(os.path.join(spool, "checkpoint"))  # none (or a damaged one): every segment is read
+    log, _q2, res = start(spool, segment_bytes_max=1 << 20)
+    log.close()
+    assert ([copy.offset], []) == ([h.offset for h in res.holes], res.corrupt)
+    log, _q3, _res = start(spool, segment_bytes_max=1 << 20)
+    [(_pos, renv)] = live(spool)[env.queue_id]
+    assert BODY == body_of(log, renv)
+    log.close()
+
+
 def test_a_held_message_whose_release_lost_its_start_stays_listed_and_held(tmp_path):
     """Found by the crash-state explorer (V7): a held message is released; the power cut keeps only the
     release's replacement (START(release) and the DATA copy lost). Recovery ends that replacement (its START

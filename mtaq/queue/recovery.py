@@ -212,7 +212,7 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
         return any(a < Pos(h.segment, h.offset) < b < hole_epoch[(h.segment, h.offset)] for h in holes)
 
     # Pass 2: classify damage, and fold the records.
-    for _seg, scan, unsealed in scans:
+    for _seg, scan, _unsealed in scans:
         res.segments += 1
         for p in scan.problems:
             if p.kind == "torn-tail" and not scan.sealed:
@@ -221,12 +221,14 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
                 continue
             known = aside.get((p.segment, p.offset))
             if (known is not None and known.kind == "unsynced-hole") or (
-                known is None and durable_known <= Pos(p.segment, p.offset) < last_record and (unsealed or cp is not None)
+                known is None and durable_known <= Pos(p.segment, p.offset) < last_record
             ):
                 # Bytes after the last point known to be durable that never reached the disk, with later writes
                 # that did (a disk writes back out of order): not damage; kept aside the same way, and reported
                 # as what it is. Before that point the same bytes were fsync'd: corruption. (With no record
-                # after it, it is no hole either: a torn end, or damage, reported as corruption.)
+                # after it, it is no hole either: a torn end, or damage, reported as corruption.) The evidence
+                # is the records' own claims, with or without a checkpoint, in sealed segments too: a SEAL that
+                # survived a reordered cut does not make what the cut took durable.
                 p = Problem("unsynced-hole", p.segment, p.offset, p.end, p.reason)
                 res.holes.append(p)
                 holes.append(p)
