@@ -256,6 +256,12 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # DKIM signing (RFC 6376) by the domain of the From: header (or its closest parent with a key); mail of
     # other domains is relayed unsigned. DSNs are signed with the key of myhostname's domain, if any.
     dkim_keys: dict[str, DkimKeyConfig] = msgspec.field(default_factory=dict)
+    # Whose mail is signed (rspamd dkim_signing auth_only + sign_networks, OpenDKIM InternalHosts):
+    # "authenticated" (only when the login owns the From: address in sender_login_map, or, without a map,
+    # the From: domain is the envelope sender's) and "mynetworks" (any From:). Mail from other clients
+    # (received for relay_domains) is never signed; [] signs only the DSNs mtaq generates.
+    dkim_sign_clients: list[Literal["authenticated", "mynetworks"]] = msgspec.field(
+        default_factory=lambda: ["authenticated", "mynetworks"])
 
     def hostname(self) -> str:
         return self.myhostname or socket.getfqdn()

@@ -20,9 +20,11 @@ import dkim
 import dns.exception
 import dns.resolver
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mtaq.core.errors import ConfigError
-from mtaq.edge.dkim import Signer, from_domain, headers_to_sign, load_key
+from mtaq.edge.dkim import Origin, RelaxedBodyHash, Signer, from_domain, headers_to_sign, load_key, split_head
 from mtaq.testing.dnsserver import ZoneServer
 
 
@@ -238,9 +240,12 @@ def test_mail_relayed_through_the_daemon_and_its_dsn_verify_at_the_sink(relay_fa
     assert open(key_file, "rb").read().splitlines()[1] not in log
 
 
-def test_a_body_in_the_temporary_file_is_signed_whole(tmp_path):
+LOCAL = Origin(client="127.0.0.1:1025", mynetworks=True, login="", mail_from="alice@example.test")
+
+
+def test_a_body_in_the_temporary_file_is_signed_from_it_in_pieces(tmp_path):
     """A BodyBuffer that spilled to its temporary file (bodies beyond receive_buffer_bytes) is signed over all
-    of its pieces (assembled in memory, in a worker thread), and the signature verifies on the bytes the
+    of its pieces (hashed piece by piece, in a worker thread), and the signature verifies on the bytes the
     log will hold: the signature, then the buffer's pieces."""
     import asyncio
 
@@ -248,19 +253,78 @@ def test_a_body_in_the_temporary_file_is_signed_whole(tmp_path):
 
     key_file, line = keygen(tmp_path, "example.test", "s1")
     signer = Signer([load_key("example.test", "s1", key_file)])
-    msg = message(body="".join(f"piece {i}\n" for i in range(20000)))
+    msg = message(body="".join(f"piece {i} \t  spaced\t\n" + "\n" * (i % 3) for i in range(20000)) + "\n\n\n")
     buf = BodyBuffer(str(tmp_path), memory_bytes=4096, chunk_bytes=4096)
     for i in range(0, len(msg), 1000):
         buf.write(msg[i : i + 1000])
     assert buf.spilled
-    sig = asyncio.run(signer.signature_of(buf))
+    sig = asyncio.run(signer.signature_of(buf, LOCAL))
     buf.head = sig
     relayed = b"".join(buf.pieces())
     buf.close()
     assert sig + msg == relayed
     with ZoneServer(line + "\n") as zone:
         assert dkim.verify(relayed, dnsfunc=dnsfunc_for(zone))
+        assert not dkim.verify(relayed.replace(b"piece 19999", b"piece 19998"), dnsfunc=dnsfunc_for(zone))
     other = BodyBuffer(str(tmp_path), memory_bytes=4096)
     other.write(message(sender="x@other.test", body="x" * 70 + "\n" * 100))
-    assert b"" == asyncio.run(signer.signature_of(other))
+    assert b"" == asyncio.run(signer.signature_of(other, LOCAL))
     other.close()
+
+
+def _dkimpy_body_hash(message_bytes: bytes) -> bytes:
+    """dkimpy's own relaxed body hash of a message (what its verifier compares bh= with)."""
+    import hashlib
+
+    from dkim.canonicalization import CanonicalizationPolicy
+
+    _, body = dkim.rfc822_parse(message_bytes)
+    return hashlib.sha256(CanonicalizationPolicy.from_c_value(b"relaxed/relaxed").canonicalize_body(body)).digest()
+
+
+_BODY_PARTS = [b"a", b"bc", b" ", b"\t", b"  \t ", b"\r\n", b"\n", b"\r", b"x y", b"\r\n\r\n", b".", b"\xff"]
+
+
+@settings(max_examples=400, deadline=None)
+@given(parts=st.lists(st.sampled_from(_BODY_PARTS), max_size=40), cuts=st.lists(st.integers(0, 200), max_size=8))
+def test_the_body_hash_computed_in_pieces_is_dkimpys_for_any_body_and_any_cuts(parts, cuts):
+    """RFC 6376 §3.4.4 relaxed body canonicalization, fed in pieces cut anywhere (inside a CRLF, inside a run of
+    whitespace, before trailing empty lines), hashes exactly as dkimpy's canonicalize_body over the whole body:
+    empty body, whitespace-only lines, trailing empty lines, a last line without a line end, bare CR and LF."""
+    body = b"".join(parts)
+    msg = b"From: a@example.test\r\nSubject: s\r\n\r\n" + body
+    cut = split_head(msg)
+    assert cut is not None and body == msg[cut:]
+    h = RelaxedBodyHash()
+    at = 0
+    for c in sorted(cuts):
+        h.update(body[at:c])
+        at = max(at, c)
+    h.update(body[at:])
+    assert _dkimpy_body_hash(msg) == h.digest()
+
+
+@pytest.mark.parametrize("msg", [
+    b"From: a@example.test\r\n\r\n",
+    b"From: a@example.test\r\n",  # no body at all
+    b"From: a@example.test\r\nSubject: x\r\n\r\n\r\n\r\n",
+    b"From: a@example.test\r\n\r\nline  \t\r\n \r\nlast \t",
+])
+def test_signing_in_pieces_verifies_and_has_the_body_hash_of_signing_whole(tmp_path, msg):
+    """The signature made from pieces (dkimpy signs the header section with the body hash given) verifies, and
+    its bh= is the one dkimpy's own sign() puts on the whole message."""
+    import re
+
+    key_file, line = keygen(tmp_path, "example.test", "s1")
+    signer = Signer([load_key("example.test", "s1", key_file)])
+    key = signer.wants(msg)
+    assert key is not None
+    sig = signer.signature_of_pieces([msg[i : i + 7] for i in range(0, len(msg), 7)], key)
+    whole = signer.signature(msg)
+
+    def bh(field: bytes) -> bytes:
+        return re.search(rb"bh=([^;]+);", re.sub(rb"\s+", b"", field)).group(1)
+
+    assert bh(whole) == bh(sig)
+    with ZoneServer(line + "\n") as zone:
+        assert dkim.verify(sig + msg, dnsfunc=dnsfunc_for(zone))

@@ -29,28 +29,36 @@ from __future__ import annotations
 import asyncio
 import base64
 import email.utils
+import hashlib
 import importlib.util
 import os
 import re
 import stat
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from mtaq.config import Config
 from mtaq.core.errors import ConfigError
+from mtaq.edge.policy import domain_of, domain_to_ascii
 from mtaq.logs import get_logger
 from mtaq.storage.spill import BodyBuffer
 
 __all__ = [
+    "HEAD_BYTES_MAX",
     "RSA_BITS_MIN",
+    "SIGN_CLIENTS",
     "DkimKey",
+    "Origin",
+    "RelaxedBodyHash",
     "Signer",
+    "from_address",
     "from_domain",
     "generate_key",
     "headers_to_sign",
     "load_key",
     "normalize_domain",
+    "split_head",
     "txt_record",
     "valid_selector",
 ]
@@ -230,33 +238,177 @@ def headers_to_sign(head: bytes) -> list[bytes]:
     return names + [n for n in _OVERSIGN if n in names]
 
 
-def from_domain(head: bytes) -> str | None:
-    """The domain (lower case, A-labels) of the one address in the one ``From:`` field of ``head``
-    (RFC 5322 §3.6.2); None when there is no From, more than one, or it does not hold exactly one address."""
+def from_address(head: bytes) -> str | None:
+    """The one address of the one ``From:`` field of ``head`` (RFC 5322 §3.6.2), ``local@domain`` with the
+    domain lower case in A-labels; None when there is no From, more than one, it does not hold exactly one
+    address, or the domain is not a domain name."""
     froms = [v for n, v in _fields(head) if n.lower() == b"from"]
     if len(froms) != 1:
         return None
     addrs = [a for _, a in email.utils.getaddresses([froms[0].decode("utf-8", "surrogateescape")]) if a]
     if len(addrs) != 1 or "@" not in addrs[0]:
         return None
-    return normalize_domain(addrs[0].rpartition("@")[2])
+    local, _, domain = addrs[0].rpartition("@")
+    d = normalize_domain(domain)
+    return f"{local}@{d}" if d is not None else None
+
+
+def from_domain(head: bytes) -> str | None:
+    """The domain (lower case, A-labels) of the one address in the one ``From:`` field of ``head``
+    (RFC 5322 §3.6.2); None when there is no From, more than one, or it does not hold exactly one address."""
+    address = from_address(head)
+    return address.rpartition("@")[2] if address is not None else None
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Who handed a message in, for the decision to sign it (:meth:`Signer.permits`).
+
+    ``client``: ``ip:port`` (for the event); ``mynetworks``: the client address is in ``mynetworks``;
+    ``login``: the name the session authenticated as ("" when it did not); ``mail_from``: the envelope
+    sender ("" for ``<>``); ``owns``: ``sender_login_map``'s answer to "does this login own this address"
+    (:meth:`mtaq.edge.policy.EdgePolicy.login_owns`), None when no map is configured.
+    """
+
+    client: str
+    mynetworks: bool
+    login: str
+    mail_from: str
+    owns: Callable[[str], bool] | None = None
+
+
+SIGN_CLIENTS = ("authenticated", "mynetworks")
+HEAD_BYTES_MAX = 1024 * 1024  # a spilled message's header section read to choose its key; beyond: unsigned
+
+
+class RelaxedBodyHash:
+    """The body hash (RFC 6376 §3.7) of the ``relaxed`` body canonicalization (§3.4.4), fed in pieces.
+
+    ``update(piece)`` any number of times with the body (the octets after the header section's empty line),
+    then ``digest()`` (once). Equal to dkimpy's (its ``canonicalize_body`` over its ``rfc822_parse``d body;
+    checked in tests/test_dkim.py) for any body and any cut into pieces: line ends are ``\r?\n`` (made CRLF),
+    whitespace before a line end is removed, runs of SP/HTAB become one SP, empty lines at the end are
+    ignored, a last line without a line end gets one, an empty body hashes as empty. Memory: one piece and
+    the unfinished line (the edge refuses lines over 1000 octets).
+    """
+
+    def __init__(self) -> None:
+        self._hash = hashlib.sha256()  # rsa-sha256 and ed25519-sha256 both hash the body with SHA-256
+        self._partial = b""  # the line not yet ended
+        self._held = 0  # CRLFs not hashed yet: they end the last line and any empty lines after it (§3.4.4 c)
+        self._any = False  # a non-empty line was hashed
+
+    def update(self, piece: bytes) -> None:
+        data = self._partial + piece if self._partial else piece
+        cut = data.rfind(b"\n") + 1
+        self._partial = data[cut:]
+        if not cut:
+            return
+        block = _WSP.sub(b" ", _WSP_EOL.sub(b"\r\n", _EOL.sub(b"\r\n", data[:cut])))
+        end = len(block)
+        while end >= 2 and block[end - 2 : end] == b"\r\n":
+            end -= 2
+        if end:
+            self._hash.update(b"\r\n" * self._held)
+            self._hash.update(block[:end])
+            self._held = (len(block) - end) // 2
+            self._any = True
+        else:
+            self._held += len(block) // 2
+
+    def digest(self) -> bytes:
+        if self._partial:
+            self._hash.update(b"\r\n" * self._held + _WSP.sub(b" ", self._partial) + b"\r\n")
+        elif self._any:
+            self._hash.update(b"\r\n")
+        return self._hash.digest()
+
+
+_EOL = re.compile(rb"\r?\n")
+_WSP_EOL = re.compile(rb"[\t ]+\r\n")
+_WSP = re.compile(rb"[\t ]+")
+_BLANK_LINE = re.compile(rb"(?:\A|\n)\r?\n")  # the empty line that ends the header section (dkimpy's rule)
+
+
+def split_head(data: bytes) -> int | None:
+    """The offset where the body of a message starting with ``data`` begins (after the empty line that ends
+    the header section, lines ended by ``\r?\n`` as dkimpy reads them), or None if ``data`` has no such
+    line."""
+    m = _BLANK_LINE.search(data)
+    return m.end() if m is not None else None
+
+
+_PRESET: type | None = None
+
+
+def _preset_body_hash_class() -> type:
+    """A dkimpy ``DKIM`` whose ``bh=`` is set by the caller: its ``sign`` (key parsing, tags, folding, the
+    header hash and the signature, unchanged) runs on the header section alone, and ``gen_header`` (the
+    step that signs the tags) puts the given body hash in place of the empty body's."""
+    global _PRESET
+    if _PRESET is None:
+        import dkim
+
+        class PresetBodyHash(dkim.DKIM):  # type: ignore[misc]
+            body_hash = b""
+
+            def gen_header(self, fields: list[tuple[bytes, bytes]], *args: Any, **kwargs: Any) -> bytes:
+                fields = [(k, self.body_hash if k == b"bh" else v) for k, v in fields]
+                out: bytes = super().gen_header(fields, *args, **kwargs)
+                return out
+
+        _PRESET = PresetBodyHash
+    return _PRESET
+
+
+def _dkimpy_sign_pieces(key: DkimKey, pieces: Iterable[bytes]) -> bytes:
+    """:func:`_dkimpy_sign` (with :func:`headers_to_sign`) of the message given in ``pieces``, in memory
+    bounded by one piece and the header section: the body is hashed as it goes by
+    (:class:`RelaxedBodyHash`), the header section is signed by dkimpy with that body hash."""
+    head = b""
+    body: RelaxedBodyHash | None = None
+    for piece in pieces:
+        if body is not None:
+            body.update(piece)
+            continue
+        head += piece
+        cut = split_head(head)
+        if cut is not None:
+            body = RelaxedBodyHash()
+            body.update(head[cut:])
+            head = head[:cut]
+        elif len(head) > HEAD_BYTES_MAX:
+            raise _HeadTooLarge(f"header section over {HEAD_BYTES_MAX} bytes")
+    include = headers_to_sign(head)
+    d = _preset_body_hash_class()(head, signature_algorithm=key.algorithm.encode("ascii"))
+    d.body_hash = base64.b64encode((body if body is not None else RelaxedBodyHash()).digest())
+    sig: bytes = d.sign(key.selector.encode("ascii"), key.domain.encode("ascii"), key.secret,
+                        canonicalize=(b"relaxed", b"relaxed"), include_headers=include)
+    return sig
+
+
+class _HeadTooLarge(ValueError):
+    pass
 
 
 class Signer:
-    """Signs messages with the key of their From: domain (see the module text). ``keys`` by domain.
+    """Signs messages with the key of their From: domain (see the module text). ``keys`` by domain;
+    ``sign_clients``: the clients whose mail is signed (``dkim_sign_clients``: "authenticated", "mynetworks").
 
     Thread-safe (no state changes after construction): a large message may be signed in a worker thread.
     """
 
-    def __init__(self, keys: Iterable[DkimKey] = ()) -> None:
+    def __init__(self, keys: Iterable[DkimKey] = (), sign_clients: Iterable[str] = SIGN_CLIENTS) -> None:
         self.keys: dict[str, DkimKey] = {k.domain: k for k in keys}
+        self.sign_clients = frozenset(sign_clients)
         self.log = get_logger()
 
     @classmethod
     def from_config(cls, cfg: Config) -> Signer:
-        """A signer for the config's ``dkim_keys``; every key is loaded and checked now (:func:`load_key`).
-        Raises ConfigError naming the first bad key."""
-        return cls(load_key(domain, k.selector, k.key_file) for domain, k in cfg.dkim_keys.items())
+        """A signer for the config's ``dkim_keys`` and ``dkim_sign_clients``; every key is loaded and checked
+        now (:func:`load_key`). Raises ConfigError naming the first bad key."""
+        keys = [load_key(domain, k.selector, k.key_file) for domain, k in cfg.dkim_keys.items()]
+        return cls(keys, cfg.dkim_sign_clients)
 
     def __bool__(self) -> bool:
         return bool(self.keys)
@@ -271,18 +423,69 @@ class Signer:
         return None
 
     def wants(self, head: bytes) -> DkimKey | None:
-        """The key a message with header section ``head`` is signed with (None: relayed unsigned)."""
+        """The key a message with header section ``head`` is signed with (None: relayed unsigned), whoever
+        sent it (see :meth:`choose`)."""
         if not self.keys:
             return None
         domain = from_domain(head)
         return self.key_for(domain) if domain is not None else None
 
+    def permits(self, origin: Origin, head: bytes) -> str | None:
+        """Why mail from ``origin`` with header section ``head`` must not be signed, or None when it may be
+        (rspamd ``dkim_signing``'s ``auth_only`` / ``sign_networks``, OpenDKIM's ``InternalHosts``):
+
+        * an authenticated client (with "authenticated" in ``sign_clients``): with ``sender_login_map``, the
+          login must own the ``From:`` address (the address, else its ``@domain``: the lookup of MAIL FROM);
+          without it, the ``From:`` domain must be the envelope sender's (rspamd's default
+          ``allow_hdrfrom_mismatch = false``);
+        * else a client in ``mynetworks`` (with "mynetworks" in ``sign_clients``): any ``From:``;
+        * anyone else (the internet: mail received for ``relay_domains``): never.
+        """
+        if origin.login and "authenticated" in self.sign_clients:
+            if origin.owns is not None:
+                address = from_address(head)
+                if address is None or not origin.owns(address):
+                    return "From: address not owned by the login (sender_login_map)"
+                return None
+            env = domain_of(origin.mail_from) if origin.mail_from else None
+            env_ace = domain_to_ascii(env.rstrip(".")) if env else None
+            if env_ace is None or env_ace != from_domain(head):
+                return "From: domain is not the envelope sender's"
+            return None
+        if origin.mynetworks and "mynetworks" in self.sign_clients:
+            return None
+        if origin.login:
+            return "authenticated clients are not signed for (dkim_sign_clients)"
+        if origin.mynetworks:
+            return "mynetworks clients are not signed for (dkim_sign_clients)"
+        return "client neither authenticated nor in mynetworks"
+
+    def choose(self, head: bytes, origin: Origin) -> DkimKey | None:
+        """The key to sign a message with header section ``head`` from ``origin`` with, or None. When its
+        From: domain has a key but :meth:`permits` says no, a ``dkim_not_signed`` event (domain, client,
+        sender, login, reason) is logged and the message is relayed unsigned."""
+        key = self.wants(head)
+        if key is None:
+            return None
+        reason = self.permits(origin, head)
+        if reason is None:
+            return key
+        self.log.info("dkim_not_signed", domain=from_domain(head), client=origin.client,
+                      sender=origin.mail_from, login=origin.login, reason=reason, action="relayed unsigned")
+        return None
+
+    def _failed(self, key: DkimKey, error: str) -> bytes:
+        self.log.warning("dkim_sign_failed", domain=key.domain, selector=key.selector, error=error,
+                         action="relayed unsigned")
+        return b""
+
     def signature(self, message: bytes, key: DkimKey | None = None) -> bytes:
         """The ``DKIM-Signature:`` field (CRLF-terminated, folded) to put on top of ``message`` (the whole
         message, CRLF line ends), or b"" when it is not to be signed (no key for its From domain, or
         dkimpy could not sign it: then a ``dkim_sign_failed`` event is logged). ``key``: the one
-        :meth:`wants` chose, if already known. Costs one pass over the message (relaxed body hash, RFC 6376
-        §3.7) and one private-key operation."""
+        :meth:`choose` chose, if already known. Without ``key`` nobody's permission is asked: for mail
+        generated here (DSNs). Costs one pass over the message (relaxed body hash, RFC 6376 §3.7) and one
+        private-key operation."""
         import dkim
 
         head = header_section(message)
@@ -292,40 +495,55 @@ class Signer:
                 return b""
         try:
             return _dkimpy_sign(key, message, headers_to_sign(head))
-        except dkim.DKIMException as exc:
-            self.log.warning("dkim_sign_failed", domain=key.domain, selector=key.selector,
-                             error=type(exc).__name__, action="relayed unsigned")
-            return b""
+        except (dkim.DKIMException, IndexError) as exc:
+            return self._failed(key, type(exc).__name__)
 
-    async def signature_of(self, content: bytes | BodyBuffer) -> bytes:
-        """:meth:`signature` for the content of a DATA command (:class:`BodyBuffer` before its ``head`` is
-        set). A body that went to the temporary file (larger than ``receive_buffer_bytes``) is assembled in
-        memory to be signed (a known cost: up to ``message_size_limit_bytes`` per such message while it is
-        signed; dkimpy has no streaming interface), and signed in a worker thread so that the event loop is
-        not held up. A buffer that failed is not signed (the queue refuses it anyway)."""
+    def signature_of_pieces(self, pieces: Iterable[bytes], key: DkimKey) -> bytes:
+        """:meth:`signature` with ``key`` for a message given in pieces (a :class:`BodyBuffer`'s), in memory
+        bounded by one piece and the header section (at most :data:`HEAD_BYTES_MAX`, else not signed):
+        the body hash is computed as the pieces go by (:class:`RelaxedBodyHash`) and dkimpy signs the
+        header section with it. Raises OSError if the pieces cannot be read."""
+        import dkim
+
+        try:
+            return _dkimpy_sign_pieces(key, pieces)
+        except (dkim.DKIMException, IndexError, _HeadTooLarge) as exc:
+            return self._failed(key, type(exc).__name__)
+
+    async def signature_of(self, content: bytes | BodyBuffer, origin: Origin) -> bytes:
+        """:meth:`signature` for the content of a DATA command from ``origin`` (:class:`BodyBuffer` before its
+        ``head`` is set), or b"" when :meth:`choose` finds no key or no permission. A body that went to the
+        temporary file (larger than ``receive_buffer_bytes``) is signed from the file in pieces
+        (:meth:`signature_of_pieces`), in a worker thread so that the event loop is not held up: memory per
+        message signed stays bounded by a piece, not by ``message_size_limit_bytes``. A buffer that failed
+        is not signed (the queue refuses it anyway)."""
         if not self.keys:
             return b""
         if isinstance(content, bytes):
-            return self.signature(content)
+            key = self.choose(header_section(content), origin)
+            return self.signature(content, key) if key is not None else b""
         if content.failure is not None:
             return b""
-        key = None
         try:
-            first = next(iter(content.pieces()), b"")
-            if b"\r\n\r\n" in first or b"\n\n" in first:  # the whole header section is in the first piece
-                key = self.wants(header_section(first))
-                if key is None:
-                    return b""
             if not content.spilled:
-                return self.signature(content.getvalue(), key)
-            data = b"".join(content.pieces())
+                data = content.getvalue()
+                key = self.choose(header_section(data), origin)
+                return self.signature(data, key) if key is not None else b""
+            head = b""
+            for piece in content.pieces():
+                head += piece
+                if split_head(head) is not None or len(head) > HEAD_BYTES_MAX:
+                    break
+            key = self.choose(header_section(head), origin)
+            if key is None:
+                return b""
+            return await asyncio.to_thread(self.signature_of_pieces, content.pieces(), key)
         except OSError:
             return b""  # the temporary file cannot be read back: the queue will answer 451
-        return await asyncio.to_thread(self.signature, data, key)
 
     def sign(self, message: bytes) -> bytes:
         """``message`` with its ``DKIM-Signature:`` field on top (unchanged when it is not signed). The hook
-        the queue calls for the DSNs it generates (``Queue.sign``)."""
+        the queue calls for the DSNs it generates (``Queue.sign``): mail made here, signed for anyone."""
         return self.signature(message) + message
 
 

@@ -414,6 +414,19 @@ class EdgePolicy:
             return None
         return f"554 5.7.1 <{address}>: Relay access denied"
 
+    def login_owns(self, address: str, login: str) -> bool:
+        """Whether ``sender_login_map`` lists ``login`` (compared without regard to case) among the owners of
+        ``address``, looked up as the whole address, then as its ``@domain`` (Postfix
+        ``smtpd_sender_login_maps``). False when no entry lists the address, and when there is no map.
+        Also what DKIM signing asks of an authenticated client's ``From:`` address (:mod:`mtaq.edge.dkim`)."""
+        if self.sender_logins is None or not login:
+            return False
+        key = _map_key(address)
+        owners = self.sender_logins.get(key)
+        if owners is None and "@" in key:
+            owners = self.sender_logins.get("@" + key.rpartition("@")[2])
+        return owners is not None and login.lower() in owners
+
     def sender_login_reply(self, sender: str, login: str) -> str | None:
         """The refusal of MAIL FROM ``sender`` by a client authenticated as ``login``, or None to accept it.
 
@@ -423,10 +436,6 @@ class EdgePolicy:
         """
         if self.sender_logins is None or sender in ("", "<>"):
             return None
-        key = _map_key(sender)
-        owners = self.sender_logins.get(key)
-        if owners is None and "@" in key:
-            owners = self.sender_logins.get("@" + key.rpartition("@")[2])
-        if owners is not None and login.lower() in owners:
+        if self.login_owns(sender, login):
             return None
         return f"553 5.7.1 <{sender}>: Sender address rejected: not owned by user {domain_to_show(login)}"

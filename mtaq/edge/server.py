@@ -20,7 +20,7 @@ from typing import Any
 from aiosmtpd.smtp import SMTP, Envelope, Session
 
 from mtaq.core.errors import StorageError
-from mtaq.edge.dkim import Signer
+from mtaq.edge.dkim import Origin, Signer
 from mtaq.edge.fastpath import FastHandlerMixin
 from mtaq.edge.limits import ConnectionGate
 from mtaq.edge.policy import EdgePolicy
@@ -56,7 +56,7 @@ class QueueHandler(FastHandlerMixin):
         )
         content = envelope.original_content or b""
         if self.signer:  # RFC 6376: the DKIM-Signature field on top, the (unsigned) Received field below it
-            trace = await self.signer.signature_of(content) + trace
+            trace = await self.signer.signature_of(content, _origin(server, session, envelope, client)) + trace
         body: bytes | BodyBuffer
         if isinstance(content, BodyBuffer):  # a large message, partly in a temporary file (issue 13.4)
             content.head = trace
@@ -87,6 +87,25 @@ class QueueHandler(FastHandlerMixin):
             return exc.smtp_reply
         killpoints.hit("edge.after_commit")
         return f"250 2.0.0 Ok: queued as {env.queue_id}"
+
+
+def _origin(server: SMTP, session: Session, envelope: Envelope, client: str) -> Origin:
+    """Who handed this message in, as DKIM signing asks (:meth:`Signer.permits`): mynetworks, the login,
+    the envelope sender, and the ``sender_login_map`` lookup for that login."""
+    policy = getattr(server, "policy", None)
+    pol = policy if isinstance(policy, EdgePolicy) else EdgePolicy()
+    peer = session.peer
+    ip = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+    login = ""
+    if session.authenticated:
+        name = getattr(server, "login_name", None)
+        login = name() if callable(name) else ""
+    owns = None
+    if pol.sender_logins is not None:
+        def owns(address: str) -> bool:
+            return pol.login_owns(address, login)
+    return Origin(client=client, mynetworks=bool(ip) and pol.in_mynetworks(ip), login=login,
+                  mail_from=envelope.mail_from or "", owns=owns)
 
 
 def _param(option: str) -> tuple[str, str]:

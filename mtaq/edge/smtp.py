@@ -573,7 +573,7 @@ class MtaqSMTP(FastPathMixin, SMTP):
                     return problem
                 assert self.session is not None
                 if self.session.authenticated and self.policy.sender_logins is not None:
-                    refusal = self.policy.sender_login_reply(address, self._login_name())
+                    refusal = self.policy.sender_login_reply(address, self.login_name())
                     if refusal is not None:
                         return refusal
             else:
@@ -586,7 +586,7 @@ class MtaqSMTP(FastPathMixin, SMTP):
                     return refusal
         return await super()._call_handler_hook(command, *args)
 
-    def _login_name(self) -> str:
+    def login_name(self) -> str:
         """The user name this session authenticated as ("" if none)."""
         data = self.session.auth_data if self.session is not None else None
         login = getattr(data, "login", None)
