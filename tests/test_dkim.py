@@ -8,6 +8,7 @@ the zone records are the lines it prints.
 
 from __future__ import annotations
 
+import concurrent.futures
 import glob
 import os
 import smtplib
@@ -328,3 +329,37 @@ def test_signing_in_pieces_verifies_and_has_the_body_hash_of_signing_whole(tmp_p
     assert bh(whole) == bh(sig)
     with ZoneServer(line + "\n") as zone:
         assert dkim.verify(sig + msg, dnsfunc=dnsfunc_for(zone))
+
+
+def test_signing_concurrent_large_messages_keeps_the_daemon_memory_bounded(relay_factory, tmp_path):
+    """Issue 32.6: eight sessions from mynetworks send 9.5 MB each at once, every one DKIM-signed (held with
+    HOLDFOR, so that no delivery reads them back): the daemon's peak RSS (VmHWM) grows by far less than one
+    message each (whole-message signing grew it by about 10 MiB per message: +208 MiB for 20). Then one more
+    9.5 MB message is delivered and its signature verifies with dkimpy."""
+    from test_streamed_data import _send_big
+
+    from mtaq.testing.procs import peak_rss_kib
+
+    key_file, line = keygen(tmp_path, "example.org", "s1")
+    r = relay_factory(config=(f'message_size_limit_bytes = 12000000\n[dkim_keys."example.org"]\nselector = "s1"\n'
+                              f'key_file = "{key_file}"\n'))
+    before = peak_rss_kib(r.daemon.popen.pid)
+    assert before is not None
+    n, size = 8, 9_500_000
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        replies = list(pool.map(lambda i: _send_big(r.daemon.port, i, size, ["HOLDFOR=3600"]), range(n)))
+    assert all(code == 250 for code, _ in replies), replies
+    after = peak_rss_kib(r.daemon.popen.pid)
+    assert after is not None
+    grown_mib = (after - before) / 1024
+    print(f"peak RSS grew by {grown_mib:.1f} MiB for {n} x {size} bytes, DKIM-signed")
+    assert grown_mib < 40, f"peak RSS grew by {grown_mib:.0f} MiB for {n} x {size} bytes, DKIM-signed"
+    assert 250 == _send_big(r.daemon.port, 99, size, [])[0]
+    r.wait_for(lambda: r.events("delivered"), timeout_s=60, what="the large message delivered")
+    (path,) = glob.glob(r.maildir + "/new/*")
+    with open(path, "rb") as f:
+        got = f.read()
+    assert len(got) > size and b"d=example.org;" in got
+    with ZoneServer(line + "\n", origin="org.") as zone:
+        assert dkim.verify(got, dnsfunc=dnsfunc_for(zone))
+        assert not dkim.verify(got.replace(b"0000099 LLL", b"0000099 LLX", 1), dnsfunc=dnsfunc_for(zone))
