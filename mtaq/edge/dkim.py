@@ -4,6 +4,13 @@ Signing happens once, in the edge before the message is appended to the log (and
 it generates, through the callable :attr:`mtaq.queue.store.Queue.sign`), so that the log holds exactly what
 is relayed: a retry days later sends the same signed bytes.
 
+* Only mail handed in by those who may speak for the domain is signed (issue 32.1; rspamd ``dkim_signing``,
+  OpenDKIM ``InternalHosts``; :meth:`Signer.permits`): an authenticated client whose login owns the
+  ``From:`` address in ``sender_login_map`` (without a map: whose envelope sender has the ``From:`` domain),
+  or a client in ``mynetworks`` (``dkim_sign_clients``). Mail from anyone else, such as the internet
+  sending to ``relay_domains`` with mtaq as their MX, is relayed unsigned with a ``dkim_not_signed`` event:
+  else anyone could have mtaq sign ``From: ceo@example.org`` (delivered, or returned in a DSN) and replay it
+  past DMARC. The DSNs the queue generates are mtaq's own mail and are signed.
 * The signing domain (``d=``) is chosen by the domain of the message's single ``From:`` address (RFC 5322
   §3.6.2), not the envelope sender: that is what DMARC aligns with (RFC 7489 §3.1.1). The key of that
   domain is used, else the key of its closest parent domain that has one (relaxed DMARC alignment, as
@@ -18,7 +25,13 @@ is relayed: a retry days later sends the same signed bytes.
   (RFC 8301), ``ed25519-sha256`` for Ed25519 keys (RFC 8463; dkimpy needs PyNaCl for it).
 * The ``DKIM-Signature:`` field goes at the top of the message, above mtaq's ``Received:`` field.
 
-Must always hold: key material never reaches a log line, a repr or an error message; a key file is
+* A body larger than ``receive_buffer_bytes`` (in the temporary file) is signed from that file in pieces
+  (issue 32.6): dkimpy 1.1 hashes only a whole body, so :class:`RelaxedBodyHash` computes the relaxed body
+  hash (RFC 6376 §3.4.4, §3.7) piece by piece, equal to dkimpy's for every body (tested), and dkimpy signs
+  the header section with that ``bh=``. Memory per message signed: a piece and the header section.
+
+Must always hold: mail from a client outside ``mynetworks`` that did not authenticate is never signed;
+key material never reaches a log line, a repr or an error message; a key file is
 readable only by the daemon's user (mode checked at start, with its type and size); a failure to sign one
 message (a header dkimpy cannot parse) relays it unsigned with a ``dkim_sign_failed`` event, never
 refuses or loses it.

@@ -3,7 +3,8 @@
 RFC 5321 §6.1: after ``250`` to DATA the message is ours and must not be lost. The reply is therefore sent
 only after the DATA and ENVELOPE records are covered by an fsync (group commit). The body appended is the
 message as received with one ``Received:`` header in front (RFC 5321 §4.4, :mod:`mtaq.edge.trace`), and
-above it a ``DKIM-Signature:`` when the From: domain has a key (:mod:`mtaq.edge.dkim`): the log holds
+above it a ``DKIM-Signature:`` when the From: domain has a key and the client may have it signed
+(authenticated owner or mynetworks, :meth:`mtaq.edge.dkim.Signer.permits`): the log holds
 exactly what is relayed. The ``queued`` event and
 the scheduling happen in :meth:`Queue.receive` once the message is durable, whether or not the client is
 still there to hear the 250. A storage failure is
