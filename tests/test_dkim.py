@@ -133,6 +133,8 @@ def test_a_subdomain_uses_its_closest_parent_key_and_other_domains_are_not_signe
     assert None is signer.key_for("other.test")
     assert None is signer.key_for("badexample.test")
     assert b"" == signer.signature(message(sender="x@other.test"))
+    # no header section (the message starts with an empty line): a From: line in the body chooses nothing
+    assert b"" == signer.signature(b"\r\nFrom: a@example.test\r\n\r\nbody\r\n")
     assert message(sender="x@other.test") == signer.sign(message(sender="x@other.test"))
 
 

@@ -217,12 +217,12 @@ def _dkimpy_sign(key: DkimKey, message: bytes, include: list[bytes]) -> bytes:
 
 
 def header_section(message: bytes) -> bytes:
-    """The header section of ``message`` (up to, not including, the empty line; all of it if none)."""
-    for sep in (b"\r\n\r\n", b"\n\n"):
-        i = message.find(sep)
-        if i >= 0:
-            return message[: i + len(sep) // 2]
-    return message
+    """The header section of ``message`` (up to, not including, the first empty line, lines ended by
+    ``\r?\n`` as dkimpy reads them; all of it if none; empty when the message starts with an empty line)."""
+    m = _BLANK_LINE.search(message)
+    if m is None:
+        return message
+    return message[: m.start() + 1] if m.start() else b""
 
 
 def _fields(head: bytes) -> list[tuple[bytes, bytes]]:
