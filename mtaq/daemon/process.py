@@ -221,6 +221,7 @@ class Daemon:
                     auth_required=lst.auth_required,
                     tls_required=lst.tls_required,
                     implicit_tls=lst.wrappermode,
+                    tls_handshake_timeout_s=cfg.tls_handshake_timeout_s,
                 )
                 if j == 0:
                     self.servers.append(server)

@@ -83,7 +83,7 @@ from aiosmtpd.smtp import MISSING, SMTP, AuthResult, Envelope, LoginPassword, TL
 from mtaq.core.text import escape_text
 from mtaq.edge.data import DataScanner, read_data_text, refusal
 from mtaq.edge.fastpath import FastPathMixin, parse_address
-from mtaq.edge.limits import ConnectionGate
+from mtaq.edge.limits import Gate
 from mtaq.edge.policy import EdgePolicy, address_problem, unsendable_character
 from mtaq.edge.replies import enhance, reply_code
 from mtaq.logs import get_logger
@@ -327,7 +327,7 @@ class MtaqSMTP(FastPathMixin, SMTP):
         handler: Any,
         *args: Any,
         policy: EdgePolicy | None = None,
-        gate: ConnectionGate | None = None,
+        gate: Gate | None = None,
         body_buffer: Callable[[], BodyBuffer] | None = None,
         implicit_tls: bool = False,
         **kwargs: Any,
@@ -382,15 +382,27 @@ class MtaqSMTP(FastPathMixin, SMTP):
         return str(peer[0]) if isinstance(peer, tuple) and peer else ""
 
     # ---------------------------------------------------------------------------- connection and replies
+    def admitted_as(self, ip: str) -> None:
+        """The connection was admitted by the gate already, for ``ip`` (an smtps listener admits before the
+        TLS handshake: :func:`mtaq.edge.server.start_server`); its place is given back when it ends."""
+        self._admitted = True
+        self._gate_ip = ip
+
+    def release_admission(self) -> bool:
+        """Give the place back now (an smtps connection whose handshake failed: never made, never lost);
+        False when it holds none."""
+        if not self._admitted or self.gate is None:
+            return False
+        self._admitted = False
+        self.gate.release(self._gate_ip)
+        return True
+
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        """aiosmtpd's, plus admission through the gate on the first call (not again after STARTTLS)."""
+        """aiosmtpd's; the gate is asked in :meth:`_handle_client`, before the greeting (not again after STARTTLS)."""
         first = self.transport is None and self._original_transport is None
-        if first and self.gate is not None:
+        if first and not self._admitted:
             peer = transport.get_extra_info("peername")
-            ip = str(peer[0]) if isinstance(peer, tuple) and peer else ""
-            self._refusal = self.gate.admit(ip)
-            self._admitted = self._refusal is None
-            self._gate_ip = ip
+            self._gate_ip = str(peer[0]) if isinstance(peer, tuple) and peer else ""
         super().connection_made(transport)
         if first and self.implicit_tls and self.session is not None and self.session.ssl is None:
             # What aiosmtpd records after STARTTLS (its SSLProtocol's extra info): the Received header then
@@ -404,12 +416,24 @@ class MtaqSMTP(FastPathMixin, SMTP):
 
     def connection_lost(self, error: Exception | None) -> None:
         """aiosmtpd's, and the connection's place in the gate is given back."""
-        if self._admitted and self.gate is not None:
-            self._admitted = False
-            self.gate.release(self._gate_ip)
+        self.release_admission()
+        if self.session is None:  # an smtps connection whose TLS handshake failed: never made
+            return
         super().connection_lost(error)
 
+    def eof_received(self) -> bool | None:
+        """aiosmtpd's; an end of stream before :meth:`connection_made` (right after an smtps handshake) closes."""
+        if self.session is None:
+            return False
+        result: bool | None = super().eof_received()
+        return result
+
     async def _handle_client(self) -> None:
+        if not self._admitted and self.gate is not None:
+            # Admission before the greeting (the host's gate may answer from another process: a cancellation
+            # while asking leaves nothing held, the gate gives a late place back itself).
+            self._refusal = await self.gate.ask_admit(self._gate_ip)
+            self._admitted = self._refusal is None
         if self._refusal is not None:
             await self.push(f"421 4.7.0 {self.hostname} Error: {self._refusal}")
             return
@@ -646,7 +670,7 @@ class MtaqSMTP(FastPathMixin, SMTP):
         ip = self.client_ip()
         session = self.session
         if (arg and self.tls_active() and session is not None and session.extended_smtp
-                and not session.authenticated and self.gate is not None and self.gate.auth_blocked(ip)):
+                and not session.authenticated and self.gate is not None and await self.gate.ask_auth_blocked(ip)):
             # Postfix's anvil reply to smtpd_client_auth_rate_limit, for failures here; counts as an error.
             get_logger().warning("auth_rate_limited", client=ip, limit=self.policy.auth_failures_per_minute_max)
             self._errors += 1
@@ -696,7 +720,7 @@ class MtaqSMTP(FastPathMixin, SMTP):
         assert passwords is not None
         name = user.decode("utf-8", "replace")
         ip = self.client_ip()
-        if self.gate is not None and not self.gate.auth_begin(ip):
+        if self.gate is not None and not await self.gate.ask_auth_begin(ip):
             # Over the limit counting the checks still running on the client's other connections (found by
             # review: parallel connections each got a guess checked). Postfix's anvil reply; an error.
             get_logger().warning("auth_rate_limited", client=ip, limit=self.policy.auth_failures_per_minute_max)
