@@ -155,14 +155,88 @@ def test_1100_silent_connections_to_465_under_1024_files_leave_25_and_465_servin
         sink.kill9()
 
 
-def test_smtps_quick(tmp_path, pki, passwd_file):
+
+def _daemon(tmp_path: Path, pki: dict[str, str], passwd_file: str, workers: int, extra: str):
+    """A daemon with ``workers`` workers and an smtps listener (its port as ``d.smtps``), once every worker listens."""
     smtps = free_port()
-    conf = _config(tmp_path, pki, passwd_file, 1, smtps)
-    maildir = tmp_path / "maildir"
-    sink = start_sink(str(maildir), str(tmp_path / "sink.log"))
-    d = start_daemon(str(tmp_path / "spool"), sink.port, str(tmp_path / "daemon.log"), config=conf, workers=None)
+    conf = _config(tmp_path, pki, passwd_file, workers, smtps, extra)
+    d = start_daemon(str(tmp_path / "spool"), free_port(), str(tmp_path / "daemon.log"), config=conf, workers=None)
+    d.smtps = smtps  # type: ignore[attr-defined]
+    wait_for(lambda: workers == len([e for e in read_events(d.log_path) if e.get("event") == "listening"]),
+             60, "every worker listening")
+    return d
+
+
+def _first_reply(sock: socket.socket) -> str:
+    data = b""
+    while not data.endswith(b"\r\n"):
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+    return data.decode("ascii", "replace")[:3]
+
+
+@pytest.mark.parametrize("workers", [1, 2, 4])
+def test_the_per_ip_connection_limit_holds_for_the_host_at_any_number_of_workers(tmp_path, pki, passwd_file, workers):
+    """smtpd_client_connection_count_limit = 5: of 30 connections held at once from one client outside
+    mynetworks, exactly 5 get the 220 greeting and 25 get 421 4.7.0, however many workers accept them."""
+    d = _daemon(tmp_path, pki, passwd_file, workers,
+                "smtpd_client_connection_count_limit = 5\nconnections_per_client_per_minute_max = 0\n")
+    socks = []
     try:
-        _relay_through_25_and_465(d.port, smtps, pki, "quick")
+        for _ in range(30):
+            socks.append(_outside(d.port))
+        firsts = [_first_reply(s) for s in socks]
+        assert {"220": 5, "421": 25} == {code: firsts.count(code) for code in sorted(set(firsts))}
+    finally:
+        for s in socks:
+            s.close()
+        d.kill9()
+
+
+@pytest.mark.parametrize("workers", [1, 2, 4])
+def test_the_per_ip_connection_rate_holds_for_the_host_at_any_number_of_workers(tmp_path, pki, passwd_file, workers):
+    """connections_per_client_per_minute_max = 8: of 24 connections one after the other (each closed after
+    its first reply) from one client outside mynetworks, exactly the first 8 get 220, whatever the workers."""
+    d = _daemon(tmp_path, pki, passwd_file, workers,
+                "smtpd_client_connection_count_limit = 0\nconnections_per_client_per_minute_max = 8\n")
+    try:
+        firsts = []
+        for _ in range(24):
+            with _outside(d.port) as s:
+                firsts.append(_first_reply(s))
+        assert ["220"] * 8 + ["421"] * 16 == firsts
     finally:
         d.kill9()
-        sink.kill9()
+
+
+@pytest.mark.parametrize("workers", [1, 2, 4])
+def test_the_auth_failure_limit_holds_for_the_host_at_any_number_of_workers(tmp_path, pki, passwd_file, workers):
+    """smtpd_client_auth_failure_rate_limit = 3: 12 smtps connections from one client outside mynetworks,
+    all open at once (so they spread over the workers), each try one wrong password: exactly 3 get
+    535 5.7.8 and the other 9 get 450 4.7.1 (too many AUTH failures), at 1, 2 and 4 workers."""
+    d = _daemon(tmp_path, pki, passwd_file, workers,
+                "smtpd_client_auth_failure_rate_limit = 3\nsmtpd_client_connection_count_limit = 0\n"
+                "connections_per_client_per_minute_max = 0\n")
+    context = ssl.create_default_context(cafile=pki["ca"])
+    clients: list[smtplib.SMTP_SSL] = []
+    try:
+        for _ in range(12):
+            c = smtplib.SMTP_SSL("127.0.0.1", d.smtps, timeout=30, context=context, source_address=(OUTSIDE, 0))
+            c.ehlo("client.test")
+            clients.append(c)
+        codes = []
+        for c in clients:
+            c.user, c.password = "alice", "wrong"
+            try:
+                c.auth("PLAIN", c.auth_plain, initial_response_ok=True)
+            except smtplib.SMTPAuthenticationError as exc:
+                codes.append(exc.smtp_code)
+        assert [535] * 3 + [450] * 9 == codes
+        failed = [e for e in read_events(d.log_path) if e.get("event") == "auth_failed"]
+        assert 3 == len(failed)
+    finally:
+        for c in clients:
+            c.close()
+        d.kill9()

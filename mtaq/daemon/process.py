@@ -36,13 +36,16 @@ from mtaq.core.errors import CorruptRecord, MtaqError, StorageError, StorageFata
 from mtaq.core.frame import Problem
 from mtaq.core.records import EnvelopeRecord, Outcome, Pos
 from mtaq.core.state import Attempt, RetryPolicy, format_reply
-from mtaq.daemon.workers import admin_socket, bind_listeners, shard_count, shard_dir, supervise, workers_wanted
+from mtaq.daemon.workers import (admin_socket, bind_listeners, shard_count, shard_dir, supervise, worker_anvil_socket,
+                                 workers_wanted)
 from mtaq.delivery.relay import Reply, classify
 from mtaq.delivery.routing import Router
 from mtaq.delivery.sasl import SaslClient
 from mtaq.delivery.throttle import DomainLimit, Throttle
 from mtaq.delivery.transport import Batch, ConnectionPool, HopFailure, deliver
+from mtaq.daemon.anvil import AnvilClient
 from mtaq.edge.dkim import Signer
+from mtaq.edge.limits import Gate
 from mtaq.edge.policy import EdgePolicy
 from mtaq.edge.server import QueueHandler, connection_gate, start_server
 from mtaq.logs import configure_logging, get_logger
@@ -87,8 +90,12 @@ class Daemon:
     """The running relay: one log, its SMTP listeners, the runners, ``delivery_concurrency`` workers."""
 
     def __init__(self, cfg: Config, *, clock: Callable[[], float] = time.time,
-                 monotonic: Callable[[], float] = time.monotonic, listen_sockets: list[list[socket.socket]] | None = None, fs: FileSystem | None = None, admin_socket: str = "", admin_peers: dict[int, str] | None = None) -> None:
+                 monotonic: Callable[[], float] = time.monotonic, listen_sockets: list[list[socket.socket]] | None = None, fs: FileSystem | None = None, admin_socket: str = "", admin_peers: dict[int, str] | None = None,
+                 anvil_socket: socket.socket | None = None) -> None:
         self.cfg = cfg
+        # One of several workers: the socket to the supervisor's anvil, the host's per-client counters
+        # (mtaq.daemon.anvil); None: the gate is this process's own.
+        self.anvil_socket = anvil_socket
         # Several workers (mtaq.daemon.workers): worker k >= 1 serves the admin API on ``admin_socket`` for
         # worker 0, whose public API reaches the other shards through ``admin_peers`` {shard: socket}.
         self.admin_socket = admin_socket
@@ -202,7 +209,11 @@ class Daemon:
         qlog.round_spacing_s = COMMIT_SPACING_S
         # Every listener before recovery (I5: mail is accepted at once on each); one gate for all of them, so
         # connections_max and the per-client limits count the daemon's connections, whatever the port.
-        gate = connection_gate(self.edge, asyncio.get_running_loop().time)
+        gate: Gate = connection_gate(self.edge, asyncio.get_running_loop().time)
+        if self.anvil_socket is not None:
+            anvil = AnvilClient(self.anvil_socket, fallback=gate)
+            await anvil.start()
+            gate = anvil
         handler = QueueHandler(self.queue, self.signer)
         self.servers = []  # one per listener (the first socket's, when the supervisor bound several)
         for i, lst in enumerate(self.listeners):
@@ -740,7 +751,8 @@ def _run_worker(cfg: Config, shard: int, n: int, sockets: list[list[socket.socke
     peers = {k: admin_socket(cfg.spool_dir, k) for k in range(1, n)} if api and shard == 0 else {}
     sock = admin_socket(cfg.spool_dir, shard) if api and shard > 0 else ""
     try:
-        _run_loop(Daemon(shard_cfg, listen_sockets=sockets, admin_socket=sock, admin_peers=peers))
+        _run_loop(Daemon(shard_cfg, listen_sockets=sockets, admin_socket=sock, admin_peers=peers,
+                         anvil_socket=worker_anvil_socket()))
     except (OSError, MtaqError) as exc:
         # What one process says from the CLI (a start-up failure: admin_listen taken since the supervisor's check,
         # an admin socket path it cannot replace, an unreadable spool): one line and status 1, no traceback.
@@ -781,7 +793,7 @@ def serve(cfg: Config) -> int:
         return 0
     # Every file the workers read at start is checked before any of them starts: a bad one exits 2 with one
     # line, not 70 from inside a worker (TLS certificate and password files, outbound credentials, DKIM keys).
-    EdgePolicy.from_config(cfg)
+    edge = EdgePolicy.from_config(cfg)
     SaslClient.from_config(cfg)
     Signer.from_config(cfg)
     # Bound once here, accepted from by every worker (mtaq.daemon.workers); an address in use is one line.
@@ -809,4 +821,6 @@ def serve(cfg: Config) -> int:
             for s in socks:
                 s.close()  # the workers hold them now
 
-    return supervise(n, lambda k: _run_worker(cfg, k, n, sockets), on_exit, forked)
+    # The supervisor holds the host's connection gate (the anvil): the limits count every worker's connections.
+    return supervise(n, lambda k: _run_worker(cfg, k, n, sockets), on_exit, forked,
+                     anvil=connection_gate(edge, time.monotonic))
