@@ -240,3 +240,36 @@ def test_the_auth_failure_limit_holds_for_the_host_at_any_number_of_workers(tmp_
         for c in clients:
             c.close()
         d.kill9()
+
+
+def _soft_nofile(pid: int) -> int:
+    with open(f"/proc/{pid}/limits", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("Max open files"):
+                return int(line.split()[3])
+    raise AssertionError("no Max open files line")
+
+
+def test_serve_raises_the_open_files_limit_to_the_hard_limit(tmp_path):
+    """Started with RLIMIT_NOFILE 256 soft, 4096 hard, the daemon raises its soft limit to 4096 (as Postfix's
+    master does) and says so (open_files_limit_raised); 256 could not hold connections_max = 500."""
+    d = start_daemon(str(tmp_path / "spool"), free_port(), str(tmp_path / "daemon.log"),
+                     wrapper=["prlimit", "--nofile=256:4096", "--"])
+    try:
+        assert 4096 == _soft_nofile(d.popen.pid)
+        [ev] = [e for e in read_events(d.log_path) if e.get("event") == "open_files_limit_raised"]
+        assert (256, 4096, 684) == (ev["soft_before"], ev["soft"], ev["needed"])
+    finally:
+        d.kill9()
+
+
+def test_serve_exits_2_with_one_line_when_connections_max_cannot_fit_the_open_files_limit(tmp_path):
+    """RLIMIT_NOFILE 256 soft and hard: connections_max = 500 cannot be served, so `mtaq serve` exits 2 with one
+    line naming connections_max and the limit, before it listens."""
+    r = subprocess.run(["prlimit", "--nofile=256:256", "--", sys.executable, "-m", "mtaq.cli", "serve",
+                        "--spool", str(tmp_path / "spool"), "--listen", f"127.0.0.1:{free_port()}",
+                        "--admin-listen", "", "--workers", "1"], capture_output=True, text=True, timeout=60)
+    assert 2 == r.returncode
+    assert ["mtaq: connections_max: needs at least 684 open files per process (connections_max, "
+            "delivery_concurrency and 164 more), but RLIMIT_NOFILE is 256 (hard limit 256): raise it "
+            "(ulimit -n, systemd LimitNOFILE=) or lower connections_max"] == r.stderr.splitlines()

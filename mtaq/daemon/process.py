@@ -21,6 +21,7 @@ import errno
 import gc
 import importlib
 import os
+import resource
 import socket
 import sys
 import time
@@ -55,14 +56,14 @@ from mtaq.queue.store import Queue, StoredBody, set_queue_id_shard
 from mtaq.storage.archive import ArchiveError, SegmentArchive
 from mtaq.storage.checkpoint import write_checkpoint
 from mtaq.storage.fs import FileSystem, OsFileSystem, make_durable_dirs
-from mtaq.storage.log import RESERVE_BYTES, Log, release_reserve, segment_path
+from mtaq.storage.log import FILES_OPEN_MAX, RESERVE_BYTES, Log, release_reserve, segment_path
 from mtaq.testing import killpoints, powercut
 
 if TYPE_CHECKING:  # imported when needed, not before the first 250 (issue 15.6)
     from mtaq.admin.http import AdminHttp
     from mtaq.delivery.peers import PeerPolicy
 
-__all__ = ["Daemon", "serve"]
+__all__ = ["FILES_RESERVED", "Daemon", "open_files_needed", "raise_open_files_limit", "serve"]
 
 PARKED_COPIES_MAX = 1000  # parked envelopes copied forward per checkpoint (each: its DATA and envelope)
 GC_THRESHOLDS = (20_000, 20, 20)  # gc.set_threshold: collect the young generation every 20,000 allocations
@@ -80,6 +81,9 @@ each round's fsync costs CPU whatever it covers. A lone client (one session) nev
 sessions with one worker, fsyncs per message fell from 0.40 to 0.20 with 6 ms and 0.13 with 10 ms, and CPU
 per message by about a tenth, then 3 % more; the 250 waits at most this much longer (docs/performance.md,
 seventh round of issue 15)."""
+FILES_RESERVED = 100
+"""Descriptors a worker needs besides its SMTP connections, its deliveries and the log's readers: listening
+sockets, the log's files being written, the admin API, the anvil, pidfds, DNS, temporary files of messages."""
 EXIT_FSYNC_FAILED = 75
 EXIT_SOFTWARE = 70  # an unexpected exception in a daemon task: crash, recovery will pick up
 _EVENT_OF = {"delivered": "delivered", "deferred": "deferred", "failed": "bounced"}
@@ -777,12 +781,45 @@ def _check_admin_bindable(cfg: Config) -> None:
                 s.close()
 
 
+def open_files_needed(cfg: Config) -> int:
+    """Descriptors one worker may need at once: ``connections_max`` SMTP connections (any worker may get them
+    all), ``delivery_concurrency`` outbound ones, the log's :data:`~mtaq.storage.log.FILES_OPEN_MAX` readers and
+    :data:`FILES_RESERVED`."""
+    return cfg.connections_max + cfg.delivery_concurrency + FILES_OPEN_MAX + FILES_RESERVED
+
+
+def raise_open_files_limit(needed: int) -> tuple[int, int]:
+    """Raise RLIMIT_NOFILE's soft limit to its hard limit, as Postfix's master does (``open_limit()``); return
+    ``(soft before, soft now)``. Raises ValueError (one line naming ``connections_max``) when the limit stays
+    below ``needed`` (:func:`open_files_needed`): the daemon would run out of descriptors under load
+    (EMFILE: accepted connections dropped, a checkpoint or a new segment not written) before its
+    ``connections_max`` could refuse anyone."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    before = soft
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):  # an infinite hard limit above fs.nr_open: keep what there is
+            pass
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        raise ValueError(f"connections_max: needs at least {needed} open files per process (connections_max, "
+                         f"delivery_concurrency and {FILES_OPEN_MAX + FILES_RESERVED} more), "
+                         f"but RLIMIT_NOFILE is {soft} (hard limit {'unlimited' if hard == resource.RLIM_INFINITY else hard}):"
+                         " raise it (ulimit -n, systemd LimitNOFILE=) or lower connections_max")
+    return before, soft
+
+
 def serve(cfg: Config) -> int:
     """Run the daemon until the process is killed; with ``workers`` > 1 (``"auto"``: one per core, at most 8;
     or a spool that has shards), run one worker process per shard under a supervisor
     (:mod:`mtaq.daemon.workers`) and return the exit status of the first worker that ended (the others are
     killed: crash-only). Raises ValueError (too many shards, or several workers on a listener with port 0)."""
     listeners = listeners_of(cfg)
+    files_before, files = raise_open_files_limit(open_files_needed(cfg))
+    if files != files_before:
+        get_logger().info("open_files_limit_raised", soft_before=files_before, soft=files, needed=open_files_needed(cfg))
     n = shard_count(cfg.spool_dir, workers_wanted(cfg.workers, [lst.port for lst in listeners]))
     for lst in listeners:
         if n > 1 and lst.port == 0:
