@@ -37,14 +37,21 @@ from mtaq.core.errors import CorruptRecord, MtaqError, StorageError, StorageFata
 from mtaq.core.frame import Problem
 from mtaq.core.records import EnvelopeRecord, Outcome, Pos
 from mtaq.core.state import Attempt, RetryPolicy, format_reply
-from mtaq.daemon.workers import (admin_socket, bind_listeners, shard_count, shard_dir, supervise, worker_anvil_socket,
-                                 workers_wanted)
+from mtaq.daemon.anvil import AnvilClient
+from mtaq.daemon.workers import (
+    admin_socket,
+    bind_listeners,
+    shard_count,
+    shard_dir,
+    supervise,
+    worker_anvil_socket,
+    workers_wanted,
+)
 from mtaq.delivery.relay import Reply, classify
 from mtaq.delivery.routing import Router
 from mtaq.delivery.sasl import SaslClient
 from mtaq.delivery.throttle import DomainLimit, Throttle
 from mtaq.delivery.transport import Batch, ConnectionPool, HopFailure, deliver
-from mtaq.daemon.anvil import AnvilClient
 from mtaq.edge.dkim import Signer
 from mtaq.edge.limits import Gate
 from mtaq.edge.policy import EdgePolicy
@@ -213,9 +220,10 @@ class Daemon:
         qlog.round_spacing_s = COMMIT_SPACING_S
         # Every listener before recovery (I5: mail is accepted at once on each); one gate for all of them, so
         # connections_max and the per-client limits count the daemon's connections, whatever the port.
-        gate: Gate = connection_gate(self.edge, asyncio.get_running_loop().time)
-        if self.anvil_socket is not None:
-            anvil = AnvilClient(self.anvil_socket, fallback=gate)
+        own = connection_gate(self.edge, asyncio.get_running_loop().time)
+        gate: Gate = own
+        if self.anvil_socket is not None:  # several workers: the host's gate, this one if it does not answer
+            anvil = AnvilClient(self.anvil_socket, fallback=own)
             await anvil.start()
             gate = anvil
         handler = QueueHandler(self.queue, self.signer)

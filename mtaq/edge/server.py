@@ -157,7 +157,7 @@ class _TlsAfterAdmission(asyncio.Protocol):
             smtp.admitted_as(ip)
         waiter = self.loop.create_future()
         tls = sslproto.SSLProtocol(self.loop, smtp, self.context, waiter, server_side=True,
-                                   ssl_handshake_timeout=self.handshake_timeout_s)
+                                   ssl_handshake_timeout=self.handshake_timeout_s)  # type: ignore[arg-type]  # seconds, a float
 
         def handshake_done(fut: asyncio.Future[None]) -> None:
             exc = None if fut.cancelled() else fut.exception()
@@ -180,7 +180,7 @@ def _feed(protocol: asyncio.BufferedProtocol, data: bytes) -> None:
     """Hand ``data`` to a buffered protocol as if the transport had read it."""
     view = memoryview(data)
     while view:
-        buf = protocol.get_buffer(len(view))
+        buf = memoryview(protocol.get_buffer(len(view))).cast("B")
         n = min(len(buf), len(view))
         buf[:n] = view[:n]
         protocol.buffer_updated(n)
