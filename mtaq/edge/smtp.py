@@ -37,7 +37,8 @@ The same class is where the edge is made safe (the policy is :class:`~mtaq.edge.
 * **Replies**: every 2xx/4xx/5xx reply carries an enhanced status code (RFC 2034, :mod:`mtaq.edge.replies`);
   EHLO also offers PIPELINING, ENHANCEDSTATUSCODES and DSN; AUTH only with a password file and only after
   STARTTLS (aiosmtpd answers ``538 5.7.11`` before it).
-* **Limits**: connections over the :class:`~mtaq.edge.limits.ConnectionGate` get ``421 4.7.0`` instead of
+* **Limits**: connections the gate refuses (:class:`~mtaq.edge.limits.Gate`: this process's
+  :class:`~mtaq.edge.limits.ConnectionGate`, or the host's anvil with several workers) get ``421 4.7.0`` instead of
   the greeting (in all, per client IP, or outside the places kept for mynetworks); an idle client gets
   ``421 4.4.2`` (aiosmtpd just closed); after ``errors_max`` errors (5xx replies, and exceptions, which are
   answered ``451 4.3.0``) the client gets ``421 4.7.0 ... too many errors`` (Postfix
@@ -56,8 +57,9 @@ The same class is where the edge is made safe (the policy is :class:`~mtaq.edge.
   (RFC 3207 §4.2; the CVE-2011-0411 command injection), and starts a fresh session after it.
 * **Listener modes** (issue 16.5, :func:`mtaq.edge.server.start_server`): aiosmtpd's ``require_starttls``
   (``530 5.7.0 Must issue a STARTTLS command first``) and ``auth_required`` (``530 5.7.0 Authentication
-  required`` at MAIL, RCPT, DATA) for a submission port; ``implicit_tls`` for an smtps port, where the server
-  socket did the handshake: no STARTTLS, AUTH offered at once, ``session.ssl`` filled in as after STARTTLS.
+  required`` at MAIL, RCPT, DATA) for a submission port; ``implicit_tls`` for an smtps port, where the
+  handshake was done after the gate admitted the connection (:func:`mtaq.edge.server.start_server`): no
+  STARTTLS, AUTH offered at once, ``session.ssl`` filled in as after STARTTLS.
 * **Sender login mismatch**: with ``policy.sender_logins``, MAIL FROM of an authenticated client that does
   not own the address gets ``553 5.7.1 <addr>: Sender address rejected: not owned by user USER``
   (Postfix ``reject_authenticated_sender_login_mismatch``; :meth:`EdgePolicy.sender_login_reply`).
@@ -350,8 +352,9 @@ class MtaqSMTP(FastPathMixin, SMTP):
         self._gate_ip = ""  # the client address the gate admitted
         self._in_data = False  # the text of a message is being read
         self._exceptions = 0  # exceptions that reached handle_exception in this connection
-        # TLS from the first byte (RFC 8314, a smtps listener): the server socket does the handshake before
-        # connection_made; no STARTTLS is offered (pass no tls_context), and AUTH is offered at once.
+        # TLS from the first byte (RFC 8314, a smtps listener): the handshake is done before connection_made
+        # (after the gate admitted the connection, mtaq.edge.server); no STARTTLS is offered (pass no
+        # tls_context), and AUTH is offered at once.
         self.implicit_tls = implicit_tls
         self._idle_deadline = 0.0  # loop time at which the client is idle too long (see _reset_timeout)
         self._idle_when = 0.0  # loop time the idle timer was set for (uvloop's handles may not tell)
