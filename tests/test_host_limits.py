@@ -273,3 +273,44 @@ def test_serve_exits_2_with_one_line_when_connections_max_cannot_fit_the_open_fi
     assert ["mtaq: connections_max: needs at least 684 open files per process (connections_max, "
             "delivery_concurrency and 164 more), but RLIMIT_NOFILE is 256 (hard limit 256): raise it "
             "(ulimit -n, systemd LimitNOFILE=) or lower connections_max"] == r.stderr.splitlines()
+
+
+def test_a_segment_that_cannot_be_created_for_want_of_descriptors_is_a_temporary_error(tmp_path):
+    """Every descriptor taken (EMFILE) when the log must roll over to a new segment: the append raises
+    StorageError (451 4.3.0, temporary), not StorageFatal; once descriptors are free the next append creates
+    the segment and commits. (Held before issue 32 too: a regression test for the 'EMFILE is not fatal' rule.)"""
+    import asyncio
+    import os
+
+    from mtaq.core.errors import StorageError, StorageFatal
+    from mtaq.core.records import DataRecord
+    from mtaq.storage.fs import OsFileSystem
+    from mtaq.storage.log import Log
+
+    async def main() -> tuple[str, list[int]]:
+        log, _ = Log.open(OsFileSystem(), str(tmp_path / "log"), segment_bytes_max=4096)
+        rec = DataRecord(queue_id="Q1", body=b"x" * 3000)
+        await log.commit(log.append(rec)[1])
+        held = []
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 4096), hard))
+        try:
+            while True:
+                held.append(os.open("/dev/null", os.O_RDONLY))
+        except OSError:
+            pass
+        try:
+            log.append(rec)
+            outcome = "appended"
+        except StorageFatal:
+            outcome = "fatal"
+        except StorageError as exc:
+            outcome = exc.smtp_reply
+        finally:
+            for fd in held:
+                os.close(fd)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        await log.commit(log.append(rec)[1])
+        return outcome, log.segments()
+
+    assert ("451 4.3.0 Error: queue file write error", [1, 2]) == asyncio.run(main())
