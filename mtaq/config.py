@@ -197,6 +197,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     delivery_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 900.0
     smtp_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0  # per command, outbound
     smtp_server_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0  # idle client, inbound
+    # An smtps (port 465) client's TLS handshake must end within this; it holds its place in connections_max
+    # and the per-client limits from accept on (Postfix smtpd_starttls_timeout, 300 s, is per I/O operation).
+    tls_handshake_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=300)] = 10.0
     stats_interval_s: Annotated[float, msgspec.Meta(ge=0)] = 60.0  # 0 disables the periodic stats event
     log_format: Literal["console", "json"] = "console"
     # HTTP admin API and Prometheus /metrics (mtaq/admin/http.py): "HOST:PORT", "" disables it. Port 0 picks a

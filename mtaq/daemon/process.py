@@ -21,6 +21,7 @@ import errno
 import gc
 import importlib
 import os
+import resource
 import socket
 import sys
 import time
@@ -36,13 +37,23 @@ from mtaq.core.errors import CorruptRecord, MtaqError, StorageError, StorageFata
 from mtaq.core.frame import Problem
 from mtaq.core.records import EnvelopeRecord, Outcome, Pos
 from mtaq.core.state import Attempt, RetryPolicy, format_reply
-from mtaq.daemon.workers import admin_socket, bind_listeners, shard_count, shard_dir, supervise, workers_wanted
+from mtaq.daemon.anvil import AnvilClient
+from mtaq.daemon.workers import (
+    admin_socket,
+    bind_listeners,
+    shard_count,
+    shard_dir,
+    supervise,
+    worker_anvil_socket,
+    workers_wanted,
+)
 from mtaq.delivery.relay import Reply, classify
 from mtaq.delivery.routing import Router
 from mtaq.delivery.sasl import SaslClient
 from mtaq.delivery.throttle import DomainLimit, Throttle
 from mtaq.delivery.transport import Batch, ConnectionPool, HopFailure, deliver
 from mtaq.edge.dkim import Signer
+from mtaq.edge.limits import Gate
 from mtaq.edge.policy import EdgePolicy
 from mtaq.edge.server import QueueHandler, connection_gate, start_server
 from mtaq.logs import configure_logging, get_logger
@@ -52,14 +63,14 @@ from mtaq.queue.store import Queue, StoredBody, set_queue_id_shard
 from mtaq.storage.archive import ArchiveError, SegmentArchive
 from mtaq.storage.checkpoint import write_checkpoint
 from mtaq.storage.fs import FileSystem, OsFileSystem, make_durable_dirs
-from mtaq.storage.log import RESERVE_BYTES, Log, release_reserve, segment_path
+from mtaq.storage.log import FILES_OPEN_MAX, RESERVE_BYTES, Log, release_reserve, segment_path
 from mtaq.testing import killpoints, powercut
 
 if TYPE_CHECKING:  # imported when needed, not before the first 250 (issue 15.6)
     from mtaq.admin.http import AdminHttp
     from mtaq.delivery.peers import PeerPolicy
 
-__all__ = ["Daemon", "serve"]
+__all__ = ["FILES_RESERVED", "Daemon", "open_files_needed", "raise_open_files_limit", "serve"]
 
 PARKED_COPIES_MAX = 1000  # parked envelopes copied forward per checkpoint (each: its DATA and envelope)
 GC_THRESHOLDS = (20_000, 20, 20)  # gc.set_threshold: collect the young generation every 20,000 allocations
@@ -77,6 +88,9 @@ each round's fsync costs CPU whatever it covers. A lone client (one session) nev
 sessions with one worker, fsyncs per message fell from 0.40 to 0.20 with 6 ms and 0.13 with 10 ms, and CPU
 per message by about a tenth, then 3 % more; the 250 waits at most this much longer (docs/performance.md,
 seventh round of issue 15)."""
+FILES_RESERVED = 100
+"""Descriptors a worker needs besides its SMTP connections, its deliveries and the log's readers: listening
+sockets, the log's files being written, the admin API, the anvil, pidfds, DNS, temporary files of messages."""
 EXIT_FSYNC_FAILED = 75
 EXIT_SOFTWARE = 70  # an unexpected exception in a daemon task: crash, recovery will pick up
 _EVENT_OF = {"delivered": "delivered", "deferred": "deferred", "failed": "bounced"}
@@ -87,8 +101,12 @@ class Daemon:
     """The running relay: one log, its SMTP listeners, the runners, ``delivery_concurrency`` workers."""
 
     def __init__(self, cfg: Config, *, clock: Callable[[], float] = time.time,
-                 monotonic: Callable[[], float] = time.monotonic, listen_sockets: list[list[socket.socket]] | None = None, fs: FileSystem | None = None, admin_socket: str = "", admin_peers: dict[int, str] | None = None) -> None:
+                 monotonic: Callable[[], float] = time.monotonic, listen_sockets: list[list[socket.socket]] | None = None, fs: FileSystem | None = None, admin_socket: str = "", admin_peers: dict[int, str] | None = None,
+                 anvil_socket: socket.socket | None = None) -> None:
         self.cfg = cfg
+        # One of several workers: the socket to the supervisor's anvil, the host's per-client counters
+        # (mtaq.daemon.anvil); None: the gate is this process's own.
+        self.anvil_socket = anvil_socket
         # Several workers (mtaq.daemon.workers): worker k >= 1 serves the admin API on ``admin_socket`` for
         # worker 0, whose public API reaches the other shards through ``admin_peers`` {shard: socket}.
         self.admin_socket = admin_socket
@@ -202,7 +220,12 @@ class Daemon:
         qlog.round_spacing_s = COMMIT_SPACING_S
         # Every listener before recovery (I5: mail is accepted at once on each); one gate for all of them, so
         # connections_max and the per-client limits count the daemon's connections, whatever the port.
-        gate = connection_gate(self.edge, asyncio.get_running_loop().time)
+        own = connection_gate(self.edge, asyncio.get_running_loop().time)
+        gate: Gate = own
+        if self.anvil_socket is not None:  # several workers: the host's gate, this one if it does not answer
+            anvil = AnvilClient(self.anvil_socket, fallback=own)
+            await anvil.start()
+            gate = anvil
         handler = QueueHandler(self.queue, self.signer)
         self.servers = []  # one per listener (the first socket's, when the supervisor bound several)
         for i, lst in enumerate(self.listeners):
@@ -221,6 +244,7 @@ class Daemon:
                     auth_required=lst.auth_required,
                     tls_required=lst.tls_required,
                     implicit_tls=lst.wrappermode,
+                    tls_handshake_timeout_s=cfg.tls_handshake_timeout_s,
                 )
                 if j == 0:
                     self.servers.append(server)
@@ -739,7 +763,8 @@ def _run_worker(cfg: Config, shard: int, n: int, sockets: list[list[socket.socke
     peers = {k: admin_socket(cfg.spool_dir, k) for k in range(1, n)} if api and shard == 0 else {}
     sock = admin_socket(cfg.spool_dir, shard) if api and shard > 0 else ""
     try:
-        _run_loop(Daemon(shard_cfg, listen_sockets=sockets, admin_socket=sock, admin_peers=peers))
+        _run_loop(Daemon(shard_cfg, listen_sockets=sockets, admin_socket=sock, admin_peers=peers,
+                         anvil_socket=worker_anvil_socket()))
     except (OSError, MtaqError) as exc:
         # What one process says from the CLI (a start-up failure: admin_listen taken since the supervisor's check,
         # an admin socket path it cannot replace, an unreadable spool): one line and status 1, no traceback.
@@ -764,12 +789,45 @@ def _check_admin_bindable(cfg: Config) -> None:
                 s.close()
 
 
+def open_files_needed(cfg: Config) -> int:
+    """Descriptors one worker may need at once: ``connections_max`` SMTP connections (any worker may get them
+    all), ``delivery_concurrency`` outbound ones, the log's :data:`~mtaq.storage.log.FILES_OPEN_MAX` readers and
+    :data:`FILES_RESERVED`."""
+    return cfg.connections_max + cfg.delivery_concurrency + FILES_OPEN_MAX + FILES_RESERVED
+
+
+def raise_open_files_limit(needed: int) -> tuple[int, int]:
+    """Raise RLIMIT_NOFILE's soft limit to its hard limit, as Postfix's master does (``open_limit()``); return
+    ``(soft before, soft now)``. Raises ValueError (one line naming ``connections_max``) when the limit stays
+    below ``needed`` (:func:`open_files_needed`): the daemon would run out of descriptors under load
+    (EMFILE: accepted connections dropped, a checkpoint or a new segment not written) before its
+    ``connections_max`` could refuse anyone."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    before = soft
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):  # an infinite hard limit above fs.nr_open: keep what there is
+            pass
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        raise ValueError(f"connections_max: needs at least {needed} open files per process (connections_max, "
+                         f"delivery_concurrency and {FILES_OPEN_MAX + FILES_RESERVED} more), "
+                         f"but RLIMIT_NOFILE is {soft} (hard limit {'unlimited' if hard == resource.RLIM_INFINITY else hard}):"
+                         " raise it (ulimit -n, systemd LimitNOFILE=) or lower connections_max")
+    return before, soft
+
+
 def serve(cfg: Config) -> int:
     """Run the daemon until the process is killed; with ``workers`` > 1 (``"auto"``: one per core, at most 8;
     or a spool that has shards), run one worker process per shard under a supervisor
     (:mod:`mtaq.daemon.workers`) and return the exit status of the first worker that ended (the others are
     killed: crash-only). Raises ValueError (too many shards, or several workers on a listener with port 0)."""
     listeners = listeners_of(cfg)
+    files_before, files = raise_open_files_limit(open_files_needed(cfg))
+    if files != files_before:
+        get_logger().info("open_files_limit_raised", soft_before=files_before, soft=files, needed=open_files_needed(cfg))
     n = shard_count(cfg.spool_dir, workers_wanted(cfg.workers, [lst.port for lst in listeners]))
     for lst in listeners:
         if n > 1 and lst.port == 0:
@@ -780,7 +838,7 @@ def serve(cfg: Config) -> int:
         return 0
     # Every file the workers read at start is checked before any of them starts: a bad one exits 2 with one
     # line, not 70 from inside a worker (TLS certificate and password files, outbound credentials, DKIM keys).
-    EdgePolicy.from_config(cfg)
+    edge = EdgePolicy.from_config(cfg)
     SaslClient.from_config(cfg)
     Signer.from_config(cfg)
     # Bound once here, accepted from by every worker (mtaq.daemon.workers); an address in use is one line.
@@ -808,4 +866,6 @@ def serve(cfg: Config) -> int:
             for s in socks:
                 s.close()  # the workers hold them now
 
-    return supervise(n, lambda k: _run_worker(cfg, k, n, sockets), on_exit, forked)
+    # The supervisor holds the host's connection gate (the anvil): the limits count every worker's connections.
+    return supervise(n, lambda k: _run_worker(cfg, k, n, sockets), on_exit, forked,
+                     anvil=connection_gate(edge, time.monotonic))

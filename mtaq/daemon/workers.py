@@ -9,7 +9,9 @@ goes to whichever worker asks first, which is a worker with nothing else to do (
 share the master's listening socket). With SO_REUSEPORT, as before, the kernel hashed each connection to
 one worker whatever that worker was doing, and half the time a lone client's next message waited behind
 the delivery of its previous one. A message stays in the shard that accepted it, and so do its DSNs and
-retries. Nothing is shared between workers but the listening sockets.
+retries. Nothing is shared between workers but the listening sockets and the per-client counters: the
+supervisor is the anvil of its workers (:mod:`mtaq.daemon.anvil`), so ``connections_max``, the per-client
+connection limits and the AUTH failure limit hold for the host, whatever worker a connection reaches.
 
 What must always hold:
 
@@ -35,11 +37,16 @@ import socket
 import sys
 import traceback
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from mtaq.storage.shards import SHARD_PREFIX, existing_shards, shard_dir
 
+if TYPE_CHECKING:
+    from mtaq.edge.limits import ConnectionGate
+
 __all__ = ["ADMIN_SOCKET", "LISTEN_BACKLOG", "SHARD_PREFIX", "WORKERS_AUTO_MAX", "WORKERS_MAX", "admin_socket",
-           "auto_workers", "bind_listeners", "existing_shards", "log_dirs", "shard_count", "shard_dir", "supervise", "workers_wanted"]
+           "auto_workers", "bind_listeners", "existing_shards", "log_dirs", "shard_count", "shard_dir", "supervise", "worker_anvil_socket",
+           "workers_wanted"]
 
 WORKERS_MAX = 16  # the queue ID carries the shard in 4 bits
 # "auto" stops here: past a few workers the shared disk's fsyncs, not the CPU, bound a relay, and every
@@ -72,6 +79,15 @@ def admin_socket(spool: str, shard: int) -> str:
     """``SPOOL/shard-k/admin.sock``: where worker ``shard`` (>= 1) serves the admin API to worker 0."""
     return os.path.join(shard_dir(spool, shard), ADMIN_SOCKET)
 _PR_SET_PDEATHSIG = 1
+_anvil_socket: socket.socket | None = None  # in a worker: its end of the socketpair to the supervisor's anvil
+
+
+def worker_anvil_socket() -> socket.socket | None:
+    """In a worker forked by :func:`supervise` with an anvil: its socket to the supervisor (once; None after,
+    and in any other process)."""
+    global _anvil_socket
+    sock, _anvil_socket = _anvil_socket, None
+    return sock
 
 
 def shard_count(spool: str, workers: int) -> int:
@@ -152,21 +168,32 @@ def _status(wait_status: int) -> int:
 
 
 def supervise(n: int, run_worker: Callable[[int], None], on_exit: Callable[[int, int], None],
-              forked: Callable[[], None] = lambda: None) -> int:
+              forked: Callable[[], None] = lambda: None, anvil: ConnectionGate | None = None) -> int:
     """Fork ``n`` workers, each running ``run_worker(k)``; return the exit status of the first to end.
 
     The others are SIGKILLed and reaped first. ``on_exit(shard, status)`` is called (in the supervisor) for
     the worker that ended; ``forked()`` once every worker is forked (the supervisor closes its copies of the
     listening sockets there). Call this before any thread or event loop exists in the process (fork).
+    ``anvil``: the host's gate; each worker gets a socketpair to it (:func:`worker_anvil_socket`) and the
+    supervisor answers on them while it waits (:mod:`mtaq.daemon.anvil`).
     """
+    from mtaq.daemon.anvil import AnvilServer, wait_serving
+
+    global _anvil_socket
     me = os.getpid()
     pids: dict[int, int] = {}
+    pairs = [socket.socketpair() for _ in range(n)] if anvil is not None else []
     for k in range(n):
         pid = os.fork()
         if pid == 0:  # the worker
             status = 0
             try:
                 _die_with_parent(me)
+                for j, (ours, theirs) in enumerate(pairs):
+                    ours.close()
+                    if j != k:
+                        theirs.close()
+                _anvil_socket = pairs[k][1] if pairs else None
                 run_worker(k)
             except KeyboardInterrupt:
                 status = 130
@@ -179,12 +206,15 @@ def supervise(n: int, run_worker: Callable[[int], None], on_exit: Callable[[int,
                 sys.stderr.flush()
                 os._exit(status)
         pids[pid] = k
+    for _ours, theirs in pairs:
+        theirs.close()
+    server = AnvilServer(anvil, [ours for ours, _theirs in pairs]) if anvil is not None else None
     forked()
     status = 1
     try:
         while True:
             try:
-                pid, wait_status = os.wait()
+                pid, wait_status = wait_serving(server, list(pids))
             except ChildProcessError:  # pragma: no cover - every worker reaped already
                 break
             if pid in pids:
@@ -204,4 +234,7 @@ def supervise(n: int, run_worker: Callable[[int], None], on_exit: Callable[[int,
                 os.waitpid(pid, 0)
             except ChildProcessError:
                 pass
+        if server is not None:
+            for sock in server.sockets:
+                server.close(sock)
     return status

@@ -26,12 +26,26 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Protocol
 
-__all__ = ["RATE_WINDOW_S", "ConnectionGate"]
+__all__ = ["RATE_WINDOW_S", "ConnectionGate", "Gate"]
 
 RATE_WINDOW_S = 60.0
 """The window of the per-client connection rate and of the AUTH failure rate (seconds)."""
 _PRUNE_AT = 10_000  # clients remembered before the idle ones are forgotten
+
+
+class Gate(Protocol):
+    """What the SMTP server needs of an admission: a :class:`ConnectionGate` in this process, or the host's
+    (:class:`mtaq.daemon.anvil.AnvilClient`, one gate for every worker process, as Postfix's anvil). The
+    ``ask_`` methods may wait for the answer; the others only tell."""
+
+    async def ask_admit(self, ip: str) -> str | None: ...
+    def release(self, ip: str | None = None) -> None: ...
+    async def ask_auth_blocked(self, ip: str) -> bool: ...
+    async def ask_auth_begin(self, ip: str) -> bool: ...
+    def auth_end(self, ip: str) -> None: ...
+    def auth_failed(self, ip: str) -> None: ...
 
 
 class ConnectionGate:
@@ -144,6 +158,19 @@ class ConnectionGate:
             self._auth_checking[ip] = left
         else:
             self._auth_checking.pop(ip, None)
+
+    # The :class:`Gate` interface: this gate answers at once.
+    async def ask_admit(self, ip: str) -> str | None:
+        """:meth:`admit`."""
+        return self.admit(ip)
+
+    async def ask_auth_blocked(self, ip: str) -> bool:
+        """:meth:`auth_blocked`."""
+        return self.auth_blocked(ip)
+
+    async def ask_auth_begin(self, ip: str) -> bool:
+        """:meth:`auth_begin`."""
+        return self.auth_begin(ip)
 
     def _prune(self, now: float) -> None:
         for ip in [ip for ip, seen in self._recent.items() if not seen or seen[-1] <= now - RATE_WINDOW_S]:

@@ -15,15 +15,17 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
+from asyncio import sslproto
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from aiosmtpd.smtp import SMTP, Envelope, Session
 
 from mtaq.core.errors import StorageError
 from mtaq.edge.dkim import Origin, Signer
 from mtaq.edge.fastpath import FastHandlerMixin
-from mtaq.edge.limits import ConnectionGate
+from mtaq.edge.limits import ConnectionGate, Gate
 from mtaq.edge.policy import EdgePolicy
 from mtaq.edge.smtp import MtaqSMTP
 from mtaq.edge.trace import protocol_name, received_header
@@ -32,7 +34,11 @@ from mtaq.queue.store import Queue
 from mtaq.storage.spill import BodyBuffer
 from mtaq.testing import killpoints
 
-__all__ = ["QueueHandler", "connection_gate", "start_server"]
+__all__ = ["TLS_HANDSHAKE_TIMEOUT_S", "QueueHandler", "connection_gate", "start_server"]
+
+TLS_HANDSHAKE_TIMEOUT_S = 10.0
+"""Seconds an smtps client has for its TLS handshake (config ``tls_handshake_timeout_s``)."""
+_starting: set[asyncio.Task[None]] = set()  # smtps connections between accept and the end of their handshake
 
 
 class QueueHandler(FastHandlerMixin):
@@ -114,6 +120,93 @@ def _param(option: str) -> tuple[str, str]:
     return key.upper(), value
 
 
+class _TlsAfterAdmission(asyncio.Protocol):
+    """An smtps connection from accept to the end of its TLS handshake (RFC 8314 §3.3).
+
+    The gate is asked first: a refused client is disconnected at once (no reply: it expects TLS, and a
+    handshake would cost the CPU the limit is there to save); an admitted one holds its place during the
+    handshake, which must end within ``handshake_timeout_s``, so unfinished handshakes count in
+    ``connections_max``, the per-client limits and the rate like any connection. The handshake is asyncio's
+    SSLProtocol over the accepted transport (as aiosmtpd's STARTTLS does); the SMTP protocol owns the place
+    from the start and gives it back when the connection ends, or here when the handshake fails.
+    What the client sent while the gate was asked (its ClientHello) is kept and handed to the TLS layer."""
+
+    def __init__(self, make_smtp: Callable[[], MtaqSMTP], gate: Gate | None, context: ssl.SSLContext,
+                 handshake_timeout_s: float, loop: asyncio.AbstractEventLoop) -> None:
+        self.make_smtp, self.gate, self.context = make_smtp, gate, context
+        self.handshake_timeout_s, self.loop = handshake_timeout_s, loop
+        self.transport: asyncio.Transport | None = None
+        self.early = bytearray()  # bytes received before the gate answered
+        self.lost = False  # the connection ended while the gate was asked
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport = cast(asyncio.Transport, transport)  # uvloop's is not an asyncio.Transport
+        peer = transport.get_extra_info("peername")
+        ip = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+        task = self.loop.create_task(self._start(ip))
+        _starting.add(task)
+        task.add_done_callback(_starting.discard)
+
+    def data_received(self, data: bytes) -> None:
+        # Kept for the TLS layer; nothing more is read until the gate has answered (uvloop starts reading
+        # after connection_made whatever the protocol did there, so the pause is here).
+        self.early += data
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+
+    def eof_received(self) -> bool:
+        return False
+
+    async def _start(self, ip: str) -> None:
+        transport = self.transport
+        assert transport is not None
+        gate = self.gate
+        refusal = await gate.ask_admit(ip) if gate is not None else None
+        if self.lost:
+            if refusal is None and gate is not None:
+                gate.release(ip)
+            return
+        if refusal is not None:
+            transport.abort()
+            return
+        smtp = self.make_smtp()
+        if gate is not None:
+            smtp.admitted_as(ip)
+        waiter = self.loop.create_future()
+        tls = sslproto.SSLProtocol(self.loop, smtp, self.context, waiter, server_side=True,
+                                   ssl_handshake_timeout=self.handshake_timeout_s)  # type: ignore[arg-type]  # seconds, a float
+
+        def handshake_done(fut: asyncio.Future[None]) -> None:
+            exc = None if fut.cancelled() else fut.exception()
+            if exc is None:
+                return  # smtp.connection_made was called: the place is its own
+            # A failed, timed-out or abandoned handshake: the SMTP protocol never started; the place is free.
+            smtp.release_admission()
+            get_logger().warning("tls_handshake_failed", client=ip, error=f"{type(exc).__name__}: {exc}")
+
+        waiter.add_done_callback(handshake_done)
+        transport.set_protocol(tls)
+        tls.connection_made(transport)
+        if self.early:
+            _feed(tls, bytes(self.early))
+            self.early.clear()
+        transport.resume_reading()
+
+
+def _feed(protocol: asyncio.BufferedProtocol, data: bytes) -> None:
+    """Hand ``data`` to a buffered protocol as if the transport had read it."""
+    view = memoryview(data)
+    while view:
+        buf = memoryview(protocol.get_buffer(len(view))).cast("B")
+        n = min(len(buf), len(view))
+        buf[:n] = view[:n]
+        protocol.buffer_updated(n)
+        view = view[n:]
+
+
 def connection_gate(policy: EdgePolicy, clock: Callable[[], float]) -> ConnectionGate:
     """The :class:`ConnectionGate` of ``policy``'s limits; give one to every listener of a daemon so that
     ``connections_max`` and the per-client limits count the connections of all its ports together."""
@@ -138,10 +231,11 @@ async def start_server(
     timeout_s: float,
     policy: EdgePolicy | None = None,
     sock: socket.socket | None = None,
-    gate: ConnectionGate | None = None,
+    gate: Gate | None = None,
     auth_required: bool = False,
     tls_required: bool = False,
     implicit_tls: bool = False,
+    tls_handshake_timeout_s: float = TLS_HANDSHAKE_TIMEOUT_S,
 ) -> asyncio.Server:
     """Listen on ``host:port`` with :class:`MtaqSMTP`; returns the asyncio server.
 
@@ -156,8 +250,9 @@ async def start_server(
     AUTH, so nobody relays unauthenticated, mynetworks included; ``tls_required``: every command but EHLO,
     NOOP, STARTTLS and QUIT gets ``530 5.7.0 Must issue a STARTTLS command first`` before STARTTLS;
     ``implicit_tls``: TLS from the first byte (RFC 8314 §3.3, port 465) with the policy's certificate, no
-    STARTTLS offered, AUTH offered at once; a client that does not start TLS gets no greeting. The TLS
-    handshake must end within ``timeout_s``. Raises OSError if it cannot listen, ValueError when the
+    STARTTLS offered, AUTH offered at once; a client that does not start TLS gets no greeting. The gate
+    admits the connection at accept, before the TLS handshake, which must end within
+    ``tls_handshake_timeout_s`` seconds (a refused client is disconnected without a reply). Raises OSError if it cannot listen, ValueError when the
     policy has no certificate for ``tls_required`` / ``implicit_tls``.
     """
     loop = asyncio.get_running_loop()
@@ -171,7 +266,7 @@ async def start_server(
     queue = getattr(handler, "queue", None)
     body_buffer = queue.new_body if isinstance(queue, Queue) else None
 
-    def factory() -> Any:
+    def factory() -> MtaqSMTP:
         return MtaqSMTP(
             handler,
             hostname=hostname,
@@ -192,5 +287,11 @@ async def start_server(
 
     where: dict[str, Any] = {"sock": sock} if sock is not None else {"host": host, "port": port, "reuse_address": True}
     if implicit_tls:
-        return await loop.create_server(factory, **where, ssl=pol.tls_context, ssl_handshake_timeout=timeout_s)
+        context = pol.tls_context
+        assert context is not None
+
+        def tls_factory() -> Any:
+            return _TlsAfterAdmission(factory, gate, context, tls_handshake_timeout_s, loop)
+
+        return await loop.create_server(tls_factory, **where)
     return await loop.create_server(factory, **where)

@@ -37,7 +37,8 @@ The same class is where the edge is made safe (the policy is :class:`~mtaq.edge.
 * **Replies**: every 2xx/4xx/5xx reply carries an enhanced status code (RFC 2034, :mod:`mtaq.edge.replies`);
   EHLO also offers PIPELINING, ENHANCEDSTATUSCODES and DSN; AUTH only with a password file and only after
   STARTTLS (aiosmtpd answers ``538 5.7.11`` before it).
-* **Limits**: connections over the :class:`~mtaq.edge.limits.ConnectionGate` get ``421 4.7.0`` instead of
+* **Limits**: connections the gate refuses (:class:`~mtaq.edge.limits.Gate`: this process's
+  :class:`~mtaq.edge.limits.ConnectionGate`, or the host's anvil with several workers) get ``421 4.7.0`` instead of
   the greeting (in all, per client IP, or outside the places kept for mynetworks); an idle client gets
   ``421 4.4.2`` (aiosmtpd just closed); after ``errors_max`` errors (5xx replies, and exceptions, which are
   answered ``451 4.3.0``) the client gets ``421 4.7.0 ... too many errors`` (Postfix
@@ -56,8 +57,9 @@ The same class is where the edge is made safe (the policy is :class:`~mtaq.edge.
   (RFC 3207 §4.2; the CVE-2011-0411 command injection), and starts a fresh session after it.
 * **Listener modes** (issue 16.5, :func:`mtaq.edge.server.start_server`): aiosmtpd's ``require_starttls``
   (``530 5.7.0 Must issue a STARTTLS command first``) and ``auth_required`` (``530 5.7.0 Authentication
-  required`` at MAIL, RCPT, DATA) for a submission port; ``implicit_tls`` for an smtps port, where the server
-  socket did the handshake: no STARTTLS, AUTH offered at once, ``session.ssl`` filled in as after STARTTLS.
+  required`` at MAIL, RCPT, DATA) for a submission port; ``implicit_tls`` for an smtps port, where the
+  handshake was done after the gate admitted the connection (:func:`mtaq.edge.server.start_server`): no
+  STARTTLS, AUTH offered at once, ``session.ssl`` filled in as after STARTTLS.
 * **Sender login mismatch**: with ``policy.sender_logins``, MAIL FROM of an authenticated client that does
   not own the address gets ``553 5.7.1 <addr>: Sender address rejected: not owned by user USER``
   (Postfix ``reject_authenticated_sender_login_mismatch``; :meth:`EdgePolicy.sender_login_reply`).
@@ -83,7 +85,7 @@ from aiosmtpd.smtp import MISSING, SMTP, AuthResult, Envelope, LoginPassword, TL
 from mtaq.core.text import escape_text
 from mtaq.edge.data import DataScanner, read_data_text, refusal
 from mtaq.edge.fastpath import FastPathMixin, parse_address
-from mtaq.edge.limits import ConnectionGate
+from mtaq.edge.limits import Gate
 from mtaq.edge.policy import EdgePolicy, address_problem, unsendable_character
 from mtaq.edge.replies import enhance, reply_code
 from mtaq.logs import get_logger
@@ -327,7 +329,7 @@ class MtaqSMTP(FastPathMixin, SMTP):
         handler: Any,
         *args: Any,
         policy: EdgePolicy | None = None,
-        gate: ConnectionGate | None = None,
+        gate: Gate | None = None,
         body_buffer: Callable[[], BodyBuffer] | None = None,
         implicit_tls: bool = False,
         **kwargs: Any,
@@ -350,8 +352,9 @@ class MtaqSMTP(FastPathMixin, SMTP):
         self._gate_ip = ""  # the client address the gate admitted
         self._in_data = False  # the text of a message is being read
         self._exceptions = 0  # exceptions that reached handle_exception in this connection
-        # TLS from the first byte (RFC 8314, a smtps listener): the server socket does the handshake before
-        # connection_made; no STARTTLS is offered (pass no tls_context), and AUTH is offered at once.
+        # TLS from the first byte (RFC 8314, a smtps listener): the handshake is done before connection_made
+        # (after the gate admitted the connection, mtaq.edge.server); no STARTTLS is offered (pass no
+        # tls_context), and AUTH is offered at once.
         self.implicit_tls = implicit_tls
         self._idle_deadline = 0.0  # loop time at which the client is idle too long (see _reset_timeout)
         self._idle_when = 0.0  # loop time the idle timer was set for (uvloop's handles may not tell)
@@ -382,15 +385,27 @@ class MtaqSMTP(FastPathMixin, SMTP):
         return str(peer[0]) if isinstance(peer, tuple) and peer else ""
 
     # ---------------------------------------------------------------------------- connection and replies
+    def admitted_as(self, ip: str) -> None:
+        """The connection was admitted by the gate already, for ``ip`` (an smtps listener admits before the
+        TLS handshake: :func:`mtaq.edge.server.start_server`); its place is given back when it ends."""
+        self._admitted = True
+        self._gate_ip = ip
+
+    def release_admission(self) -> bool:
+        """Give the place back now (an smtps connection whose handshake failed: never made, never lost);
+        False when it holds none."""
+        if not self._admitted or self.gate is None:
+            return False
+        self._admitted = False
+        self.gate.release(self._gate_ip)
+        return True
+
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        """aiosmtpd's, plus admission through the gate on the first call (not again after STARTTLS)."""
+        """aiosmtpd's; the gate is asked in :meth:`_handle_client`, before the greeting (not again after STARTTLS)."""
         first = self.transport is None and self._original_transport is None
-        if first and self.gate is not None:
+        if first and not self._admitted:
             peer = transport.get_extra_info("peername")
-            ip = str(peer[0]) if isinstance(peer, tuple) and peer else ""
-            self._refusal = self.gate.admit(ip)
-            self._admitted = self._refusal is None
-            self._gate_ip = ip
+            self._gate_ip = str(peer[0]) if isinstance(peer, tuple) and peer else ""
         super().connection_made(transport)
         if first and self.implicit_tls and self.session is not None and self.session.ssl is None:
             # What aiosmtpd records after STARTTLS (its SSLProtocol's extra info): the Received header then
@@ -404,12 +419,24 @@ class MtaqSMTP(FastPathMixin, SMTP):
 
     def connection_lost(self, error: Exception | None) -> None:
         """aiosmtpd's, and the connection's place in the gate is given back."""
-        if self._admitted and self.gate is not None:
-            self._admitted = False
-            self.gate.release(self._gate_ip)
+        self.release_admission()
+        if self.session is None:  # an smtps connection whose TLS handshake failed: never made
+            return
         super().connection_lost(error)
 
+    def eof_received(self) -> bool | None:
+        """aiosmtpd's; an end of stream before :meth:`connection_made` (right after an smtps handshake) closes."""
+        if self.session is None:
+            return False
+        result: bool | None = super().eof_received()
+        return result
+
     async def _handle_client(self) -> None:
+        if not self._admitted and self.gate is not None:
+            # Admission before the greeting (the host's gate may answer from another process: a cancellation
+            # while asking leaves nothing held, the gate gives a late place back itself).
+            self._refusal = await self.gate.ask_admit(self._gate_ip)
+            self._admitted = self._refusal is None
         if self._refusal is not None:
             await self.push(f"421 4.7.0 {self.hostname} Error: {self._refusal}")
             return
@@ -646,7 +673,7 @@ class MtaqSMTP(FastPathMixin, SMTP):
         ip = self.client_ip()
         session = self.session
         if (arg and self.tls_active() and session is not None and session.extended_smtp
-                and not session.authenticated and self.gate is not None and self.gate.auth_blocked(ip)):
+                and not session.authenticated and self.gate is not None and await self.gate.ask_auth_blocked(ip)):
             # Postfix's anvil reply to smtpd_client_auth_rate_limit, for failures here; counts as an error.
             get_logger().warning("auth_rate_limited", client=ip, limit=self.policy.auth_failures_per_minute_max)
             self._errors += 1
@@ -696,7 +723,7 @@ class MtaqSMTP(FastPathMixin, SMTP):
         assert passwords is not None
         name = user.decode("utf-8", "replace")
         ip = self.client_ip()
-        if self.gate is not None and not self.gate.auth_begin(ip):
+        if self.gate is not None and not await self.gate.ask_auth_begin(ip):
             # Over the limit counting the checks still running on the client's other connections (found by
             # review: parallel connections each got a guess checked). Postfix's anvil reply; an error.
             get_logger().warning("auth_rate_limited", client=ip, limit=self.policy.auth_failures_per_minute_max)

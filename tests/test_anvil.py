@@ -1,0 +1,122 @@
+"""The anvil's wire and its failure modes (issue 32.4), over real socketpairs.
+
+A worker asks the supervisor's gate (:mod:`mtaq.daemon.anvil`); when the supervisor is slow or gone the
+worker must neither wait long nor go without limits, and nothing may stay counted that nobody holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+from mtaq.daemon.anvil import AnvilClient, AnvilServer
+from mtaq.edge.limits import ConnectionGate
+
+
+def _gate(**kw: int) -> ConnectionGate:
+    return ConnectionGate(connections_max=100, per_client_per_minute_max=0, client_connections_max=kw.get("per_ip", 2),
+                          auth_failures_per_minute_max=kw.get("auth", 3))
+
+
+def test_two_workers_share_one_per_ip_limit_and_one_auth_failure_count():
+    """Two clients of one AnvilServer (the supervisor, served here in the same loop through its real sockets):
+    the per-IP limit of 2 and the AUTH failure limit of 3 count both workers' clients; a release frees a place."""
+    host = _gate()
+    pairs = [socket.socketpair() for _ in range(2)]
+    server = AnvilServer(host, [a for a, _b in pairs])
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for s in server.sockets:
+            loop.add_reader(s, server.readable, s)
+        w1, w2 = (AnvilClient(b, _gate(), timeout_s=5) for _a, b in pairs)
+        await w1.start()
+        await w2.start()
+        assert [None, None, "too many connections from 192.0.2.1"] == [
+            await w1.ask_admit("192.0.2.1"), await w2.ask_admit("192.0.2.1"), await w2.ask_admit("192.0.2.1")]
+        w1.release("192.0.2.1")
+        assert await w2.ask_admit("192.0.2.1") is None
+        for w in (w1, w2, w1):
+            assert await w.ask_auth_begin("192.0.2.9")
+            w.auth_failed("192.0.2.9")
+            w.auth_end("192.0.2.9")
+        assert [True, True, False] == [await w1.ask_auth_blocked("192.0.2.9"), await w2.ask_auth_blocked("192.0.2.9"),
+                                       await w2.ask_auth_blocked("192.0.2.10")]
+        assert not await w2.ask_auth_begin("192.0.2.9")
+
+    asyncio.run(main())
+    assert 2 == host.active
+
+
+def test_a_silent_anvil_costs_one_timeout_and_the_worker_keeps_its_own_limits():
+    """The supervisor never answers: each question waits timeout_s (0.2 s here), no more, and the worker's own
+    gate decides with the same limits (2 per IP): admitted, admitted, refused; a release goes to that gate."""
+    ours, theirs = socket.socketpair()
+    own = _gate()
+
+    async def main() -> list[str | None]:
+        w = AnvilClient(theirs, own, timeout_s=0.2)
+        await w.start()
+        t0 = time.monotonic()
+        answers = [await w.ask_admit("192.0.2.1") for _ in range(3)]
+        assert time.monotonic() - t0 < 0.2 * 3 + 0.5
+        w.release("192.0.2.1")
+        return answers
+
+    assert [None, None, "too many connections from 192.0.2.1"] == asyncio.run(main())
+    assert 1 == own.active
+    ours.close()
+
+
+def test_a_late_admission_is_given_back_to_the_anvil():
+    """An answer `+` that comes after the worker stopped waiting (timeout) is released at once: the host's
+    gate keeps no place that nobody holds."""
+    ours, theirs = socket.socketpair()
+
+    class Counted(ConnectionGate):
+        admits = releases = 0
+
+        def admit(self, ip: str) -> str | None:
+            self.admits += 1
+            return super().admit(ip)
+
+        def release(self, ip: str | None = None) -> None:
+            self.releases += 1
+            super().release(ip)
+
+    host = Counted(connections_max=100, per_client_per_minute_max=0, client_connections_max=2)
+
+    async def main() -> None:
+        w = AnvilClient(theirs, _gate(), timeout_s=0.1)
+        await w.start()
+        assert await w.ask_admit("192.0.2.1") is None  # decided alone: nobody answered in 0.1 s
+        server = AnvilServer(host, [ours])  # the supervisor wakes up and answers the old question
+        loop = asyncio.get_running_loop()
+        loop.add_reader(ours, server.readable, ours)
+        deadline = time.monotonic() + 10
+        while host.releases == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        loop.remove_reader(ours)
+
+    asyncio.run(main())
+    assert (1, 1, 0, {}) == (host.admits, host.releases, host.active, host._per_client)
+
+
+def test_a_closed_anvil_means_the_workers_own_gate_at_once():
+    """The supervisor's socket is closed: questions are answered by the worker's own gate without waiting."""
+    ours, theirs = socket.socketpair()
+    ours.close()
+
+    async def main() -> float:
+        w = AnvilClient(theirs, _gate(), timeout_s=5)
+        await w.start()
+        deadline = time.monotonic() + 10
+        while not w._down and time.monotonic() < deadline:  # the reader sees the end of the stream
+            await asyncio.sleep(0.01)
+        t0 = time.monotonic()
+        assert await w.ask_admit("192.0.2.1") is None
+        assert not await w.ask_auth_blocked("192.0.2.1")
+        return time.monotonic() - t0
+
+    assert asyncio.run(main()) < 1.0

@@ -1,0 +1,316 @@
+"""Limits that hold for the whole host and before TLS (issue 32, items 2 and 4).
+
+Real daemons (``mtaq serve`` as a subprocess, one to four workers), real sockets, real TLS with a local CA
+(trustme), clients outside ``mynetworks`` bound to 127.0.0.2 as "the internet".
+
+* Item 2: an smtps (465) connection is admitted at accept, before its TLS handshake, so unfinished handshakes
+  count in ``connections_max``, the per-client limits and the rate, and a handshake must end within
+  ``tls_handshake_timeout_s``. 1,100 silent connections under a 1,024 descriptor limit (soft and hard, as
+  systemd's default) leave the daemon serving on 25 and 465.
+* Item 4: one set of per-client counters for the host (the supervisor is the anvil of its workers, as
+  Postfix's anvil is of its smtpd processes): the per-IP connection limit and the AUTH failure limit are
+  exact at 1, 2 and 4 workers.
+"""
+
+from __future__ import annotations
+
+import resource
+import select
+import smtplib
+import socket
+import ssl
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from edgekit import HOST
+
+from mtaq.testing.procs import free_port, read_events, start_daemon, start_sink, wait_for
+
+trustme = pytest.importorskip("trustme")
+
+OUTSIDE = "127.0.0.2"  # not in mynetworks (loopback /8 is by default... see _config: mynetworks is 127.0.0.1/32)
+USERS = {"alice": "correct horse battery staple"}
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> dict[str, str]:
+    """A local CA and a certificate for mx.test and 127.0.0.1: paths of ca.pem, cert.pem, key.pem."""
+    d = tmp_path_factory.mktemp("pki")
+    ca = trustme.CA()
+    leaf = ca.issue_cert(HOST, "127.0.0.1")
+    paths = {"ca": str(d / "ca.pem"), "cert": str(d / "cert.pem"), "key": str(d / "key.pem")}
+    ca.cert_pem.write_to_path(paths["ca"])
+    Path(paths["cert"]).write_bytes(b"".join(p.bytes() for p in leaf.cert_chain_pems))
+    leaf.private_key_pem.write_to_path(paths["key"])
+    return paths
+
+
+@pytest.fixture(scope="module")
+def passwd_file(tmp_path_factory) -> str:
+    """alice's password file, made with `mtaq passwd` (bcrypt cost 4: quick tests)."""
+    out = subprocess.run([sys.executable, "-m", "mtaq.cli", "passwd", "alice", "--rounds", "4"],
+                         input=USERS["alice"] + "\n", capture_output=True, text=True, timeout=60, check=True)
+    path = tmp_path_factory.mktemp("auth") / "passwd"
+    path.write_text(out.stdout)
+    return str(path)
+
+
+@pytest.fixture(autouse=True)
+def many_files() -> None:
+    """The test process itself opens over a thousand sockets."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 8192 if hard == resource.RLIM_INFINITY else min(hard, 8192)
+    if soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+
+
+def _config(tmp_path: Path, pki: dict[str, str], passwd_file: str, workers: int, smtps: int, extra: str = "") -> str:
+    conf = tmp_path / "mtaq.toml"
+    conf.write_text(f'workers = {workers}\nmyhostname = "{HOST}"\nmynetworks = ["127.0.0.1/32"]\n'
+                    f'tls_cert_file = "{pki["cert"]}"\ntls_key_file = "{pki["key"]}"\n'
+                    f'auth_password_file = "{passwd_file}"\nsmtpd_error_sleep_time_s = 0\n{extra}'
+                    f'[listeners."127.0.0.1:{smtps}"]\nmode = "smtps"\n')
+    return str(conf)
+
+
+def _outside(port: int) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), timeout=30, source_address=(OUTSIDE, 0))
+
+
+def _closed_by_server(sock: socket.socket) -> bool:
+    """Whether the server has ended ``sock`` (end of stream or reset; nothing else is expected on it)."""
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except BlockingIOError:
+        return False
+
+
+def _relay_through_25_and_465(port: int, smtps: int, pki: dict[str, str], tag: str) -> None:
+    """A real client relays one message through each listener (port 25 from mynetworks, 465 with AUTH)."""
+    with smtplib.SMTP("127.0.0.1", port, timeout=30) as s:
+        assert 250 == s.ehlo("client.test")[0]
+        assert {} == s.sendmail("a@example.org", ["b@example.net"], f"Subject: {tag} 25\r\n\r\nplain\r\n")
+    context = ssl.create_default_context(cafile=pki["ca"])
+    with smtplib.SMTP_SSL("127.0.0.1", smtps, timeout=30, context=context) as s:
+        s.ehlo("client.test")
+        assert 235 == s.login("alice", USERS["alice"])[0]
+        assert {} == s.sendmail("alice@example.org", ["b@example.net"], f"Subject: {tag} 465\r\n\r\nsubmitted\r\n")
+
+
+def _delivered(maildir: Path, subject: str) -> bool:
+    new = maildir / "new"
+    return new.is_dir() and any(f"Subject: {subject}\r\n".encode() in f.read_bytes() for f in new.iterdir())
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_1100_silent_connections_to_465_under_1024_files_leave_25_and_465_serving(tmp_path, pki, passwd_file, workers):
+    """1,100 silent TCP connections to the smtps port from one client outside mynetworks, with the daemon's
+    RLIMIT_NOFILE soft and hard at 1,024: the gate admits the first 50 (smtpd_client_connection_count_limit,
+    for the whole host) before any handshake and disconnects the other 1,050 at once; the daemon keeps serving,
+    and a real client relays a message through port 25 and through 465 while the 50 are held, with one and two
+    workers. No worker exits."""
+    smtps = free_port()
+    conf = _config(tmp_path, pki, passwd_file, workers, smtps, "checkpoint_interval_s = 0.2\n")
+    maildir = tmp_path / "maildir"
+    sink = start_sink(str(maildir), str(tmp_path / "sink.log"))
+    d = start_daemon(str(tmp_path / "spool"), sink.port, str(tmp_path / "daemon.log"), config=conf, workers=None,
+                     wrapper=["prlimit", "--nofile=1024:1024", "--"])
+    socks: list[socket.socket] = []
+    try:
+        wait_for(lambda: workers == len([e for e in read_events(d.log_path) if e.get("event") == "listening"]),
+                 60, "every worker listening")
+        for _ in range(1100):
+            socks.append(_outside(smtps))
+        for s in socks:
+            s.setblocking(False)
+        poller = select.poll()
+        for s in socks:
+            poller.register(s, select.POLLIN)
+        ended: set[int] = set()
+
+        def refused_all() -> bool:
+            for fd, _ev in poller.poll(100):
+                s = next(x for x in socks if x.fileno() == fd)
+                if _closed_by_server(s):
+                    ended.add(fd)
+                    poller.unregister(fd)
+            return len(ended) >= 1050
+
+        wait_for(refused_all, 60, "the connections over the limit to be closed")
+        assert 1050 == len(ended)  # the 50 admitted are held (their handshake has 10 s)
+        _relay_through_25_and_465(d.port, smtps, pki, f"held{workers}")
+        assert [] == [s for s in socks if s.fileno() not in ended and _closed_by_server(s)]
+        wait_for(lambda: _delivered(maildir, f"held{workers} 25") and _delivered(maildir, f"held{workers} 465"),
+                 60, "both messages delivered")
+        assert d.alive()
+        assert [] == [e for e in read_events(d.log_path) if e.get("event") in ("worker_exited", "daemon_crashed")]
+    finally:
+        for s in socks:
+            s.close()
+        d.kill9()
+        sink.kill9()
+
+
+
+def _daemon(tmp_path: Path, pki: dict[str, str], passwd_file: str, workers: int, extra: str):
+    """A daemon with ``workers`` workers and an smtps listener (its port as ``d.smtps``), once every worker listens."""
+    smtps = free_port()
+    conf = _config(tmp_path, pki, passwd_file, workers, smtps, extra)
+    d = start_daemon(str(tmp_path / "spool"), free_port(), str(tmp_path / "daemon.log"), config=conf, workers=None)
+    d.smtps = smtps  # type: ignore[attr-defined]
+    wait_for(lambda: workers == len([e for e in read_events(d.log_path) if e.get("event") == "listening"]),
+             60, "every worker listening")
+    return d
+
+
+def _first_reply(sock: socket.socket) -> str:
+    data = b""
+    while not data.endswith(b"\r\n"):
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+    return data.decode("ascii", "replace")[:3]
+
+
+@pytest.mark.parametrize("workers", [1, 2, 4])
+def test_the_per_ip_connection_limit_holds_for_the_host_at_any_number_of_workers(tmp_path, pki, passwd_file, workers):
+    """smtpd_client_connection_count_limit = 5: of 30 connections held at once from one client outside
+    mynetworks, exactly 5 get the 220 greeting and 25 get 421 4.7.0, however many workers accept them."""
+    d = _daemon(tmp_path, pki, passwd_file, workers,
+                "smtpd_client_connection_count_limit = 5\nconnections_per_client_per_minute_max = 0\n")
+    socks = []
+    try:
+        for _ in range(30):
+            socks.append(_outside(d.port))
+        firsts = [_first_reply(s) for s in socks]
+        assert {"220": 5, "421": 25} == {code: firsts.count(code) for code in sorted(set(firsts))}
+    finally:
+        for s in socks:
+            s.close()
+        d.kill9()
+
+
+@pytest.mark.parametrize("workers", [1, 2, 4])
+def test_the_per_ip_connection_rate_holds_for_the_host_at_any_number_of_workers(tmp_path, pki, passwd_file, workers):
+    """connections_per_client_per_minute_max = 8: of 24 connections one after the other (each closed after
+    its first reply) from one client outside mynetworks, exactly the first 8 get 220, whatever the workers."""
+    d = _daemon(tmp_path, pki, passwd_file, workers,
+                "smtpd_client_connection_count_limit = 0\nconnections_per_client_per_minute_max = 8\n")
+    try:
+        firsts = []
+        for _ in range(24):
+            with _outside(d.port) as s:
+                firsts.append(_first_reply(s))
+        assert ["220"] * 8 + ["421"] * 16 == firsts
+    finally:
+        d.kill9()
+
+
+@pytest.mark.parametrize("workers", [1, 2, 4])
+def test_the_auth_failure_limit_holds_for_the_host_at_any_number_of_workers(tmp_path, pki, passwd_file, workers):
+    """smtpd_client_auth_failure_rate_limit = 3: 12 smtps connections from one client outside mynetworks,
+    all open at once (so they spread over the workers), each try one wrong password: exactly 3 get
+    535 5.7.8 and the other 9 get 450 4.7.1 (too many AUTH failures), at 1, 2 and 4 workers."""
+    d = _daemon(tmp_path, pki, passwd_file, workers,
+                "smtpd_client_auth_failure_rate_limit = 3\nsmtpd_client_connection_count_limit = 0\n"
+                "connections_per_client_per_minute_max = 0\n")
+    context = ssl.create_default_context(cafile=pki["ca"])
+    clients: list[smtplib.SMTP_SSL] = []
+    try:
+        for _ in range(12):
+            c = smtplib.SMTP_SSL("127.0.0.1", d.smtps, timeout=30, context=context, source_address=(OUTSIDE, 0))
+            c.ehlo("client.test")
+            clients.append(c)
+        codes = []
+        for c in clients:
+            c.user, c.password = "alice", "wrong"
+            try:
+                c.auth("PLAIN", c.auth_plain, initial_response_ok=True)
+            except smtplib.SMTPAuthenticationError as exc:
+                codes.append(exc.smtp_code)
+        assert [535] * 3 + [450] * 9 == codes
+        failed = [e for e in read_events(d.log_path) if e.get("event") == "auth_failed"]
+        assert 3 == len(failed)
+    finally:
+        for c in clients:
+            c.close()
+        d.kill9()
+
+
+def _soft_nofile(pid: int) -> int:
+    with open(f"/proc/{pid}/limits", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("Max open files"):
+                return int(line.split()[3])
+    raise AssertionError("no Max open files line")
+
+
+def test_serve_raises_the_open_files_limit_to_the_hard_limit(tmp_path):
+    """Started with RLIMIT_NOFILE 256 soft, 4096 hard, the daemon raises its soft limit to 4096 (as Postfix's
+    master does) and says so (open_files_limit_raised); 256 could not hold connections_max = 500."""
+    d = start_daemon(str(tmp_path / "spool"), free_port(), str(tmp_path / "daemon.log"),
+                     wrapper=["prlimit", "--nofile=256:4096", "--"])
+    try:
+        assert 4096 == _soft_nofile(d.popen.pid)
+        [ev] = [e for e in read_events(d.log_path) if e.get("event") == "open_files_limit_raised"]
+        assert (256, 4096, 684) == (ev["soft_before"], ev["soft"], ev["needed"])
+    finally:
+        d.kill9()
+
+
+def test_serve_exits_2_with_one_line_when_connections_max_cannot_fit_the_open_files_limit(tmp_path):
+    """RLIMIT_NOFILE 256 soft and hard: connections_max = 500 cannot be served, so `mtaq serve` exits 2 with one
+    line naming connections_max and the limit, before it listens."""
+    r = subprocess.run(["prlimit", "--nofile=256:256", "--", sys.executable, "-m", "mtaq.cli", "serve",
+                        "--spool", str(tmp_path / "spool"), "--listen", f"127.0.0.1:{free_port()}",
+                        "--admin-listen", "", "--workers", "1"], capture_output=True, text=True, timeout=60)
+    assert 2 == r.returncode
+    assert ["mtaq: connections_max: needs at least 684 open files per process (connections_max, "
+            "delivery_concurrency and 164 more), but RLIMIT_NOFILE is 256 (hard limit 256): raise it "
+            "(ulimit -n, systemd LimitNOFILE=) or lower connections_max"] == r.stderr.splitlines()
+
+
+def test_a_segment_that_cannot_be_created_for_want_of_descriptors_is_a_temporary_error(tmp_path):
+    """Every descriptor taken (EMFILE) when the log must roll over to a new segment: the append raises
+    StorageError (451 4.3.0, temporary), not StorageFatal; once descriptors are free the next append creates
+    the segment and commits. (Held before issue 32 too: a regression test for the 'EMFILE is not fatal' rule.)"""
+    import asyncio
+    import os
+
+    from mtaq.core.errors import StorageError, StorageFatal
+    from mtaq.core.records import DataRecord
+    from mtaq.storage.fs import OsFileSystem
+    from mtaq.storage.log import Log
+
+    async def main() -> tuple[str, list[int]]:
+        log, _ = Log.open(OsFileSystem(), str(tmp_path / "log"), segment_bytes_max=4096)
+        rec = DataRecord(queue_id="Q1", body=b"x" * 3000)
+        await log.commit(log.append(rec)[1])
+        held = []
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 4096), hard))
+        try:
+            while True:
+                held.append(os.open("/dev/null", os.O_RDONLY))
+        except OSError:
+            pass
+        try:
+            log.append(rec)
+            outcome = "appended"
+        except StorageFatal:
+            outcome = "fatal"
+        except StorageError as exc:
+            outcome = exc.smtp_reply
+        finally:
+            for fd in held:
+                os.close(fd)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        await log.commit(log.append(rec)[1])
+        return outcome, log.segments()
+
+    assert ("451 4.3.0 Error: queue file write error", [1, 2]) == asyncio.run(main())
