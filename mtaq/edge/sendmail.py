@@ -24,7 +24,6 @@ try again later), 78 EX_CONFIG (the configuration file).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import email.utils
 import errno
@@ -34,12 +33,12 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from mtaq.config import Config, load_config
-from mtaq.core.errors import ConfigError, MtaqError
+from mtaq.core.errors import ConfigError
 from mtaq.edge.policy import address_problem
 from mtaq.storage import maildrop as md
 
@@ -318,30 +317,23 @@ def _submit(o: Options, cfg: Config) -> int:
     return EX_OK
 
 
-def _queue_command(command: str, cfg: Config, config_path: str | None) -> int:
-    from mtaq.admin.cli import run_queue
-
-    ns = argparse.Namespace(queue_command=command, spool=cfg.spool_dir, config=config_path, url=None, token=None,
-                            timeout=300.0, sender=None, recipient=None, domain=None, held=False, deferred=False,
-                            older_than=None, json=False, targets=["ALL"])
-    try:
-        return run_queue(ns)
-    except MtaqError as exc:
-        print(f"sendmail: {exc}", file=sys.stderr)
-        return EX_TEMPFAIL
+QueueCommand = Callable[[str, Config, "str | None"], int]
+"""``-bp`` / ``-q``: runs ``mtaq queue list`` / ``mtaq queue flush ALL`` for a config (the command line passes
+:func:`mtaq.admin.cli.run_queue` in: the edge does not import the admin package)."""
 
 
-def main(argv: Sequence[str], *, prog: str = "sendmail") -> int:
-    """Run the sendmail command with ``argv`` (the words after the program name); the exit status."""
+def main(argv: Sequence[str], *, prog: str = "sendmail", queue_command: QueueCommand | None = None) -> int:
+    """Run the sendmail command with ``argv`` (the words after the program name); the exit status.
+    ``queue_command`` carries out -bp and -q (without one they exit 69, EX_UNAVAILABLE)."""
     try:
         o = parse_args(argv)
         if prog == "mailq":
             o.mode = "p"
         cfg, path = _config(o.config)
-        if o.mode == "p":
-            return _queue_command("list", cfg, path)
-        if o.mode == "q":
-            return _queue_command("flush", cfg, path)
+        if o.mode in ("p", "q"):
+            if queue_command is None:
+                raise SendmailError(EX_UNAVAILABLE, "-bp and -q need the mtaq command line")
+            return queue_command("list" if o.mode == "p" else "flush", cfg, path)
         if o.mode == "s":
             return _smtp(o, cfg)
         return _submit(o, cfg)
