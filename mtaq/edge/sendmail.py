@@ -118,7 +118,7 @@ def parse_args(argv: Sequence[str]) -> Options:
                     elif val in ("s", "p"):
                         o.mode = val
                     else:
-                        raise SendmailError(EX_USAGE, f"-b{val}: unsupported (mtaq knows -bm, -bs, -bp)")
+                        raise SendmailError(EX_UNAVAILABLE, f"-b{val}: unsupported (mtaq knows -bm, -bs, -bp)")
                 elif c == "q":
                     if val == "" or val[:1] in ("R", "S", "I"):  # -q, -qRsite...: flush; -q30m: ignored
                         o.mode = "q"
