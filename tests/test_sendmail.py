@@ -301,3 +301,62 @@ def test_with_two_workers_one_picks_up(host) -> None:
     picked = h.events("picked_up")
     assert 4 == len(picked)
     assert {0} == {e.get("shard", 0) for e in picked}
+
+
+def test_a_checkpoint_waits_for_the_pickups_unlinks(tmp_path: Path, monkeypatch) -> None:
+    """In-process daemon: while a picked-up file's envelope is durable (and even delivered and finished) but
+    its unlink not yet fsync'd, a checkpoint does not take its positions: it waits for the pick-up's lock.
+    Otherwise its working suffix could start past that envelope, and a crash before the unlink would queue
+    the file again (docs/log_format.md, "What recovery trusts", rule 6)."""
+    import asyncio
+    import threading
+
+    from aiosmtpd.smtp import SMTP
+
+    from mtaq.config import load_config
+    from mtaq.daemon.process import Daemon
+    from mtaq.storage import maildrop as md
+    from mtaq.testing.sink import SinkHandler
+
+    spool = tmp_path / "spool"
+    md.write_message(str(spool), "a@example.org", ["b@example.net"], b"Subject: lock\r\n\r\nx\r\n", login="root")
+    release = threading.Event()
+    real_remove = md.remove
+
+    def blocked_remove(d: str, name: str) -> None:
+        release.wait(30)
+        real_remove(d, name)
+
+    monkeypatch.setattr(md, "remove", blocked_remove)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        sink = SinkHandler(str(tmp_path / "maildir"))
+        server = await loop.create_server(lambda: SMTP(sink, hostname="sink", loop=loop), "127.0.0.1", 0)
+        cfg = load_config(None, {"spool_dir": str(spool), "listen": "127.0.0.1:0", "stats_interval_s": 0,
+                                 "relayhost": f"[127.0.0.1]:{server.sockets[0].getsockname()[1]}",
+                                 "checkpoint_interval_s": 3600, "admin_listen": ""})
+        d = Daemon(cfg)
+        task = asyncio.create_task(d.run())
+        try:
+            while sink.received < 1 or len(d.queue.working) or not d.runners_settled():
+                await asyncio.sleep(0.01)  # delivered and finished, its unlink still held up
+            assert d.pickup is not None and d.pickup.lock.locked()
+            before = d.checkpoints
+            cp = asyncio.create_task(d.checkpoint())
+            while not cp.done() and not d.pickup.lock._waiters:  # type: ignore[attr-defined]
+                await asyncio.sleep(0.01)
+            assert (False, before) == (cp.done(), d.checkpoints)
+            release.set()
+            await cp
+            assert (before + 1, []) == (d.checkpoints, os.listdir(spool / "maildrop"))
+        finally:
+            release.set()
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            server.close()
+
+    asyncio.run(main())
