@@ -358,3 +358,20 @@ def test_a_checkpoint_waits_for_the_pickups_unlinks(tmp_path: Path, monkeypatch)
             server.close()
 
     asyncio.run(main())
+
+
+def test_a_full_disk_is_a_temporary_failure_and_leaves_nothing(host, tmp_path: Path) -> None:
+    """A maildrop on a full file system (a 64 KiB tmpfs): exit 75 (EX_TEMPFAIL, try again later), and no
+    temporary file is left behind. Skipped where this process may not mount a tmpfs."""
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        cfg = tmp_path / "small.toml"
+        cfg.write_text(f'spool_dir = "{small / "spool"}"\n')
+        r = sendmail(cfg, "x@example.net", stdin=b"Subject: big\n\n" + b"z" * 100 * 1024)
+        assert 75 == r.returncode, r.stderr
+        assert [] == os.listdir(small / "spool" / "maildrop")
+    finally:
+        subprocess.run(["umount", str(small)], check=False)

@@ -222,8 +222,14 @@ class Pickup:
             if isinstance(r, StorageFatal):
                 raise r
             if isinstance(r, BaseException):
-                if not isinstance(r, StorageError):
+                if not isinstance(r, Exception):
                     raise r
+                if not isinstance(r, StorageError):
+                    # Not the disk: something in this file (a bug its content triggers). Set aside and reported
+                    # rather than a crash at every start on the same file.
+                    self.log.error("pickup_exception", maildrop=m.name, error=f"{type(r).__name__}: {r}")
+                    await self._aside(m.name, f"cannot be queued: {type(r).__name__}", m.uid)
+                    continue
                 ok = False
                 self.log.warning("pickup_deferred", maildrop=m.name, error=str(r), action="tried again later")
         return ok
