@@ -125,7 +125,6 @@ class Pickup:
             return
         batch: list[md.Dropped] = []
         size = 0
-        removed: list[str] = []
         for name in names:
             if name.startswith("."):
                 await self._stale_temp(name)
@@ -144,9 +143,11 @@ class Pickup:
                 self.log.error("pickup_read_failed", maildrop=name, error=str(exc), action=f"tried again in {POLL_S} s")
                 continue
             if name in already_queued:
-                # Its envelope was durable before a crash cut off the unlink: queued once already.
-                await asyncio.to_thread(md.remove, self.dir, name)
-                removed.append(name)
+                # Its envelope was durable before a crash cut off the unlink: queued once already. Removed
+                # durably before any checkpoint can move the working suffix past that envelope.
+                async with self.lock:
+                    await asyncio.to_thread(md.remove, self.dir, name)
+                    await asyncio.to_thread(md.sync_dir, self.dir)
                 self.log.warning("maildrop_already_queued", maildrop=name, uid=msg.uid, action="removed")
                 continue
             problem = self._envelope_problem(msg)
@@ -159,8 +160,6 @@ class Pickup:
                 if not await self._queue(batch):
                     return
                 batch, size = [], 0
-        if removed:
-            await asyncio.to_thread(md.sync_dir, self.dir)
         if batch:
             await self._queue(batch)
 
