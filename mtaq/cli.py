@@ -1,6 +1,7 @@
 """The ``mtaq`` command line (argparse).
 
-``mtaq serve``, ``mtaq sink``, ``mtaq dkim keygen``, ``mtaq log dump``, ``mtaq log verify``, ``mtaq passwd``, ``mtaq analyze``
+``mtaq serve``, ``mtaq sink``, ``mtaq sendmail`` (sendmail(1); mtaq/edge/sendmail.py; also when the program is
+called ``sendmail`` or ``mailq``), ``mtaq dkim keygen``, ``mtaq log dump``, ``mtaq log verify``, ``mtaq passwd``, ``mtaq analyze``
 (delivery statistics on Spark; needs the ``spark`` extra, imported only when that command runs), ``mtaq queue
 ...`` (mtaq/admin/cli.py). Errors are one line on stderr with a non-zero exit status: 2 for bad usage or
 configuration, 1 for a log that does not verify or a ``queue`` command that failed.
@@ -15,7 +16,7 @@ import ssl
 import sys
 from collections.abc import Sequence
 
-from mtaq.config import load_config, parse_hostport
+from mtaq.config import Config, load_config, parse_hostport
 from mtaq.core.errors import ConfigError, MtaqError
 from mtaq.core.text import EscapingWriter
 from mtaq.logs import configure_logging
@@ -84,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     v = lsub.add_parser("verify", help="check every checksum and link; exit 0 when sound")
     v.add_argument("--spool", metavar="DIR", default="./spool")
 
+    sub.add_parser("sendmail", add_help=False,
+                   help="sendmail(1): queue a message from stdin, also with the daemon down (-t, -f, -F, -i, -bs, -bp, -q)")
     from mtaq.admin.cli import add_queue_parser
 
     add_queue_parser(sub)
@@ -95,6 +98,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    prog = os.path.basename(sys.argv[0]) if argv is None else ""
+    words = list(sys.argv[1:] if argv is None else argv)
+    if prog in ("sendmail", "mailq") or (words and words[0] == "sendmail"):
+        # sendmail(1) has its own option syntax (-oi, -f sender, -bs...): not argparse (mtaq.admin.sendmail).
+        from mtaq.edge.sendmail import main as sendmail_main
+
+        if prog in ("sendmail", "mailq"):
+            return sendmail_main(words, prog=prog, queue_command=_sendmail_queue)
+        return sendmail_main(words[1:], queue_command=_sendmail_queue)
     args = build_parser().parse_args(argv)
     if args.command not in ("queue", "log"):
         return _main(args)
@@ -177,6 +189,21 @@ def _serve(args: argparse.Namespace) -> int:
 
         print(f"mtaq: cannot serve: {oserror_line(exc)}", file=sys.stderr)
         return 1
+
+
+def _sendmail_queue(command: str, cfg: Config, config_path: str | None) -> int:
+    """``sendmail -bp`` (``list``) and ``-q`` (``flush``, ALL): ``mtaq queue`` on the spool of ``cfg``; a failure is
+    one line and 75 (EX_TEMPFAIL: the daemon may be starting)."""
+    from mtaq.admin.cli import run_queue
+
+    ns = argparse.Namespace(queue_command=command, spool=cfg.spool_dir, config=config_path, url=None, token=None,
+                            timeout=300.0, sender=None, recipient=None, domain=None, held=False, deferred=False,
+                            older_than=None, json=False, targets=["ALL"])
+    try:
+        return run_queue(ns)
+    except MtaqError as exc:
+        print(f"sendmail: {exc}", file=sys.stderr)
+        return 75
 
 
 def _workers(value: str) -> int | str:

@@ -169,6 +169,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     smtp_connection_idle_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0  # cached connections closed after
     smtp_connection_cache_max: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 8  # per delivery worker
     myhostname: str = ""  # "" means the host's name
+    # The domain mtaq sendmail appends to a bare local name and to the invoking user's login as the default sender
+    # (Postfix's myorigin); "" means myhostname.
+    myorigin: str = ""
     segment_bytes_max: Annotated[int, msgspec.Meta(ge=65536, le=4096 * MiB)] = 64 * MiB
     message_size_limit_bytes: Annotated[int, msgspec.Meta(ge=1024, le=200 * MiB)] = 10_240_000
     # New mail gets 452 4.3.1 while the spool has less free space than this (Postfix queue_minfree); the

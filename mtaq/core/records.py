@@ -122,6 +122,9 @@ class EnvelopeRecord(msgspec.Struct, frozen=True, array_like=True, tag=int(Recor
     before it had been fsync'd, which recovery uses to tell damage from an unsynced hole. ``bounce_start``
     (a DSN's first envelope) is the START of the attempt or administrator's bounce that queued it: recovery
     counts the DSNs an interrupted attempt already queued by it, and ends a DSN whose START was lost.
+    ``maildrop`` names the ``SPOOL/maildrop`` file a message submitted with ``mtaq sendmail`` was picked up
+    from ("" for mail received by SMTP): recovery collects these names, so that a file whose envelope is
+    durable is never queued again after a crash before its unlink (docs/log_format.md, "What recovery trusts").
     """
 
     queue_id: str
@@ -143,6 +146,7 @@ class EnvelopeRecord(msgspec.Struct, frozen=True, array_like=True, tag=int(Recor
     held: bool = False
     durable: Pos | None = None
     bounce_start: Pos | None = None
+    maildrop: str = ""
 
 
 class StartRecord(msgspec.Struct, frozen=True, array_like=True, tag=int(RecordType.START)):

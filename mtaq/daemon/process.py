@@ -54,6 +54,7 @@ from mtaq.delivery.throttle import DomainLimit, Throttle
 from mtaq.delivery.transport import Batch, ConnectionPool, HopFailure, deliver
 from mtaq.edge.dkim import Signer
 from mtaq.edge.limits import Gate
+from mtaq.edge.pickup import Pickup
 from mtaq.edge.policy import EdgePolicy
 from mtaq.edge.server import QueueHandler, connection_gate, start_server
 from mtaq.logs import configure_logging, get_logger
@@ -102,11 +103,14 @@ class Daemon:
 
     def __init__(self, cfg: Config, *, clock: Callable[[], float] = time.time,
                  monotonic: Callable[[], float] = time.monotonic, listen_sockets: list[list[socket.socket]] | None = None, fs: FileSystem | None = None, admin_socket: str = "", admin_peers: dict[int, str] | None = None,
-                 anvil_socket: socket.socket | None = None) -> None:
+                 anvil_socket: socket.socket | None = None, pickup: bool = True) -> None:
         self.cfg = cfg
         # One of several workers: the socket to the supervisor's anvil, the host's per-client counters
         # (mtaq.daemon.anvil); None: the gate is this process's own.
         self.anvil_socket = anvil_socket
+        # The maildrop's pick-up (mtaq sendmail; mtaq.edge.pickup): in one process only (worker 0 of several).
+        self.pickup_wanted = pickup
+        self.pickup: Pickup | None = None
         # Several workers (mtaq.daemon.workers): worker k >= 1 serves the admin API on ``admin_socket`` for
         # worker 0, whose public API reaches the other shards through ``admin_peers`` {shard: socket}.
         self.admin_socket = admin_socket
@@ -331,6 +335,11 @@ class Daemon:
         tasks.append(asyncio.create_task(self._checkpointer()))
         tasks.append(asyncio.create_task(self._parked_runner()))
         tasks.append(asyncio.create_task(self._close_idle_connections()))
+        if self.pickup_wanted:  # after recovery: it knows which maildrop files are queued already
+            self.pickup = Pickup(self.queue, cfg.spool_dir, hostname=cfg.hostname(),
+                                 body_bytes_max=cfg.message_size_limit_bytes,
+                                 recipients_max=cfg.recipients_per_message_max, signer=self.signer, log=self.log)
+            tasks.append(asyncio.create_task(self.pickup.run(res.maildrop)))
         if cfg.stats_interval_s > 0:
             tasks.append(asyncio.create_task(self._stats()))
         await asyncio.gather(*tasks)
@@ -542,6 +551,10 @@ class Daemon:
         """Take the restart positions, fsync the log, write the checkpoint, delete wholly-garbage segments."""
         qlog, working = self.queue.log, self.queue.working
         await self._copy_parked_forward()
+        # No maildrop pick-up between its appends and its unlinks' fsync while the positions are read (mtaq.edge.pickup).
+        pickup_lock = self.pickup.lock if self.pickup is not None else None
+        if pickup_lock is not None:
+            await pickup_lock.acquire()
         head = qlog.end
         positions = tuple(r.position for r in self.runners)
         garbage = tuple(tuple(sorted(r.garbage)) for r in self.runners)
@@ -550,6 +563,8 @@ class Daemon:
         pins = self.queue.data_pins  # replacements naming DATA far behind them (a failed copy forward)
         true_garbage_end = min((*positions, working.earliest_envelope() or head, parked.earliest() or head, head,
                                 *pins.values()))
+        if pickup_lock is not None:
+            pickup_lock.release()
         # Revoked envelopes that every runner has passed can no longer be offered by a runner.
         self.queue.revoked = {p for p in self.queue.revoked if p >= min(positions, default=head)}
         cp = Checkpoint(head=head, suffix=suffix, runners=positions, garbage=garbage, written_ts=self.clock(),
@@ -764,7 +779,7 @@ def _run_worker(cfg: Config, shard: int, n: int, sockets: list[list[socket.socke
     sock = admin_socket(cfg.spool_dir, shard) if api and shard > 0 else ""
     try:
         _run_loop(Daemon(shard_cfg, listen_sockets=sockets, admin_socket=sock, admin_peers=peers,
-                         anvil_socket=worker_anvil_socket()))
+                         anvil_socket=worker_anvil_socket(), pickup=shard == 0))
     except (OSError, MtaqError) as exc:
         # What one process says from the CLI (a start-up failure: admin_listen taken since the supervisor's check,
         # an admin socket path it cannot replace, an unreadable spool): one line and status 1, no traceback.

@@ -64,6 +64,9 @@ class RecoveryResult:
     unknown: list[tuple[str, str]] = field(default_factory=list)  # (queue_id, recipient)
     runners: list[Pos] = field(default_factory=list)
     garbage: list[set[Pos]] = field(default_factory=list)
+    # The maildrop files named by the envelopes of the working suffix (EnvelopeRecord.maildrop): already queued,
+    # whatever became of them since; the pick-up at start removes such a file instead of queueing it again.
+    maildrop: set[str] = field(default_factory=set)
 
 
 def _read_envelope(log: Any, pos: Pos) -> EnvelopeRecord | None:
@@ -245,6 +248,8 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
             if pos < scan_from:
                 continue
             res.records += 1
+            if isinstance(rec, EnvelopeRecord) and rec.maildrop:
+                res.maildrop.add(rec.maildrop)
             if isinstance(rec, EnvelopeRecord | FinishRecord):
                 x = rec.replaces if isinstance(rec, EnvelopeRecord) else rec.start
                 if x is not None and x in open_attempts and hole_between(x, pos):

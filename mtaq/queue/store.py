@@ -231,6 +231,8 @@ class Queue:
         client: str = "",
         helo: str = "",
         not_before_ts: float | None = None,
+        queue_id: str = "",
+        maildrop: str = "",
     ) -> EnvelopeRecord:
         """Append a new message and return its envelope once it is durable (the caller may then say 250).
 
@@ -239,6 +241,9 @@ class Queue:
         caller closes the buffer.
         ``not_before_ts`` (UTC seconds) delays the first attempt (RFC 4865 FUTURERELEASE): the envelope is
         then parked until that time instead of going to the runner for new mail.
+        ``queue_id``: the ID to give the message (made by :func:`new_queue_id` before, when the caller writes it
+        into the message: the pick-up's ``Received:`` line); "" makes one. ``maildrop``: the maildrop file the
+        message comes from (:attr:`EnvelopeRecord.maildrop`).
 
         ``on_durable`` runs once the covering fsync is done, even if the caller was cancelled meanwhile
         (an SMTP client that hangs up after its final dot). The queue runner for new mail sees the
@@ -256,7 +261,8 @@ class Queue:
         if self.minfree_bytes and self.log.free_bytes() < self.minfree_bytes + size:
             raise StorageFull(f"spool free space below queue_minfree_bytes ({self.minfree_bytes} bytes)")
         env, pos, lsn = self._append_message(
-            sender, recipients, body, mail_params, rcpt_params, client, helo, not_before_ts=not_before_ts
+            sender, recipients, body, mail_params, rcpt_params, client, helo, not_before_ts=not_before_ts,
+            queue_id=queue_id, maildrop=maildrop,
         )
         # Settled by a callback at the end of the covering fsync round, which runs even if this caller is
         # cancelled meanwhile (the client hung up) and lets the 250 out one loop turn after the fsync, before
@@ -284,10 +290,12 @@ class Queue:
         bounce_of: str = "",
         not_before_ts: float | None = None,
         bounce_start: Pos | None = None,
+        queue_id: str = "",
+        maildrop: str = "",
     ) -> tuple[EnvelopeRecord, Pos, int]:
         now = self.clock()
         delayed = not_before_ts is not None and not_before_ts > now
-        qid = new_queue_id(now)
+        qid = queue_id or new_queue_id(now)
         if isinstance(body, BodyBuffer) and body.spilled:
             size = body.size
             try:
@@ -318,6 +326,7 @@ class Queue:
             bounce_of=bounce_of,
             bounce_start=bounce_start,
             runner=PARKED if delayed else 0,
+            maildrop=maildrop,
         )
         if delayed:
             assert not_before_ts is not None

@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable
 from typing import Protocol
 
-__all__ = ["File", "FileSystem", "OsFileSystem", "make_durable_dirs", "replace_file"]
+__all__ = ["File", "FileSystem", "OsFileSystem", "fsync_fd", "make_durable_dirs", "replace_file", "syncfs_fd"]
 
 
 class File(Protocol):
@@ -154,6 +154,25 @@ class OsFileSystem:
     def free_bytes(self, path: str) -> int:
         st = os.statvfs(path)
         return st.f_bavail * st.f_frsize
+
+
+def fsync_fd(fd: int) -> None:
+    """fsync an open file descriptor (the maildrop's files, written outside the log: mtaq.storage.maildrop).
+    Raises OSError; a failure is never retried and trusted (GUIDE I6)."""
+    os.fsync(fd)
+
+
+def syncfs_fd(fd: int) -> None:
+    """syncfs(2) the file system that holds the open file ``fd``: every write and directory entry on it is on
+    disk when this returns (Linux reports write-back errors since 5.8). For a directory entry made by a process
+    that may not open its directory (a local user in the mode-1733 maildrop, which only the daemon can read),
+    where :meth:`FileSystem.fsync_dir` is refused. Raises OSError."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syncfs(fd) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
 
 
 def make_durable_dirs(fs: FileSystem, directory: str) -> None:

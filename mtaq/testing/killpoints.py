@@ -8,7 +8,10 @@ moment (the issue's "crash at each named point"; FoundationDB-style buggify, but
 * ``delivery.after_remote_reply``: the next hop answered, our DELIVERY record is not written yet;
 * ``checkpoint.after_tmp``: the new checkpoint is written and fsync'd as a temp file, not yet renamed;
 * ``reclaim.after_first_unlink``: one of several garbage segments is unlinked, the directory not fsync'd;
-* ``recovery.before_conclude``: recovery has read the working suffix, not yet concluded the attempts.
+* ``recovery.before_conclude``: recovery has read the working suffix, not yet concluded the attempts;
+* ``pickup.before_receive``: maildrop files read and checked, nothing of them appended yet;
+* ``pickup.after_receive``: their envelopes are durable, the files not yet unlinked;
+* ``pickup.after_unlink``: the files are unlinked, the maildrop directory not yet fsync'd.
 
 Counted points (``COUNTED``), for kills at every step of a sequence rather than at one moment:
 
@@ -33,6 +36,9 @@ POINTS = (
     "checkpoint.after_tmp",
     "reclaim.after_first_unlink",
     "recovery.before_conclude",
+    "pickup.before_receive",
+    "pickup.after_receive",
+    "pickup.after_unlink",
 )
 COUNTED = ("log.append", "log.roll", "recovery.append")
 recovering = False  # True while recovery runs (the daemon sets it): log.append counts as recovery.append too
