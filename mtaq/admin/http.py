@@ -409,10 +409,14 @@ _CLOSING = frozenset({408, 413})
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         resp = await _answer(request, handler)
-    finally:
+    except BaseException:
         guard = _guard_of(request)
         if guard is not None:
-            guard.answered()  # the next request on this connection has its own deadline
+            guard.answered(closing=True)
+        raise
+    guard = _guard_of(request)
+    if guard is not None:  # the next request on this connection has its own deadline
+        guard.answered(closing=resp.status in _CLOSING)
     if resp.status in _CLOSING:
         resp.force_close()
     return resp
@@ -591,6 +595,8 @@ class _Guard(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.counted = False
         self.timer: asyncio.TimerHandle | None = None
+        self.idle = False  # answered, and nothing of another request has come since
+        self.closing = False  # answered with the connection to be closed (aiohttp may read what is left)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not asyncio's classes
@@ -616,8 +622,12 @@ class _Guard(asyncio.Protocol):
             self.timer.cancel()
             self.timer = None
 
-    def answered(self) -> None:
-        """The answer is on its way: the next request on this connection must arrive in time."""
+    def answered(self, *, closing: bool = False) -> None:
+        """The answer is on its way: the next request on this connection must arrive in time. With
+        ``closing`` no other request is taken: what aiohttp still reads of this one (lingering, so that the
+        client gets the answer before the close) is cut at the deadline, silently."""
+        self.idle = True
+        self.closing = self.closing or closing
         if self.counted and self.transport is not None and not self.transport.is_closing():
             self._arm()
 
@@ -629,11 +639,15 @@ class _Guard(asyncio.Protocol):
         if t.get_write_buffer_size() > 0:  # still sending an answer: not the client's request being late
             self._arm()
             return
+        if self.closing or self.idle:  # an idle keep-alive connection, or one answered already: just close
+            t.close()
+            return
         self.limits.timed_out += 1
         t.write(self.limits.late)
         t.close()
 
     def data_received(self, data: bytes) -> None:
+        self.idle = False
         self.inner.data_received(data)
 
     def eof_received(self) -> bool | None:
