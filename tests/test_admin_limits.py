@@ -11,12 +11,22 @@ from __future__ import annotations
 import json
 import smtplib
 import socket
+import subprocess
+import sys
 import time
 import urllib.request
 
 import pytest
 
-from mtaq.testing.procs import admin_token, admin_url, peak_rss_kib, start_daemon, start_sink
+from mtaq.testing.procs import (
+    admin_token,
+    admin_url,
+    peak_rss_kib,
+    read_events,
+    start_daemon,
+    start_sink,
+    wait_for,
+)
 
 TIMEOUT_S = 2.0
 CONNECTIONS_MAX = 16
@@ -24,8 +34,9 @@ CONNECTIONS_MAX = 16
 
 @pytest.fixture
 def daemon(tmp_path):
-    """The daemon under ``prlimit --nofile=1024:1024`` with a 2 s request deadline and 16 admin connections."""
-    sink = start_sink(str(tmp_path / "maildir"), str(tmp_path / "sink.log"))
+    """The daemon under ``prlimit --nofile=1024:1024`` with a 2 s request deadline and 16 admin connections,
+    relaying to a sink that defers ``slow*`` recipients."""
+    sink = start_sink(str(tmp_path / "maildir"), str(tmp_path / "sink.log"), extra=["--defer-rcpt", "^slow"])
     cfg = tmp_path / "mtaq.toml"
     cfg.write_text(f"admin_request_timeout_s = {TIMEOUT_S}\nadmin_connections_max = {CONNECTIONS_MAX}\n")
     d = start_daemon(str(tmp_path / "spool"), sink.port, str(tmp_path / "daemon.log"), config=str(cfg),
@@ -169,3 +180,25 @@ def test_an_oversized_body_gets_413_json_unread(daemon):
     assert before is not None and after is not None
     assert after - before < 8 * 1024, (before, after)
     assert daemon.alive()
+
+
+def test_mtaq_queue_sends_many_queue_ids_in_several_requests(daemon):
+    """``mtaq queue hold -`` with 60,001 queue IDs on stdin (about 1.1 MB as one JSON body: over the 1 MiB
+    limit) still works: the IDs go in requests of at most 20,000, their answers merged. The one real
+    message is held; the others are reported skipped."""
+    spool = daemon_spool(daemon)
+    with smtplib.SMTP("127.0.0.1", daemon.port, timeout=10) as s:
+        s.ehlo("client.test")
+        s.mail("alice@example.org")
+        s.rcpt("slow@example.net")  # deferred by the sink: it waits in the queue
+        code, text = s.data(b"Subject: t\r\n\r\nhi\r\n")
+    assert 250 == code
+    qid = text.decode().rsplit(" ", 1)[1]
+    wait_for(lambda: [e for e in read_events(daemon.log_path) if e.get("event") == "deferred_until"], 20, "deferral")
+    ids = [f"1K0000000{i:06d}" for i in range(60_000)] + [qid]
+    assert len(json.dumps({"ids": ids})) > 1024 * 1024
+    p = subprocess.run([sys.executable, "-m", "mtaq.cli", "queue", "hold", "-", "--spool", spool, "--json"],
+                       input="\n".join(ids) + "\n", capture_output=True, text=True, timeout=120)
+    assert 0 == p.returncode, p.stderr[-2000:]
+    res = json.loads(p.stdout)
+    assert ([qid], 60_000) == (res["done"], len(res["skipped"]))
