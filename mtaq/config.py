@@ -213,6 +213,12 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     admin_token: str = ""
     # Host names a request's Host header may name besides IP literals and localhost (DNS rebinding guard).
     admin_hosts: list[str] = msgspec.field(default_factory=list)
+    # Limits of the admin API, checked before the token (mtaq/admin/http.py): connections open at once (one
+    # more gets 503 and is closed), seconds for a request's headers and body to arrive (else 408, closed), and
+    # the largest request body (else 413, closed unread; `mtaq queue` sends many queue IDs in several requests).
+    admin_connections_max: Annotated[int, msgspec.Meta(ge=1, le=10000)] = 64
+    admin_request_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 10.0
+    admin_body_bytes_max: Annotated[int, msgspec.Meta(ge=1024, le=64 * 1024 * 1024)] = 1024 * 1024
     # Distinct recipient domains labelling mtaq_delivery_latency_seconds; later ones are counted as "other".
     metrics_domains_max: Annotated[int, msgspec.Meta(ge=0, le=10000)] = 100
     # --- the SMTP edge (mtaq.edge.policy): relay control, limits, smuggling, TLS, AUTH -------------------

@@ -15,10 +15,11 @@ from typing import Any
 
 import msgspec
 import structlog
+import structlog.tracebacks
 
-from mtaq.core.text import escape_value, is_safe
+from mtaq.core.text import escape_text, escape_value, is_safe
 
-__all__ = ["PlainConsoleRenderer", "UtcStamper", "configure_logging", "get_logger"]
+__all__ = ["LIBRARY_EVENT", "PlainConsoleRenderer", "UtcStamper", "configure_logging", "get_logger"]
 
 
 def configure_logging(fmt: str = "console", *, stream: Any = None, shard: int | None = None) -> None:
@@ -27,10 +28,16 @@ def configure_logging(fmt: str = "console", *, stream: Any = None, shard: int | 
     ``shard``: in a worker process of a sharded spool (mtaq.daemon.workers), every event gets a ``shard`` field.
     """
     stream = stream or sys.stderr
+    console = fmt != "json"
     processors: list[Any] = [
-        _escape_event,
         structlog.processors.add_log_level,
         UtcStamper(),
+        # exc_info becomes an "exception" field here, before the escaping, so that a traceback is escaped too:
+        # JSON gets the traceback as structured data, the console its text (structlog's plain format). Never
+        # with the frames' local variables (structlog's default for both dict tracebacks and Rich): they held
+        # an AUTH line and the user name (issue 32 item 8).
+        structlog.processors.ExceptionRenderer(_NO_LOCALS) if not console else structlog.processors.format_exc_info,
+        _escape_console_event if console else _escape_event,
     ]
     if shard is not None:
 
@@ -39,9 +46,8 @@ def configure_logging(fmt: str = "console", *, stream: Any = None, shard: int | 
             return event
 
         processors.append(add_shard)
-    if fmt == "json":
-        # exc_info becomes an "exception" field (the traceback as structured data) instead of being dropped.
-        processors += [structlog.processors.dict_tracebacks, structlog.processors.JSONRenderer(serializer=_dumps)]
+    if not console:
+        processors.append(structlog.processors.JSONRenderer(serializer=_dumps))
     elif stream.isatty():
         processors.append(structlog.dev.ConsoleRenderer(colors=True))
     else:
@@ -54,6 +60,7 @@ def configure_logging(fmt: str = "console", *, stream: Any = None, shard: int | 
         logger_factory=structlog.WriteLoggerFactory(stream),
         cache_logger_on_first_use=True,
     )
+    _route_library_logging()
 
 
 _SPECIAL = frozenset(" \t=\r\n\"'")
@@ -144,6 +151,56 @@ def _escape_event(_logger: Any, _name: str, event: Any) -> Any:
         if not isinstance(v, int | float | bool | None):
             event[k] = escape_value(v)
     return event
+
+
+# structlog's ExceptionDictTransformer shows each frame's locals by default: never here (issue 32 item 8).
+_NO_LOCALS = structlog.tracebacks.ExceptionDictTransformer(show_locals=False)
+
+
+def _escape_console_event(logger: Any, name: str, event: Any) -> Any:
+    """:func:`_escape_event` for the console: the same, except that a traceback's line breaks and tabs are
+    kept (it is read on several lines there); its other controls are escaped as everywhere."""
+    exc = event.pop("exception", None)
+    event = _escape_event(logger, name, event)
+    if isinstance(exc, str):
+        event["exception"] = escape_text(exc, keep_layout=True)
+    return event
+
+
+LIBRARY_EVENT = "library_log"
+
+
+class _LibraryRecords(logging.Handler):
+    """Python ``logging`` records of every other library (aiosmtpd's ``mail.log``, asyncio, aiohttp,
+    aiosmtplib...) as ``library_log`` events of mtaq's own pipeline: ``logger`` (its name), ``message``
+    (the formatted text) and ``level``, a traceback as ``exception``; escaped like every other event (a
+    client's unknown SMTP command, logged by aiosmtpd, carried ESC, CR, VT and FS raw into the log before:
+    issue 32 item 7). Records below WARNING are dropped as before (the root logger's level), so the log
+    is no louder than Python's last-resort handler made it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            try:
+                message = record.getMessage()
+            except Exception:  # a library's bad format string: its parts, never an error of ours
+                message = f"{record.msg!r} % {record.args!r}"
+            fields: dict[str, Any] = {"logger": record.name, "message": message}
+            if record.exc_info:
+                fields["exc_info"] = record.exc_info
+            level = min(max(record.levelno // 10 * 10, logging.DEBUG), logging.CRITICAL)  # structlog knows these
+            structlog.get_logger("mtaq").log(level, LIBRARY_EVENT, **fields)
+        except Exception:  # pragma: no cover - the stream itself failed; nowhere left to say so
+            pass
+
+
+def _route_library_logging() -> None:
+    """Send every ``logging`` record (and ``warnings.warn``, through ``py.warnings``) to :class:`_LibraryRecords`,
+    in place of any handler an earlier call installed."""
+    root = logging.getLogger()
+    for h in [h for h in root.handlers if isinstance(h, _LibraryRecords)]:
+        root.removeHandler(h)
+    root.addHandler(_LibraryRecords())
+    logging.captureWarnings(True)
 
 
 def _fallback(obj: Any) -> Any:

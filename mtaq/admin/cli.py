@@ -217,7 +217,7 @@ def run_queue(args: argparse.Namespace, out: TextIO | None = None) -> int:
         body = _action_body(args, older)
         try:
             client = _client(args, spool, token)
-            res = client.call("POST", f"/mails/actions/{cmd}", body=body)
+            res = _act_in_batches(client, cmd, body)
         except Offline as off:
             raise QueueCommandError(
                 f"{cmd} needs a running daemon ({off.why}): the queue changes only through the daemon's log"
@@ -343,6 +343,27 @@ def _action_body(args: argparse.Namespace, older: float | None) -> dict[str, Any
         except ValueError as exc:
             raise QueueCommandError(f"--for: {exc}") from None
     return body
+
+
+# Queue IDs per action request: about 20 bytes each as JSON, far below the API's body limit
+# (admin_body_bytes_max, 1 MiB by default); more IDs (``-`` reads them from stdin) go in several requests.
+IDS_PER_REQUEST = 20_000
+
+
+def _act_in_batches(client: Any, action: str, body: dict[str, Any]) -> dict[str, Any]:
+    """``POST /mails/actions/{action}`` with ``body``; a long ``ids`` list in requests of at most
+    :data:`IDS_PER_REQUEST` IDs, their answers merged (``done`` and ``skipped`` together, the last ``position``)."""
+    ids = body.get("ids") or []
+    if len(ids) <= IDS_PER_REQUEST:
+        res: dict[str, Any] = client.call("POST", f"/mails/actions/{action}", body=body)
+        return res
+    merged: dict[str, Any] = {"action": action, "position": "", "done": [], "skipped": {}}
+    for i in range(0, len(ids), IDS_PER_REQUEST):
+        part = client.call("POST", f"/mails/actions/{action}", body={**body, "ids": ids[i:i + IDS_PER_REQUEST]})
+        merged["done"] += part["done"]
+        merged["skipped"].update(part["skipped"])
+        merged["position"] = part["position"]
+    return merged
 
 
 def _print_action(action: str, res: dict[str, Any], as_json: bool, out: TextIO) -> None:

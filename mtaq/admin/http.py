@@ -19,6 +19,12 @@ What must always hold:
 * every error is JSON ``{"statusCode", "type", "message"}`` (James style): 400 bad input (the message names
   the parameter), 401, 404 unknown queue, queue ID or route, 405, 500 when the log cannot be written;
 * actions go through :class:`~mtaq.admin.service.AdminService` (durable log records, consistent selection);
+* no client can hold the API (issue 32 item 3): at most ``admin_connections_max`` connections at once (one
+  more gets ``503`` JSON and is closed at once, before reading anything); a request's headers and body must
+  have arrived within ``admin_request_timeout_s`` of the connection (or of the previous answer on it), or it
+  gets ``408`` JSON and is closed; a body over ``admin_body_bytes_max`` (1 MiB) gets ``413`` JSON and the
+  connection is closed without reading it (by ``Content-Length``; a chunked one is read no further than the
+  limit). Checked before the token, so they hold for clients without one;
 * ``SPOOL/admin.json`` (``{"url", "pid"}``) is written atomically (rename; not fsync'd: it is a hint for
   ``mtaq queue``, rewritten at every start) once the API listens;
 * with several workers (:mod:`mtaq.daemon.workers`) the public API is worker 0's and covers every shard
@@ -28,13 +34,14 @@ What must always hold:
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
 import json
 import os
 import socket
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 from aiohttp import web
@@ -49,14 +56,17 @@ from mtaq.core.errors import StorageError
 from mtaq.core.parking import ADMIN_ACTIONS
 from mtaq.core.view import Selector
 
-__all__ = ["ADMIN_JSON", "ADMIN_TOKEN", "QUEUE_NAME", "AdminHttp", "ApiError", "ApiState", "make_app",
+__all__ = ["ADMIN_JSON", "ADMIN_TOKEN", "BODY_BYTES_MAX", "CONNECTIONS_MAX", "QUEUE_NAME", "REQUEST_TIMEOUT_S", "AdminHttp", "ApiError", "ApiState", "make_app",
            "read_spool_token", "selector_from_query", "spool_token"]
 
 QUEUE_NAME = "spool"
 ADMIN_JSON = "admin.json"
 _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 _JSON = "application/json"
-_BODY_BYTES_MAX = 64 * 1024 * 1024  # an action body naming a million queue IDs fits
+# Defaults of admin_body_bytes_max, admin_connections_max, admin_request_timeout_s (mtaq.config).
+BODY_BYTES_MAX = 1024 * 1024  # about 50,000 queue IDs in an action body; `mtaq queue` sends more in several
+CONNECTIONS_MAX = 64
+REQUEST_TIMEOUT_S = 10.0
 _LIST_PARAMS = {"sender", "recipient", "domain", "held", "deferred", "olderThan", "limit"}
 _DELETE_PARAMS = {"sender", "recipient", "domain", "held", "deferred", "olderThan", "name"}
 # James: PATCH /mailQueues/{name}?delayed=true {"delayed": false} makes mail that waits for a later time
@@ -391,20 +401,71 @@ async def openapi(request: web.Request) -> web.Response:
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+# Answers after which the connection is closed: what is left of the request is never read.
+_CLOSING = frozenset({408, 413})
+
+
 @web.middleware
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        resp = await _answer(request, handler)
+    except BaseException:
+        guard = _guard_of(request)
+        if guard is not None:
+            guard.answered(closing=True)
+        raise
+    guard = _guard_of(request)
+    if guard is not None:  # the next request on this connection has its own deadline
+        guard.answered(closing=resp.status in _CLOSING)
+    if resp.status in _CLOSING:
+        resp.force_close()
+    return resp
+
+
+async def _answer(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except ApiError as exc:
         return exc.response()
     except PeerError as exc:  # another shard's answer, passed on as it is
         return ApiError(exc.status, exc.type, exc.message, {"Retry-After": "1"} if exc.status == 503 else None).response()
-    except web.HTTPException as exc:  # unknown route (404), wrong method (405), ...
+    except web.HTTPException as exc:  # unknown route (404), wrong method (405), body too large (413), ...
         if exc.status < 400:
             raise
+        if exc.status == 413:
+            return _too_large(request).response()
         kind = {404: "notFound", 405: "MethodNotAllowed"}.get(exc.status, "InvalidArgument")
         headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
         return ApiError(exc.status, kind, f"{request.method} {request.path}: {exc.reason}", headers).response()
+
+
+def _too_large(request: web.Request) -> ApiError:
+    return ApiError(413, "PayloadTooLarge", f"request body over {request.app[_BODY_MAX]} bytes (admin_body_bytes_max)")
+
+
+def _guard_of(request: web.Request) -> _Guard | None:
+    transport = request.transport
+    protocol = transport.get_protocol() if transport is not None else None
+    return protocol if isinstance(protocol, _Guard) else None
+
+
+@web.middleware
+async def _received(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The whole request before any handler runs: a body over the limit is refused by its ``Content-Length``
+    unread (413), a chunked one is read up to the limit only (aiohttp's ``client_max_size``: 413); then the
+    connection's deadline stops (the request has arrived; handling it may take longer)."""
+    length = request.content_length
+    if length is not None and length > request.app[_BODY_MAX]:
+        raise _too_large(request)
+    if request.body_exists:
+        try:
+            await request.read()  # kept by aiohttp: the handler's read() returns it
+        except ConnectionError:  # closed by the deadline (or the client) half-way through the body
+            raise ApiError(408, "RequestTimeout", "the request did not arrive in time") from None
+    guard = _guard_of(request)
+    if guard is not None:
+        guard.received()
+    return await handler(request)
 
 
 def _split_host(value: str) -> tuple[str, str]:
@@ -481,28 +542,162 @@ INTERNAL_ROUTES: tuple[tuple[str, str, Callable[[web.Request], Awaitable[web.Res
 )
 
 
-def make_app(state: ApiState, *, internal: bool = False) -> web.Application:
+_BODY_MAX: web.AppKey[int] = web.AppKey("mtaq_body_max", int)
+
+
+def make_app(state: ApiState, *, internal: bool = False, body_bytes_max: int = BODY_BYTES_MAX) -> web.Application:
     """The aiohttp application (routes in :data:`ROUTES`, described in :mod:`mtaq.admin.openapi`); with
-    ``internal`` the :data:`INTERNAL_ROUTES` too (a worker's unix socket). The same middleware either way."""
-    app = web.Application(middlewares=[_errors, _same_origin, _auth], client_max_size=_BODY_BYTES_MAX)
+    ``internal`` the :data:`INTERNAL_ROUTES` too (a worker's unix socket), whose bodies (worker 0's share of
+    a public request) may be twice ``body_bytes_max``. The same middleware either way."""
+    limit = body_bytes_max * (2 if internal else 1)
+    app = web.Application(middlewares=[_errors, _same_origin, _auth, _received], client_max_size=limit)
     app[_STATE] = state
+    app[_BODY_MAX] = limit
     for method, path, handler in (*ROUTES, *(INTERNAL_ROUTES if internal else ())):
         app.router.add_route(method, path, handler)
     return app
 
 
 # -------------------------------------------------------------------------------------------- the server
+def _raw_answer(status: int, reason: str, type_: str, message: str) -> bytes:
+    """A whole HTTP/1.1 answer with the James-style JSON error body, closing the connection."""
+    body = msgspec.json.encode({"statusCode": status, "type": type_, "message": message})
+    head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: {_JSON}; charset=utf-8\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
+    return head.encode("ascii") + body
+
+
+class _Limits:
+    """What every connection of one admin server shares: the caps, and how many connections are open."""
+
+    def __init__(self, connections_max: int, request_timeout_s: float) -> None:
+        self.connections_max = connections_max
+        self.request_timeout_s = request_timeout_s
+        self.open = 0
+        self.refused = 0  # connections closed at once because ``connections_max`` were open
+        self.timed_out = 0  # requests that had not arrived within ``request_timeout_s``
+        self.busy = _raw_answer(503, "Service Unavailable", "ServiceUnavailable",
+                                f"too many admin connections (admin_connections_max = {connections_max})")
+        self.late = _raw_answer(408, "Request Timeout", "RequestTimeout",
+                                f"the request did not arrive within {request_timeout_s:g} s (admin_request_timeout_s)")
+
+
+class _Guard(asyncio.Protocol):
+    """One admin connection: aiohttp's protocol inside, the connection cap and the request deadline around it.
+
+    The deadline runs while a request is awaited (from the connection, or from the previous answer on it)
+    until its headers and body are in (:meth:`received`); a connection that is still writing an answer when
+    it fires is given another period (the answer is ours, not a slow request)."""
+
+    def __init__(self, limits: _Limits, inner: asyncio.Protocol) -> None:
+        self.limits = limits
+        self.inner = inner
+        self.transport: asyncio.Transport | None = None
+        self.counted = False
+        self.timer: asyncio.TimerHandle | None = None
+        self.idle = False  # answered, and nothing of another request has come since
+        self.closing = False  # answered with the connection to be closed (aiohttp may read what is left)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not asyncio's classes
+        lim = self.limits
+        if lim.open >= lim.connections_max:
+            lim.refused += 1
+            self.transport.write(lim.busy)
+            self.transport.close()  # after the answer is written; nothing is read
+            return
+        lim.open += 1
+        self.counted = True
+        self._arm()
+        self.inner.connection_made(transport)
+
+    def _arm(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer = asyncio.get_running_loop().call_later(self.limits.request_timeout_s, self._expired)
+
+    def received(self) -> None:
+        """The request is in: no deadline while it is handled."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def answered(self, *, closing: bool = False) -> None:
+        """The answer is on its way: the next request on this connection must arrive in time. With
+        ``closing`` no other request is taken: what aiohttp still reads of this one (lingering, so that the
+        client gets the answer before the close) is cut at the deadline, silently."""
+        self.idle = True
+        self.closing = self.closing or closing
+        if self.counted and self.transport is not None and not self.transport.is_closing():
+            self._arm()
+
+    def _expired(self) -> None:
+        self.timer = None
+        t = self.transport
+        if t is None or t.is_closing():
+            return
+        if t.get_write_buffer_size() > 0:  # still sending an answer: not the client's request being late
+            self._arm()
+            return
+        if self.closing or self.idle:  # an idle keep-alive connection, or one answered already: just close
+            t.close()
+            return
+        self.limits.timed_out += 1
+        t.write(self.limits.late)
+        t.close()
+
+    def data_received(self, data: bytes) -> None:
+        self.idle = False
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.counted:
+            self.counted = False
+            self.limits.open -= 1
+            self.inner.connection_lost(exc)
+
+
 class AdminHttp:
     """The API server of one daemon: :meth:`start` listens on ``host``:``port`` and writes admin.json;
     with ``unix_path`` (worker k >= 1 of several) it listens on that unix socket instead (mode 0600, the
     internal routes added, no admin.json)."""
 
-    def __init__(self, state: ApiState, host: str, port: int, spool: str, *, unix_path: str = "") -> None:
+    def __init__(self, state: ApiState, host: str, port: int, spool: str, *, unix_path: str = "",
+                 body_bytes_max: int = BODY_BYTES_MAX, connections_max: int = CONNECTIONS_MAX,
+                 request_timeout_s: float = REQUEST_TIMEOUT_S) -> None:
         self.state = state
         self.host, self.port, self.spool = host, port, spool
         self.unix_path = unix_path
         self.url = ""
+        self.body_bytes_max = body_bytes_max
+        self.limits = _Limits(connections_max, request_timeout_s)
         self._runner: web.AppRunner | None = None
+        self._server: asyncio.Server | None = None
+
+    async def _runner_for(self, *, internal: bool) -> web.AppRunner:
+        app = make_app(self.state, internal=internal, body_bytes_max=self.body_bytes_max)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        return runner
+
+    def _protocol(self, runner: web.AppRunner) -> Callable[[], asyncio.Protocol]:
+        """aiohttp's protocol for each connection, inside a :class:`_Guard` (the caps and the deadline)."""
+        server = runner.server
+        assert server is not None
+        limits = self.limits
+        return lambda: _Guard(limits, server())
 
     @property
     def admin_json(self) -> str:
@@ -517,17 +712,17 @@ class AdminHttp:
             os.unlink(self.admin_json)  # a stale one from the previous run
         except FileNotFoundError:
             pass
-        runner = web.AppRunner(make_app(self.state), access_log=None, handle_signals=False)
-        await runner.setup()
+        runner = await self._runner_for(internal=False)
         try:
-            await web.TCPSite(runner, self.host, self.port, reuse_address=True).start()
+            self._server = await asyncio.get_running_loop().create_server(
+                self._protocol(runner), self.host or None, self.port, reuse_address=True, backlog=128)
         except OSError as exc:
             await runner.cleanup()
             why = os.strerror(exc.errno) if exc.errno else str(exc)
             where = f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
             raise OSError(exc.errno, f"admin_listen {where}: {why}") from exc
         self._runner = runner
-        addr = runner.addresses[0]
+        addr = self._server.sockets[0].getsockname()
         host, port = str(addr[0]), int(addr[1])
         host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
         self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
@@ -540,8 +735,7 @@ class AdminHttp:
     async def _start_unix(self) -> str:
         from mtaq.admin.shards import unix_address
 
-        runner = web.AppRunner(make_app(self.state, internal=True), access_log=None, handle_signals=False)
-        await runner.setup()
+        runner = await self._runner_for(internal=True)
         address = unix_address(self.unix_path)
         try:
             os.unlink(address)  # a stale one from the previous run
@@ -559,7 +753,8 @@ class AdminHttp:
             os.umask(old)
         os.chmod(address, 0o600)
         try:
-            await web.SockSite(runner, sock).start()
+            self._server = await asyncio.get_running_loop().create_unix_server(self._protocol(runner), sock=sock,
+                                                                             backlog=128)
         except OSError as exc:
             sock.close()
             await runner.cleanup()

@@ -29,7 +29,7 @@ def _error(description: str) -> dict[str, Any]:
 _ERRORS = {
     "400": _error("Bad input; the message names the parameter"),
     "401": _error("Missing or wrong bearer token (admin_token, or the generated SPOOL/admin.token)"),
-    "503": _error("Recovery in progress (Retry-After: 1)"),
+    "503": _error("Recovery in progress (Retry-After: 1), or admin_connections_max connections open (closed at once)"),
 }
 _NOT_FOUND = _error("No such queue, queue ID or action")
 
@@ -308,11 +308,16 @@ SPEC: dict[str, Any] = {
 }
 
 
-# Every route: a foreign Host or Origin gets 403; a state change without a JSON content type gets 415.
+# Every route: a foreign Host or Origin gets 403; a state change without a JSON content type gets 415; a
+# request slower than admin_request_timeout_s gets 408, a body over admin_body_bytes_max 413, a connection
+# over admin_connections_max 503 (each closing the connection).
 for _ops in SPEC["paths"].values():
     for _method, _op in _ops.items():
         _op["responses"]["403"] = _error("Host or Origin is not this API's (DNS rebinding, cross-site request)")
+        _op["responses"]["408"] = _error("Headers and body did not arrive within admin_request_timeout_s (closed)")
+        _op["responses"].setdefault("503", _error("admin_connections_max connections open (closed at once)"))
         if _method != "get":
+            _op["responses"]["413"] = _error("Body over admin_body_bytes_max (closed, unread)")
             _op["responses"]["415"] = _error("A state change without Content-Type: application/json")
 
 

@@ -16,11 +16,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from mtaq.analytics.tables import AGE_BUCKETS_MIN, DELAY_BUCKETS_S, Result, bucket_labels
+from mtaq.core.text import escape_text
 
-__all__ = ["html_table", "markdown_table", "write_report"]
+__all__ = ["html_table", "markdown_table", "markdown_text", "write_report"]
 
 
 def _cell(v: Any) -> str:
+    """A value as text: numbers short, times without ``T`` and ``+00:00``, line breaks as spaces, and every
+    other control, format or line-separator character escaped (``\\x1b``, ``\\u202e``: mtaq.core.text)."""
     if v is None:
         return ""
     if isinstance(v, float):
@@ -28,16 +31,32 @@ def _cell(v: Any) -> str:
     if hasattr(v, "isoformat"):
         s = str(v.isoformat())
         return s.replace("T", " ").replace("+00:00", "")
-    return str(v).replace("|", "\\|").replace("\n", " ")
+    return escape_text(str(v).replace("\r\n", " ").replace("\n", " "))
+
+
+# What a Markdown cell must not carry raw (issue 32 item 5: a quoted local part such as
+# "<script>alert(1)</script>"@evil.test is a valid address, and a reply text is the remote's): "<", ">" and "&"
+# as character references, which every Markdown renderer passes to HTML as text (CommonMark §6.6 raw HTML,
+# autolinks and entities all start with them); the table's "|"; and the other characters that start Markdown
+# syntax ("\\", "`", "*", "_", "[", "]", "~", "!") backslash-escaped (CommonMark §2.4), so no cell makes a
+# link, image, code span or emphasis.
+_MD = str.maketrans({"&": "&amp;", "<": "&lt;", ">": "&gt;", "|": "\\|", **{c: "\\" + c for c in "\\`*_[]~!"}})
+
+
+def markdown_text(text: str) -> str:
+    """``text`` (any string: an address, a reply) safe in a Markdown table cell: it renders as exactly this
+    text, never as HTML or Markdown syntax (see ``_MD``), on one line."""
+    return _cell(text).translate(_MD)
 
 
 def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], limit: int | None = None) -> str:
-    """A GitHub-flavoured Markdown table of ``rows`` (dicts) with ``columns``, at most ``limit`` rows."""
+    """A GitHub-flavoured Markdown table of ``rows`` (dicts) with ``columns``, at most ``limit`` rows; every
+    header and cell through :func:`markdown_text`."""
     if not rows:
         return "_none_\n"
     shown = rows if limit is None else rows[:limit]
-    out = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    out += ["| " + " | ".join(_cell(r.get(c)) for c in columns) + " |" for r in shown]
+    out = ["| " + " | ".join(markdown_text(c) for c in columns) + " |", "|" + "---|" * len(columns)]
+    out += ["| " + " | ".join(_cell(r.get(c)).translate(_MD) for c in columns) + " |" for r in shown]
     if limit is not None and len(rows) > limit:
         out.append(f"\n_{len(rows) - limit} more rows in the Parquet table_")
     return "\n".join(out) + "\n"
@@ -203,11 +222,11 @@ def write_report(out: str, result: Result, *, top: int = 20, plots: bool = True)
             f.write(png)
     intro, sections = _sections(result, top)
     footer = f"Generated in {result.seconds:.1f} s. Tables (Parquet): `tables/` next to this file."
-    s: list[str] = ["# mtaq delivery report\n", intro + "\n"]
+    s: list[str] = ["# mtaq delivery report\n", markdown_text(intro) + "\n"]
     for title, rows, columns, limit, note in sections:
-        s += [f"\n## {title}\n", markdown_table(rows, columns, limit)]
+        s += [f"\n## {markdown_text(title)}\n", markdown_table(rows, columns, limit)]
         if note:
-            s.append(f"\n{note}\n")
+            s.append(f"\n{markdown_text(note)}\n")
     if made:
         s.append("\n## Plots\n")
         s += [f"![{title}]({name})\n" for name, title, _png in made]
@@ -217,11 +236,11 @@ def write_report(out: str, result: Result, *, top: int = 20, plots: bool = True)
         f.write("\n".join(s))
     h = ["<!DOCTYPE html>", "<html lang=\"en\"><head><meta charset=\"utf-8\">",
          "<title>mtaq delivery report</title>", f"<style>{_CSS}</style></head><body>",
-         "<h1>mtaq delivery report</h1>", f"<p>{html.escape(intro)}</p>"]
+         "<h1>mtaq delivery report</h1>", f"<p>{html.escape(_cell(intro))}</p>"]
     for i, (title, rows, columns, limit, note) in enumerate(sections):
         h += [f"<h2>{html.escape(title)}</h2>", html_table(rows, columns, limit)]
         if note:
-            h.append(f"<p class=\"note\">{html.escape(note)}</p>")
+            h.append(f"<p class=\"note\">{html.escape(_cell(note))}</p>")
         if i == 1 and made:  # the plots right after the grand totals and the time to deliver
             h.append("<h2>Plots</h2><div class=\"plots\">")
             for _name, ptitle, png in made:

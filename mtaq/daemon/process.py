@@ -265,11 +265,13 @@ class Daemon:
             token = cfg.admin_token or http.spool_token(cfg.spool_dir)
             state = http.ApiState(self.metrics, token=token, log=self.log, hosts=tuple(cfg.admin_hosts),
                                   peers=self.admin_peers)
+            limits = {"body_bytes_max": cfg.admin_body_bytes_max, "connections_max": cfg.admin_connections_max,
+                      "request_timeout_s": cfg.admin_request_timeout_s}
             if self.admin_socket:
-                self.http = http.AdminHttp(state, "", 0, cfg.spool_dir, unix_path=self.admin_socket)
+                self.http = http.AdminHttp(state, "", 0, cfg.spool_dir, unix_path=self.admin_socket, **limits)
             else:
                 admin_host, admin_port = parse_hostport(cfg.admin_listen, key="admin_listen")
-                self.http = http.AdminHttp(state, admin_host, admin_port, cfg.spool_dir)
+                self.http = http.AdminHttp(state, admin_host, admin_port, cfg.spool_dir, **limits)
             await self.http.start()
         self.log.info(
             "listening",

@@ -716,6 +716,39 @@ class MtaqSMTP(FastPathMixin, SMTP):
             await self.push("501 5.5.2 Error: cannot decode base64")
             return None
 
+    async def challenge_auth(self, challenge: str | bytes, encode_to_b64: bool = True,
+                             log_client_response: bool = False) -> Any:
+        """aiosmtpd's: send ``334 challenge`` and return the client's base64-decoded answer, or MISSING after
+        answering ``501`` (``*`` cancels, bad base64). A response line longer than the line limit gets
+        Postfix's ``500 5.5.6 SASL response limit exceeded`` (RFC 4954 §6: 5.5.6, authentication exchange
+        line too long) and ends the AUTH; the rest of the line is read and dropped. aiosmtpd let the reader's
+        ValueError out: ``451 4.3.0`` and a traceback. The response is never logged."""
+        raw = challenge.encode() if isinstance(challenge, str) else challenge
+        await self.push(b"334 " + (base64.b64encode(raw) if encode_to_b64 else raw))
+        try:
+            line = await self._reader.readuntil()
+        except asyncio.IncompleteReadError as exc:  # the client went away: what came is the answer
+            line = exc.partial
+        except asyncio.LimitOverrunError as exc:
+            await self._reader.read(exc.consumed)
+            while True:  # aiosmtpd's own way through an over-long command line
+                try:
+                    await self._reader.readuntil()
+                    break
+                except asyncio.LimitOverrunError as more:
+                    await self._reader.read(more.consumed)
+            await self.push("500 5.5.6 SASL response limit exceeded")
+            return MISSING
+        blob = line.strip()
+        if blob == b"*":
+            await self.push("501 5.7.0 Auth aborted")
+            return MISSING
+        try:
+            return base64.b64decode(blob, validate=True)
+        except binascii.Error:
+            await self.push("501 5.5.2 Can't decode base64")
+            return MISSING
+
     async def _check_password(self, user: bytes, password: bytes, mechanism: str) -> AuthResult:
         """Check against the password file in a thread (bcrypt is slow on purpose). Failure: 535 5.7.8,
         after :meth:`_auth_failed`."""
