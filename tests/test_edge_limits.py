@@ -172,7 +172,7 @@ def test_unknown_commands_are_answered_500_then_421_4_7_0_after_five(tmp_path):
         c.reply()
         replies = [c.command(f"XYZZY{i}") for i in range(5)]
         assert c.closed()
-    assert [f'500 5.5.2 Error: command "XYZZY{i}" not recognized' for i in range(4)] == replies[:4]
+    assert ["500 5.5.2 Error: command not recognized"] * 4 == replies[:4]  # the command is not echoed
     assert "421 4.7.0 Error: too many unrecognized commands" == replies[4]
 
 

@@ -97,7 +97,8 @@ def test_an_unknown_command_with_controls_is_logged_escaped(daemon):
     try:
         assert c.reply().startswith(b"220 ")
         assert c.cmd(b"EHLO client.test").startswith(b"250")
-        assert c.cmd(b"XYZZY\x1b[31m\r\x0bmid\x1cEND").startswith(b"500 ")
+        # the reply names nothing of the command (aiosmtpd's echoed it raw, ESC and all)
+        assert b"500 5.5.2 Error: command not recognized\r\n" == c.cmd(b"XYZZY\x1b[31m\r\x0bmid\x1cEND")
         assert c.cmd(b"NOOP").startswith(b"250 ")
     finally:
         c.close()

@@ -79,7 +79,9 @@ def enhance(reply: str, verb: str | None = None) -> str:
     if (verb in _RAW_VERBS and code == 250) or (code == 220 and verb != "STARTTLS"):
         return reply
     if code == 500 and reply.startswith('500 Error: command "'):
-        return "500 5.5.2 " + reply[4:]
+        # aiosmtpd echoes the unknown command, raw: ESC, CR and the like back to the client. Postfix names
+        # nothing of it (its "502 5.5.2 Error: command not recognized"); the basic code stays 500.
+        return "500 5.5.2 Error: command not recognized"
     klass = code // 100
     if klass not in (2, 4, 5):
         return reply
