@@ -497,8 +497,10 @@ class AdminHttp:
     with ``unix_path`` (worker k >= 1 of several) it listens on that unix socket instead (mode 0600, the
     internal routes added, no admin.json)."""
 
-    def __init__(self, state: ApiState, host: str, port: int, spool: str, *, unix_path: str = "") -> None:
+    def __init__(self, state: ApiState, host: str, port: int, spool: str, *, unix_path: str = "",
+                 socks: list[socket.socket] | None = None) -> None:
         self.state = state
+        self.socks = socks  # listening sockets bound before the daemon dropped root (mtaq.daemon.privileges)
         self.host, self.port, self.spool = host, port, spool
         self.unix_path = unix_path
         self.url = ""
@@ -520,7 +522,11 @@ class AdminHttp:
         runner = web.AppRunner(make_app(self.state), access_log=None, handle_signals=False)
         await runner.setup()
         try:
-            await web.TCPSite(runner, self.host, self.port, reuse_address=True).start()
+            if self.socks:
+                for sock in self.socks:
+                    await web.SockSite(runner, sock).start()
+            else:
+                await web.TCPSite(runner, self.host, self.port, reuse_address=True).start()
         except OSError as exc:
             await runner.cleanup()
             why = os.strerror(exc.errno) if exc.errno else str(exc)
