@@ -110,9 +110,14 @@ def test_the_serving_processes_run_as_mail_owner_while_a_port_below_1024_is_boun
         sink.kill9()
     # What root leaves there while the daemon is down (a restored file) is given back at the next start.
     Path(spool, "restored").write_text("x")
+    # ... but not a file elsewhere that a hard link in the spool names (root would give it away).
+    secret = tmp_path / "secret"
+    secret.write_text("root's")
+    os.link(secret, Path(spool, "linked"))
     d = start_daemon(spool, sink.port, str(tmp_path / "daemon2.log"), port=port, workers=workers)
     try:
-        assert [] == _root_owned(spool)
+        assert [os.path.join(spool, "linked")] == _root_owned(spool)
+        assert 0 == secret.stat().st_uid
     finally:
         d.kill9()
 

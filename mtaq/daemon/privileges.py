@@ -87,7 +87,9 @@ def check_files(cfg: Config) -> None:
 def give_to(owner: Owner, cfg: Config) -> None:
     """Make the spool (created if missing, mode 0700) and ``archive_dir`` and everything in them owned by
     ``owner``, as root (``postfix set-permissions``): what root wrote there (``mtaq queue``, an earlier start as
-    root, a restored copy) stays writable by the daemon. Symbolic links are not followed."""
+    root, a restored copy) stays writable by the daemon. Symbolic links are not followed, and a regular file
+    with more than one link is left alone (a hard link the previous run's user made to a file elsewhere must
+    not make root give that file away)."""
     from mtaq.storage.fs import OsFileSystem, make_durable_dirs
 
     make_durable_dirs(OsFileSystem(), cfg.spool_dir)
@@ -95,10 +97,29 @@ def give_to(owner: Owner, cfg: Config) -> None:
         if not top:
             continue
         os.makedirs(top, mode=0o700, exist_ok=True)
-        os.lchown(top, owner.uid, owner.gid)
+        os.chown(top, owner.uid, owner.gid)
         for root, dirs, files in os.walk(top):
             for name in dirs + files:
-                os.lchown(os.path.join(root, name), owner.uid, owner.gid)
+                _give(os.path.join(root, name), owner)
+
+
+def _give(path: str, owner: Owner) -> None:
+    st = os.lstat(path)
+    if (st.st_uid, st.st_gid) == (owner.uid, owner.gid):
+        return
+    if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+        os.lchown(path, owner.uid, owner.gid)  # a socket, a symbolic link itself
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return  # gone, or replaced by a link meanwhile
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode) or (stat.S_ISREG(st.st_mode) and st.st_nlink == 1):
+            os.fchown(fd, owner.uid, owner.gid)
+    finally:
+        os.close(fd)
 
 
 def switch_to(owner: Owner, cfg: Config) -> None:
