@@ -1,7 +1,7 @@
 """Dropping root: ``mail_owner`` (Postfix's parameter of that name), and the permission checks made at start.
 
 Started as root, ``mtaq serve`` binds every listener (SMTP and the admin API) and reads every key it needs
-(TLS key, DKIM keys, outbound SASL password file, auth password file: loaded into memory, so root-owned
+(TLS key, DKIM keys, outbound SASL password file, auth password file, ``smtp_tls_CAfile``: loaded into memory, so root-owned
 files of mode 0600 are fine), makes the spool (and ``archive_dir``) owned by ``mail_owner``, and then
 switches to that user for good (setgroups to its group only, setgid, setuid: no supplementary group, no
 capability, no way back) before it reads the spool (recovery) or accepts a connection. With several workers
@@ -126,6 +126,7 @@ def switch_to(owner: Owner, cfg: Config) -> None:
     """Become ``owner`` for good: supplementary groups = its group only, then gid, then uid (which clears
     every capability). Raises ConfigError (one line) when the switch does not hold or ``owner`` cannot
     write the spool (e.g. a parent directory it may not search)."""
+    _load_trust_anchors(cfg)
     os.setgroups([owner.gid])
     os.setgid(owner.gid)
     os.setuid(owner.uid)
@@ -136,6 +137,22 @@ def switch_to(owner: Owner, cfg: Config) -> None:
     if not os.access(cfg.spool_dir, os.R_OK | os.W_OK | os.X_OK):
         raise ConfigError(f"mail_owner {owner.name!r}: cannot use the spool {cfg.spool_dir} "
                           "(a parent directory it may not search?)")
+
+
+def _load_trust_anchors(cfg: Config) -> None:
+    """``smtp_tls_CAfile`` into the verified-context cache while still root (it is otherwise read at the first
+    verified delivery, when a root-only file could no longer be read). A bad file is left to delivery to
+    report, as before."""
+    if not cfg.smtp_tls_CAfile:
+        return
+    import ssl
+
+    from mtaq.delivery.security import verified_context
+
+    try:
+        verified_context(cfg.smtp_tls_CAfile)
+    except (OSError, ssl.SSLError):
+        pass
 
 
 def check_switched(owner: Owner) -> None:
