@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import shutil
 import smtplib
 import socket
 import subprocess
@@ -150,3 +151,28 @@ def test_a_spool_writable_by_others_and_a_tls_key_readable_by_group_are_refused(
                 "--workers", "1")
     assert (2, [f"mtaq: tls_key_file: {key} has mode 0640: it must be readable only by its owner (chmod 600)"]) == (
         out.returncode, out.stderr.splitlines())
+
+
+@pytest.mark.skipif(not shutil.which("setpriv"), reason="needs setpriv (util-linux)")
+def test_as_a_systemd_unit_with_user_and_cap_net_bind_service_nothing_is_switched(tmp_path: Path) -> None:
+    """``User=mtaq`` + ``AmbientCapabilities=CAP_NET_BIND_SERVICE`` (here: setpriv, which sets up the same
+    process): not root, so no switch; the capability binds the low port; the spool is the user's already."""
+    mail_owner_ready(str(tmp_path))
+    pw = pwd.getpwnam(OWNER)
+    spool = tmp_path / "spool"
+    spool.mkdir(mode=0o700)
+    os.chown(spool, pw.pw_uid, pw.pw_gid)
+    sink = start_sink(str(tmp_path / "maildir"), str(tmp_path / "sink.log"))
+    port = _low_port()
+    unit = ["setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--clear-groups",
+            "--inh-caps=+net_bind_service", "--ambient-caps=+net_bind_service"]
+    d = start_daemon(str(spool), sink.port, str(tmp_path / "daemon.log"), port=port, wrapper=unit)
+    try:
+        with smtplib.SMTP("127.0.0.1", port, timeout=10) as c:
+            c.sendmail("a@client.test", ["b@dest.test"], b"Subject: t\r\n\r\nbody\r\n")
+            assert [str(pw.pw_uid)] * 4 == _ids(d.popen.pid)["Uid"]
+        wait_for(lambda: maildir_count(str(tmp_path / "maildir")) == 1, 20, "the relayed message")
+        assert [] == _root_owned(str(spool))
+    finally:
+        d.kill9()
+        sink.kill9()
