@@ -17,7 +17,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test,spark]'
 	touch $(STAMP)
 
+# Started as root, mtaq serve runs as mail_owner (default mtaq): the system user is created when missing.
+MAIL_OWNER ?= mtaq
 install: $(STAMP)
+	@if [ "$$(id -u)" = 0 ] && ! getent passwd $(MAIL_OWNER) >/dev/null; then \
+	  useradd --system --no-create-home --shell /usr/sbin/nologin $(MAIL_OWNER); fi
 
 # Debian packages used by tests that talk to real tools, as command:package (swaks as an SMTP client,
 # nmap's smtp-open-relay, libfiu's fiu-run/fiu-ctrl for fsync EIO injection, chromium to look at the

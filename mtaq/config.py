@@ -211,6 +211,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Every request needs "Authorization: Bearer TOKEN": this token, or when "" the one generated at the
     # first start into SPOOL/admin.token (mode 0600; mtaq queue reads it).
     admin_token: str = ""
+    # Started as root, mtaq binds its listeners, reads its keys, makes the spool owned by this user and runs
+    # as it (Postfix mail_owner; mtaq.daemon.privileges); a missing user or root: exit 2. Not root: unused.
+    mail_owner: str = "mtaq"
     # Host names a request's Host header may name besides IP literals and localhost (DNS rebinding guard).
     admin_hosts: list[str] = msgspec.field(default_factory=list)
     # Limits of the admin API, checked before the token (mtaq/admin/http.py): connections open at once (one

@@ -7,7 +7,15 @@ from collections.abc import Iterator
 
 import pytest
 
-from mtaq.testing.procs import Proc, read_events, start_daemon, start_sink
+from mtaq.testing.procs import Proc, mail_owner_ready, read_events, start_daemon, start_sink
+
+
+@pytest.fixture(autouse=True)
+def _mail_owner_reaches_tmp_path(request) -> None:
+    """The tests run as root, so every daemon switches to mail_owner (mtaq.daemon.privileges): it must reach
+    its spool in the test's 0700 temporary directory (and the Python it runs on)."""
+    if "tmp_path" in request.fixturenames:
+        mail_owner_ready(str(request.getfixturevalue("tmp_path")))
 
 
 class Relay:

@@ -48,6 +48,7 @@ def cert(tmp_path_factory) -> tuple[str, str]:
     cert_path.write_bytes(crt.public_bytes(serialization.Encoding.PEM))
     key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                            serialization.NoEncryption()))
+    key_path.chmod(0o600)  # readable by group or others: refused at start (issue 32.9)
     return str(cert_path), str(key_path)
 
 

@@ -8,6 +8,8 @@ must exit with status 75 (EX_TEMPFAIL) instead of retrying the fsync and trustin
 
 from __future__ import annotations
 
+import os
+import pwd
 import shutil
 import smtplib
 import subprocess
@@ -16,7 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from mtaq.testing.procs import maildir_count, maildir_message_ids, read_events, start_daemon, start_sink
+from mtaq.testing.procs import (
+    mail_owner_ready,
+    maildir_count,
+    maildir_message_ids,
+    read_events,
+    start_daemon,
+    start_sink,
+)
 
 
 def send(port: int, i: int) -> tuple[int, bytes]:
@@ -44,7 +53,17 @@ def test_fsync_eio_answers_451_exits_75_and_a_restart_delivers_everything_acknow
     spool, maildir = str(tmp_path / "spool"), str(tmp_path / "maildir")
     log = str(tmp_path / "daemon.log")
     sink = start_sink(maildir, str(tmp_path / "sink.log"))
-    daemon = start_daemon(spool, sink.port, log, wrapper=["fiu-run", "-x"])
+    # libfiu's control FIFOs are made by the process at its start: one that switched from root to mail_owner
+    # (issue 32.9) could no longer open them, so as root the daemon runs as mail_owner from the start (setpriv,
+    # as under a systemd unit with User=), on a spool that is that user's.
+    wrapper = ["fiu-run", "-x"]
+    if os.geteuid() == 0:
+        mail_owner_ready(spool)
+        pw = pwd.getpwnam("mtaq")
+        os.mkdir(spool, 0o700)
+        os.chown(spool, pw.pw_uid, pw.pw_gid)
+        wrapper = ["setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--clear-groups", *wrapper]
+    daemon = start_daemon(spool, sink.port, log, wrapper=wrapper)
     try:
         assert [250, 250, 250] == [send(daemon.port, i)[0] for i in range(3)]
         wait_for(lambda: maildir_count(maildir) == 3, 20, "3 deliveries")

@@ -43,6 +43,7 @@ def pki(tmp_path_factory) -> dict[str, str]:
     ca.cert_pem.write_to_path(paths["ca"])
     Path(paths["cert"]).write_bytes(b"".join(p.bytes() for p in leaf.cert_chain_pems))
     leaf.private_key_pem.write_to_path(paths["key"])
+    Path(paths["key"]).chmod(0o600)  # readable by group or others: refused at start (issue 32.9)
     return paths
 
 

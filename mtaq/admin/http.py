@@ -676,8 +676,9 @@ class AdminHttp:
 
     def __init__(self, state: ApiState, host: str, port: int, spool: str, *, unix_path: str = "",
                  body_bytes_max: int = BODY_BYTES_MAX, connections_max: int = CONNECTIONS_MAX,
-                 request_timeout_s: float = REQUEST_TIMEOUT_S) -> None:
+                 request_timeout_s: float = REQUEST_TIMEOUT_S, socks: list[socket.socket] | None = None) -> None:
         self.state = state
+        self.socks = socks  # listening sockets bound before the daemon dropped root (mtaq.daemon.privileges)
         self.host, self.port, self.spool = host, port, spool
         self.unix_path = unix_path
         self.url = ""
@@ -685,6 +686,7 @@ class AdminHttp:
         self.limits = _Limits(connections_max, request_timeout_s)
         self._runner: web.AppRunner | None = None
         self._server: asyncio.Server | None = None
+        self._more_servers: list[asyncio.Server] = []
 
     async def _runner_for(self, *, internal: bool) -> web.AppRunner:
         app = make_app(self.state, internal=internal, body_bytes_max=self.body_bytes_max)
@@ -714,8 +716,14 @@ class AdminHttp:
             pass
         runner = await self._runner_for(internal=False)
         try:
-            self._server = await asyncio.get_running_loop().create_server(
-                self._protocol(runner), self.host or None, self.port, reuse_address=True, backlog=128)
+            loop = asyncio.get_running_loop()
+            if self.socks:  # bound before the switch to mail_owner; every one behind the same guard
+                servers = [await loop.create_server(self._protocol(runner), sock=sock, backlog=128)
+                           for sock in self.socks]
+                self._server, self._more_servers = servers[0], servers[1:]
+            else:
+                self._server = await loop.create_server(
+                    self._protocol(runner), self.host or None, self.port, reuse_address=True, backlog=128)
         except OSError as exc:
             await runner.cleanup()
             why = os.strerror(exc.errno) if exc.errno else str(exc)

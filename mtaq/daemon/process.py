@@ -37,6 +37,7 @@ from mtaq.core.errors import CorruptRecord, MtaqError, StorageError, StorageFata
 from mtaq.core.frame import Problem
 from mtaq.core.records import EnvelopeRecord, Outcome, Pos
 from mtaq.core.state import Attempt, RetryPolicy, format_reply
+from mtaq.daemon import privileges
 from mtaq.daemon.anvil import AnvilClient
 from mtaq.daemon.workers import (
     admin_socket,
@@ -138,6 +139,7 @@ class Daemon:
         self.counts = {"delivered": 0, "deferred": 0, "failed": 0}
         self.metrics = Metrics(self.counts, domains_max=cfg.metrics_domains_max)
         self.http: AdminHttp | None = None  # the admin API (admin_listen), listening from the start
+        self.admin_listen_sockets: list[socket.socket] | None = None  # admin_listen bound before dropping root
         self.policy = RetryPolicy(
             intervals_s=tuple(cfg.retry_intervals_s),
             maximal_queue_lifetime_s=cfg.maximal_queue_lifetime_s,
@@ -271,7 +273,8 @@ class Daemon:
                 self.http = http.AdminHttp(state, "", 0, cfg.spool_dir, unix_path=self.admin_socket, **limits)
             else:
                 admin_host, admin_port = parse_hostport(cfg.admin_listen, key="admin_listen")
-                self.http = http.AdminHttp(state, admin_host, admin_port, cfg.spool_dir, **limits)
+                self.http = http.AdminHttp(state, admin_host, admin_port, cfg.spool_dir,
+                                           socks=self.admin_listen_sockets, **limits)
             await self.http.start()
         self.log.info(
             "listening",
@@ -763,9 +766,12 @@ def _run_loop(daemon: Daemon) -> None:
     runner(_run_or_crash(daemon))
 
 
-def _run_worker(cfg: Config, shard: int, n: int, sockets: list[list[socket.socket]]) -> None:
+def _run_worker(cfg: Config, shard: int, n: int, sockets: list[list[socket.socket]],
+                owner: privileges.Owner | None = None, admin_socks: list[socket.socket] | None = None) -> None:
     """Worker ``shard`` of ``n`` (in its own process): a whole daemon on its shard of the spool, accepting SMTP
-    connections from ``sockets`` (per listener, bound by the supervisor: :func:`mtaq.daemon.workers.bind_listeners`)."""
+    connections from ``sockets`` (per listener, bound by the supervisor: :func:`mtaq.daemon.workers.bind_listeners`).
+    Started as root: switches to ``owner`` once its keys are read, before it opens its shard; worker 0 serves
+    the admin API on ``admin_socks`` (bound by the supervisor), the others close them."""
     set_queue_id_shard(shard)
     configure_logging(cfg.log_format, shard=shard)
     shard_cfg = msgspec.structs.replace(
@@ -780,8 +786,16 @@ def _run_worker(cfg: Config, shard: int, n: int, sockets: list[list[socket.socke
     peers = {k: admin_socket(cfg.spool_dir, k) for k in range(1, n)} if api and shard == 0 else {}
     sock = admin_socket(cfg.spool_dir, shard) if api and shard > 0 else ""
     try:
-        _run_loop(Daemon(shard_cfg, listen_sockets=sockets, admin_socket=sock, admin_peers=peers,
-                         anvil_socket=worker_anvil_socket(), pickup=shard == 0))
+        daemon = Daemon(shard_cfg, listen_sockets=sockets, admin_socket=sock, admin_peers=peers,
+                        anvil_socket=worker_anvil_socket(), pickup=shard == 0)
+        if shard == 0:
+            daemon.admin_listen_sockets = admin_socks
+        else:
+            for s in admin_socks or []:
+                s.close()
+        if owner is not None:
+            privileges.switch_to(owner, cfg)  # the spool, not a shard not made yet
+        _run_loop(daemon)
     except (OSError, MtaqError) as exc:
         # What one process says from the CLI (a start-up failure: admin_listen taken since the supervisor's check,
         # an admin socket path it cannot replace, an unreadable spool): one line and status 1, no traceback.
@@ -849,9 +863,20 @@ def serve(cfg: Config) -> int:
     for lst in listeners:
         if n > 1 and lst.port == 0:
             raise ValueError(f"workers: {n} workers need a fixed listen port, not {lst.address}")
+    # Started as root (mtaq.daemon.privileges): bind every listener and read every key first, give the spool to
+    # mail_owner, switch to it; then read the spool and accept. A missing mail_owner or an unsafe mode: exit 2.
+    owner = privileges.mail_owner(cfg)
+    privileges.check_files(cfg)
     if n == 1:
         set_queue_id_shard(0)  # IDs name shard 0, so that a later start with more workers routes them exactly
-        _run_loop(Daemon(cfg))
+        if owner is None:
+            _run_loop(Daemon(cfg))
+            return 0
+        daemon = Daemon(cfg, listen_sockets=bind_listeners([(lst.host, lst.port) for lst in listeners]))
+        daemon.admin_listen_sockets = _bind_admin(cfg)
+        privileges.give_to(owner, cfg)
+        privileges.switch_to(owner, cfg)
+        _run_loop(daemon)
         return 0
     # Every file the workers read at start is checked before any of them starts: a bad one exits 2 with one
     # line, not 70 from inside a worker (TLS certificate and password files, outbound credentials, DKIM keys).
@@ -860,16 +885,22 @@ def serve(cfg: Config) -> int:
     Signer.from_config(cfg)
     # Bound once here, accepted from by every worker (mtaq.daemon.workers); an address in use is one line.
     sockets = bind_listeners([(lst.host, lst.port) for lst in listeners])
+    admin_socks: list[socket.socket] | None = None
     try:
-        _check_admin_bindable(cfg)  # while the SMTP listeners are held: admin_listen on one of them is one line too
+        if owner is None:
+            _check_admin_bindable(cfg)  # while the SMTP listeners are held: admin_listen on one of them is one line too
+        else:
+            admin_socks = _bind_admin(cfg)  # kept for worker 0: bound while root
         if cfg.admin_listen.strip() and not cfg.admin_token:
             # One token for worker 0's public API and the other workers' sockets, made before any worker starts.
             from mtaq.admin.token import spool_token
 
             make_durable_dirs(OsFileSystem(), cfg.spool_dir)  # its entry in its parent too (issue 31.11)
             cfg = msgspec.structs.replace(cfg, admin_token=spool_token(cfg.spool_dir))
+        if owner is not None:
+            privileges.give_to(owner, cfg)  # the token and every shard too
     except BaseException:
-        for socks in sockets:
+        for socks in [*sockets, admin_socks or []]:
             for s in socks:
                 s.close()
         raise
@@ -879,10 +910,19 @@ def serve(cfg: Config) -> int:
         log.critical("worker_exited", shard=shard, exit_status=status, action="stopping every worker")
 
     def forked() -> None:
-        for socks in sockets:
+        for socks in [*sockets, admin_socks or []]:
             for s in socks:
                 s.close()  # the workers hold them now
+        if owner is not None:
+            privileges.switch_to(owner, cfg)  # the supervisor too: it only waits and kills its workers
 
     # The supervisor holds the host's connection gate (the anvil): the limits count every worker's connections.
-    return supervise(n, lambda k: _run_worker(cfg, k, n, sockets), on_exit, forked,
+    return supervise(n, lambda k: _run_worker(cfg, k, n, sockets, owner, admin_socks), on_exit, forked,
                      anvil=connection_gate(edge, time.monotonic))
+
+
+def _bind_admin(cfg: Config) -> list[socket.socket] | None:
+    """``admin_listen`` bound now (before dropping root), or None when the admin API is off."""
+    if not cfg.admin_listen.strip():
+        return None
+    return bind_listeners([parse_hostport(cfg.admin_listen, key="admin_listen")], key="admin_listen")[0]

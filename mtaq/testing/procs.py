@@ -20,8 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Proc", "admin_token", "admin_url", "children", "free_port", "free_port_on", "maildir_count", "maildir_message_ids", "peak_rss_kib",
-           "start_daemon", "start_sink", "wait_for", "wait_port"]
+__all__ = ["Proc", "admin_token", "admin_url", "children", "free_port", "free_port_on", "mail_owner_ready", "maildir_count",
+           "maildir_message_ids", "peak_rss_kib", "start_daemon", "start_sink", "wait_for", "wait_port"]
 
 
 def free_port() -> int:
@@ -43,6 +43,42 @@ def free_port_on(hosts: Sequence[str]) -> int:
             continue
         return port
     raise RuntimeError(f"no port free on all of {list(hosts)}")
+
+
+def mail_owner_ready(*paths: str, user: str = "mtaq") -> None:
+    """Run as root (the tests are): let a daemon that switches to ``user`` (``mail_owner``; created with the
+    install step's ``useradd`` when missing) reach ``paths`` and the Python it runs on. Every directory above
+    them (the interpreter's, the standard library's, mtaq's and its packages', pytest's 0700 temporary
+    directories) gets search permission for others (o+x: entering, not listing). Not root: nothing."""
+    if os.geteuid() != 0:
+        return
+    import pwd
+
+    try:
+        pwd.getpwnam(user)
+    except KeyError:
+        from mtaq.daemon.privileges import ADD_USER
+
+        subprocess.run([*ADD_USER.split(), user], check=True, capture_output=True)
+    import aiohttp
+
+    import mtaq
+
+    code = [os.path.realpath(sys.executable), os.path.dirname(os.path.realpath(os.__file__)),
+            os.path.realpath(os.path.dirname(mtaq.__file__)), os.path.realpath(os.path.dirname(aiohttp.__file__))]
+    for path in [*code, *(os.path.abspath(p) for p in paths)]:
+        d = path if os.path.isdir(path) else os.path.dirname(path)
+        while True:
+            try:
+                st = os.stat(d)
+            except FileNotFoundError:
+                pass
+            else:
+                if not st.st_mode & 0o001:
+                    os.chmod(d, st.st_mode | 0o001)
+            if d == os.path.dirname(d):
+                break
+            d = os.path.dirname(d)
 
 
 def peak_rss_kib(pid: int) -> int | None:
@@ -216,6 +252,7 @@ def start_daemon(
     if workers is not None:
         args += ["--workers", str(workers)]
     args += list(extra)
+    mail_owner_ready(spool)  # run as root: the daemon switches to mail_owner (mtaq.daemon.privileges)
     if wrapper:
         out = open(log_path, "ab")
         p = subprocess.Popen([*wrapper, sys.executable, "-m", "mtaq.cli", *args], stdout=out, stderr=out,
