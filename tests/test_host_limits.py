@@ -14,6 +14,7 @@ Real daemons (``mtaq serve`` as a subprocess, one to four workers), real sockets
 
 from __future__ import annotations
 
+import os
 import resource
 import select
 import smtplib
@@ -44,6 +45,7 @@ def pki(tmp_path_factory) -> dict[str, str]:
     ca.cert_pem.write_to_path(paths["ca"])
     Path(paths["cert"]).write_bytes(b"".join(p.bytes() for p in leaf.cert_chain_pems))
     leaf.private_key_pem.write_to_path(paths["key"])
+    os.chmod(paths["key"], 0o600)  # readable by group or others: refused at start (issue 32.9)
     return paths
 
 

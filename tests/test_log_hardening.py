@@ -65,6 +65,7 @@ def daemon(tmp_path_factory):
     d = tmp_path_factory.mktemp("authd")
     ca = trustme.CA()
     ca.issue_cert("mx.test", "127.0.0.1").private_key_and_cert_chain_pem.write_to_path(str(d / "cert.pem"))
+    (d / "cert.pem").chmod(0o600)  # the key inside: readable by group or others is refused at start (issue 32.9)
     out = subprocess.run([sys.executable, "-m", "mtaq.cli", "passwd", SECRET_USER, "--rounds", "4"],
                          input=SECRET_PASSWORD + "\n", capture_output=True, text=True, timeout=60, check=True)
     (d / "passwd").write_text(out.stdout)

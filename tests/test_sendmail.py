@@ -187,6 +187,26 @@ def test_a_local_user_submits_through_the_1733_maildrop(host) -> None:
     assert [65534] == [e["uid"] for e in h.events("picked_up")]
 
 
+def test_a_start_as_root_leaves_waiting_maildrop_files_their_submitters(host) -> None:
+    """Started as root, the daemon gives the spool to mail_owner before it switches (issue 32.9), but not the
+    files waiting in the maildrop: their owner is the local user the Received: line names. A file a user
+    (nobody) dropped while the daemon was down is picked up after a restart as that user's, not mail_owner's."""
+    h = host()
+    h.start()
+    wait_for(lambda: (h.spool / "maildrop").is_dir(), 10, "the maildrop made by the daemon")
+    os.chmod(h.spool, 0o755)
+    h.daemon.kill9()
+    r = sendmail(h.cfg, "x@example.net", stdin=b"Subject: n\n\nwhile down\n",
+                 prefix=("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"), env={"PYTHONDONTWRITEBYTECODE": "1"})
+    assert (0, b"") == (r.returncode, r.stderr)
+    [name] = h.maildrop()
+    assert 65534 == os.stat(h.spool / "maildrop" / name).st_uid
+    h.start()  # as root: the spool given to mail_owner, then the switch
+    [m] = h.wait_messages(1)
+    assert m.get_all("Received")[0].startswith("(from nobody@localhost)")
+    assert [65534] == [e["uid"] for e in h.events("picked_up")]
+
+
 def test_bp_lists_and_q_flushes_the_queue(host) -> None:
     """-bp is ``mtaq queue list`` (mailq); -q is ``mtaq queue flush ALL``: deferred mail is tried at once."""
     h = host('retry_intervals_s = [3600]\n')

@@ -87,12 +87,15 @@ def check_files(cfg: Config) -> None:
 def give_to(owner: Owner, cfg: Config) -> None:
     """Make the spool (created if missing, mode 0700) and ``archive_dir`` and everything in them owned by
     ``owner``, as root (``postfix set-permissions``): what root wrote there (``mtaq queue``, an earlier start as
-    root, a restored copy) stays writable by the daemon. Symbolic links are not followed, and a regular file
+    root, a restored copy) stays writable by the daemon; the files in ``SPOOL/maildrop`` and
+    ``SPOOL/corrupt/maildrop`` stay their submitters' (the directories are given). Symbolic links are not followed, and a regular file
     with more than one link is left alone (a hard link the previous run's user made to a file elsewhere must
     not make root give that file away)."""
+    from mtaq.storage import maildrop as md
     from mtaq.storage.fs import OsFileSystem, make_durable_dirs
 
     make_durable_dirs(OsFileSystem(), cfg.spool_dir)
+    keep_owners = {os.path.join(cfg.spool_dir, md.MAILDROP_DIR), os.path.join(cfg.spool_dir, md.ASIDE_DIR)}
     for top in (cfg.spool_dir, cfg.archive_dir):
         if not top:
             continue
@@ -101,6 +104,10 @@ def give_to(owner: Owner, cfg: Config) -> None:
         for root, dirs, files in os.walk(top):
             for name in dirs + files:
                 _give(os.path.join(root, name), owner)
+            if top == cfg.spool_dir:
+                # The maildrop's files (and those set aside from it) stay their submitters': the owner is the
+                # local user the pick-up names in Received: (mtaq.edge.pickup); the directories are given.
+                dirs[:] = [d for d in dirs if os.path.join(root, d) not in keep_owners]
 
 
 def _give(path: str, owner: Owner) -> None:
