@@ -207,6 +207,25 @@ def test_a_start_as_root_leaves_waiting_maildrop_files_their_submitters(host) ->
     assert [65534] == [e["uid"] for e in h.events("picked_up")]
 
 
+def test_local_users_reach_the_maildrop_and_nothing_else_of_the_spool(host) -> None:
+    """The spool holds mail: a local user (nobody) can read no segment, checkpoint or other file of it, nor
+    list it (the daemon's umask is 077, as Postfix's 0700 queue directories), yet submits with sendmail
+    through the maildrop without any chmod by the administrator (the spool is entered, not listed)."""
+    h = host()
+    h.start()
+    as_nobody = ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups")
+    r = sendmail(h.cfg, "x@example.net", stdin=b"Subject: n\n\nfrom nobody\n", prefix=as_nobody,
+                 env={"PYTHONDONTWRITEBYTECODE": "1"})
+    assert (0, b"") == (r.returncode, r.stderr)
+    h.wait_messages(1)
+    wait_for(lambda: (h.spool / "checkpoint").exists(), 10, "a checkpoint")
+    files = [str(p) for p in h.spool.rglob("*") if p.is_file() and "maildrop" not in p.parts]
+    assert [] != files
+    readable = [f for f in files if subprocess.run([*as_nobody, "cat", f], capture_output=True).returncode == 0]
+    assert [] == readable
+    assert 0 != subprocess.run([*as_nobody, "ls", str(h.spool)], capture_output=True).returncode
+
+
 def test_bp_lists_and_q_flushes_the_queue(host) -> None:
     """-bp is ``mtaq queue list`` (mailq); -q is ``mtaq queue flush ALL``: deferred mail is tried at once."""
     h = host('retry_intervals_s = [3600]\n')

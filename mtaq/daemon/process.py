@@ -855,6 +855,9 @@ def serve(cfg: Config) -> int:
     or a spool that has shards), run one worker process per shard under a supervisor
     (:mod:`mtaq.daemon.workers`) and return the exit status of the first worker that ended (the others are
     killed: crash-only). Raises ValueError (too many shards, or several workers on a listener with port 0)."""
+    # What the daemon writes (segments, checkpoint, archives, corrupt records: mail) is its user's alone, as
+    # Postfix's 0700 queue directories; local users reach only the maildrop (mode 1733; mtaq.storage.maildrop).
+    os.umask(0o077)
     listeners = listeners_of(cfg)
     files_before, files = raise_open_files_limit(open_files_needed(cfg))
     if files != files_before:

@@ -160,10 +160,15 @@ def decode_message(name: str, uid: int, data: bytes, *, body_bytes_max: int) -> 
 # ----------------------------------------------------------------------------------------- the writer
 def ensure_maildrop(spool: str) -> str:
     """``SPOOL/maildrop``, made (durably, mode 1733) if missing; the mode is set again when this process owns
-    it. Returns its path. Raises OSError."""
+    it, and the spool gets search permission (``--x``) for group and others, so that local users reach the
+    maildrop (the daemon's own files are 0600 in 0700 directories: its umask is 077). Returns its path.
+    Raises OSError."""
     d = os.path.join(spool, MAILDROP_DIR)
     if not os.path.isdir(d):
         make_durable_dirs(OsFileSystem(), d)
+    top = os.stat(spool)
+    if top.st_uid == os.geteuid() and top.st_mode & 0o011 != 0o011:
+        os.chmod(spool, stat.S_IMODE(top.st_mode) | 0o011)  # entered, not listed, by local users: to the maildrop
     st = os.stat(d)
     if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != MAILDROP_MODE:
         os.chmod(d, MAILDROP_MODE)
