@@ -99,7 +99,7 @@ def give_to(owner: Owner, cfg: Config) -> None:
     for top in (cfg.spool_dir, cfg.archive_dir):
         if not top:
             continue
-        os.makedirs(top, mode=0o700, exist_ok=True)
+        make_durable_dirs(OsFileSystem(), top)  # 0700 under serve's umask 077
         os.chown(top, owner.uid, owner.gid)
         for root, dirs, files in os.walk(top):
             for name in dirs + files:

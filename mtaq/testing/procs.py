@@ -57,15 +57,14 @@ def mail_owner_ready(*paths: str, user: str = "mtaq") -> None:
     try:
         pwd.getpwnam(user)
     except KeyError:
-        from mtaq.daemon.privileges import ADD_USER
-
-        subprocess.run([*ADD_USER.split(), user], check=True, capture_output=True)
+        # The install step's command (mtaq.daemon.privileges.ADD_USER; testing may not import the daemon).
+        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", user],
+                       check=True, capture_output=True)
     import aiohttp
 
-    import mtaq
-
+    package = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # mtaq/, this file's grandparent
     code = [os.path.realpath(sys.executable), os.path.dirname(os.path.realpath(os.__file__)),
-            os.path.realpath(os.path.dirname(mtaq.__file__)), os.path.realpath(os.path.dirname(aiohttp.__file__))]
+            package, os.path.realpath(os.path.dirname(aiohttp.__file__))]
     for path in [*code, *(os.path.abspath(p) for p in paths)]:
         d = path if os.path.isdir(path) else os.path.dirname(path)
         while True:
