@@ -2,12 +2,33 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator
 
 import pytest
 
 from mtaq.testing.procs import Proc, mail_owner_ready, read_events, start_daemon, start_sink
+
+_OWN_TEMPROOT = ""
+
+
+def pytest_configure(config) -> None:
+    """Run as root, each session gets its own temporary root (``PYTEST_DEBUG_TEMPROOT``, mode 0711): pytest
+    makes ``pytest-of-root`` 0700 again at every session's start, which shut out the daemons (mail_owner) of
+    another session running beside it (their spools are in it). Removed at the end when every test passed."""
+    global _OWN_TEMPROOT
+    if os.geteuid() == 0 and "PYTEST_DEBUG_TEMPROOT" not in os.environ:
+        _OWN_TEMPROOT = tempfile.mkdtemp(prefix="mtaq-pytest-")
+        os.chmod(_OWN_TEMPROOT, 0o711)
+        os.environ["PYTEST_DEBUG_TEMPROOT"] = _OWN_TEMPROOT
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    if _OWN_TEMPROOT and exitstatus == 0:
+        shutil.rmtree(_OWN_TEMPROOT, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
