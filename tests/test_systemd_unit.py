@@ -1,0 +1,220 @@
+"""Issue 33.1: contrib/systemd/mtaq.service and ``make install-service``.
+
+PID 1 is not systemd on the test machine, so the unit cannot be started for real. What is checked instead:
+``make install-service`` staged under a DESTDIR (the files it lays out, and that it overwrites no existing
+configuration or sendmail); ``systemd-analyze verify`` of the staged unit (its syntax, and that ExecStart=
+names an executable); ``systemd-analyze security --offline=true`` (the exposure score, at most 2.5 "OK");
+and the unit's ExecStart= line run as its User= with what systemd would give it: the ambient
+CAP_NET_BIND_SERVICE and that bounding set, NoNewPrivileges=, UMask=, LimitNOFILE=, MemoryDenyWriteExecute=
+(prctl PR_SET_MDWE, the kernel's own version of it) and the StateDirectory= spool (owned by User=, mode
+StateDirectoryMode=). The mount namespace (ProtectSystem=, PrivateTmp=...), the seccomp filters
+(SystemCallFilter=, RestrictAddressFamilies=) and Restart= need systemd as PID 1: not checked here.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import re
+import shlex
+import shutil
+import smtplib
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mtaq.config import load_config
+from mtaq.daemon.process import open_files_needed
+from mtaq.testing.procs import children, maildir_count, start_sink, wait_for, wait_port
+
+ROOT = Path(__file__).resolve().parent.parent
+UNIT = ROOT / "contrib" / "systemd" / "mtaq.service"
+DEFAULT_CONFIG = ROOT / "contrib" / "systemd" / "mtaq.toml"
+EXPOSURE_MAX = 2.5
+
+needs_systemd_analyze = pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="needs systemd-analyze")
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="installs and switches users as root")
+
+
+def _service(path: Path) -> dict[str, list[str]]:
+    """The [Service] section of a unit file: each key's values in order (SystemCallFilter= may repeat)."""
+    out: dict[str, list[str]] = {}
+    section = ""
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("["):
+            section = line
+            continue
+        if section == "[Service]":
+            key, _, value = line.partition("=")
+            out.setdefault(key, []).append(value)
+    return out
+
+
+def _install(destdir: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["make", "-s", "install-service", f"DESTDIR={destdir}"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+
+
+def _staged(tmp_path: Path) -> Path:
+    """``make install-service`` into DESTDIR=tmp_path/root, with the virtual environment's mtaq already there
+    (pip is not run), and the host's systemd units copied in (verify --root needs sysinit.target...)."""
+    root = tmp_path / "root"
+    venv_mtaq = root / "opt" / "mtaq" / "bin" / "mtaq"
+    venv_mtaq.parent.mkdir(parents=True)
+    shutil.copy(shutil.which("mtaq") or os.path.join(os.path.dirname(sys.executable), "mtaq"), venv_mtaq)
+    shutil.copytree("/usr/lib/systemd/system", root / "usr" / "lib" / "systemd" / "system", symlinks=True)
+    out = _install(root)
+    assert (0, "") == (out.returncode, out.stderr)
+    return root
+
+
+@needs_root
+@needs_systemd_analyze
+def test_make_install_service_lays_out_a_unit_that_systemd_analyze_verify_accepts(tmp_path: Path) -> None:
+    root = _staged(tmp_path)
+    assert UNIT.read_text() == (root / "etc/systemd/system/mtaq.service").read_text()
+    assert DEFAULT_CONFIG.read_text() == (root / "etc/mtaq/mtaq.toml").read_text()
+    assert "/opt/mtaq/bin/mtaq" == os.readlink(root / "usr/sbin/sendmail")
+    out = subprocess.run(["systemd-analyze", "verify", f"--root={root}", "mtaq.service"], capture_output=True,
+                         text=True, timeout=60)
+    assert (0, "", "") == (out.returncode, out.stdout, out.stderr)
+    # verify does look: without the executable ExecStart= names, it fails.
+    (root / "opt/mtaq/bin/mtaq").unlink()
+    out = subprocess.run(["systemd-analyze", "verify", f"--root={root}", "mtaq.service"], capture_output=True,
+                         text=True, timeout=60)
+    assert (1, "mtaq.service: Command /opt/mtaq/bin/mtaq is not executable: No such file or directory") == (
+        out.returncode, out.stderr.strip())
+
+
+@needs_root
+def test_make_install_service_keeps_an_existing_configuration_and_sendmail(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    (root / "opt/mtaq/bin").mkdir(parents=True)
+    (root / "opt/mtaq/bin/mtaq").write_text("#!/bin/sh\n")
+    (root / "opt/mtaq/bin/mtaq").chmod(0o755)
+    (root / "etc/mtaq").mkdir(parents=True)
+    (root / "etc/mtaq/mtaq.toml").write_text('listen = "127.0.0.1:25"\n')
+    (root / "usr/sbin").mkdir(parents=True)
+    (root / "usr/sbin/sendmail").symlink_to("/usr/lib/sm.bin/sendmail")
+    out = _install(root)
+    assert (0, "") == (out.returncode, out.stderr)
+    assert 'listen = "127.0.0.1:25"\n' == (root / "etc/mtaq/mtaq.toml").read_text()
+    assert "/usr/lib/sm.bin/sendmail" == os.readlink(root / "usr/sbin/sendmail")
+
+
+@needs_systemd_analyze
+def test_systemd_analyze_security_exposure_is_ok() -> None:
+    """``systemd-analyze security --offline=true contrib/systemd/mtaq.service``: 1.6 with systemd 252."""
+    out = subprocess.run(["systemd-analyze", "security", "--offline=true", str(UNIT)], capture_output=True,
+                         text=True, timeout=60)
+    m = re.search(r"Overall exposure level for mtaq\.service: ([0-9.]+) (\w+)", out.stdout)
+    assert m is not None, out.stdout + out.stderr
+    print(f"systemd-analyze security: exposure {m.group(1)} {m.group(2)}")
+    assert (True, "OK") == (float(m.group(1)) <= EXPOSURE_MAX, m.group(2))
+
+
+def test_limit_nofile_covers_what_the_default_configuration_needs() -> None:
+    limit = int(_service(UNIT)["LimitNOFILE"][-1])
+    needed = open_files_needed(load_config(str(DEFAULT_CONFIG), {}))
+    assert (True, 684) == (limit >= needed, needed)
+
+
+def _low_port() -> int:
+    """The first free port below 1024 on 127.0.0.1 from 999 down (binding needs CAP_NET_BIND_SERVICE)."""
+    for port in range(999, 600, -1):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no port below 1024 free on 127.0.0.1")
+
+
+def _status(pid: int) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    with open(f"/proc/{pid}/status", encoding="ascii") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            out[key] = value.split()
+    return out
+
+
+# MemoryDenyWriteExecute= as the kernel offers it (Linux 6.3+: prctl PR_SET_MDWE, kept across execve), and
+# UMask=; then exec the rest of argv.
+_MDWE_EXEC = (
+    "import ctypes, os, sys\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "if libc.prctl(65, 1, 0, 0, 0) != 0: sys.exit('PR_SET_MDWE: errno %d' % ctypes.get_errno())\n"
+    "os.umask(int(sys.argv[1], 8))\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+@needs_root
+@pytest.mark.skipif(not (shutil.which("setpriv") and shutil.which("prlimit")), reason="needs util-linux")
+def test_the_units_execstart_run_as_its_user_relays_a_message(tmp_path: Path) -> None:
+    """The unit's ExecStart= (its entry point /opt/mtaq/bin/mtaq replaced by this Python's ``-m mtaq.cli``,
+    its configuration by the shipped default with the spool, the address and the next hop of the test) run
+    as User=/Group= with the capabilities, limits and flags systemd would set (setpriv, prlimit, prctl): it
+    binds a port below 1024, relays a message to a sink, and every process of it is the user's, with
+    CAP_NET_BIND_SERVICE and nothing else."""
+    unit = _service(UNIT)
+    argv = shlex.split(unit["ExecStart"][-1])
+    assert ["/opt/mtaq/bin/mtaq", "serve", "--config", "/etc/mtaq/mtaq.toml"] == argv
+    assert (["mtaq"], ["mtaq"]) == (unit["User"], unit["Group"])
+    assert (["CAP_NET_BIND_SERVICE"], ["CAP_NET_BIND_SERVICE"]) == (
+        unit["AmbientCapabilities"], unit["CapabilityBoundingSet"])
+    pw = pwd.getpwnam(unit["User"][-1])
+    # StateDirectory=mtaq with StateDirectoryMode=0711: the spool of the shipped configuration, the user's.
+    assert (["mtaq"], ["0711"]) == (unit["StateDirectory"], unit["StateDirectoryMode"])
+    spool = tmp_path / "var-lib-mtaq"
+    spool.mkdir()
+    spool.chmod(int(unit["StateDirectoryMode"][-1], 8))
+    os.chown(spool, pw.pw_uid, pw.pw_gid)
+    tmp_path.chmod(0o755)
+    sink = start_sink(str(tmp_path / "maildir"), str(tmp_path / "sink.log"))
+    port = _low_port()
+    text = DEFAULT_CONFIG.read_text()
+    for key, shipped, test in [("spool_dir", "/var/lib/mtaq", str(spool)),
+                               ("listen", "0.0.0.0:25", f"127.0.0.1:{port}"),
+                               ("relayhost", "", f"[127.0.0.1]:{sink.port}")]:
+        text, n = re.subn(rf'^{key} = "{re.escape(shipped)}"$', f'{key} = "{test}"', text, flags=re.M)
+        assert (key, 1) == (key, n)
+    config = tmp_path / "mtaq.toml"
+    config.write_text(text + 'admin_listen = "127.0.0.1:0"\nworkers = 2\n')
+    config.chmod(0o644)
+    nofile = unit["LimitNOFILE"][-1]
+    wrapper = ["prlimit", f"--nofile={nofile}:{nofile}", "--",
+               sys.executable, "-c", _MDWE_EXEC, unit["UMask"][-1],
+               "setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--init-groups",
+               "--inh-caps=-all,+net_bind_service", "--ambient-caps=-all,+net_bind_service",
+               "--bounding-set=-all,+net_bind_service", *(["--no-new-privs"] * (unit["NoNewPrivileges"] == ["yes"]))]
+    command = [*wrapper, sys.executable, "-m", "mtaq.cli", *argv[1:3], str(config)]
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    with open(tmp_path / "daemon.log", "ab") as log:
+        p = subprocess.Popen(command, stdout=log, stderr=log, stdin=subprocess.DEVNULL, env=env)
+    try:
+        wait_port(port, 30, proc=p)
+        with smtplib.SMTP("127.0.0.1", port, timeout=10) as c:
+            c.sendmail("a@client.test", ["b@dest.test"], b"Subject: t\r\n\r\nbody\r\n")
+        wait_for(lambda: maildir_count(str(tmp_path / "maildir")) == 1, 20, "the relayed message")
+        procs = [p.pid, *children(p.pid)]
+        assert 3 == len(procs)  # the supervisor and its 2 workers
+        for pid in procs:
+            st = _status(pid)
+            assert ([str(pw.pw_uid)] * 4, [str(pw.pw_gid)] * 4, "0000000000000400", "0000000000000400", "1") == (
+                st["Uid"], st["Gid"], st["CapEff"][0], st["CapBnd"][0], st["NoNewPrivs"][0])
+        assert (pw.pw_uid, 0o711) == (spool.stat().st_uid, spool.stat().st_mode & 0o777)
+    finally:
+        for pid in [*children(p.pid)] if p.poll() is None else []:
+            os.kill(pid, 9)
+        p.kill()
+        p.wait()
+        sink.kill9()
