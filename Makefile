@@ -25,7 +25,7 @@ install: $(STAMP)
 
 # On a host, as root: the systemd service (contrib/systemd/mtaq.service; README "Install on a host"). mtaq goes
 # into its own virtual environment SERVICE_PREFIX (/opt/mtaq: readable by the mtaq user, which a checkout
-# under /root, mode 0700, is not), made and filled by pip unless it has an mtaq already; the unit into
+# under /root, mode 0700, is not; umask 022 for it), made and filled by pip unless it has an mtaq already; the unit into
 # /etc/systemd/system; /etc/mtaq/mtaq.toml only when there is none; /usr/sbin/sendmail only when there is
 # none. DESTDIR stages it all under another root (tests/test_systemd_unit.py); systemctl runs only when
 # systemd is PID 1 (/run/systemd/system exists, as sd_booted(3) checks) and DESTDIR is empty.
@@ -34,7 +34,7 @@ DESTDIR ?=
 install-service:
 	@test "$$(id -u)" = 0 || { echo "make install-service: run as root" >&2; exit 1; }
 	getent passwd $(MAIL_OWNER) >/dev/null || useradd --system --no-create-home --shell /usr/sbin/nologin $(MAIL_OWNER)
-	test -x $(DESTDIR)$(SERVICE_PREFIX)/bin/mtaq || { $(PY) -m venv $(DESTDIR)$(SERVICE_PREFIX) && \
+	test -x $(DESTDIR)$(SERVICE_PREFIX)/bin/mtaq || { umask 022 && $(PY) -m venv $(DESTDIR)$(SERVICE_PREFIX) && \
 	  $(DESTDIR)$(SERVICE_PREFIX)/bin/pip install -q . ; }
 	install -D -m 0644 contrib/systemd/mtaq.service $(DESTDIR)/etc/systemd/system/mtaq.service
 	install -d -m 0755 $(DESTDIR)/etc/mtaq

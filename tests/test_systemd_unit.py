@@ -163,7 +163,8 @@ def test_the_units_execstart_run_as_its_user_relays_a_message(tmp_path: Path) ->
     """The unit's ExecStart= (its entry point /opt/mtaq/bin/mtaq replaced by this Python's ``-m mtaq.cli``,
     its configuration by the shipped default with the spool, the address and the next hop of the test) run
     as User=/Group= with the capabilities, limits and flags systemd would set (setpriv, prlimit, prctl): it
-    binds a port below 1024, relays a message to a sink, and every process of it is the user's, with
+    binds a port below 1024, relays a message to a sink (and one that a local user, nobody, gave to
+    ``mtaq sendmail`` with the same configuration), and every process of it is the user's, with
     CAP_NET_BIND_SERVICE and nothing else."""
     unit = _service(UNIT)
     argv = shlex.split(unit["ExecStart"][-1])
@@ -205,6 +206,13 @@ def test_the_units_execstart_run_as_its_user_relays_a_message(tmp_path: Path) ->
         with smtplib.SMTP("127.0.0.1", port, timeout=10) as c:
             c.sendmail("a@client.test", ["b@dest.test"], b"Subject: t\r\n\r\nbody\r\n")
         wait_for(lambda: maildir_count(str(tmp_path / "maildir")) == 1, 20, "the relayed message")
+        # A local user's sendmail reaches the maildrop through the StateDirectoryMode= spool.
+        nobody = pwd.getpwnam("nobody")
+        out = subprocess.run(["setpriv", f"--reuid={nobody.pw_uid}", f"--regid={nobody.pw_gid}", "--clear-groups",
+                              sys.executable, "-m", "mtaq.cli", "sendmail", "-C", str(config), "b@dest.test"],
+                             input=b"Subject: from cron\n\nbody\n", capture_output=True, timeout=30, env=env)
+        assert (0, b"") == (out.returncode, out.stderr)
+        wait_for(lambda: maildir_count(str(tmp_path / "maildir")) == 2, 20, "the message from sendmail")
         procs = [p.pid, *children(p.pid)]
         assert 3 == len(procs)  # the supervisor and its 2 workers
         for pid in procs:
@@ -218,3 +226,29 @@ def test_the_units_execstart_run_as_its_user_relays_a_message(tmp_path: Path) ->
         p.kill()
         p.wait()
         sink.kill9()
+
+
+README_KILL = """kill -9 "$(python3 -c 'import json; print(json.load(open("spool/admin.json"))["pid"])')\""""
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_readmes_kill_line_for_a_checkout_stops_that_daemon_alone(tmp_path: Path, workers: int) -> None:
+    """README, "Send a first message": ``kill -9`` of the pid in ``SPOOL/admin.json`` (a worker with several:
+    the supervisor then SIGKILLs the others and exits), instead of ``pkill -9 -f "mtaq serve"``, which kills
+    every mtaq of the host. A second daemon on another spool lives on."""
+    assert True is (README_KILL in (ROOT / "README.md").read_text())
+    from mtaq.testing.procs import start_daemon
+
+    (tmp_path / "other").mkdir()
+    ours = start_daemon(str(tmp_path / "spool"), None, str(tmp_path / "ours.log"), workers=workers)
+    other = start_daemon(str(tmp_path / "other" / "spool"), None, str(tmp_path / "other.log"), workers=workers)
+    try:
+        kids = ours.children()
+        out = subprocess.run(["sh", "-c", README_KILL], cwd=tmp_path, capture_output=True, text=True, timeout=30)
+        assert (0, "") == (out.returncode, out.stderr)
+        ours.popen.wait(timeout=20)
+        wait_for(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in kids), 20, "its workers gone")
+        assert (True, workers if workers > 1 else 0) == (other.alive(), len(other.children()))
+    finally:
+        ours.kill9()
+        other.kill9()
