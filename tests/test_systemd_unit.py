@@ -6,9 +6,10 @@ configuration or sendmail); ``systemd-analyze verify`` of the staged unit (its s
 names an executable); ``systemd-analyze security --offline=true`` (the exposure score, at most 2.5 "OK");
 and the unit's ExecStart= line run as its User= with what systemd would give it: the ambient
 CAP_NET_BIND_SERVICE and that bounding set, NoNewPrivileges=, UMask=, LimitNOFILE=, MemoryDenyWriteExecute=
-(prctl PR_SET_MDWE, the kernel's own version of it) and the StateDirectory= spool (owned by User=, mode
-StateDirectoryMode=). The mount namespace (ProtectSystem=, PrivateTmp=...), the seccomp filters
-(SystemCallFilter=, RestrictAddressFamilies=) and Restart= need systemd as PID 1: not checked here.
+(prctl PR_SET_MDWE, the kernel's own version of it), SystemCallFilter= and RestrictAddressFamilies= (a
+seccomp filter of the same system calls, made with libseccomp) and the StateDirectory= spool (owned by
+User=, mode StateDirectoryMode=). The mount namespace (ProtectSystem=, ProtectHome=, PrivateTmp=,
+PrivateDevices=, ProtectProc=...), Restart= and KillSignal= need systemd as PID 1: not checked here.
 """
 
 from __future__ import annotations
@@ -146,15 +147,66 @@ def _status(pid: int) -> dict[str, list[str]]:
     return out
 
 
-# MemoryDenyWriteExecute= as the kernel offers it (Linux 6.3+: prctl PR_SET_MDWE, kept across execve), and
-# UMask=; then exec the rest of argv.
-_MDWE_EXEC = (
-    "import ctypes, os, sys\n"
-    "libc = ctypes.CDLL(None, use_errno=True)\n"
-    "if libc.prctl(65, 1, 0, 0, 0) != 0: sys.exit('PR_SET_MDWE: errno %d' % ctypes.get_errno())\n"
-    "os.umask(int(sys.argv[1], 8))\n"
-    "os.execvp(sys.argv[2], sys.argv[2:])\n"
-)
+def _syscalls(unit: dict[str, list[str]]) -> list[str]:
+    """The system calls SystemCallFilter= lines allow, groups expanded as ``systemd-analyze syscall-filter``
+    lists them (an allow list, then ``~`` lines taking calls out of it)."""
+    groups: dict[str, list[str]] = {}
+    name = ""
+    out = subprocess.run(["systemd-analyze", "syscall-filter"], capture_output=True, text=True, timeout=60)
+    for line in out.stdout.splitlines():
+        if line.startswith("@"):
+            name = line.strip()
+            groups[name] = []
+        elif line.strip() and not line.strip().startswith("#") and name:
+            groups[name].append(line.strip())
+
+    def expand(item: str) -> set[str]:
+        return set().union(*(expand(i) for i in groups[item])) if item.startswith("@") else {item}
+
+    allowed: set[str] = set()
+    for value in unit["SystemCallFilter"]:
+        deny = value.startswith("~")
+        items = set().union(*(expand(i) for i in value.lstrip("~").split()))
+        allowed = allowed - items if deny else allowed | items
+    return sorted(allowed)
+
+
+# What systemd does between fork and exec after the switch to User= (setpriv): MemoryDenyWriteExecute= as the
+# kernel offers it (Linux 6.3+: prctl PR_SET_MDWE, kept across execve), UMask=, SystemCallFilter= and
+# RestrictAddressFamilies= (a seccomp filter made with libseccomp: any other call, and socket() of another
+# family, fails with EPERM; systemd's socket() fails with EAFNOSUPPORT, glibc's getaddrinfo takes either
+# failure of its netlink socket as "IPv4 and IPv6 both there"), and
+# SystemCallArchitectures=native (the filter has only the native architecture). Then exec the rest of argv.
+_SANDBOX_EXEC = r"""
+import ctypes, os, sys
+umask, allowed, families, argv = sys.argv[1], sys.argv[2].split(","), sys.argv[3].split(","), sys.argv[4:]
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.prctl(65, 1, 0, 0, 0) != 0:
+    sys.exit("PR_SET_MDWE: errno %d" % ctypes.get_errno())
+os.umask(int(umask, 8))
+sc = ctypes.CDLL("libseccomp.so.2")
+sc.seccomp_init.restype = ctypes.c_void_p
+sc.seccomp_init.argtypes = [ctypes.c_uint32]
+sc.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
+class Cmp(ctypes.Structure):
+    _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int), ("a", ctypes.c_uint64), ("b", ctypes.c_uint64)]
+sc.seccomp_rule_add_array.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint,
+                                      ctypes.POINTER(Cmp)]
+sc.seccomp_load.argtypes = [ctypes.c_void_p]
+ALLOW, ERRNO = 0x7FFF0000, 0x00050000
+ctx = sc.seccomp_init(ERRNO | 1)
+sock = sc.seccomp_syscall_resolve_name(b"socket")
+for name in allowed:
+    nr = sc.seccomp_syscall_resolve_name(name.encode())
+    if nr >= 0 and nr != sock:
+        assert sc.seccomp_rule_add_array(ctx, ALLOW, nr, 0, None) == 0, name
+for family in families:
+    assert sc.seccomp_rule_add_array(ctx, ALLOW, sock, 1, (Cmp * 1)(Cmp(0, 4, int(family), 0))) == 0
+if sc.seccomp_load(ctx) != 0:
+    sys.exit("seccomp_load failed")
+os.execvp(argv[0], argv)
+"""
+FAMILIES = {"AF_UNIX": socket.AF_UNIX, "AF_INET": socket.AF_INET, "AF_INET6": socket.AF_INET6}
 
 
 @needs_root
@@ -162,7 +214,8 @@ _MDWE_EXEC = (
 def test_the_units_execstart_run_as_its_user_relays_a_message(tmp_path: Path) -> None:
     """The unit's ExecStart= (its entry point /opt/mtaq/bin/mtaq replaced by this Python's ``-m mtaq.cli``,
     its configuration by the shipped default with the spool, the address and the next hop of the test) run
-    as User=/Group= with the capabilities, limits and flags systemd would set (setpriv, prlimit, prctl): it
+    as User=/Group= with the capabilities, limits and flags systemd would set (setpriv, prlimit, prctl,
+    seccomp): it
     binds a port below 1024, relays a message to a sink (and one that a local user, nobody, gave to
     ``mtaq sendmail`` with the same configuration), and every process of it is the user's, with
     CAP_NET_BIND_SERVICE and nothing else."""
@@ -192,11 +245,24 @@ def test_the_units_execstart_run_as_its_user_relays_a_message(tmp_path: Path) ->
     config.write_text(text + 'admin_listen = "127.0.0.1:0"\nworkers = 2\n')
     config.chmod(0o644)
     nofile = unit["LimitNOFILE"][-1]
+    assert (["yes"], ["native"], ["yes"]) == (
+        unit["NoNewPrivileges"], unit["SystemCallArchitectures"], unit["MemoryDenyWriteExecute"])
+    families = [str(int(FAMILIES[f])) for f in unit["RestrictAddressFamilies"][-1].split()]
     wrapper = ["prlimit", f"--nofile={nofile}:{nofile}", "--",
-               sys.executable, "-c", _MDWE_EXEC, unit["UMask"][-1],
                "setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--init-groups",
                "--inh-caps=-all,+net_bind_service", "--ambient-caps=-all,+net_bind_service",
-               "--bounding-set=-all,+net_bind_service", *(["--no-new-privs"] * (unit["NoNewPrivileges"] == ["yes"]))]
+               "--bounding-set=-all,+net_bind_service", "--no-new-privs",
+               sys.executable, "-c", _SANDBOX_EXEC, unit["UMask"][-1], ",".join(_syscalls(unit)), ",".join(families)]
+    # The sandbox bites: a netlink socket, setpriority (@resources), a W+X mapping are refused.
+    probe = ("import errno, mmap, os, socket\n"
+             "try: socket.socket(socket.AF_NETLINK, socket.SOCK_RAW)\n"
+             "except OSError as e: print(errno.errorcode[e.errno])\n"
+             "try: os.setpriority(os.PRIO_PROCESS, 0, 5)\n"
+             "except OSError as e: print(errno.errorcode[e.errno])\n"
+             "try: mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)\n"
+             "except OSError as e: print(errno.errorcode[e.errno])\n")
+    out = subprocess.run([*wrapper, sys.executable, "-c", probe], capture_output=True, text=True, timeout=30)
+    assert (0, ["EPERM", "EPERM", "EACCES"], "") == (out.returncode, out.stdout.split(), out.stderr)
     command = [*wrapper, sys.executable, "-m", "mtaq.cli", *argv[1:3], str(config)]
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
     with open(tmp_path / "daemon.log", "ab") as log:
@@ -217,8 +283,8 @@ def test_the_units_execstart_run_as_its_user_relays_a_message(tmp_path: Path) ->
         assert 3 == len(procs)  # the supervisor and its 2 workers
         for pid in procs:
             st = _status(pid)
-            assert ([str(pw.pw_uid)] * 4, [str(pw.pw_gid)] * 4, "0000000000000400", "0000000000000400", "1") == (
-                st["Uid"], st["Gid"], st["CapEff"][0], st["CapBnd"][0], st["NoNewPrivs"][0])
+            assert ([str(pw.pw_uid)] * 4, [str(pw.pw_gid)] * 4, "0000000000000400", "0000000000000400", "1", "2") == (
+                st["Uid"], st["Gid"], st["CapEff"][0], st["CapBnd"][0], st["NoNewPrivs"][0], st["Seccomp"][0])
         assert (pw.pw_uid, 0o711) == (spool.stat().st_uid, spool.stat().st_mode & 0o777)
     finally:
         for pid in [*children(p.pid)] if p.poll() is None else []:
