@@ -7,9 +7,10 @@ names an executable); ``systemd-analyze security --offline=true`` (the exposure 
 and the unit's ExecStart= line run as its User= with what systemd would give it: the ambient
 CAP_NET_BIND_SERVICE and that bounding set, NoNewPrivileges=, UMask=, LimitNOFILE=, MemoryDenyWriteExecute=
 (prctl PR_SET_MDWE, the kernel's own version of it), SystemCallFilter= and RestrictAddressFamilies= (a
-seccomp filter of the same system calls, made with libseccomp) and the StateDirectory= spool (owned by
-User=, mode StateDirectoryMode=). The mount namespace (ProtectSystem=, ProtectHome=, PrivateTmp=,
-PrivateDevices=, ProtectProc=...), Restart= and KillSignal= need systemd as PID 1: not checked here.
+seccomp filter of the same system calls, made with libseccomp), ProtectSystem=strict (a mount namespace
+with everything read-only but the spool) and the StateDirectory= spool (owned by User=, mode
+StateDirectoryMode=). ProtectHome=, PrivateTmp=, PrivateDevices=, ProtectProc=..., Restart= and KillSignal=
+need systemd as PID 1: not checked here.
 """
 
 from __future__ import annotations
@@ -208,6 +209,18 @@ os.execvp(argv[0], argv)
 """
 FAMILIES = {"AF_UNIX": socket.AF_UNIX, "AF_INET": socket.AF_INET, "AF_INET6": socket.AF_INET6}
 
+# ProtectSystem=strict with the StateDirectory= writable, in a private mount namespace (unshare): every mount
+# but /proc, /sys and /dev made read-only, then the spool ($1) bound onto itself read-write; /tmp stays
+# read-only too (stricter than PrivateTmp=, whose empty /tmp would hide the test's spool). Then exec the rest.
+_PROTECT_SYSTEM_STRICT = r"""
+for m in $(awk '{print $5}' /proc/self/mountinfo | grep -v -E '^/(proc|sys|dev)(/|$)' | sort -u); do
+  mount -o remount,bind,ro "$m" || exit 1
+done
+mount --bind "$1" "$1" && mount -o remount,bind,rw "$1" || exit 1
+shift
+exec "$@"
+"""
+
 
 @needs_root
 @pytest.mark.skipif(not (shutil.which("setpriv") and shutil.which("prlimit")), reason="needs util-linux")
@@ -215,7 +228,7 @@ def test_the_units_execstart_run_as_its_user_relays_a_message(tmp_path: Path) ->
     """The unit's ExecStart= (its entry point /opt/mtaq/bin/mtaq replaced by this Python's ``-m mtaq.cli``,
     its configuration by the shipped default with the spool, the address and the next hop of the test) run
     as User=/Group= with the capabilities, limits and flags systemd would set (setpriv, prlimit, prctl,
-    seccomp): it
+    seccomp, a read-only mount namespace): it
     binds a port below 1024, relays a message to a sink (and one that a local user, nobody, gave to
     ``mtaq sendmail`` with the same configuration), and every process of it is the user's, with
     CAP_NET_BIND_SERVICE and nothing else."""
@@ -248,13 +261,17 @@ def test_the_units_execstart_run_as_its_user_relays_a_message(tmp_path: Path) ->
     assert (["yes"], ["native"], ["yes"]) == (
         unit["NoNewPrivileges"], unit["SystemCallArchitectures"], unit["MemoryDenyWriteExecute"])
     families = [str(int(FAMILIES[f])) for f in unit["RestrictAddressFamilies"][-1].split()]
+    assert (["strict"], ["yes"]) == (unit["ProtectSystem"], unit["PrivateTmp"])
     wrapper = ["prlimit", f"--nofile={nofile}:{nofile}", "--",
+               "unshare", "--mount", "--propagation", "private", "sh", "-c", _PROTECT_SYSTEM_STRICT, "sh", str(spool),
                "setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--init-groups",
                "--inh-caps=-all,+net_bind_service", "--ambient-caps=-all,+net_bind_service",
                "--bounding-set=-all,+net_bind_service", "--no-new-privs",
                sys.executable, "-c", _SANDBOX_EXEC, unit["UMask"][-1], ",".join(_syscalls(unit)), ",".join(families)]
-    # The sandbox bites: a netlink socket, setpriority (@resources), a W+X mapping are refused.
+    # The sandbox bites: a file outside the spool, a netlink socket, setpriority (@resources), a W+X mapping are refused.
     probe = ("import errno, mmap, os, socket\n"
+             f"try: open({str(tmp_path / 'outside-the-spool')!r}, 'w')\n"
+             "except OSError as e: print(errno.errorcode[e.errno])\n"
              "try: socket.socket(socket.AF_NETLINK, socket.SOCK_RAW)\n"
              "except OSError as e: print(errno.errorcode[e.errno])\n"
              "try: os.setpriority(os.PRIO_PROCESS, 0, 5)\n"
@@ -262,7 +279,7 @@ def test_the_units_execstart_run_as_its_user_relays_a_message(tmp_path: Path) ->
              "try: mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)\n"
              "except OSError as e: print(errno.errorcode[e.errno])\n")
     out = subprocess.run([*wrapper, sys.executable, "-c", probe], capture_output=True, text=True, timeout=30)
-    assert (0, ["EPERM", "EPERM", "EACCES"], "") == (out.returncode, out.stdout.split(), out.stderr)
+    assert (0, ["EROFS", "EPERM", "EPERM", "EACCES"], "") == (out.returncode, out.stdout.split(), out.stderr)
     command = [*wrapper, sys.executable, "-m", "mtaq.cli", *argv[1:3], str(config)]
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
     with open(tmp_path / "daemon.log", "ab") as log:
