@@ -9,7 +9,7 @@ LISTEN ?= 127.0.0.1:2525
 SINK_HOST ?= 127.0.0.1
 SINK_PORT ?= 2526
 
-.PHONY: install debs run test lint bench bench-analytics spark-zip compare clean-spool
+.PHONY: install install-service debs run test lint bench bench-analytics spark-zip compare clean-spool
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -23,10 +23,33 @@ install: $(STAMP)
 	@if [ "$$(id -u)" = 0 ] && ! getent passwd $(MAIL_OWNER) >/dev/null; then \
 	  useradd --system --no-create-home --shell /usr/sbin/nologin $(MAIL_OWNER); fi
 
+# On a host, as root: the systemd service (contrib/systemd/mtaq.service; README "Install on a host"). mtaq goes
+# into its own virtual environment SERVICE_PREFIX (/opt/mtaq: readable by the mtaq user, which a checkout
+# under /root, mode 0700, is not; umask 022 for it), made and filled by pip unless it has an mtaq already; the unit into
+# /etc/systemd/system; /etc/mtaq/mtaq.toml only when there is none; /usr/sbin/sendmail only when there is
+# none. DESTDIR stages it all under another root (tests/test_systemd_unit.py); systemctl runs only when
+# systemd is PID 1 (/run/systemd/system exists, as sd_booted(3) checks) and DESTDIR is empty.
+SERVICE_PREFIX ?= /opt/mtaq
+DESTDIR ?=
+install-service:
+	@test "$$(id -u)" = 0 || { echo "make install-service: run as root" >&2; exit 1; }
+	getent passwd $(MAIL_OWNER) >/dev/null || useradd --system --no-create-home --shell /usr/sbin/nologin $(MAIL_OWNER)
+	test -x $(DESTDIR)$(SERVICE_PREFIX)/bin/mtaq || { umask 022 && $(PY) -m venv $(DESTDIR)$(SERVICE_PREFIX) && \
+	  $(DESTDIR)$(SERVICE_PREFIX)/bin/pip install -q . ; }
+	install -D -m 0644 contrib/systemd/mtaq.service $(DESTDIR)/etc/systemd/system/mtaq.service
+	install -d -m 0755 $(DESTDIR)/etc/mtaq
+	test -e $(DESTDIR)/etc/mtaq/mtaq.toml || install -m 0644 contrib/systemd/mtaq.toml $(DESTDIR)/etc/mtaq/mtaq.toml
+	install -d -m 0755 $(DESTDIR)/usr/sbin
+	test -e $(DESTDIR)/usr/sbin/sendmail || test -L $(DESTDIR)/usr/sbin/sendmail || \
+	  ln -s $(SERVICE_PREFIX)/bin/mtaq $(DESTDIR)/usr/sbin/sendmail
+	if [ -z "$(DESTDIR)" ] && [ -d /run/systemd/system ]; then systemctl daemon-reload && systemctl enable --now mtaq; \
+	else echo "make install-service: systemd is not PID 1 here (or DESTDIR is set): not started"; fi
+
 # Debian packages used by tests that talk to real tools, as command:package (swaks as an SMTP client,
 # nmap's smtp-open-relay, libfiu's fiu-run/fiu-ctrl for fsync EIO injection, chromium to look at the
-# analytics report.html headless, pflogsumm for bench/analytics.py --pflogsumm).
-DEBS := swaks:swaks nmap:nmap fiu-run:fiu-utils chromium:chromium pflogsumm:pflogsumm
+# analytics report.html headless, pflogsumm for bench/analytics.py --pflogsumm, systemd-analyze to check
+# contrib/systemd/mtaq.service).
+DEBS := swaks:swaks nmap:nmap fiu-run:fiu-utils chromium:chromium pflogsumm:pflogsumm systemd-analyze:systemd
 debs:
 	@missing=""; for t in $(DEBS); do command -v $${t%%:*} >/dev/null 2>&1 || missing="$$missing $${t#*:}"; done; \
 	if [ -n "$$missing" ]; then \
