@@ -1,6 +1,6 @@
 """The ``mtaq`` command line (argparse).
 
-``mtaq serve``, ``mtaq sink``, ``mtaq sendmail`` (sendmail(1); mtaq/edge/sendmail.py; also when the program is
+``mtaq serve``, ``mtaq check`` (mtaq/daemon/check.py), ``mtaq sink``, ``mtaq sendmail`` (sendmail(1); mtaq/edge/sendmail.py; also when the program is
 called ``sendmail`` or ``mailq``), ``mtaq dkim keygen``, ``mtaq log dump``, ``mtaq log verify``, ``mtaq passwd``, ``mtaq analyze``
 (delivery statistics on Spark; needs the ``spark`` extra, imported only when that command runs), ``mtaq queue
 ...`` (mtaq/admin/cli.py). Errors are one line on stderr with a non-zero exit status: 2 for bad usage or
@@ -25,7 +25,8 @@ __all__ = ["main"]
 
 
 def _add_log_format(p: argparse.ArgumentParser, default: object = argparse.SUPPRESS) -> None:
-    p.add_argument("--log-format", choices=("console", "json"), default=default, help="log line format (stderr)")
+    p.add_argument("--log-format", choices=("console", "json", "syslog"), default=default,
+                   help="log line format (stderr; syslog: RFC 5424 to syslog_socket)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="worker processes, one spool shard each, 1..16; auto (the default): one per core, at most 8 "
                         "(1 when a listener has port 0)")
     _add_log_format(p)
+
+    p = sub.add_parser("check", help="check the configuration, every file it names, the spool and the listeners "
+                                     "(postfix check); exit 1 with one line per problem")
+    p.add_argument("--config", metavar="FILE", help="TOML configuration file")
+    p.add_argument("--bind", action="store_true", help="also bind each listening address once (fails while mtaq runs)")
 
     p = sub.add_parser("sink", help="a local SMTP sink that stores what it receives as a Maildir")
     p.add_argument("--listen", metavar="HOST:PORT", required=True)
@@ -126,6 +132,8 @@ def _main(args: argparse.Namespace) -> int:
             return _serve(args)
         if args.command == "sink":
             return _sink(args)
+        if args.command == "check":
+            return _check(args)
         if args.command == "queue":
             from mtaq.admin.cli import run_queue
 
@@ -177,7 +185,7 @@ def _serve(args: argparse.Namespace) -> int:
         "workers": args.workers,
     }
     cfg = load_config(args.config, overrides)
-    configure_logging(cfg.log_format)
+    configure_logging(cfg.log_format, syslog_socket=cfg.syslog_socket)
     from mtaq.daemon.process import serve
 
     try:
@@ -189,6 +197,21 @@ def _serve(args: argparse.Namespace) -> int:
 
         print(f"mtaq: cannot serve: {oserror_line(exc)}", file=sys.stderr)
         return 1
+
+
+def _check(args: argparse.Namespace) -> int:
+    """``mtaq check``: every problem on stdout, one line each, and 1; nothing and 0 when there is none."""
+    from mtaq.daemon.check import problems
+
+    try:
+        found: list[str] = []  # the config's own problems, then those of its files, spool and listeners
+        cfg = load_config(args.config, {}, problems=found)
+        found += problems(cfg, bind=args.bind)
+    except ConfigError as exc:  # the file cannot be read or decoded: nothing else can be checked
+        found = [str(exc)]
+    for line in found:
+        print(f"mtaq: check: {line}")
+    return 1 if found else 0
 
 
 def _sendmail_queue(command: str, cfg: Config, config_path: str | None) -> int:

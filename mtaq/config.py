@@ -10,6 +10,7 @@ import ipaddress
 import re
 import socket
 import tomllib
+from collections.abc import Callable
 from typing import Annotated, Literal
 
 import msgspec
@@ -204,7 +205,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # and the per-client limits from accept on (Postfix smtpd_starttls_timeout, 300 s, is per I/O operation).
     tls_handshake_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=300)] = 10.0
     stats_interval_s: Annotated[float, msgspec.Meta(ge=0)] = 60.0  # 0 disables the periodic stats event
-    log_format: Literal["console", "json"] = "console"
+    # "syslog": RFC 5424 lines (facility mail) to the unix datagram socket syslog_socket, or to stderr when
+    # there is none (mtaq.logs; the format is in the README, "Logging").
+    log_format: Literal["console", "json", "syslog"] = "console"
+    syslog_socket: str = "/dev/log"
     # HTTP admin API and Prometheus /metrics (mtaq/admin/http.py): "HOST:PORT", "" disables it. Port 0 picks a
     # free port (the real one is written to SPOOL/admin.json). Off loopback, admin_token is required.
     admin_listen: str = "127.0.0.1:2580"
@@ -282,10 +286,12 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return self.myhostname or socket.getfqdn()
 
 
-def load_config(path: str | None, overrides: dict[str, object]) -> Config:
+def load_config(path: str | None, overrides: dict[str, object], *, problems: list[str] | None = None) -> Config:
     """Read the TOML file at ``path`` (None: defaults only), apply ``overrides`` (flag values), validate.
 
-    Raises ConfigError with a one-line message naming the file and key.
+    Raises ConfigError with a one-line message naming the file and key: a file that cannot be read or
+    decoded, else the first of :func:`config_problems`, unless ``problems`` is given (``mtaq check``): then
+    every one of them is appended to it (one line each) and the config is returned all the same.
     """
     data: dict[str, object] = {}
     if path is not None:
@@ -303,17 +309,20 @@ def load_config(path: str | None, overrides: dict[str, object]) -> Config:
         cfg = msgspec.convert(data, Config)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"{where}{_name_key(str(exc))}") from exc
-    try:
-        listeners_of(cfg)
-        if cfg.sender_login_map:
-            _check_sender_login_map(cfg.sender_login_map)
-        parse_relayhost(cfg.relayhost)
-        for ns in cfg.dns_nameservers:
-            parse_nameserver(ns, cfg.dns_port)
-        for ns in cfg.dnssec_trusted_resolvers:
-            parse_nameserver(ns, cfg.dns_port, key="dnssec_trusted_resolvers")
-        for domain, value in cfg.transport_map.items():
-            parse_transport_spec(value, key=f"transport_map.{domain}")
+    found = config_problems(cfg)
+    if problems is not None:
+        problems.extend(found)
+    elif found:
+        raise ConfigError(found[0])
+    return cfg
+
+
+def config_problems(cfg: Config) -> list[str]:
+    """Every problem of a decoded config that its types do not catch (addresses that do not parse, listeners
+    without their files, map entries, DANE without DNSSEC, admin_listen off loopback without a token): one
+    line each, in the order the keys are checked; [] when there is none."""
+
+    def dane_needs_dnssec() -> None:
         if cfg.smtp_dns_support_level != "dnssec":
             if cfg.smtp_tls_security_level == "dane":
                 raise ValueError('smtp_tls_security_level: "dane" needs smtp_dns_support_level = "dnssec" '
@@ -321,15 +330,33 @@ def load_config(path: str | None, overrides: dict[str, object]) -> Config:
             for domain, level in cfg.tls_policy_map.items():
                 if level == "dane":
                     raise ValueError(f'tls_policy_map.{domain}: "dane" needs smtp_dns_support_level = "dnssec"')
+
+    def admin() -> None:
         if cfg.admin_listen.strip():
             admin_host, _ = parse_hostport(cfg.admin_listen, key="admin_listen")
             if not cfg.admin_token and not is_loopback(admin_host):
                 raise ValueError(
                     f"admin_token: required when admin_listen ({cfg.admin_listen}) is not a loopback address"
                 )
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from exc
-    return cfg
+
+    checks: list[Callable[[], object]] = [
+        lambda: listeners_of(cfg),
+        lambda: _check_sender_login_map(cfg.sender_login_map) if cfg.sender_login_map else None,
+        lambda: parse_relayhost(cfg.relayhost),
+        *[lambda ns=ns: parse_nameserver(ns, cfg.dns_port) for ns in cfg.dns_nameservers],
+        *[lambda ns=ns: parse_nameserver(ns, cfg.dns_port, key="dnssec_trusted_resolvers")
+          for ns in cfg.dnssec_trusted_resolvers],
+        *[lambda d=d, v=v: parse_transport_spec(v, key=f"transport_map.{d}") for d, v in cfg.transport_map.items()],
+        dane_needs_dnssec,
+        admin,
+    ]
+    found = []
+    for check in checks:
+        try:
+            check()
+        except ValueError as exc:
+            found.append(str(exc))
+    return found
 
 
 def listeners_of(cfg: Config) -> list[Listener]:

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import datetime
 import logging
+import logging.handlers
+import os
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -19,16 +22,20 @@ import structlog.tracebacks
 
 from mtaq.core.text import escape_text, escape_value, is_safe
 
-__all__ = ["LIBRARY_EVENT", "PlainConsoleRenderer", "UtcStamper", "configure_logging", "get_logger"]
+__all__ = ["LIBRARY_EVENT", "PlainConsoleRenderer", "SyslogRenderer", "UtcStamper", "configure_logging", "get_logger"]
 
 
-def configure_logging(fmt: str = "console", *, stream: Any = None, shard: int | None = None) -> None:
-    """Send events to ``stream`` (stderr) as JSON lines (``fmt="json"``) or for a terminal.
+def configure_logging(fmt: str = "console", *, stream: Any = None, shard: int | None = None,
+                      syslog_socket: str = "/dev/log") -> None:
+    """Send events to ``stream`` (stderr) as JSON lines (``fmt="json"``) or for a terminal; ``fmt="syslog"``:
+    RFC 5424 lines (:class:`SyslogRenderer`) to the unix socket ``syslog_socket`` through the standard
+    library's ``logging.handlers.SysLogHandler`` (facility mail), or to ``stream`` when that socket does not
+    exist.
 
     ``shard``: in a worker process of a sharded spool (mtaq.daemon.workers), every event gets a ``shard`` field.
     """
     stream = stream or sys.stderr
-    console = fmt != "json"
+    console = fmt == "console"
     processors: list[Any] = [
         structlog.processors.add_log_level,
         UtcStamper(),
@@ -46,7 +53,11 @@ def configure_logging(fmt: str = "console", *, stream: Any = None, shard: int | 
             return event
 
         processors.append(add_shard)
-    if not console:
+    logger_factory: Any = structlog.WriteLoggerFactory(stream)
+    if fmt == "syslog":
+        processors.append(SyslogRenderer())
+        logger_factory = _SyslogLoggerFactory(syslog_socket, stream)
+    elif not console:
         processors.append(structlog.processors.JSONRenderer(serializer=_dumps))
     elif stream.isatty():
         processors.append(structlog.dev.ConsoleRenderer(colors=True))
@@ -57,7 +68,7 @@ def configure_logging(fmt: str = "console", *, stream: Any = None, shard: int | 
         wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
         # One write per event (message and newline together): several worker processes share the stream,
         # and O_APPEND makes each write land whole (print() writes the newline separately).
-        logger_factory=structlog.WriteLoggerFactory(stream),
+        logger_factory=logger_factory,
         cache_logger_on_first_use=True,
     )
     _route_library_logging()
@@ -104,6 +115,93 @@ class PlainConsoleRenderer:
             else:
                 parts.append(f"{key}={v!r}")
         return " ".join([p for p in parts if p]).rstrip(" ")
+
+
+SYSLOG_FACILITY = logging.handlers.SysLogHandler.LOG_MAIL
+_SEVERITY = {"debug": 7, "info": 6, "warning": 4, "warn": 4, "error": 3, "exception": 3, "critical": 2}
+_LEVEL_NAME = {"debug": "DEBUG", "info": "INFO", "warning": "WARNING", "warn": "WARNING", "error": "ERROR",
+               "exception": "ERROR", "critical": "CRITICAL"}
+_LOGFMT_QUOTE = frozenset(' "=\\')
+
+
+class SyslogRenderer:
+    """An event as the part of an RFC 5424 syslog line after ``<PRI>`` (which the handler adds):
+    ``1 TIMESTAMP HOSTNAME mtaq PROCID MSGID - MSG`` (RFC 5424 §6: VERSION 1, the event's UTC timestamp,
+    ``socket.gethostname()``, APP-NAME ``mtaq``, the process ID, MSGID the event name, no STRUCTURED-DATA).
+    MSG is ``key=value`` pairs separated by one space, ``queue_id`` first (as Postfix's ``QUEUEID:`` prefix)
+    then the other keys sorted; a string value with a space, ``"``, ``=`` or ``\\`` (or empty) is written in
+    double quotes with ``"`` and ``\\`` escaped by a backslash (logfmt); numbers and booleans as JSON; None
+    as ``-``; lists and mappings as JSON text (then quoted as a string). Control characters are escaped
+    before (mtaq.core.text, as in every format), so a line is one line. The level becomes the severity of
+    PRI (``_syslog_level`` travels to the logger)."""
+
+    def __init__(self) -> None:
+        self.host = socket.gethostname() or "-"
+
+    def __call__(self, _logger: Any, _name: str, event: dict[str, Any]) -> str:
+        level = str(event.pop("level", "info"))
+        ts = event.pop("timestamp", "-")
+        name = str(event.pop("event", "-"))
+        msgid = "".join(c if "!" <= c <= "~" else "_" for c in name)[:32] or "-"  # PRINTUSASCII, 1*32
+        parts = []
+        qid = event.pop("queue_id", _MISSING)
+        if qid is not _MISSING:
+            parts.append(f"queue_id={_logfmt(qid)}")
+        parts += [f"{k}={_logfmt(event[k])}" for k in sorted(event)]
+        line = f"1 {ts} {self.host} mtaq {os.getpid()} {msgid} -"
+        if parts:
+            line += " " + " ".join(parts)
+        return f"{_LEVEL_NAME.get(level, 'INFO')} {line}"
+
+
+def _logfmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if type(v) in _NUMBER_TYPES:
+        return _dumps(v)
+    text = v if isinstance(v, str) else _dumps(v)
+    if text and _LOGFMT_QUOTE.isdisjoint(text):
+        return text
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+class _SyslogLogger:
+    """The structlog logger of ``--log-format syslog``: each rendered line ("LEVEL rest") handed to a
+    ``SysLogHandler`` (which adds ``<PRI>`` and sends one datagram), or written to ``stream`` with ``<PRI>`` and
+    a newline when there is no syslog socket."""
+
+    def __init__(self, handler: logging.handlers.SysLogHandler | None, stream: Any) -> None:
+        self.handler = handler
+        self.stream = stream
+
+    def msg(self, line: str) -> None:
+        level, _, rest = line.partition(" ")
+        if self.handler is None:
+            pri = SYSLOG_FACILITY * 8 + {"DEBUG": 7, "INFO": 6, "WARNING": 4, "ERROR": 3, "CRITICAL": 2}[level]
+            self.stream.write(f"<{pri}>{rest}\n")  # one write per line, as WriteLogger
+            self.stream.flush()
+            return
+        record = logging.LogRecord("mtaq", getattr(logging, level), "", 0, rest, None, None)
+        self.handler.handle(record)
+
+    debug = info = warning = warn = error = critical = exception = fatal = log = failure = err = msg
+
+
+class _SyslogLoggerFactory:
+    def __init__(self, address: str, stream: Any) -> None:
+        handler: logging.handlers.SysLogHandler | None = None
+        if os.path.exists(address):
+            try:
+                handler = logging.handlers.SysLogHandler(address, facility=SYSLOG_FACILITY)
+            except OSError:  # nobody reads it (a stale socket): stderr, as without one
+                handler = None
+            else:
+                handler.append_nul = False  # RFC 5424 has no NUL terminator
+                handler.setFormatter(logging.Formatter("%(message)s"))
+        self.logger = _SyslogLogger(handler, stream)
+
+    def __call__(self, *_args: Any) -> _SyslogLogger:
+        return self.logger
 
 
 _NUMBER_TYPES = frozenset((int, float, bool, type(None)))  # exactly these: what a subclass prints is its own

@@ -59,6 +59,7 @@ def passwd_file(tmp_path_factory) -> str:
                          capture_output=True, text=True, timeout=60, check=True)
     path = tmp_path_factory.mktemp("auth") / "passwd"
     path.write_text("# mtaq users\n\n" + out.stdout)
+    path.chmod(0o600)  # group- or world-readable is refused at start (issue 33)
     return str(path)
 
 
@@ -218,6 +219,7 @@ def test_bad_tls_or_password_settings_stop_the_daemon_with_a_message_naming_the_
     without TLS: `mtaq serve` exits 2 with one line naming the key (and the file and line)."""
     bad_pw = tmp_path / "pw"
     bad_pw.write_text(f"ok:{hash_password(b'pw', rounds=4)}\nbroken line\n")
+    bad_pw.chmod(0o600)
     cases = [
         (f'tls_cert_file = "{tmp_path}/none.pem"\ntls_key_file = "{cert[1]}"\n', "mtaq: tls_cert_file/tls_key_file: "),
         (f'tls_key_file = "{cert[1]}"\n', "mtaq: tls_cert_file and tls_key_file: set both or neither"),

@@ -56,6 +56,7 @@ def passwd_file(tmp_path_factory) -> str:
                          input=USERS["alice"] + "\n", capture_output=True, text=True, timeout=60, check=True)
     path = tmp_path_factory.mktemp("auth") / "passwd"
     path.write_text(out.stdout)
+    path.chmod(0o600)  # group- or world-readable is refused at start (issue 33)
     return str(path)
 
 

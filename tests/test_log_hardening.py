@@ -69,6 +69,7 @@ def daemon(tmp_path_factory):
     out = subprocess.run([sys.executable, "-m", "mtaq.cli", "passwd", SECRET_USER, "--rounds", "4"],
                          input=SECRET_PASSWORD + "\n", capture_output=True, text=True, timeout=60, check=True)
     (d / "passwd").write_text(out.stdout)
+    (d / "passwd").chmod(0o600)  # group- or world-readable is refused at start (issue 33)
     (d / "mtaq.toml").write_text(f'myhostname = "mx.test"\ntls_cert_file = "{d}/cert.pem"\n'
                                  f'tls_key_file = "{d}/cert.pem"\nauth_password_file = "{d}/passwd"\n')
     p = start_daemon(str(d / "spool"), 9, str(d / "daemon.log"), config=str(d / "mtaq.toml"))

@@ -57,6 +57,7 @@ def passwd_file(tmp_path_factory) -> str:
         lines.append(out.stdout)
     path = tmp_path_factory.mktemp("auth") / "passwd"
     path.write_text("".join(lines))
+    path.chmod(0o600)  # group- or world-readable is refused at start (issue 33)
     return str(path)
 
 

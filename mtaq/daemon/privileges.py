@@ -12,8 +12,8 @@ without root): nothing is switched. A reload that reads root-only keys again (is
 is still root, as Postfix's master is; mtaq keeps none.
 
 Checked at every start (root or not), as OpenSSH and Postfix do, with a one-line ConfigError (exit 2): the
-spool and ``archive_dir`` must not be writable by others; ``tls_key_file`` must not be readable or writable
-by group or others (DKIM keys and the outbound password file are checked where they are read, mtaq.edge.dkim
+spool and ``archive_dir`` must not be writable by others; ``tls_key_file`` and ``auth_password_file`` must not
+be readable or writable by group or others (DKIM keys and the outbound password file are checked where they are read, mtaq.edge.dkim
 and mtaq.delivery.sasl); ``SPOOL/admin.token`` is tightened to 0600 when it is read (mtaq.admin.token).
 """
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from mtaq.config import Config
 from mtaq.core.errors import ConfigError
 
-__all__ = ["ADD_USER", "Owner", "check_files", "check_switched", "give_to", "mail_owner", "switch_to"]
+__all__ = ["ADD_USER", "Owner", "check_files", "check_switched", "file_problems", "give_to", "mail_owner", "switch_to"]
 
 ADD_USER = "useradd --system --no-create-home --shell /usr/sbin/nologin"  # the install step's command (+ name)
 
@@ -59,29 +59,53 @@ def mail_owner(cfg: Config) -> Owner | None:
     return Owner(name, pw.pw_uid, pw.pw_gid)
 
 
-def _writable_by_others(path: str, what: str) -> None:
+def _writable_by_others(path: str, what: str) -> str | None:
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        return  # made at start, by the daemon, with a safe mode
+        return None  # made at start, by the daemon, with a safe mode
     if st.st_mode & stat.S_IWOTH:
-        raise ConfigError(f"{what}: {path} has mode {stat.S_IMODE(st.st_mode):04o}: it must not be writable "
-                          "by others (chmod o-w)")
+        return (f"{what}: {path} has mode {stat.S_IMODE(st.st_mode):04o}: it must not be writable "
+                "by others (chmod o-w)")
+    return None
+
+
+def _owner_only(path: str, key: str) -> str | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None  # named by the loader's own message (mtaq.edge.policy, mtaq.edge.auth)
+    if st.st_mode & 0o077:
+        return (f"{key}: {path} has mode {stat.S_IMODE(st.st_mode):04o}: it must "
+                "be readable only by its owner (chmod 600)")
+    return None
+
+
+def file_problems(cfg: Config) -> list[str]:
+    """The permission checks made at start (see the module docstring), every problem one line; [] when none.
+
+    The spool and ``archive_dir`` not writable by others; ``tls_key_file`` and ``auth_password_file`` (bcrypt
+    hashes: an offline guessing target) with no group or other permission bit, as OpenSSH's private keys and
+    Postfix's ``sasl_passwd`` advice. Not root, an existing spool must be writable and searchable by this
+    user (root gives it to ``mail_owner``: :func:`give_to`)."""
+    found = [_writable_by_others(cfg.spool_dir, "spool")]
+    if cfg.archive_dir:
+        found.append(_writable_by_others(cfg.archive_dir, "archive_dir"))
+    if os.geteuid() != 0 and os.path.isdir(cfg.spool_dir) and not os.access(cfg.spool_dir, os.W_OK | os.X_OK):
+        found.append(f"spool: {cfg.spool_dir} is not writable by uid {os.geteuid()}, the daemon's user "
+                     "(chown it to that user)")
+    if cfg.tls_key_file:
+        found.append(_owner_only(cfg.tls_key_file, "tls_key_file"))
+    if cfg.auth_password_file:
+        found.append(_owner_only(cfg.auth_password_file, "auth_password_file"))
+    return [f for f in found if f is not None]
 
 
 def check_files(cfg: Config) -> None:
-    """The permission checks made at start (see the module docstring). Raises ConfigError (one line)."""
-    _writable_by_others(cfg.spool_dir, "spool")
-    if cfg.archive_dir:
-        _writable_by_others(cfg.archive_dir, "archive_dir")
-    if cfg.tls_key_file:
-        try:
-            st = os.stat(cfg.tls_key_file)
-        except OSError:
-            return  # named by the TLS loader's own message (mtaq.edge.policy)
-        if st.st_mode & 0o077:
-            raise ConfigError(f"tls_key_file: {cfg.tls_key_file} has mode {stat.S_IMODE(st.st_mode):04o}: it must "
-                              "be readable only by its owner (chmod 600)")
+    """:func:`file_problems`; raises ConfigError with the first one (one line)."""
+    found = file_problems(cfg)
+    if found:
+        raise ConfigError(found[0])
 
 
 def give_to(owner: Owner, cfg: Config) -> None:

@@ -39,6 +39,7 @@ from mtaq.core.records import EnvelopeRecord, Outcome, Pos
 from mtaq.core.state import Attempt, RetryPolicy, format_reply
 from mtaq.daemon import privileges
 from mtaq.daemon.anvil import AnvilClient
+from mtaq.daemon.check import check_start
 from mtaq.daemon.workers import (
     admin_socket,
     bind_listeners,
@@ -773,7 +774,7 @@ def _run_worker(cfg: Config, shard: int, n: int, sockets: list[list[socket.socke
     Started as root: switches to ``owner`` once its keys are read, before it opens its shard; worker 0 serves
     the admin API on ``admin_socks`` (bound by the supervisor), the others close them."""
     set_queue_id_shard(shard)
-    configure_logging(cfg.log_format, shard=shard)
+    configure_logging(cfg.log_format, shard=shard, syslog_socket=cfg.syslog_socket)
     shard_cfg = msgspec.structs.replace(
         cfg,
         spool_dir=shard_dir(cfg.spool_dir, shard),
@@ -868,8 +869,10 @@ def serve(cfg: Config) -> int:
             raise ValueError(f"workers: {n} workers need a fixed listen port, not {lst.address}")
     # Started as root (mtaq.daemon.privileges): bind every listener and read every key first, give the spool to
     # mail_owner, switch to it; then read the spool and accept. A missing mail_owner or an unsafe mode: exit 2.
+    # Every file, mode and address `mtaq check` checks, by the same function (mtaq.daemon.check): the first
+    # problem is one line, exit 2.
     owner = privileges.mail_owner(cfg)
-    privileges.check_files(cfg)
+    check_start(cfg)
     if n == 1:
         set_queue_id_shard(0)  # IDs name shard 0, so that a later start with more workers routes them exactly
         if owner is None:

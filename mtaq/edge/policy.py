@@ -301,7 +301,12 @@ def server_tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:
         ctx.load_cert_chain(cert_file, key_file)
     except FileNotFoundError as exc:
         raise ConfigError(f"tls_cert_file/tls_key_file: {exc.filename}: {exc.strerror}") from exc
-    except (OSError, ssl.SSLError) as exc:
+    except ssl.SSLError as exc:
+        if exc.reason == "KEY_VALUES_MISMATCH":  # OpenSSL's X509_check_private_key
+            raise ConfigError(f"tls_key_file does not match tls_cert_file: {key_file} is not the key of "
+                              f"{cert_file}") from exc
+        raise ConfigError(f"tls_cert_file/tls_key_file: cannot load {cert_file} with {key_file}: {exc}") from exc
+    except OSError as exc:
         raise ConfigError(f"tls_cert_file/tls_key_file: cannot load {cert_file} with {key_file}: {exc}") from exc
     return ctx
 

@@ -1,0 +1,124 @@
+"""``mtaq check`` (Postfix's ``postfix check``), and the same checks made by ``mtaq serve`` before it binds.
+
+:func:`problems` runs every check of a loaded config and returns every problem found, one line each (the
+config's own problems, from :func:`mtaq.config.load_config`, come first, from ``mtaq check``): ``mail_owner``
+when root (mtaq.daemon.privileges), the modes of the spool, ``archive_dir``, ``tls_key_file`` and
+``auth_password_file`` (:func:`mtaq.daemon.privileges.file_problems`), the TLS certificate and key loaded into
+an ``ssl.SSLContext`` (a key that is not the certificate's: "tls_key_file does not match tls_cert_file"), the
+password files parsed (``auth_password_file``; ``smtp_sasl_password_file`` with its mode), every DKIM key
+loaded and test-signed (mtaq.edge.dkim), the CA files (``smtp_tls_CAfile``, ``mta_sts_ca_file``) loaded as
+trust anchors, and with ``bind`` every SMTP listener and ``admin_listen`` bound once and let go. Each check is
+the loader the daemon itself uses, so ``check`` and ``serve`` cannot disagree. Not checked: the DKIM keys' DNS
+records (mtaq has no DNS client for TXT records at start).
+"""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import Callable
+from functools import partial
+
+from mtaq.config import Config, listeners_of, parse_hostport
+from mtaq.core.errors import ConfigError
+
+__all__ = ["check_start", "problems"]
+
+
+def problems(cfg: Config, *, bind: bool = False) -> list[str]:
+    """Every problem of ``cfg``'s files, spool and listeners (see the module docstring), one line each, in a
+    fixed order; [] when there is none. ``bind``: also bind each listening address once (it fails while a
+    daemon holds it, and below port 1024 without root or CAP_NET_BIND_SERVICE). Never raises ConfigError."""
+    from mtaq.daemon import privileges
+
+    found: list[str] = []
+
+    def run(check: Callable[[], object]) -> None:
+        try:
+            check()
+        except (ConfigError, ValueError) as exc:
+            found.append(str(exc))
+
+    run(lambda: privileges.mail_owner(cfg))
+    found += privileges.file_problems(cfg)
+    before = len(found)
+    for check in _file_loaders(cfg):
+        run(check)
+    if len(found) == before:  # each file loads: the edge as a whole (AUTH needs STARTTLS, the networks...)
+        from mtaq.edge.policy import EdgePolicy
+
+        run(lambda: EdgePolicy.from_config(cfg))
+    for check in _other_loaders(cfg):
+        run(check)
+    if bind:
+        found += _bind(cfg)
+    return found
+
+
+def check_start(cfg: Config) -> None:
+    """What ``mtaq serve`` runs before binding: :func:`problems` (without ``bind``: serve binds itself and says
+    so); raises ConfigError with the first problem (one line, exit 2)."""
+    found = problems(cfg)
+    if found:
+        raise ConfigError(found[0])
+
+
+def _file_loaders(cfg: Config) -> list[Callable[[], object]]:
+    from mtaq.edge.auth import PasswordFile
+    from mtaq.edge.policy import server_tls_context
+
+    checks: list[Callable[[], object]] = []
+    if cfg.tls_cert_file or cfg.tls_key_file:
+        checks.append(lambda: server_tls_context(cfg.tls_cert_file, cfg.tls_key_file))
+    if cfg.auth_password_file:
+        checks.append(lambda: PasswordFile.load(cfg.auth_password_file))
+    return checks
+
+
+def _other_loaders(cfg: Config) -> list[Callable[[], object]]:
+    from mtaq.delivery.sasl import SaslClient
+    from mtaq.edge.dkim import load_key
+
+    checks: list[Callable[[], object]] = [lambda: SaslClient.from_config(cfg)]
+    checks += [partial(load_key, d, k.selector, k.key_file) for d, k in cfg.dkim_keys.items()]
+    for key, path in (("smtp_tls_CAfile", cfg.smtp_tls_CAfile), ("mta_sts_ca_file", cfg.mta_sts_ca_file)):
+        if path:
+            checks.append(partial(_ca_file, key, path))
+    return checks
+
+
+def _ca_file(key: str, path: str) -> None:
+    """Load ``path`` as trust anchors, as delivery will (mtaq.delivery.security). Raises ConfigError."""
+    try:
+        ctx = ssl.create_default_context(cafile=path)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{key}: {path}: {exc.strerror}") from exc
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"{key}: {path}: not a PEM CA bundle ({exc})") from exc
+    if not ctx.get_ca_certs():
+        raise ConfigError(f"{key}: {path}: no CA certificate in it")
+
+
+def _bind(cfg: Config) -> list[str]:
+    """Bind every SMTP listener and ``admin_listen`` once and close them: one line per address that cannot be
+    bound now (in use, by a running daemon too; a port below 1024 without root or CAP_NET_BIND_SERVICE). An
+    address that does not parse is the config's problem, said already."""
+    from mtaq.daemon.workers import bind_listeners
+
+    try:
+        addrs = [("listen", (lst.host, lst.port)) for lst in listeners_of(cfg)]
+    except ValueError:
+        addrs = []
+    if cfg.admin_listen.strip():
+        try:
+            addrs.append(("admin_listen", parse_hostport(cfg.admin_listen, key="admin_listen")))
+        except ValueError:
+            pass
+    found = []
+    for key, addr in addrs:
+        try:
+            for socks in bind_listeners([addr], key=key):
+                for s in socks:
+                    s.close()
+        except OSError as exc:
+            found.append(f"{exc.strerror or exc} (cannot be bound now)")
+    return found
