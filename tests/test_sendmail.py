@@ -226,6 +226,35 @@ def test_local_users_reach_the_maildrop_and_nothing_else_of_the_spool(host) -> N
     assert 0 != subprocess.run([*as_nobody, "ls", str(h.spool)], capture_output=True).returncode
 
 
+def test_a_local_user_gets_a_dkim_signature_only_for_their_own_address(host, tmp_path: Path) -> None:
+    """``-f`` is free to any local user, so the envelope sender proves nothing (issue 32.1, found by the
+    outside review): nobody's `-f ceo@example.org` with `From: ceo@example.org` is relayed unsigned
+    (`dkim_not_signed`); nobody's own address (nobody@host.test, the default sender) is signed."""
+    from test_dkim import keygen
+
+    keys = ""
+    for domain in ("example.org", "host.test"):
+        key_file, _ = keygen(tmp_path, domain, "s1")
+        os.chmod(tmp_path, 0o755)
+        os.chmod(key_file, 0o600)
+        keys += f'[dkim_keys."{domain}"]\nselector = "s1"\nkey_file = "{key_file}"\n'
+    h = host(keys)
+    h.start()
+    wait_for(lambda: (h.spool / "maildrop").is_dir(), 10, "the maildrop made by the daemon")
+    as_nobody = ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups")
+    env = {"PYTHONDONTWRITEBYTECODE": "1"}
+    r = sendmail(h.cfg, "-f", "ceo@example.org", "x@example.net", stdin=b"From: ceo@example.org\nSubject: a\n\nwire\n",
+                 prefix=as_nobody, env=env)
+    assert (0, b"") == (r.returncode, r.stderr)
+    [forged] = h.wait_messages(1)
+    r = sendmail(h.cfg, "y@example.net", stdin=b"From: nobody@host.test\nSubject: b\n\nmine\n", prefix=as_nobody, env=env)
+    assert (0, b"") == (r.returncode, r.stderr)
+    own = next(m for m in h.wait_messages(2) if m["Subject"] == "b")
+    assert (None, "s1") == (forged["DKIM-Signature"], dict(
+        kv.strip().split("=", 1) for kv in str(own["DKIM-Signature"]).split(";") if "=" in kv)["s"])
+    assert ["example.org"] == [e["domain"] for e in h.events("dkim_not_signed")]
+
+
 def test_bp_lists_and_q_flushes_the_queue(host) -> None:
     """-bp is ``mtaq queue list`` (mailq); -q is ``mtaq queue flush ALL``: deferred mail is tried at once."""
     h = host('retry_intervals_s = [3600]\n')

@@ -220,7 +220,7 @@ class Daemon:
         self.queue.body_memory_bytes = cfg.receive_buffer_bytes
         self.queue.minfree_bytes = max(cfg.queue_minfree_bytes, cfg.message_size_limit_bytes * 3 // 2)
         self.queue.on_dsn = self._on_dsn
-        self.queue.sign = self.signer.sign  # DSNs are DKIM-signed too (with the key of myhostname's domain)
+        self.queue.sign = self.signer.sign_dsn  # DSNs of signed mail are signed too (myhostname's domain key)
         self.metrics.queue = self.queue
         qlog.on_commit_seconds = self.metrics.commit_latency.observe
         qlog.durable_wake_s = RUNNER_WAKE_S
@@ -344,7 +344,8 @@ class Daemon:
         if self.pickup_wanted:  # after recovery: it knows which maildrop files are queued already
             self.pickup = Pickup(self.queue, cfg.spool_dir, hostname=cfg.hostname(),
                                  body_bytes_max=cfg.message_size_limit_bytes,
-                                 recipients_max=cfg.recipients_per_message_max, signer=self.signer, log=self.log)
+                                 recipients_max=cfg.recipients_per_message_max, signer=self.signer, log=self.log,
+                                 myorigin=cfg.myorigin)
             tasks.append(asyncio.create_task(self.pickup.run(res.maildrop)))
         if cfg.stats_interval_s > 0:
             tasks.append(asyncio.create_task(self._stats()))

@@ -559,6 +559,15 @@ class Signer:
         the queue calls for the DSNs it generates (``Queue.sign``): mail made here, signed for anyone."""
         return self.signature(message) + message
 
+    def sign_dsn(self, dsn: bytes, original: bytes) -> bytes:
+        """The hook the queue calls for the DSNs it generates (``Queue.sign``): ``dsn`` signed (:meth:`sign`)
+        only when ``original``, the message as stored, was signed at receipt, i.e. it begins with the
+        ``DKIM-Signature:`` field mtaq put on top (a client's own field can never be first: mtaq's
+        ``Received:`` line is). A DSN quotes its original (its headers at least, a success notice's too): for
+        mail from outside ``dkim_sign_clients`` a signed DSN would carry the sender's forged ``From:`` and
+        ``Subject:`` under a valid signature of our domain, for replay (issue 32.1). Such DSNs go unsigned."""
+        return self.sign(dsn) if original[:15].lower() == b"dkim-signature:" else dsn
+
 
 def generate_key(kind: Literal["rsa", "ed25519"] = "rsa", bits: int = RSA_BITS_MIN) -> tuple[bytes, str]:
     """A new private key as PKCS#8 PEM, and the value of its DNS TXT record (RFC 6376 §3.6.1,

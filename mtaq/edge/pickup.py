@@ -72,11 +72,12 @@ class Pickup:
     """Picks up ``SPOOL/maildrop`` into ``queue`` (see the module docstring)."""
 
     def __init__(self, queue: Queue, spool: str, *, hostname: str, body_bytes_max: int, recipients_max: int,
-                 signer: Signer | None, log: Any) -> None:
+                 signer: Signer | None, log: Any, myorigin: str = "") -> None:
         self.queue = queue
         self.spool = spool
         self.dir = os.path.join(spool, md.MAILDROP_DIR)
         self.hostname = hostname
+        self.myorigin = myorigin or hostname  # the domain of a local user's own address (Postfix's myorigin)
         self.body_bytes_max = body_bytes_max
         self.recipients_max = recipients_max
         self.signer = signer
@@ -239,9 +240,12 @@ class Pickup:
         content = _NEWLINE.sub(b"\r\n", msg.body)
         trace = local_received_header(user, self.hostname, qid, self.queue.clock())
         if self.signer:
-            # A local user is signed for as an authenticated client without sender_login_map (its names are
-            # SASL logins, not local users): only when the From: domain is the envelope sender's (issue 32.1).
-            origin = Origin(client="local", mynetworks=False, login=user or str(msg.uid), mail_from=msg.sender)
+            # Who may get a signature (issue 32.1): root's mail (cron, the system) as mynetworks mail; any other
+            # local user as an authenticated client that owns one address, USER@myorigin (the sender
+            # `mtaq sendmail` gives by default; -f is free to anyone, so the envelope sender proves nothing).
+            own = f"{user}@{self.myorigin}".lower()
+            origin = Origin(client="local", mynetworks=msg.uid == 0, login="" if msg.uid == 0 else (user or str(msg.uid)),
+                            mail_from=msg.sender, owns=lambda address: address.lower() == own)
             trace = await self.signer.signature_of(content, origin) + trace
         addresses = (msg.sender, *msg.recipients)
         params = [] if all(a.isascii() for a in addresses) else [("SMTPUTF8", "")]

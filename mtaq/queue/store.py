@@ -207,9 +207,10 @@ class Queue:
         self.on_durable: Callable[[EnvelopeRecord, Pos], None] = lambda env, pos: None
         # Called for each DSN queued: (dsn envelope, original queue ID, kind).
         self.on_dsn: Callable[[EnvelopeRecord, str, str], None] = lambda env, qid, kind: None
-        # Returns a DSN this queue generated as it is to be relayed: the daemon gives DKIM signing here
-        # (mtaq.edge.dkim, RFC 6376; the queue does not import the edge). Must not raise.
-        self.sign: Callable[[bytes], bytes] = lambda message: message
+        # Returns a DSN this queue generated (first argument) as it is to be relayed, given the original message
+        # as stored (second): the daemon gives DKIM signing here (mtaq.edge.dkim, RFC 6376; the queue does not
+        # import the edge). Must not raise.
+        self.sign: Callable[[bytes, bytes], bytes] = lambda message, original: message
 
     def age_clock(self) -> float:
         """The time (UTC seconds) at which a message's age is measured, for its lifetime and the delay
@@ -631,7 +632,7 @@ class Queue:
             message_id=f"{qid}@{self.reporting_mta}",
             size_limit=self.bounce_size_limit_bytes,
         )
-        msg = self.sign(msg)
+        msg = self.sign(msg, original)
         dsn_env, _pos, _lsn = self._append_message("", [env.sender], msg, bounce_of=env.queue_id,
                                                    bounce_start=start)
         self.on_dsn(dsn_env, env.queue_id, items[0].action)
