@@ -108,10 +108,28 @@ def test_a_signed_header_changed_afterwards_fails_verification_an_unsigned_one_d
         assert dkim.verify(b"Received: from x by y; Mon, 20 Nov 2023 04:19:27 +0000\r\n" + signed, dnsfunc=check)
 
 
-def test_signed_headers_are_those_of_rfc6376_5_4_1_and_from_twice():
+def test_signed_headers_are_those_of_rfc6376_5_4_1_and_each_once_more():
+    """Each field of RFC 6376 §5.4.1's list once per occurrence, then each once more, present or not
+    (over-signed, §8.15): no To, Reply-To, second Subject... can be added to a signed message."""
     head = (b"Received: x\r\nFrom: a@example.test\r\nTo: b@x\r\nCc: c@x\r\nBcc: d@x\r\nX-Mailer: m\r\n"
             b"Resent-From: r@x\r\nResent-Bcc: z@x\r\nList-Id: <l.x>\r\nSubject: s\r\n\tfolded\r\nDate: d\r\n")
-    assert [b"from", b"to", b"cc", b"resent-from", b"list-id", b"subject", b"date", b"from"] == headers_to_sign(head)
+    over = [b"from", b"reply-to", b"subject", b"date", b"to", b"cc", b"in-reply-to", b"references", b"message-id",
+            b"mime-version", b"content-type", b"content-transfer-encoding"]
+    assert [b"from", b"to", b"cc", b"resent-from", b"list-id", b"subject", b"date", *over] == headers_to_sign(head)
+
+
+def test_no_header_field_can_be_added_to_a_signed_message(tmp_path):
+    """Found by the outside review of issue 32: with only From over-signed, a Reply-To, To, Cc or a second
+    Subject on top could be added to a genuinely signed message and it still verified (replay, redirected
+    replies). Each such addition now breaks the signature; the message as signed verifies."""
+    key_file, line = keygen(tmp_path, "example.test", "s1")
+    signed = Signer([load_key("example.test", "s1", key_file)]).sign(message())
+    with ZoneServer(line + "\n") as zone:
+        check = dnsfunc_for(zone)
+        assert dkim.verify(signed, dnsfunc=check)
+        for added in (b"Reply-To: thief@evil.test", b"To: victim@example.net", b"Cc: x@evil.test",
+                      b"Subject: URGENT", b"Content-Type: text/html"):
+            assert not dkim.verify(added + b"\r\n" + signed, dnsfunc=check), added
 
 
 def test_the_signing_domain_is_the_one_from_address_else_nothing():

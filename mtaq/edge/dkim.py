@@ -98,7 +98,10 @@ def _never() -> frozenset[bytes]:
         _NEVER = frozenset(dkim.DKIM.SHOULD_NOT)
     return _NEVER
 
-_OVERSIGN = (b"from",)
+# Over-signed (RFC 6376 §8.15; rspamd's oversign_headers): each once more than it appears, absent ones too, so
+# that no such field can be added to a signed message (a second Subject on top, a Reply-To, a To) for replay.
+_OVERSIGN = (b"from", b"reply-to", b"subject", b"date", b"to", b"cc", b"in-reply-to", b"references", b"message-id",
+             b"mime-version", b"content-type", b"content-transfer-encoding")
 _DOMAIN = re.compile(r"(?=.{1,253}$)[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?(?:\.[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?)*")
 _SELECTOR = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
 
@@ -239,8 +242,8 @@ def _fields(head: bytes) -> list[tuple[bytes, bytes]]:
 
 def headers_to_sign(head: bytes) -> list[bytes]:
     """The h= list (lower case) for a message with header section ``head`` (RFC 6376 §5.4, §5.4.2): each
-    field of :data:`_SIGN`, Resent-* and List-* once per occurrence, in the order they appear, and ``from``
-    once more (over-signed)."""
+    field of :data:`_SIGN`, Resent-* and List-* once per occurrence, in the order they appear, then each
+    field of :data:`_OVERSIGN` once more, present or not (over-signed: none can be added, §8.15)."""
     names: list[bytes] = []
     for name, _ in _fields(head):
         n = name.lower()
@@ -248,7 +251,7 @@ def headers_to_sign(head: bytes) -> list[bytes]:
             continue
         if n in _SIGN or n.startswith((b"resent-", b"list-")):
             names.append(n)
-    return names + [n for n in _OVERSIGN if n in names]
+    return names + list(_OVERSIGN)
 
 
 def from_address(head: bytes) -> str | None:
