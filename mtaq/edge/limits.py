@@ -32,7 +32,6 @@ __all__ = ["RATE_WINDOW_S", "ConnectionGate", "Gate"]
 
 RATE_WINDOW_S = 60.0
 """The window of the per-client connection rate and of the AUTH failure rate (seconds)."""
-_PRUNE_AT = 10_000  # clients remembered before the idle ones are forgotten
 
 
 class Gate(Protocol):
@@ -88,9 +87,10 @@ class ConnectionGate:
         exempt = self.exempt(ip)
         if self.per_client_max and not exempt:
             now = self.clock()
-            if len(self._recent) > _PRUNE_AT:
-                self._prune(now)
-            seen = self._recent.setdefault(ip, deque(maxlen=self.per_client_max + 1))
+            _forget_stale(self._recent, now)
+            # Touched clients go to the end: the dict is ordered by last connection, stale ones at the front.
+            seen = self._recent.pop(ip, None) or deque(maxlen=self.per_client_max + 1)
+            self._recent[ip] = seen
             while seen and seen[0] <= now - RATE_WINDOW_S:
                 seen.popleft()
             seen.append(now)
@@ -124,10 +124,10 @@ class ConnectionGate:
         if not self.auth_failures_max:
             return
         now = self.clock()
-        if len(self._auth_failures) > _PRUNE_AT:
-            for old in [k for k, v in self._auth_failures.items() if not v or v[-1] <= now - RATE_WINDOW_S]:
-                del self._auth_failures[old]
-        self._auth_failures.setdefault(ip, deque(maxlen=self.auth_failures_max + 1)).append(now)
+        _forget_stale(self._auth_failures, now)
+        seen = self._auth_failures.pop(ip, None) or deque(maxlen=self.auth_failures_max + 1)
+        self._auth_failures[ip] = seen  # ordered by last failure, as _recent
+        seen.append(now)
 
     def auth_blocked(self, ip: str) -> bool:
         """Whether ``ip``'s failed AUTH attempts in the last 60 seconds, plus the password checks of ``ip``
@@ -172,6 +172,16 @@ class ConnectionGate:
         """:meth:`auth_begin`."""
         return self.auth_begin(ip)
 
-    def _prune(self, now: float) -> None:
-        for ip in [ip for ip, seen in self._recent.items() if not seen or seen[-1] <= now - RATE_WINDOW_S]:
-            del self._recent[ip]
+
+
+def _forget_stale(times: dict[str, deque[float]], now: float) -> None:
+    """Drop the clients of ``times`` (ordered by their last event, oldest first) whose last event left the
+    window: from the front, stopping at the first one still in it, so each call costs O(1) amortised. A full
+    rescan once 10,000 clients were remembered cost 2-8 ms per connection when more than that many addresses
+    connected within a minute (issue 32's outside review: 455 connections/s fell to 52)."""
+    while times:
+        ip = next(iter(times))
+        seen = times[ip]
+        if seen and seen[-1] > now - RATE_WINDOW_S:
+            return
+        del times[ip]
