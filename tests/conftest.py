@@ -21,7 +21,7 @@ def pytest_configure(config) -> None:
     another session running beside it (their spools are in it). Removed at the end when every test passed."""
     global _OWN_TEMPROOT
     if os.geteuid() == 0 and "PYTEST_DEBUG_TEMPROOT" not in os.environ:
-        _OWN_TEMPROOT = tempfile.mkdtemp(prefix="mtaq-pytest-")
+        _OWN_TEMPROOT = tempfile.mkdtemp(prefix="mt")  # short: unix socket paths under it stay below 108 bytes
         os.chmod(_OWN_TEMPROOT, 0o711)
         os.environ["PYTEST_DEBUG_TEMPROOT"] = _OWN_TEMPROOT
 

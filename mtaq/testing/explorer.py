@@ -401,6 +401,7 @@ class Proc:
         self.segment_bytes_max = segment_bytes_max
         self.cfg = types.SimpleNamespace(spool_dir=SPOOL)
         self.archive = None
+        self.pickup = None  # the maildrop pick-up (mtaq.edge.pickup): none in the explored runs
         self.checkpoints = 0
         self.reclaimed = 0
         self._copy_failed: set[Pos] = set()
