@@ -11,7 +11,6 @@ import os
 import pwd
 import shutil
 import smtplib
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,8 +19,10 @@ import pytest
 
 from mtaq.testing.procs import (
     children,
+    low_free_port,
     mail_owner_ready,
     maildir_count,
+    proc_status,
     start_daemon,
     start_sink,
     wait_for,
@@ -36,27 +37,10 @@ def _mtaq(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "mtaq.cli", *args], capture_output=True, text=True, timeout=60)
 
 
-def _low_port() -> int:
-    """Port 25 on 127.0.0.1 when free, else the first free port below 1024 (binding needs root either way)."""
-    for port in [25, *range(1000, 600, -1)]:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no port below 1024 free on 127.0.0.1")
-
-
 def _ids(pid: int) -> dict[str, list[str]]:
     """Uid, Gid, Groups, CapEff, CapPrm, CapAmb of /proc/PID/status."""
-    out: dict[str, list[str]] = {}
-    with open(f"/proc/{pid}/status", encoding="ascii") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("Uid", "Gid", "Groups", "CapEff", "CapPrm", "CapAmb"):
-                out[key] = value.split()
-    return out
+    keep = ("Uid", "Gid", "Groups", "CapEff", "CapPrm", "CapAmb")
+    return {k: v for k, v in proc_status(pid).items() if k in keep}
 
 
 def _root_owned(top: str) -> list[str]:
@@ -75,7 +59,7 @@ def test_the_serving_processes_run_as_mail_owner_while_a_port_below_1024_is_boun
     mail_owner_ready(str(tmp_path))
     pw = pwd.getpwnam(OWNER)
     sink = start_sink(str(tmp_path / "maildir"), str(tmp_path / "sink.log"))
-    port = _low_port()
+    port = low_free_port()
     spool = str(tmp_path / "spool")
     os.makedirs(spool)  # made by root, as a test or an administrator would: given to mail_owner at start
     archive = tmp_path / "archive"
@@ -163,7 +147,7 @@ def test_as_a_systemd_unit_with_user_and_cap_net_bind_service_nothing_is_switche
     spool.mkdir(mode=0o700)
     os.chown(spool, pw.pw_uid, pw.pw_gid)
     sink = start_sink(str(tmp_path / "maildir"), str(tmp_path / "sink.log"))
-    port = _low_port()
+    port = low_free_port()
     unit = ["setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--clear-groups",
             "--inh-caps=+net_bind_service", "--ambient-caps=+net_bind_service"]
     d = start_daemon(str(spool), sink.port, str(tmp_path / "daemon.log"), port=port, wrapper=unit)

@@ -30,7 +30,7 @@ import pytest
 
 from mtaq.config import load_config
 from mtaq.daemon.process import open_files_needed
-from mtaq.testing.procs import children, maildir_count, start_sink, wait_for, wait_port
+from mtaq.testing.procs import children, low_free_port, maildir_count, proc_status, start_sink, wait_for, wait_port
 
 ROOT = Path(__file__).resolve().parent.parent
 UNIT = ROOT / "contrib" / "systemd" / "mtaq.service"
@@ -125,27 +125,6 @@ def test_limit_nofile_covers_what_the_default_configuration_needs() -> None:
     limit = int(_service(UNIT)["LimitNOFILE"][-1])
     needed = open_files_needed(load_config(str(DEFAULT_CONFIG), {}))
     assert (True, 684) == (limit >= needed, needed)
-
-
-def _low_port() -> int:
-    """The first free port below 1024 on 127.0.0.1 from 999 down (binding needs CAP_NET_BIND_SERVICE)."""
-    for port in range(999, 600, -1):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no port below 1024 free on 127.0.0.1")
-
-
-def _status(pid: int) -> dict[str, list[str]]:
-    out: dict[str, list[str]] = {}
-    with open(f"/proc/{pid}/status", encoding="ascii") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            out[key] = value.split()
-    return out
 
 
 def _syscalls(unit: dict[str, list[str]]) -> list[str]:
@@ -247,7 +226,7 @@ def test_the_units_execstart_run_as_its_user_relays_a_message(tmp_path: Path) ->
     os.chown(spool, pw.pw_uid, pw.pw_gid)
     tmp_path.chmod(0o755)
     sink = start_sink(str(tmp_path / "maildir"), str(tmp_path / "sink.log"))
-    port = _low_port()
+    port = low_free_port(range(999, 600, -1))
     text = DEFAULT_CONFIG.read_text()
     for key, shipped, test in [("spool_dir", "/var/lib/mtaq", str(spool)),
                                ("listen", "0.0.0.0:25", f"127.0.0.1:{port}"),
@@ -299,7 +278,7 @@ def test_the_units_execstart_run_as_its_user_relays_a_message(tmp_path: Path) ->
         procs = [p.pid, *children(p.pid)]
         assert 3 == len(procs)  # the supervisor and its 2 workers
         for pid in procs:
-            st = _status(pid)
+            st = proc_status(pid)
             assert ([str(pw.pw_uid)] * 4, [str(pw.pw_gid)] * 4, "0000000000000400", "0000000000000400", "1", "2") == (
                 st["Uid"], st["Gid"], st["CapEff"][0], st["CapBnd"][0], st["NoNewPrivs"][0], st["Seccomp"][0])
         assert (pw.pw_uid, 0o711) == (spool.stat().st_uid, spool.stat().st_mode & 0o777)

@@ -31,6 +31,30 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def low_free_port(ports: Sequence[int] = (25, *range(1000, 600, -1))) -> int:
+    """The first of ``ports`` (default: 25, then 1000 down to 601) free on 127.0.0.1 a moment ago: a port
+    below 1024 needs root or CAP_NET_BIND_SERVICE to bind. Raises RuntimeError when none is free."""
+    for port in ports:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no port below 1024 free on 127.0.0.1")
+
+
+def proc_status(pid: int) -> dict[str, list[str]]:
+    """The fields of /proc/PID/status (Uid, Gid, Groups, CapEff, NoNewPrivs, Seccomp...), each split on
+    whitespace."""
+    out: dict[str, list[str]] = {}
+    with open(f"/proc/{pid}/status", encoding="ascii") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            out[key] = value.split()
+    return out
+
+
 def free_port_on(hosts: Sequence[str]) -> int:
     """A TCP port that was free a moment ago on every one of ``hosts`` (e.g. 127.0.0.2, 127.0.0.3, ...)."""
     for _ in range(100):
