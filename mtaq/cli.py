@@ -1,6 +1,6 @@
 """The ``mtaq`` command line (argparse).
 
-``mtaq serve``, ``mtaq check`` (mtaq/daemon/check.py), ``mtaq sink``, ``mtaq sendmail`` (sendmail(1); mtaq/edge/sendmail.py; also when the program is
+``mtaq serve``, ``mtaq reload`` (postfix reload; mtaq/daemon/reload.py), ``mtaq check`` (mtaq/daemon/check.py), ``mtaq sink``, ``mtaq sendmail`` (sendmail(1); mtaq/edge/sendmail.py; also when the program is
 called ``sendmail`` or ``mailq``), ``mtaq dkim keygen``, ``mtaq log dump``, ``mtaq log verify``, ``mtaq passwd``, ``mtaq analyze``
 (delivery statistics on Spark; needs the ``spark`` extra, imported only when that command runs), ``mtaq queue
 ...`` (mtaq/admin/cli.py). Errors are one line on stderr with a non-zero exit status: 2 for bad usage or
@@ -93,9 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("sendmail", add_help=False,
                    help="sendmail(1): queue a message from stdin, also with the daemon down (-t, -f, -F, -i, -bs, -bp, -q)")
-    from mtaq.admin.cli import add_queue_parser
+    from mtaq.admin.cli import add_queue_parser, add_reload_parser
 
     add_queue_parser(sub)
+    add_reload_parser(sub)
     from mtaq.analytics.command import add_arguments
 
     a = sub.add_parser("analyze", help="delivery statistics from queue-log segments on Spark (the spark extra)")
@@ -138,6 +139,10 @@ def _main(args: argparse.Namespace) -> int:
             from mtaq.admin.cli import run_queue
 
             return run_queue(args)
+        if args.command == "reload":
+            from mtaq.admin.cli import run_reload
+
+            return run_reload(args)
         if args.command == "passwd":
             return _passwd(args)
         if args.command == "dkim":
@@ -189,7 +194,8 @@ def _serve(args: argparse.Namespace) -> int:
     from mtaq.daemon.process import serve
 
     try:
-        return serve(cfg)
+        # mtaq reload / SIGHUP read the same file with the same flags again (mtaq.daemon.reload).
+        return serve(cfg, source=lambda: load_config(args.config, overrides))
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     except OSError as exc:

@@ -31,7 +31,7 @@ from mtaq.core.duration import parse_duration
 from mtaq.core.errors import MtaqError
 from mtaq.core.parking import ADMIN_ACTIONS
 
-__all__ = ["add_queue_parser", "format_mailq", "run_queue"]
+__all__ = ["add_queue_parser", "add_reload_parser", "format_mailq", "run_queue", "run_reload"]
 
 HEADER = "-Queue ID-  --Size-- ----Arrival Time---- -Sender/Recipient-------"
 RECIPIENT_INDENT = 42
@@ -88,6 +88,55 @@ def add_queue_parser(sub: Any) -> None:
         if action == "delay":
             a.add_argument("--for", dest="delay_for", metavar="DURATION", required=True,
                            help="park the messages this long (3600, 30m, 2h, 1d; at most delay_max_s)")
+
+
+def add_reload_parser(sub: Any) -> None:
+    """Add ``mtaq reload`` (Postfix's ``postfix reload``; :mod:`mtaq.daemon.reload`)."""
+    p = sub.add_parser("reload", help="make the running daemon read its configuration again (postfix reload): "
+                                      "new sessions and attempts use it; exit 1 with one line per problem")
+    p.add_argument("--config", metavar="FILE",
+                   help="the daemon's TOML configuration file (to find spool_dir and admin_token; the daemon "
+                        "reads the file it was started with)")
+    p.add_argument("--spool", metavar="DIR", help="spool directory (default: spool_dir of --config, else ./spool)")
+    p.add_argument("--url", metavar="URL", help="admin API URL (default: from SPOOL/admin.json)")
+    p.add_argument("--token", metavar="TOKEN",
+                   help="admin API bearer token (default: $MTAQ_ADMIN_TOKEN, else admin_token of --config, "
+                        "else SPOOL/admin.token)")
+    p.add_argument("--timeout", metavar="SECONDS", type=float, default=60.0,
+                   help="seconds to wait for the daemon's answer (default 60)")
+    p.add_argument("--json", action="store_true", help="the daemon's answer as one JSON object")
+
+
+def run_reload(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    """``mtaq reload``: ``POST /reload`` to the running daemon (every worker reloads: worker 0 asks the
+    others), then one line per worker (``--json``: the answer). Returns 0 when every worker applied the new
+    configuration, 1 otherwise (one ``mtaq: reload: ...`` line per problem on stderr). Raises MtaqError
+    (one line) when the daemon cannot be reached."""
+    out = out or sys.stdout
+    spool, token = _settings(args)
+    try:
+        res = _client(args, spool, token).call("POST", "/reload", body={})
+    except Offline as off:
+        raise QueueCommandError(f"reload needs a running daemon ({off.why})") from None
+    if args.json:
+        out.write(json.dumps(res) + "\n")
+    workers = res.get("workers", [])
+    for w in workers:
+        name = f"worker {w['shard']}" if len(workers) > 1 else "daemon"
+        if w["applied"]:
+            changed = ", ".join(w["changed"]) or "no key (files read again)"
+            if not args.json:
+                out.write(f"{name}: reloaded; changed: {changed}\n")
+        for p in w["problems"]:
+            print(f"mtaq: reload: {name}: {p}", file=sys.stderr)
+        if w["applied"] and w["restart_needed"]:
+            print(f"mtaq: reload: {name}: needs a restart to change (kept as they were): "
+                  f"{', '.join(w['restart_needed'])}", file=sys.stderr)
+        if w.get("sasl_hold_cleared") and not args.json:
+            out.write(f"{name}: SASL hold ended for the changed credentials of: {', '.join(w['sasl_hold_cleared'])}\n")
+        if not w["applied"]:
+            print(f"mtaq: reload: {name}: nothing changed", file=sys.stderr)
+    return 0 if res.get("applied") else 1
 
 
 # ----------------------------------------------------------------------------------------- the client

@@ -92,11 +92,14 @@ class ApiState:
 
     ``hosts`` are the host names (besides IP literals and ``localhost``) that a request's ``Host`` may
     name (``admin_hosts``); compared case-insensitively, without the port. ``peers``: {shard: unix socket}
-    of the other workers' APIs (worker 0 of several; empty otherwise), which every answer covers."""
+    of the other workers' APIs (worker 0 of several; empty otherwise), which every answer covers.
+    ``reload``: reads the configuration again (``POST /reload``); None: the route answers 503."""
 
     def __init__(self, metrics: Metrics, *, token: str = "", log: Any = None, hosts: tuple[str, ...] = (),
-                 peers: Mapping[int, str] | None = None) -> None:
+                 peers: Mapping[int, str] | None = None,
+                 reload: Callable[[], Awaitable[dict[str, Any]]] | None = None) -> None:
         self.metrics = metrics
+        self.reload = reload  # this daemon's reload (mtaq.daemon.reload), answering ReloadResult.as_json()
         self.token = token
         self.log = log
         self.hosts = frozenset(h.lower().rstrip(".") for h in hosts) | {"localhost"}
@@ -331,6 +334,41 @@ async def _act(
     return _json(res.as_json())
 
 
+async def _local_reload(request: web.Request) -> dict[str, Any]:
+    reload = _state(request).reload
+    if reload is None:
+        raise ApiError(503, "ServiceUnavailable", "this daemon cannot reload (no configuration source)")
+    return await reload()
+
+
+async def reload_config(request: web.Request) -> web.Response:
+    """``POST /reload``: every worker reads the configuration again (``mtaq reload``, postfix reload); the
+    answer ``{"applied": true only when every worker applied it, "workers": [per worker: shard, applied,
+    changed, restart_needed, problems, sasl_hold_cleared]}`` is 200 either way."""
+    st = _state(request)
+    mine = await _local_reload(request)
+
+    async def peer_reload(peer: ShardPeer) -> dict[str, Any]:
+        try:
+            answer: dict[str, Any] = await peer.call("POST", "/_shard/reload", {})
+            return answer
+        except PeerError as exc:
+            return {"shard": peer.shard, "applied": False, "changed": [], "restart_needed": [],
+                    "problems": [f"shard {peer.shard}: {exc.message}"], "sasl_hold_cleared": []}
+
+    others = await asyncio.gather(*(peer_reload(p) for p in st.peers.values()))
+    workers = [mine, *others]
+    if st.log is not None:
+        st.log.info("admin_reload", applied=all(w["applied"] for w in workers),
+                    workers=[w["shard"] for w in workers], client=request.remote or "")
+    return _json({"applied": all(w["applied"] for w in workers), "workers": workers})
+
+
+async def shard_reload(request: web.Request) -> web.Response:
+    """``POST /_shard/reload``: this worker reads the configuration again (internal)."""
+    return _json(await _local_reload(request))
+
+
 async def metrics(request: web.Request) -> web.Response:
     """``GET /metrics``: Prometheus text format (summed over every shard; :mod:`mtaq.admin.shards`)."""
     st = _state(request)
@@ -528,6 +566,7 @@ ROUTES: tuple[tuple[str, str, Callable[[web.Request], Awaitable[web.Response]]],
     ("DELETE", "/mailQueues/{name}/mails", delete_mails),
     ("GET", "/mails/{queue_id}", show_mail),
     ("POST", "/mails/actions/{action}", mail_action),
+    ("POST", "/reload", reload_config),
     ("GET", "/metrics", metrics),
     ("GET", "/openapi.json", openapi),
 )
@@ -539,6 +578,7 @@ INTERNAL_ROUTES: tuple[tuple[str, str, Callable[[web.Request], Awaitable[web.Res
     ("POST", "/_shard/list", shard_list),
     ("GET", "/_shard/mails/{queue_id}", shard_show),
     ("POST", "/_shard/act", shard_act),
+    ("POST", "/_shard/reload", shard_reload),
 )
 
 

@@ -180,6 +180,21 @@ SPEC: dict[str, Any] = {
                 },
             }
         },
+        "/reload": {
+            "post": {
+                "summary": "Read the configuration again (mtaq reload, postfix reload): every worker applies it to "
+                           "new SMTP sessions and new delivery attempts, or, when anything is wrong, changes "
+                           "nothing and says why; keys that need a restart are kept and named",
+                "operationId": "reload",
+                "requestBody": {"required": False, "content": _json_content({"type": "object"})},
+                "responses": {
+                    "200": {"description": "What each worker did (applied is true only when every one did)",
+                            "content": _json_content(_ref("ReloadResult"))},
+                    "401": _ERRORS["401"],
+                    "503": _error("This daemon has no configuration source to read again"),
+                },
+            }
+        },
         "/metrics": {
             "get": {
                 "summary": "Prometheus metrics (text format 0.0.4)",
@@ -291,6 +306,27 @@ SPEC: dict[str, Any] = {
                               "description": "Action delay only (required there): seconds, or 30m, 2h, 1d"},
                 },
                 "additionalProperties": False,
+            },
+            "ReloadResult": {
+                "type": "object",
+                "properties": {
+                    "applied": _BOOL,
+                    "workers": {"type": "array", "items": {
+                        "type": "object",
+                        "properties": {
+                            "shard": {"type": "integer"},
+                            "applied": {"type": "boolean", "description": "False: nothing changed (see problems)"},
+                            "changed": {"type": "array", "items": _STR, "description": "Keys changed and applied"},
+                            "restart_needed": {"type": "array", "items": _STR,
+                                               "description": "Keys changed that keep their old value until a restart"},
+                            "problems": {"type": "array", "items": _STR, "description": "One line each"},
+                            "sasl_hold_cleared": {"type": "array", "items": _STR,
+                                                  "description": "Password-file keys whose SASL hold ended"},
+                        },
+                        "required": ["shard", "applied", "changed", "restart_needed", "problems"],
+                    }},
+                },
+                "required": ["applied", "workers"],
             },
             "ActionResult": {
                 "type": "object",

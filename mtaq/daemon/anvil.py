@@ -8,7 +8,8 @@ mtaq's workers ask the supervisor: it holds the one :class:`~mtaq.edge.limits.Co
 (``connections_max`` too), and each worker talks to it over its own socketpair, made before the fork.
 
 The wire is one line per message, ``ID OP IP`` (ASCII, LF-terminated); ``OP`` is ``A`` admit, ``R`` release,
-``F`` AUTH failed, ``B`` AUTH check begins, ``E`` AUTH check ended, ``Q`` AUTH blocked? ``A``, ``B`` and ``Q``
+``F`` AUTH failed, ``B`` AUTH check begins, ``E`` AUTH check ended, ``Q`` AUTH blocked? ``L`` read the limits
+again (``mtaq reload``: ``IP`` is ``-``; worker 0 sends it once it has reloaded). ``A``, ``B`` and ``Q``
 are answered ``ID +`` (admitted / yes) or ``ID -REASON`` (``ID -`` for no); the others are not answered.
 A worker's messages are handled in the order sent (one stream), so a failure told before the end of its
 check is always counted first.
@@ -32,7 +33,7 @@ import os
 import selectors
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from mtaq.edge.limits import ConnectionGate
 from mtaq.logs import get_logger
@@ -50,8 +51,10 @@ _SLOW_LOG_EVERY_S = 60.0
 class AnvilServer:
     """The supervisor's side: answers the workers' messages from one :class:`ConnectionGate`."""
 
-    def __init__(self, gate: ConnectionGate, socks: Iterable[socket.socket]) -> None:
+    def __init__(self, gate: ConnectionGate, socks: Iterable[socket.socket],
+                 reconfigure: Callable[[], None] | None = None) -> None:
         self.gate = gate
+        self.reconfigure = reconfigure
         self._in: dict[socket.socket, bytearray] = {}
         self._out: dict[socket.socket, bytearray] = {}
         for s in socks:
@@ -81,6 +84,9 @@ class AnvilServer:
             g.auth_failed(ip)
         elif op == "E":
             g.auth_end(ip)
+        elif op == "L":
+            if self.reconfigure is not None:
+                self.reconfigure()
         else:
             raise ValueError(f"unknown anvil message {op!r}")
         return None
@@ -320,3 +326,7 @@ class AnvilClient:
     def auth_failed(self, ip: str) -> None:
         self.fallback.auth_failed(ip)  # also here: should the anvil go, this worker still remembers
         self._send("F", ip)
+
+    def reconfigure_host(self) -> None:
+        """Ask the supervisor to read the host's limits again (after this worker reloaded)."""
+        self._send("L", "-")

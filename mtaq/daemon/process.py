@@ -22,6 +22,7 @@ import gc
 import importlib
 import os
 import resource
+import signal
 import socket
 import sys
 import time
@@ -40,6 +41,7 @@ from mtaq.core.state import Attempt, RetryPolicy, format_reply
 from mtaq.daemon import privileges
 from mtaq.daemon.anvil import AnvilClient
 from mtaq.daemon.check import check_start
+from mtaq.daemon.reload import ReloadResult, changed_keys, unreadable_files
 from mtaq.daemon.workers import (
     admin_socket,
     bind_listeners,
@@ -55,10 +57,10 @@ from mtaq.delivery.sasl import SaslClient
 from mtaq.delivery.throttle import DomainLimit, Throttle
 from mtaq.delivery.transport import Batch, ConnectionPool, HopFailure, deliver
 from mtaq.edge.dkim import Signer
-from mtaq.edge.limits import Gate
+from mtaq.edge.limits import ConnectionGate, Gate
 from mtaq.edge.pickup import Pickup
 from mtaq.edge.policy import EdgePolicy
-from mtaq.edge.server import QueueHandler, connection_gate, start_server
+from mtaq.edge.server import EdgeSettings, QueueHandler, connection_gate, gate_limits, start_server
 from mtaq.logs import configure_logging, get_logger
 from mtaq.queue.recovery import move_aside, recover
 from mtaq.queue.runners import RUNNER_READ_RETRY_S, Declined, Dispatcher, Runner
@@ -105,8 +107,17 @@ class Daemon:
 
     def __init__(self, cfg: Config, *, clock: Callable[[], float] = time.time,
                  monotonic: Callable[[], float] = time.monotonic, listen_sockets: list[list[socket.socket]] | None = None, fs: FileSystem | None = None, admin_socket: str = "", admin_peers: dict[int, str] | None = None,
-                 anvil_socket: socket.socket | None = None, pickup: bool = True) -> None:
+                 anvil_socket: socket.socket | None = None, pickup: bool = True,
+                 config_source: Callable[[], Config] | None = None, shard: int = 0) -> None:
         self.cfg = cfg
+        # mtaq reload / SIGHUP (mtaq.daemon.reload): reads the configuration again as it was read at the start
+        # (the same file and flags; a worker's shard settings applied); None: a daemon built without one.
+        self.config_source = config_source
+        self.shard = shard
+        self._reload_lock = asyncio.Lock()
+        self.handler: QueueHandler | None = None
+        self.own_gate: ConnectionGate | None = None
+        self.host_gate: AnvilClient | None = None
         # One of several workers: the socket to the supervisor's anvil, the host's per-client counters
         # (mtaq.daemon.anvil); None: the gate is this process's own.
         self.anvil_socket = anvil_socket
@@ -132,6 +143,9 @@ class Daemon:
         )
         self.pools: list[ConnectionPool] = []
         self.edge = EdgePolicy.from_config(cfg)  # reads the TLS and password files; ConfigError if bad
+        # What each new SMTP session starts with (a reload replaces it; sessions keep theirs).
+        self.edge_settings = EdgeSettings(self.edge, cfg.message_size_limit_bytes, cfg.smtp_server_timeout_s,
+                                          cfg.tls_handshake_timeout_s)
         self.listeners = listeners_of(cfg)  # the SMTP listeners: listen, then the listeners tables
         self.servers: list[asyncio.Server] = []
         self.sasl = SaslClient.from_config(cfg)  # outbound AUTH credentials; ConfigError if bad or readable
@@ -227,13 +241,13 @@ class Daemon:
         qlog.round_spacing_s = COMMIT_SPACING_S
         # Every listener before recovery (I5: mail is accepted at once on each); one gate for all of them, so
         # connections_max and the per-client limits count the daemon's connections, whatever the port.
-        own = connection_gate(self.edge, asyncio.get_running_loop().time)
+        own = self.own_gate = connection_gate(self.edge, asyncio.get_running_loop().time)
         gate: Gate = own
         if self.anvil_socket is not None:  # several workers: the host's gate, this one if it does not answer
-            anvil = AnvilClient(self.anvil_socket, fallback=own)
+            anvil = self.host_gate = AnvilClient(self.anvil_socket, fallback=own)
             await anvil.start()
             gate = anvil
-        handler = QueueHandler(self.queue, self.signer)
+        handler = self.handler = QueueHandler(self.queue, self.signer)
         self.servers = []  # one per listener (the first socket's, when the supervisor bound several)
         for i, lst in enumerate(self.listeners):
             socks: list[socket.socket | None] = list(self.listen_sockets[i]) if self.listen_sockets else [None]
@@ -246,6 +260,7 @@ class Daemon:
                     data_size_limit=cfg.message_size_limit_bytes,
                     timeout_s=cfg.smtp_server_timeout_s,
                     policy=self.edge,
+                    settings=self.edge_settings,
                     sock=sock,
                     gate=gate,
                     auth_required=lst.auth_required,
@@ -267,7 +282,7 @@ class Daemon:
             http = await asyncio.to_thread(importlib.import_module, "mtaq.admin.http")
             token = cfg.admin_token or http.spool_token(cfg.spool_dir)
             state = http.ApiState(self.metrics, token=token, log=self.log, hosts=tuple(cfg.admin_hosts),
-                                  peers=self.admin_peers)
+                                  peers=self.admin_peers, reload=self._reload_by_api)
             limits = {"body_bytes_max": cfg.admin_body_bytes_max, "connections_max": cfg.admin_connections_max,
                       "request_timeout_s": cfg.admin_request_timeout_s}
             if self.admin_socket:
@@ -277,6 +292,7 @@ class Daemon:
                 self.http = http.AdminHttp(state, admin_host, admin_port, cfg.spool_dir,
                                            socks=self.admin_listen_sockets, **limits)
             await self.http.start()
+        self._on_sighup_reload()
         self.log.info(
             "listening",
             listen=self.listeners[0].address,  # the first listener, as when there was only one
@@ -350,6 +366,130 @@ class Daemon:
         if cfg.stats_interval_s > 0:
             tasks.append(asyncio.create_task(self._stats()))
         await asyncio.gather(*tasks)
+
+    # -------------------------------------------------------------------------------------------- reload
+    def _on_sighup_reload(self) -> None:
+        """SIGHUP reloads (mtaq.daemon.reload); before this the signal is ignored (serve sets SIG_IGN)."""
+        loop = asyncio.get_running_loop()
+
+        async def reload() -> None:
+            await self.reload("SIGHUP")
+
+        def hup() -> None:
+            task = loop.create_task(reload())
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+        try:
+            loop.add_signal_handler(signal.SIGHUP, hup)
+        except (RuntimeError, ValueError, NotImplementedError):  # not the main thread (a test's daemon)
+            pass
+
+    async def _reload_by_api(self) -> dict[str, Any]:
+        return (await self.reload("admin API")).as_json()
+
+    async def reload(self, trigger: str) -> ReloadResult:
+        """Read the configuration again and apply it to new sessions and new attempts (module
+        :mod:`mtaq.daemon.reload`); one reload at a time. ``trigger``: what asked (``SIGHUP``, ``admin API``),
+        for the ``reloaded`` / ``reload_failed`` event. Never raises for a bad configuration: the result
+        says why nothing changed."""
+        async with self._reload_lock:
+            res = ReloadResult(shard=self.shard)
+            built = self._build_reload(res)
+            if built is None:
+                self.log.error("reload_failed", trigger=trigger, problems=res.problems, action="nothing changed")
+                return res
+            await self._apply_reload(built, res)
+            res.applied = True
+            self.log.info("reloaded", trigger=trigger, changed=res.changed, restart_needed=res.restart_needed,
+                          sasl_hold_cleared=res.sasl_hold_cleared,
+                          action="applied to new sessions and new delivery attempts"
+                          + ("; the restart_needed keys keep their old values until a restart" if res.restart_needed else ""))
+            return res
+
+    def _build_reload(self, res: ReloadResult) -> dict[str, Any] | None:
+        """Everything a reload needs, built from the configuration read again; None (and ``res.problems``)
+        when anything is wrong, with nothing changed."""
+        if self.config_source is None:
+            res.problems.append("this daemon was started without a configuration source to read again")
+            return None
+        try:
+            new = self.config_source()
+        except (MtaqError, OSError, ValueError) as exc:
+            res.problems.append(str(exc))
+            return None
+        res.changed, res.restart_needed = changed_keys(self.cfg, new)
+        # Keys that need a restart keep their old values (named in the answer), the rest is the new file.
+        cfg = msgspec.structs.replace(new, **{k: getattr(self.cfg, k) for k in res.restart_needed})
+        res.problems += unreadable_files(cfg)
+        if res.problems:
+            return None
+        built: dict[str, Any] = {"cfg": cfg}
+        steps: list[tuple[str, Callable[[], Any]]] = [
+            ("edge", lambda: EdgePolicy.from_config(cfg)),
+            ("sasl", lambda: SaslClient.from_config(cfg)),
+            ("signer", lambda: Signer.from_config(cfg)),
+            ("router", lambda: Router(cfg)),
+            ("peers", lambda: self._peer_policy(cfg)),
+        ]
+        for name, make in steps:
+            try:
+                built[name] = make()
+            except (MtaqError, OSError, ValueError) as exc:
+                res.problems.append(str(exc))
+        edge = built.get("edge")
+        if isinstance(edge, EdgePolicy) and edge.tls_context is None:
+            for lst in self.listeners:
+                if lst.tls_required or lst.wrappermode:
+                    res.problems.append(f"listeners.{lst.address}: mode {lst.mode} needs a certificate "
+                                        "(tls_cert_file, tls_key_file)")
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft != resource.RLIM_INFINITY and open_files_needed(cfg) > soft:
+            res.problems.append(f"connections_max: needs {open_files_needed(cfg)} open files per process, but "
+                                f"RLIMIT_NOFILE is {soft}: raise it (systemd LimitNOFILE=) and restart, or lower connections_max")
+        return None if res.problems else built
+
+    async def _apply_reload(self, b: dict[str, Any], res: ReloadResult) -> None:
+        """Put what :meth:`_build_reload` made in place, for new sessions and new attempts only."""
+        cfg: Config = b["cfg"]
+        self.cfg = cfg
+        # The SMTP edge: the next accepted connection gets the new policy, certificate and limits.
+        self.edge = b["edge"]
+        st = self.edge_settings
+        st.policy, st.data_size_limit = self.edge, cfg.message_size_limit_bytes
+        st.timeout_s, st.tls_handshake_timeout_s = cfg.smtp_server_timeout_s, cfg.tls_handshake_timeout_s
+        if self.own_gate is not None:
+            self.own_gate.configure(**gate_limits(self.edge))
+        if self.host_gate is not None and self.shard == 0:
+            self.host_gate.reconfigure_host()  # the supervisor's gate (the host's limits) reads them too
+        # DKIM: messages whose DATA ends from now on (SMTP, the maildrop, DSNs).
+        self.signer = b["signer"]
+        if self.handler is not None:
+            self.handler.signer = self.signer
+        if getattr(self, "queue", None) is not None:
+            self.queue.sign = self.signer.sign_dsn
+            self.queue.messages_max = cfg.queue_messages_max
+            self.queue.commit_backlog_max = cfg.commit_backlog_max
+            self.queue.bounce_size_limit_bytes = cfg.bounce_size_limit_bytes
+            self.queue.minfree_bytes = max(cfg.queue_minfree_bytes, cfg.message_size_limit_bytes * 3 // 2)
+        if self.pickup is not None:
+            self.pickup.signer = self.signer
+            self.pickup.body_bytes_max = cfg.message_size_limit_bytes
+            self.pickup.recipients_max = cfg.recipients_per_message_max
+        admin = getattr(self, "admin", None)
+        if admin is not None:
+            admin.delay_max_s = cfg.delay_max_s
+        # Delivery: attempts that start from now on (those running hold the old objects to their end).
+        sasl: SaslClient | None = b["sasl"]
+        if sasl is not None:
+            res.sasl_hold_cleared = sasl.keep_holds(self.sasl)
+        self.sasl = sasl
+        self.router = b["router"]
+        self.peers = b["peers"]
+        await self.throttle.update(
+            DomainLimit(cfg.destination_concurrency_limit, cfg.destination_rate_per_s),
+            {d: DomainLimit(v.concurrency, v.rate_per_s) for d, v in cfg.destination_limits.items()},
+        )
 
     # ------------------------------------------------------------------------------------------ delivery
     async def _close_idle_connections(self) -> None:
@@ -768,15 +908,10 @@ def _run_loop(daemon: Daemon) -> None:
     runner(_run_or_crash(daemon))
 
 
-def _run_worker(cfg: Config, shard: int, n: int, sockets: list[list[socket.socket]],
-                owner: privileges.Owner | None = None, admin_socks: list[socket.socket] | None = None) -> None:
-    """Worker ``shard`` of ``n`` (in its own process): a whole daemon on its shard of the spool, accepting SMTP
-    connections from ``sockets`` (per listener, bound by the supervisor: :func:`mtaq.daemon.workers.bind_listeners`).
-    Started as root: switches to ``owner`` once its keys are read, before it opens its shard; worker 0 serves
-    the admin API on ``admin_socks`` (bound by the supervisor), the others close them."""
-    set_queue_id_shard(shard)
-    configure_logging(cfg.log_format, shard=shard, syslog_socket=cfg.syslog_socket)
-    shard_cfg = msgspec.structs.replace(
+def _shard_config(cfg: Config, shard: int, n: int) -> Config:
+    """Worker ``shard``'s view of ``cfg``: its shard of the spool, its share of ``delivery_concurrency``, and
+    the public admin API on worker 0 only."""
+    return msgspec.structs.replace(
         cfg,
         spool_dir=shard_dir(cfg.spool_dir, shard),
         delivery_concurrency=max(1, -(-cfg.delivery_concurrency // n)),  # the total stays as configured
@@ -784,12 +919,32 @@ def _run_worker(cfg: Config, shard: int, n: int, sockets: list[list[socket.socke
         # unix socket each of them serves the API on (mtaq.admin.shards).
         admin_listen=cfg.admin_listen if shard == 0 else "",
     )
+
+
+def _run_worker(cfg: Config, shard: int, n: int, sockets: list[list[socket.socket]],
+                owner: privileges.Owner | None = None, admin_socks: list[socket.socket] | None = None,
+                source: Callable[[], Config] | None = None) -> None:
+    """Worker ``shard`` of ``n`` (in its own process): a whole daemon on its shard of the spool, accepting SMTP
+    connections from ``sockets`` (per listener, bound by the supervisor: :func:`mtaq.daemon.workers.bind_listeners`).
+    Started as root: switches to ``owner`` once its keys are read, before it opens its shard; worker 0 serves
+    the admin API on ``admin_socks`` (bound by the supervisor), the others close them."""
+    set_queue_id_shard(shard)
+    configure_logging(cfg.log_format, shard=shard, syslog_socket=cfg.syslog_socket)
+    shard_cfg = _shard_config(cfg, shard, n)
+
+    def shard_source() -> Config:  # mtaq reload: the file read again, seen as at the start
+        assert source is not None
+        new = source()
+        if new.admin_listen.strip() and not new.admin_token and cfg.admin_token:
+            new = msgspec.structs.replace(new, admin_token=cfg.admin_token)  # the spool's token, as at the start
+        return _shard_config(new, shard, n)
     api = bool(cfg.admin_listen.strip())
     peers = {k: admin_socket(cfg.spool_dir, k) for k in range(1, n)} if api and shard == 0 else {}
     sock = admin_socket(cfg.spool_dir, shard) if api and shard > 0 else ""
     try:
         daemon = Daemon(shard_cfg, listen_sockets=sockets, admin_socket=sock, admin_peers=peers,
-                        anvil_socket=worker_anvil_socket(), pickup=shard == 0)
+                        anvil_socket=worker_anvil_socket(), pickup=shard == 0,
+                        config_source=shard_source if source is not None else None, shard=shard)
         if shard == 0:
             daemon.admin_listen_sockets = admin_socks
         else:
@@ -852,11 +1007,16 @@ def raise_open_files_limit(needed: int) -> tuple[int, int]:
     return before, soft
 
 
-def serve(cfg: Config) -> int:
+def serve(cfg: Config, source: Callable[[], Config] | None = None) -> int:
     """Run the daemon until the process is killed; with ``workers`` > 1 (``"auto"``: one per core, at most 8;
     or a spool that has shards), run one worker process per shard under a supervisor
     (:mod:`mtaq.daemon.workers`) and return the exit status of the first worker that ended (the others are
-    killed: crash-only). Raises ValueError (too many shards, or several workers on a listener with port 0)."""
+    killed: crash-only). Raises ValueError (too many shards, or several workers on a listener with port 0).
+
+    ``source``: reads the configuration again as ``cfg`` was read (``mtaq reload``, SIGHUP:
+    :mod:`mtaq.daemon.reload`); None: a reload answers that there is none. SIGHUP is ignored until the
+    daemon (each worker) listens, then reloads; the supervisor passes it on to every worker."""
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a reload during the start must not end the process
     # What the daemon writes (segments, checkpoint, archives, corrupt records: mail) is its user's alone, as
     # Postfix's 0700 queue directories; local users reach only the maildrop (mode 1733; mtaq.storage.maildrop).
     os.umask(0o077)
@@ -877,9 +1037,10 @@ def serve(cfg: Config) -> int:
     if n == 1:
         set_queue_id_shard(0)  # IDs name shard 0, so that a later start with more workers routes them exactly
         if owner is None:
-            _run_loop(Daemon(cfg))
+            _run_loop(Daemon(cfg, config_source=source))
             return 0
-        daemon = Daemon(cfg, listen_sockets=bind_listeners([(lst.host, lst.port) for lst in listeners]))
+        daemon = Daemon(cfg, listen_sockets=bind_listeners([(lst.host, lst.port) for lst in listeners]),
+                        config_source=source)
         daemon.admin_listen_sockets = _bind_admin(cfg)
         privileges.give_to(owner, cfg)
         privileges.switch_to(owner, cfg)
@@ -923,9 +1084,26 @@ def serve(cfg: Config) -> int:
         if owner is not None:
             privileges.switch_to(owner, cfg)  # the supervisor too: it only waits and kills its workers
 
+    host_gate = connection_gate(edge, time.monotonic)
+
+    def reconfigure() -> None:
+        """Worker 0 reloaded (mtaq reload, SIGHUP): the host's limits and mynetworks from the file too (no key
+        is read here: only the limits)."""
+        try:
+            assert source is not None
+            new = source()
+            pol = EdgePolicy.from_config(msgspec.structs.replace(new, tls_cert_file="", tls_key_file="",
+                                                                 auth_password_file=""))
+        except (AssertionError, MtaqError, OSError, ValueError) as exc:
+            log.error("reload_failed", shard="supervisor", problems=[str(exc) or "no configuration source"],
+                      action="the host's connection limits stay as they were")
+            return
+        host_gate.configure(**gate_limits(pol))
+        log.info("reloaded", shard="supervisor", changed=["connection limits"], action="host's connection limits")
+
     # The supervisor holds the host's connection gate (the anvil): the limits count every worker's connections.
-    return supervise(n, lambda k: _run_worker(cfg, k, n, sockets, owner, admin_socks), on_exit, forked,
-                     anvil=connection_gate(edge, time.monotonic))
+    return supervise(n, lambda k: _run_worker(cfg, k, n, sockets, owner, admin_socks, source), on_exit, forked,
+                     anvil=host_gate, reconfigure=reconfigure)
 
 
 def _bind_admin(cfg: Config) -> list[socket.socket] | None:

@@ -168,14 +168,17 @@ def _status(wait_status: int) -> int:
 
 
 def supervise(n: int, run_worker: Callable[[int], None], on_exit: Callable[[int, int], None],
-              forked: Callable[[], None] = lambda: None, anvil: ConnectionGate | None = None) -> int:
+              forked: Callable[[], None] = lambda: None, anvil: ConnectionGate | None = None,
+              reconfigure: Callable[[], None] | None = None) -> int:
     """Fork ``n`` workers, each running ``run_worker(k)``; return the exit status of the first to end.
 
     The others are SIGKILLed and reaped first. ``on_exit(shard, status)`` is called (in the supervisor) for
     the worker that ended; ``forked()`` once every worker is forked (the supervisor closes its copies of the
     listening sockets there). Call this before any thread or event loop exists in the process (fork).
     ``anvil``: the host's gate; each worker gets a socketpair to it (:func:`worker_anvil_socket`) and the
-    supervisor answers on them while it waits (:mod:`mtaq.daemon.anvil`).
+    supervisor answers on them while it waits (:mod:`mtaq.daemon.anvil`); ``reconfigure()`` is called when a
+    worker asks the anvil to read its limits again (``mtaq reload``). SIGHUP to the supervisor is passed on
+    to every worker (each reloads: :mod:`mtaq.daemon.reload`).
     """
     from mtaq.daemon.anvil import AnvilServer, wait_serving
 
@@ -208,7 +211,16 @@ def supervise(n: int, run_worker: Callable[[int], None], on_exit: Callable[[int,
         pids[pid] = k
     for _ours, theirs in pairs:
         theirs.close()
-    server = AnvilServer(anvil, [ours for ours, _theirs in pairs]) if anvil is not None else None
+    server = AnvilServer(anvil, [ours for ours, _theirs in pairs], reconfigure=reconfigure) if anvil is not None else None
+
+    def pass_on(signum: int, frame: object) -> None:
+        for pid in list(pids):
+            try:
+                os.kill(pid, signal.SIGHUP)
+            except ProcessLookupError:
+                pass
+
+    signal.signal(signal.SIGHUP, pass_on)
     forked()
     status = 1
     try:

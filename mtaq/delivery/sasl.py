@@ -21,7 +21,9 @@ line number, never the line.
 A 5xx reply to AUTH (535 5.7.8 "credentials invalid") means the next try would fail the same way, and
 providers lock accounts after a few: the credentials are *held* for ``smtp_sasl_auth_failure_hold_s``
 (default 300 s; in memory, per process): mail that would use them is deferred with the remembered reply
-without connecting. A 4xx to AUTH (454 4.7.0) is not remembered.
+without connecting. A 4xx to AUTH (454 4.7.0) is not remembered. ``mtaq reload`` (SIGHUP) reads the file
+again and ends the hold of every entry whose user name or password changed (:meth:`SaslClient.keep_holds`);
+the hold of an unchanged entry stays until it runs out.
 """
 
 from __future__ import annotations
@@ -148,6 +150,23 @@ class SaslClient:
             return None
         return Reply(reply.code, reply.enhanced,
                      f"{reply.text} (not tried again for {until - self.clock():.0f} s: smtp_sasl_auth_failure_hold_s)")
+
+    def keep_holds(self, old: SaslClient | None) -> list[str]:
+        """After a reload: keep ``old``'s holds of the credentials this client still has unchanged (same
+        key, user name and password); return the password-file keys whose hold ends here because their
+        entry changed or went (never a password)."""
+        if old is None:
+            return []
+        now = set(self.passwords.items())
+        cleared = []
+        for cred, held in old._held.items():
+            if old.clock() >= held[0]:
+                continue  # ran out anyway
+            if (cred.key, (cred.username, cred.password)) in now:
+                self._held[cred] = held
+            else:
+                cleared.append(cred.key)
+        return sorted(set(cleared))
 
     def failed(self, cred: Credentials, reply: Reply) -> None:
         """Hold ``cred`` for ``hold_s`` seconds after the AUTH failure ``reply`` (a 5xx from the server)."""

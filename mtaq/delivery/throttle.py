@@ -6,8 +6,10 @@ talks to the next hop, and takes one token of the domain's rate (a token bucket 
 domain start at least ``1 / rate_per_s`` seconds apart). A worker that finds the domain saturated waits,
 like mail in Postfix's active queue waits for its destination; it never defers the mail for it.
 
-What must always hold: at no moment do more deliveries to a domain hold a slot than its limit. Domains
-are acquired in sorted order, so two workers needing the same two domains cannot deadlock.
+What must always hold: at no moment do more deliveries to a domain hold a slot than its limit (after a
+reload that lowered it, :meth:`Throttle.update`: no new one starts until the deliveries begun before it are
+fewer than the new limit; none is cut). Domains are acquired in sorted order, so two workers needing the
+same two domains cannot deadlock.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ class DomainLimit:
 
 
 class _Domain:
-    __slots__ = ("active", "limit", "next_start", "peak", "sem")
+    __slots__ = ("active", "debt", "limit", "next_start", "peak", "sem")
 
     def __init__(self, limit: DomainLimit) -> None:
         self.limit = limit
@@ -37,6 +39,13 @@ class _Domain:
         self.next_start = 0.0
         self.active = 0
         self.peak = 0  # the most deliveries ever in progress at once (tests and metrics)
+        self.debt = 0  # slots a lowered limit took away while they were held: kept back when given back
+
+    def give_back(self) -> None:
+        if self.debt:
+            self.debt -= 1
+        else:
+            self.sem.release()
 
 
 class Throttle:
@@ -54,6 +63,27 @@ class Throttle:
         if d is None:
             d = self._domains[name] = _Domain(self.limits.get(name, self.default))
         return d
+
+    async def update(self, default: DomainLimit, limits: dict[str, DomainLimit] | None = None) -> None:
+        """New limits (``mtaq reload``) for the deliveries that start from now on; those in progress keep
+        their slots. A lowered concurrency takes the free slots away at once and the others as they are
+        given back; a raised one frees slots at once. Returns without waiting."""
+        self.default = default
+        self.limits = {k.lower(): v for k, v in (limits or {}).items()}
+        for name, d in self._domains.items():
+            new = self.limits.get(name, default)
+            diff = new.concurrency - d.limit.concurrency
+            d.limit = new
+            if diff > 0:
+                paid = min(diff, d.debt)
+                d.debt -= paid
+                for _ in range(diff - paid):
+                    d.sem.release()
+            for _ in range(-diff):
+                if d.sem.locked():
+                    d.debt += 1
+                else:
+                    await d.sem.acquire()  # a free slot: taken at once, no wait
 
     def peak(self, domain: str) -> int:
         """The highest number of simultaneous deliveries to ``domain`` seen so far."""
@@ -106,6 +136,6 @@ class Slots:
         for d in self._counted:
             d.active -= 1
         for d in self._held:
-            d.sem.release()
+            d.give_back()
         self._counted.clear()
         self._held.clear()

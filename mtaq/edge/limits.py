@@ -18,7 +18,9 @@ from that client for a while, whichever connection it comes on.
 
 Must always hold: ``active`` equals the admitted connections not yet released, and never exceeds
 ``connections_max``; ``active`` minus the admitted mynetworks connections never exceeds
-``connections_max - mynetworks_reserve``; the memory per client is bounded by its limit.
+``connections_max - mynetworks_reserve``; the memory per client is bounded by its limit. A reload
+(:meth:`ConnectionGate.configure`) that lowers a limit ends no connection: new ones are refused until
+enough of those admitted before it have ended.
 """
 
 from __future__ import annotations
@@ -80,6 +82,24 @@ class ConnectionGate:
         self._per_client: dict[str, int] = {}  # admitted connections per client IP (not exempt), > 0 only
         self._auth_failures: dict[str, deque[float]] = {}
         self._auth_checking: dict[str, int] = {}  # password checks running, per client (auth_begin)
+
+    def configure(self, *, connections_max: int, per_client_per_minute_max: int, exempt: Callable[[str], bool],
+                  client_connections_max: int, mynetworks_reserve: int, auth_failures_per_minute_max: int) -> None:
+        """New limits (``mtaq reload``; the arguments as for the constructor) for the admissions from now on.
+
+        The counts are kept: the connections admitted before (``active``, per client) still count, and
+        each client's recent connections and AUTH failures are kept, in windows sized for the new limits."""
+        self.connections_max = connections_max
+        self.exempt = exempt
+        self.client_connections_max = client_connections_max
+        self.mynetworks_reserve = max(0, min(mynetworks_reserve, connections_max - 1))
+        if per_client_per_minute_max != self.per_client_max:
+            self._recent = {ip: deque(seen, maxlen=per_client_per_minute_max + 1) for ip, seen in self._recent.items()}
+            self.per_client_max = per_client_per_minute_max
+        if auth_failures_per_minute_max != self.auth_failures_max:
+            self._auth_failures = {ip: deque(seen, maxlen=auth_failures_per_minute_max + 1)
+                                   for ip, seen in self._auth_failures.items()}
+            self.auth_failures_max = auth_failures_per_minute_max
 
     def admit(self, ip: str) -> str | None:
         """Admit a connection from ``ip`` (None; call :meth:`release` with the same ``ip`` later) or say why

@@ -18,6 +18,7 @@ import socket
 import ssl
 from asyncio import sslproto
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, cast
 
 from aiosmtpd.smtp import SMTP, Envelope, Session
@@ -34,7 +35,7 @@ from mtaq.queue.store import Queue
 from mtaq.storage.spill import BodyBuffer
 from mtaq.testing import killpoints
 
-__all__ = ["TLS_HANDSHAKE_TIMEOUT_S", "QueueHandler", "connection_gate", "start_server"]
+__all__ = ["TLS_HANDSHAKE_TIMEOUT_S", "EdgeSettings", "QueueHandler", "connection_gate", "gate_limits", "start_server"]
 
 TLS_HANDSHAKE_TIMEOUT_S = 10.0
 """Seconds an smtps client has for its TLS handshake (config ``tls_handshake_timeout_s``)."""
@@ -207,18 +208,40 @@ def _feed(protocol: asyncio.BufferedProtocol, data: bytes) -> None:
         view = view[n:]
 
 
+def gate_limits(policy: EdgePolicy) -> dict[str, Any]:
+    """The keyword arguments of :class:`ConnectionGate` (and :meth:`ConnectionGate.configure`) that
+    ``policy`` sets: its limits and its mynetworks exemption."""
+    return {
+        "connections_max": policy.connections_max,
+        "per_client_per_minute_max": policy.client_connections_per_minute_max,
+        "exempt": policy.in_mynetworks,
+        "client_connections_max": policy.client_connections_max,
+        "mynetworks_reserve": policy.mynetworks_reserve(),
+        "auth_failures_per_minute_max": policy.auth_failures_per_minute_max,
+    }
+
+
 def connection_gate(policy: EdgePolicy, clock: Callable[[], float]) -> ConnectionGate:
     """The :class:`ConnectionGate` of ``policy``'s limits; give one to every listener of a daemon so that
     ``connections_max`` and the per-client limits count the connections of all its ports together."""
-    return ConnectionGate(
-        connections_max=policy.connections_max,
-        per_client_per_minute_max=policy.client_connections_per_minute_max,
-        exempt=policy.in_mynetworks,
-        clock=clock,
-        client_connections_max=policy.client_connections_max,
-        mynetworks_reserve=policy.mynetworks_reserve(),
-        auth_failures_per_minute_max=policy.auth_failures_per_minute_max,
-    )
+    return ConnectionGate(clock=clock, **gate_limits(policy))
+
+
+@dataclass
+class EdgeSettings:
+    """What a new SMTP session of a listener starts with, read at each accepted connection: a reload
+    (``mtaq reload``, :meth:`mtaq.daemon.process.Daemon.reload`) replaces the fields, and the sessions
+    already open keep what they started with (Postfix's ``postfix reload``: the running smtpd processes
+    finish on the old configuration).
+
+    ``policy``: relay control, limits, TLS certificate and AUTH passwords; ``data_size_limit``: bytes
+    (``message_size_limit_bytes``); ``timeout_s``: idle seconds before ``421 4.4.2``
+    (``smtp_server_timeout_s``); ``tls_handshake_timeout_s``: seconds an smtps client has for its handshake."""
+
+    policy: EdgePolicy
+    data_size_limit: int
+    timeout_s: float
+    tls_handshake_timeout_s: float = TLS_HANDSHAKE_TIMEOUT_S
 
 
 async def start_server(
@@ -236,6 +259,7 @@ async def start_server(
     tls_required: bool = False,
     implicit_tls: bool = False,
     tls_handshake_timeout_s: float = TLS_HANDSHAKE_TIMEOUT_S,
+    settings: EdgeSettings | None = None,
 ) -> asyncio.Server:
     """Listen on ``host:port`` with :class:`MtaqSMTP`; returns the asyncio server.
 
@@ -254,9 +278,17 @@ async def start_server(
     admits the connection at accept, before the TLS handshake, which must end within
     ``tls_handshake_timeout_s`` seconds (a refused client is disconnected without a reply). Raises OSError if it cannot listen, ValueError when the
     policy has no certificate for ``tls_required`` / ``implicit_tls``.
+
+    ``settings``: an :class:`EdgeSettings` read at every accepted connection instead of ``policy``,
+    ``data_size_limit``, ``timeout_s`` and ``tls_handshake_timeout_s`` (which are then ignored): the
+    daemon's, which a reload changes for the sessions that start after it.
     """
     loop = asyncio.get_running_loop()
-    pol = policy if policy is not None else EdgePolicy()
+    if settings is None:
+        settings = EdgeSettings(policy if policy is not None else EdgePolicy(), data_size_limit, timeout_s,
+                                tls_handshake_timeout_s)
+    live = settings
+    pol = live.policy
     if (tls_required or implicit_tls) and pol.tls_context is None:
         raise ValueError("a listener that requires TLS needs a certificate (tls_cert_file, tls_key_file)")
     if gate is None:
@@ -267,14 +299,15 @@ async def start_server(
     body_buffer = queue.new_body if isinstance(queue, Queue) else None
 
     def factory() -> MtaqSMTP:
+        pol = live.policy  # the policy in force when this connection was accepted, for its whole session
         return MtaqSMTP(
             handler,
             hostname=hostname,
             ident="ESMTP mtaq",
-            data_size_limit=data_size_limit,
+            data_size_limit=live.data_size_limit,
             enable_SMTPUTF8=True,
             decode_data=False,
-            timeout=timeout_s,
+            timeout=live.timeout_s,
             tls_context=None if implicit_tls else pol.tls_context,
             require_starttls=tls_required and not implicit_tls,
             auth_required=auth_required,
@@ -287,11 +320,11 @@ async def start_server(
 
     where: dict[str, Any] = {"sock": sock} if sock is not None else {"host": host, "port": port, "reuse_address": True}
     if implicit_tls:
-        context = pol.tls_context
-        assert context is not None
 
         def tls_factory() -> Any:
-            return _TlsAfterAdmission(factory, gate, context, tls_handshake_timeout_s, loop)
+            context = live.policy.tls_context  # a reload keeps one for a listener that needs it
+            assert context is not None
+            return _TlsAfterAdmission(factory, gate, context, live.tls_handshake_timeout_s, loop)
 
         return await loop.create_server(tls_factory, **where)
     return await loop.create_server(factory, **where)
