@@ -1095,11 +1095,13 @@ def serve(cfg: Config, source: Callable[[], Config] | None = None) -> int:
             pol = EdgePolicy.from_config(msgspec.structs.replace(new, tls_cert_file="", tls_key_file="",
                                                                  auth_password_file=""))
         except (AssertionError, MtaqError, OSError, ValueError) as exc:
-            log.error("reload_failed", shard="supervisor", problems=[str(exc) or "no configuration source"],
+            log.error("reload_failed", process="supervisor", trigger="worker 0",
+                      problems=[str(exc) or "no configuration source"],
                       action="the host's connection limits stay as they were")
             return
         host_gate.configure(**gate_limits(pol))
-        log.info("reloaded", shard="supervisor", changed=["connection limits"], action="host's connection limits")
+        log.info("reloaded", process="supervisor", trigger="worker 0",
+                 action="the host's connection limits and mynetworks (the anvil) read again")
 
     # The supervisor holds the host's connection gate (the anvil): the limits count every worker's connections.
     return supervise(n, lambda k: _run_worker(cfg, k, n, sockets, owner, admin_socks, source), on_exit, forked,
