@@ -8,6 +8,7 @@ for the event, reply or file it checks.
 
 from __future__ import annotations
 
+import asyncio
 import email
 import hashlib
 import json
@@ -346,3 +347,69 @@ def test_every_worker_reloads_by_mtaq_reload_and_by_sighup_to_the_supervisor(rel
     finally:
         d.kill9()
         sink.kill9()
+
+
+# ---------------------------------------------------------------------------- limits changed under traffic
+def test_a_lowered_destination_limit_holds_from_the_reload_on_and_a_raised_one_frees_slots_at_once():
+    """Throttle.update: example.net allows 2 deliveries at once and 2 are running; lowered to 1, a third
+    waits until both have ended (never 2 at once from then on), not just one; raised to 3, two waiters
+    start at once. The deliveries running at the reload are never cut."""
+    from mtaq.delivery.throttle import DomainLimit, Throttle
+
+    async def body() -> None:
+        t = Throttle(DomainLimit(2))
+        running: set[str] = set()
+        peaks: list[int] = []
+        ends = {name: asyncio.Event() for name in ("a", "b", "c", "d", "e")}
+        started = {name: asyncio.Event() for name in ends}
+
+        async def delivery(name: str) -> None:
+            async with t.slots(["example.net"]):
+                running.add(name)
+                peaks.append(len(running))
+                started[name].set()
+                await ends[name].wait()
+                running.discard(name)
+
+        tasks = {n: asyncio.create_task(delivery(n)) for n in ("a", "b")}
+        await asyncio.wait_for(asyncio.gather(started["a"].wait(), started["b"].wait()), 5)
+        await t.update(DomainLimit(1))
+        tasks["c"] = asyncio.create_task(delivery("c"))
+        ends["a"].set()
+        await tasks["a"]
+        await asyncio.sleep(0.05)
+        assert {"b"} == running  # the limit is 1 and b still runs: c waits
+        ends["b"].set()
+        await asyncio.wait_for(started["c"].wait(), 5)
+        assert {"c"} == running
+        tasks["d"] = asyncio.create_task(delivery("d"))
+        tasks["e"] = asyncio.create_task(delivery("e"))
+        await asyncio.sleep(0.05)
+        assert {"c"} == running
+        await t.update(DomainLimit(3))
+        await asyncio.wait_for(asyncio.gather(started["d"].wait(), started["e"].wait()), 5)
+        assert {"c", "d", "e"} == running
+        for e in ends.values():
+            e.set()
+        await asyncio.gather(*tasks.values())
+        assert [1, 2, 1, 2, 3] == peaks
+
+    asyncio.run(body())
+
+
+def test_a_lowered_connections_max_admits_nobody_until_the_connections_before_it_are_fewer():
+    """ConnectionGate.configure: 3 connections admitted under connections_max 4, lowered to 2: the next is
+    refused (none is ended), and admitted again once 2 have gone; a raised per-client rate keeps the
+    client's recent connections (the window is not forgotten)."""
+    from mtaq.edge.limits import ConnectionGate
+
+    now = [0.0]
+    g = ConnectionGate(connections_max=4, per_client_per_minute_max=5, clock=lambda: now[0])
+    assert [None, None, None] == [g.admit("192.0.2.1") for _ in range(3)]
+    g.configure(connections_max=2, per_client_per_minute_max=3, exempt=lambda ip: False,
+                client_connections_max=0, mynetworks_reserve=0, auth_failures_per_minute_max=0)
+    assert "too many connections from 192.0.2.1" == g.admit("192.0.2.1")  # 4 in the last minute: over 3
+    assert "too many connections" == g.admit("192.0.2.2")
+    g.release("192.0.2.1")
+    g.release("192.0.2.1")
+    assert (1, None) == (g.active, g.admit("192.0.2.2"))

@@ -86,12 +86,12 @@ def test_make_install_service_lays_out_a_unit_that_systemd_analyze_verify_accept
     out = subprocess.run(["systemd-analyze", "verify", f"--root={root}", "mtaq.service"], capture_output=True,
                          text=True, timeout=60)
     assert (0, "", "") == (out.returncode, out.stdout, out.stderr)
-    # verify does look: without the executable ExecStart= names, it fails.
+    # verify does look: without the executable ExecStart= (and ExecReload=) names, it fails.
     (root / "opt/mtaq/bin/mtaq").unlink()
     out = subprocess.run(["systemd-analyze", "verify", f"--root={root}", "mtaq.service"], capture_output=True,
                          text=True, timeout=60)
-    assert (1, "mtaq.service: Command /opt/mtaq/bin/mtaq is not executable: No such file or directory") == (
-        out.returncode, out.stderr.strip())
+    assert (1, ["mtaq.service: Command /opt/mtaq/bin/mtaq is not executable: No such file or directory"] * 2) == (
+        out.returncode, out.stderr.strip().splitlines())
 
 
 @needs_root
@@ -209,8 +209,8 @@ def test_the_units_execstart_run_as_its_user_relays_a_message(tmp_path: Path) ->
     as User=/Group= with the capabilities, limits and flags systemd would set (setpriv, prlimit, prctl,
     seccomp, a read-only mount namespace): it
     binds a port below 1024, relays a message to a sink (and one that a local user, nobody, gave to
-    ``mtaq sendmail`` with the same configuration), and every process of it is the user's, with
-    CAP_NET_BIND_SERVICE and nothing else."""
+    ``mtaq sendmail`` with the same configuration), its ExecReload= (``systemctl reload``) run the same way
+    reloads every worker, and every process of it is the user's, with CAP_NET_BIND_SERVICE and nothing else."""
     unit = _service(UNIT)
     argv = shlex.split(unit["ExecStart"][-1])
     assert ["/opt/mtaq/bin/mtaq", "serve", "--config", "/etc/mtaq/mtaq.toml"] == argv
@@ -275,6 +275,13 @@ def test_the_units_execstart_run_as_its_user_relays_a_message(tmp_path: Path) ->
                              input=b"Subject: from cron\n\nbody\n", capture_output=True, timeout=30, env=env)
         assert (0, b"") == (out.returncode, out.stderr)
         wait_for(lambda: maildir_count(str(tmp_path / "maildir")) == 2, 20, "the message from sendmail")
+        # systemctl reload: the unit's ExecReload= run as its user in the same sandbox; every worker reloads.
+        reload_argv = shlex.split(unit["ExecReload"][-1])
+        assert ["/opt/mtaq/bin/mtaq", "reload", "--config", "/etc/mtaq/mtaq.toml"] == reload_argv
+        out = subprocess.run([*wrapper, sys.executable, "-m", "mtaq.cli", *reload_argv[1:3], str(config)],
+                             capture_output=True, text=True, timeout=60, env=env)
+        assert (0, "worker 0: reloaded; changed: no key (files read again)\n"
+                   "worker 1: reloaded; changed: no key (files read again)\n", "") == (out.returncode, out.stdout, out.stderr)
         procs = [p.pid, *children(p.pid)]
         assert 3 == len(procs)  # the supervisor and its 2 workers
         for pid in procs:
