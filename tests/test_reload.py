@@ -176,10 +176,11 @@ def test_a_certificate_change_under_load_refuses_no_session_duplicates_nothing_a
 
 
 # ------------------------------------------------------------------------------------ nothing changes when bad
-@pytest.mark.parametrize("breakage", ["key-mismatch", "root-only-key", "bad-toml"])
+@pytest.mark.parametrize("breakage", ["key-mismatch", "root-only-key", "world-readable-key", "bad-toml"])
 def test_a_bad_new_configuration_changes_nothing_and_says_why(relay_factory, certs, breakage):
     """The new files are wrong: a key that is not the certificate's, a key only root can read (the daemon
-    reads it as mail_owner now), a configuration file that is not TOML (with a relay_domains change that
+    reads it as mail_owner now), a key others may read (as `mtaq serve` and `mtaq check` refuse it), a
+    configuration file that is not TOML (with a relay_domains change that
     must not be applied either). `mtaq reload` exits 1 with one line naming the problem; a `reload_failed`
     event; a new session still gets the old certificate and the old relay control."""
     r = relay_factory(config=tls_config(certs))
@@ -187,6 +188,10 @@ def test_a_bad_new_configuration_changes_nothing_and_says_why(relay_factory, cer
     if breakage == "key-mismatch":
         install(certs, "new", key="other")
         expected = "tls_key_file does not match tls_cert_file"
+    elif breakage == "world-readable-key":  # refused at a start (mtaq check): refused by a reload too
+        install(certs, "new")
+        os.chmod(certs["key"], 0o644)
+        expected = f"tls_key_file: {certs['key']} has mode 0644: it must be readable only by its owner"
     elif breakage == "root-only-key":
         install(certs, "new")
         os.chown(certs["key"], 0, 0)

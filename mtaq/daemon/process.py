@@ -41,6 +41,7 @@ from mtaq.core.state import Attempt, RetryPolicy, format_reply
 from mtaq.daemon import privileges
 from mtaq.daemon.anvil import AnvilClient
 from mtaq.daemon.check import check_start
+from mtaq.daemon.check import problems as check_problems
 from mtaq.daemon.reload import ReloadResult, changed_keys, unreadable_files
 from mtaq.daemon.workers import (
     admin_socket,
@@ -422,6 +423,10 @@ class Daemon:
         # Keys that need a restart keep their old values (named in the answer), the rest is the new file.
         cfg = msgspec.structs.replace(new, **{k: getattr(self.cfg, k) for k in res.restart_needed})
         res.problems += unreadable_files(cfg)
+        if not res.problems:
+            # The checks `mtaq serve` makes before it binds (mtaq check): key and password file modes, the
+            # certificate and key pair, CA files, DKIM keys test-signed: a reload accepts no less.
+            res.problems += check_problems(cfg)
         if res.problems:
             return None
         built: dict[str, Any] = {"cfg": cfg}
