@@ -275,6 +275,28 @@ def test_reload_ends_the_sasl_hold_of_a_changed_password(daemons, dns, pki, tmp_
         assert [(USER, ok["tls"].split()[0], ["bob@example.net"])] == hop.messages
 
 
+def test_a_ca_file_replaced_in_place_is_read_again_by_the_next_verified_delivery(daemons, dns, pki, tmp_path):
+    """smtp_tls_CAfile holds a CA that did not issue the next hop's certificate: level verify defers 4.7.5.
+    The bundle is replaced at the same path by the right CA, `mtaq reload`, `mtaq queue flush ALL`: the
+    message is delivered over a verified connection (the client contexts cached per file are made again)."""
+    ca = tmp_path / "ca-bundle.pem"
+    ca.write_bytes(Path(pki["self-signed"][0]).read_bytes())  # a root that did not sign the hop's certificate
+    with Hop(pki["good"], auth=False) as hop:
+        d = daemons(dns, f'relayhost = "[{NAME}]:{hop.port}"\nsmtp_tls_security_level = "verify"\n'
+                         f'smtp_tls_CAfile = "{ca}"\n')
+        qid = d.send("<ca@mtaq.test>")
+        [deferred] = d.wait_for("deferred", qid)
+        assert "4.7.5" == deferred["dsn"]
+        ca.write_bytes(Path(pki["ca"]).read_bytes())
+        out = reload(d.spool)
+        assert 0 == out.returncode, out.stderr
+        flush = mtaq("queue", "flush", "ALL", "--spool", d.spool)
+        assert 0 == flush.returncode, flush.stderr
+        [ok] = d.wait_for("delivered", qid)
+        assert ok["tls"].endswith(" verified")
+        assert [(None, ok["tls"].split()[0], ["bob@example.net"])] == hop.messages
+
+
 # ----------------------------------------------------------------------------------------------------- DKIM
 def test_a_new_dkim_key_signs_the_mail_queued_after_the_reload(relay_factory, tmp_path):
     """example.org's key is rolled over to a new selector (s2, a new key file readable by mail_owner);

@@ -55,6 +55,7 @@ from mtaq.daemon.workers import (
 from mtaq.delivery.relay import Reply, classify
 from mtaq.delivery.routing import Router
 from mtaq.delivery.sasl import SaslClient
+from mtaq.delivery.security import forget_contexts
 from mtaq.delivery.throttle import DomainLimit, Throttle
 from mtaq.delivery.transport import Batch, ConnectionPool, HopFailure, deliver
 from mtaq.edge.dkim import Signer
@@ -491,6 +492,7 @@ class Daemon:
         self.sasl = sasl
         self.router = b["router"]
         self.peers = b["peers"]
+        forget_contexts()  # smtp_tls_CAfile read again by the next verified connection
         await self.throttle.update(
             DomainLimit(cfg.destination_concurrency_limit, cfg.destination_rate_per_s),
             {d: DomainLimit(v.concurrency, v.rate_per_s) for d, v in cfg.destination_limits.items()},

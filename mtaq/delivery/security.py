@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from mtaq.delivery.dane import Tlsa
 
-__all__ = ["Credentials", "HopSecurity", "cert_names_match", "verified_context"]
+__all__ = ["Credentials", "HopSecurity", "cert_names_match", "forget_contexts", "verified_context"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +74,12 @@ def verified_context(ca_file: str) -> ssl.SSLContext:
         ctx.verify_mode = ssl.CERT_REQUIRED
         _CONTEXTS[ca_file] = ctx
     return ctx
+
+
+def forget_contexts() -> None:
+    """Drop the cached client contexts (``mtaq reload``): the next :func:`verified_context` reads its CA
+    file again (a bundle replaced at the same path); the connections made before keep theirs."""
+    _CONTEXTS.clear()
 
 
 def _a_label(name: str) -> str:
