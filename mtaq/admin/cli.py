@@ -117,7 +117,8 @@ def run_reload(args: argparse.Namespace, out: TextIO | None = None) -> int:
     try:
         res = _client(args, spool, token).call("POST", "/reload", body={})
     except Offline as off:
-        raise QueueCommandError(f"reload needs a running daemon ({off.why})") from None
+        raise QueueCommandError(f"reload needs a running daemon with its admin API ({off.why}); without the "
+                                "API (admin_listen = \"\") send SIGHUP to the mtaq serve process") from None
     if args.json:
         out.write(json.dumps(res) + "\n")
     workers = res.get("workers", [])
