@@ -159,6 +159,7 @@ def test_a_certificate_change_under_load_refuses_no_session_duplicates_nothing_a
     stop.set()
     for t in threads:
         t.join(30)
+    print(f"sessions: {len(results) + 1}, of which after the reload: {len([x for x in results if x[0] > reloaded_at])}")
     assert [] == errors
     assert (old, 250) == (early_fp, code)
     assert {250} == {c for _, _, c in results}
