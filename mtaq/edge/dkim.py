@@ -414,9 +414,11 @@ class Signer:
     Thread-safe (no state changes after construction): a large message may be signed in a worker thread.
     """
 
-    def __init__(self, keys: Iterable[DkimKey] = (), sign_clients: Iterable[str] = SIGN_CLIENTS) -> None:
+    def __init__(self, keys: Iterable[DkimKey] = (), sign_clients: Iterable[str] = SIGN_CLIENTS, *,
+                 allow_username_mismatch: bool = False) -> None:
         self.keys: dict[str, DkimKey] = {k.domain: k for k in keys}
         self.sign_clients = frozenset(sign_clients)
+        self.allow_username_mismatch = allow_username_mismatch
         self.log = get_logger()
 
     @classmethod
@@ -424,7 +426,7 @@ class Signer:
         """A signer for the config's ``dkim_keys`` and ``dkim_sign_clients``; every key is loaded and checked
         now (:func:`load_key`). Raises ConfigError naming the first bad key."""
         keys = [load_key(domain, k.selector, k.key_file) for domain, k in cfg.dkim_keys.items()]
-        return cls(keys, cfg.dkim_sign_clients)
+        return cls(keys, cfg.dkim_sign_clients, allow_username_mismatch=cfg.dkim_allow_username_mismatch)
 
     def __bool__(self) -> bool:
         return bool(self.keys)
@@ -453,7 +455,9 @@ class Signer:
         * an authenticated client (with "authenticated" in ``sign_clients``): with ``sender_login_map``, the
           login must own the ``From:`` address (the address, else its ``@domain``: the lookup of MAIL FROM);
           without it, the ``From:`` domain must be the envelope sender's (rspamd's default
-          ``allow_hdrfrom_mismatch = false``);
+          ``allow_hdrfrom_mismatch = false``) and the login an address at that domain, ``user@domain``
+          (rspamd's default ``allow_username_mismatch = false``; ``dkim_allow_username_mismatch`` lifts this
+          second rule, and then any login may sign for any keyed domain it names as envelope sender);
         * else a client in ``mynetworks`` (with "mynetworks" in ``sign_clients``): any ``From:``;
         * anyone else (the internet: mail received for ``relay_domains``): never.
         """
@@ -467,6 +471,11 @@ class Signer:
             env_ace = domain_to_ascii(env.rstrip(".")) if env else None
             if env_ace is None or env_ace != from_domain(head):
                 return "From: domain is not the envelope sender's"
+            if not self.allow_username_mismatch:
+                at = origin.login.rfind("@")
+                login_ace = domain_to_ascii(origin.login[at + 1:].rstrip(".")) if at > 0 else None
+                if login_ace is None or login_ace != env_ace:
+                    return "login is not an address at the From: domain (no sender_login_map)"
             return None
         if origin.mynetworks and "mynetworks" in self.sign_clients:
             return None
