@@ -71,6 +71,8 @@ __all__ = [
     "headers_to_sign",
     "load_key",
     "normalize_domain",
+    "public_value",
+    "record_problem",
     "split_head",
     "txt_record",
     "valid_selector",
@@ -600,6 +602,47 @@ def generate_key(kind: Literal["rsa", "ed25519"] = "rsa", bits: int = RSA_BITS_M
     # p= is the DER SubjectPublicKeyInfo, base64 (RFC 6376 §3.6.1)
     spki = rk.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
     return pem, f"v=DKIM1; k=rsa; p={base64.b64encode(spki).decode('ascii')}"
+
+
+def public_value(key: DkimKey) -> str:
+    """The TXT record value that publishes ``key`` (``v=DKIM1; k=rsa; p=...``, RFC 6376 §3.6.1; ``k=ed25519``,
+    RFC 8463 §4.2), as :func:`generate_key` prints it."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    if key.algorithm.startswith("ed25519"):
+        ek = ed25519.Ed25519PrivateKey.from_private_bytes(base64.b64decode(key.secret))
+        pub = ek.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+        return f"v=DKIM1; k=ed25519; p={base64.b64encode(pub).decode('ascii')}"
+    rk = serialization.load_pem_private_key(key.secret, password=None)
+    spki = rk.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return f"v=DKIM1; k=rsa; p={base64.b64encode(spki).decode('ascii')}"
+
+
+def record_problem(key: DkimKey, published: str | None) -> str | None:
+    """Why the TXT record value ``published`` (its strings joined; None: no record at
+    ``SELECTOR._domainkey.DOMAIN``) does not let a verifier check ``key``'s signatures, or None when it does:
+    no record, no ``p=`` tag, an empty ``p=`` (revoked, RFC 6376 §3.6.1), a ``k=`` other than the key's,
+    or the public key of another private key."""
+    name = f"{key.selector}._domainkey.{key.domain}"
+    if published is None:
+        return f"no DKIM record at {name} (publish: {public_value(key)})"
+    tags: dict[str, str] = {}
+    for part in published.split(";"):
+        tag, eq, value = part.partition("=")
+        if eq:
+            tags[tag.strip()] = "".join(value.split())
+    kind = "ed25519" if key.algorithm.startswith("ed25519") else "rsa"
+    if "p" not in tags:
+        return f"the record at {name} has no p= tag"
+    if not tags["p"]:
+        return f"the record at {name} is revoked (empty p=)"
+    if tags.get("k", "rsa") != kind:
+        return f"the record at {name} is k={tags.get('k', 'rsa')}, the key is {kind}"
+    wanted = public_value(key).rpartition("p=")[2]
+    if tags["p"] != wanted:
+        return f"the record at {name} publishes another key than key_file's (publish: {public_value(key)})"
+    return None
 
 
 def txt_record(domain: str, selector: str, value: str) -> str:
