@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "(postfix check); exit 1 with one line per problem")
     p.add_argument("--config", metavar="FILE", help="TOML configuration file")
     p.add_argument("--bind", action="store_true", help="also bind each listening address once (fails while mtaq runs)")
+    p.add_argument("--no-dns", dest="dns", action="store_false",
+                   help="do not look up the DKIM keys' TXT records (looked up by default; unanswered: not checked)")
 
     p = sub.add_parser("sink", help="a local SMTP sink that stores what it receives as a Maildir")
     p.add_argument("--listen", metavar="HOST:PORT", required=True)
@@ -212,7 +214,7 @@ def _check(args: argparse.Namespace) -> int:
     try:
         found: list[str] = []  # the config's own problems, then those of its files, spool and listeners
         cfg = load_config(args.config, {}, problems=found)
-        found += problems(cfg, bind=args.bind)
+        found += problems(cfg, bind=args.bind, dns=args.dns)
     except ConfigError as exc:  # the file cannot be read or decoded: nothing else can be checked
         found = [str(exc)]
     for line in found:

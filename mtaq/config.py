@@ -277,10 +277,15 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     dkim_keys: dict[str, DkimKeyConfig] = msgspec.field(default_factory=dict)
     # Whose mail is signed (rspamd dkim_signing auth_only + sign_networks, OpenDKIM InternalHosts):
     # "authenticated" (only when the login owns the From: address in sender_login_map, or, without a map,
-    # the From: domain is the envelope sender's) and "mynetworks" (any From:). Mail from other clients
+    # the From: domain is the envelope sender's and the login an address at it) and "mynetworks" (any From:). Mail from other clients
     # (received for relay_domains) is never signed; [] signs only the DSNs mtaq generates.
     dkim_sign_clients: list[Literal["authenticated", "mynetworks"]] = msgspec.field(
         default_factory=lambda: ["authenticated", "mynetworks"])
+    # Without sender_login_map, an authenticated login is signed for only when it is an address at the From:
+    # domain (alice@example.org for From: ...@example.org; rspamd's allow_username_mismatch = false). true:
+    # any login whose envelope sender's domain is the From: domain is signed for (logins without a domain),
+    # so that every user can sign for every domain with a key: prefer a sender_login_map.
+    dkim_allow_username_mismatch: bool = False
 
     def hostname(self) -> str:
         return self.myhostname or socket.getfqdn()

@@ -70,7 +70,7 @@ key_file = "{f['dkim']}"
 def test_check_of_a_sound_config_exits_0_and_prints_nothing(tmp_path):
     f = good_files(tmp_path)
     mail_owner_ready(f["spool"])
-    out = mtaq("check", "--config", config(tmp_path, f, listen=f"127.0.0.1:{free_port()}"), "--bind")
+    out = mtaq("check", "--config", config(tmp_path, f, listen=f"127.0.0.1:{free_port()}"), "--bind", "--no-dns")
     assert (0, "", "") == (out.returncode, out.stdout, out.stderr)
 
 
@@ -81,7 +81,7 @@ def test_check_reports_every_problem_one_line_each(tmp_path):
     os.chmod(f["auth"], 0o644)
     write(f["dkim"], "-----BEGIN PRIVATE KEY-----\nbm90IGEga2V5\n-----END PRIVATE KEY-----\n")
     os.chmod(f["spool"], 0o777)
-    out = mtaq("check", "--config", config(tmp_path, f, listen="127.0.0.1:99999", key="other_key"))
+    out = mtaq("check", "--config", config(tmp_path, f, listen="127.0.0.1:99999", key="other_key"), "--no-dns")
     lines = out.stdout.splitlines()
     wanted = ["listen: port 99999 out of range",
               f"spool: {f['spool']} has mode 0777",
@@ -99,7 +99,7 @@ def test_check_bind_names_an_address_in_use(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        out = mtaq("check", "--config", config(tmp_path, f, listen=f"127.0.0.1:{port}"), "--bind")
+        out = mtaq("check", "--config", config(tmp_path, f, listen=f"127.0.0.1:{port}"), "--bind", "--no-dns")
     assert (1, [f"mtaq: check: listen 127.0.0.1:{port}: Address already in use (cannot be bound now)"]) == (
         out.returncode, out.stdout.splitlines())
 
@@ -113,3 +113,44 @@ def test_serve_refuses_a_world_readable_auth_password_file(tmp_path):
                config(tmp_path, f, listen=f"127.0.0.1:{free_port()}"), "--workers", "1")
     assert (2, [f"mtaq: auth_password_file: {f['auth']} has mode 0644: it must be readable only by its owner "
                 "(chmod 600)"]) == (out.returncode, out.stderr.splitlines())
+
+
+def test_check_looks_up_each_dkim_keys_record(tmp_path):
+    """Issue 33 item 4: `mtaq check` asks DNS (a real server on loopback, `dns_nameservers`) for each key's
+    TXT record: good.test publishes its key (split into 255-octet strings, as `mtaq dkim keygen` prints it):
+    no line; other.test publishes another key, missing.test nothing, revoked.test an empty p=: one line each,
+    naming the record and what to publish; silent.test's server does not answer: not checked, no line.
+    `--no-dns`: no lookup, exit 0."""
+    from mtaq.edge.dkim import txt_record
+    from mtaq.testing.dnsserver import ZoneServer
+
+    spool = tmp_path / "spool"
+    spool.mkdir(mode=0o700)
+    mail_owner_ready(str(spool))
+    keys, zone = {}, ""
+    for d in ("good", "other", "missing", "revoked", "silent"):
+        pem, value = generate_key("rsa" if d == "good" else "ed25519")
+        keys[d] = write(tmp_path / f"{d}.pem", pem)
+        if d in ("good", "silent"):
+            zone += txt_record(f"{d}.test", "s1", value) + "\n"
+        elif d == "other":
+            zone += txt_record(f"{d}.test", "s1", generate_key("ed25519")[1]) + "\n"
+        elif d == "revoked":
+            zone += txt_record(f"{d}.test", "s1", "v=DKIM1; k=ed25519; p=") + "\n"
+    with ZoneServer(zone, origin="test.", silent=["s1._domainkey.silent"]) as server:
+        cfg = write(tmp_path / "mtaq.toml", f'spool_dir = "{spool}"\nlisten = "127.0.0.1:{free_port()}"\n'
+                    f'admin_listen = ""\ndns_nameservers = ["127.0.0.1:{server.port}"]\n'
+                    + "".join(f'[dkim_keys."{d}.test"]\nselector = "s1"\nkey_file = "{path}"\n'
+                              for d, path in keys.items()), 0o644)
+        out = mtaq("check", "--config", cfg)
+        quiet = mtaq("check", "--config", cfg, "--no-dns")
+        asked = sorted({name for name, _ in server.queries})
+    lines = out.stdout.splitlines()
+    assert (1, 3, "") == (out.returncode, len(lines), out.stderr), out.stdout
+    assert lines[0].startswith('mtaq: check: dkim_keys."other.test": the record at s1._domainkey.other.test '
+                               "publishes another key than key_file's (publish: v=DKIM1; k=ed25519; p=")
+    assert lines[1].startswith('mtaq: check: dkim_keys."missing.test": no DKIM record at '
+                               "s1._domainkey.missing.test (publish: v=DKIM1; k=ed25519; p=")
+    assert 'mtaq: check: dkim_keys."revoked.test": the record at s1._domainkey.revoked.test is revoked (empty p=)' == lines[2]
+    assert [f"s1._domainkey.{d}.test." for d in sorted(keys)] == asked
+    assert (0, "") == (quiet.returncode, quiet.stdout)

@@ -12,6 +12,8 @@ import contextlib
 import email
 import email.policy
 import smtplib
+import subprocess
+import sys
 
 import dkim
 import pytest
@@ -104,18 +106,33 @@ def test_mail_from_outside_for_a_relay_domain_is_not_signed_nor_the_original_its
     assert event["client"].startswith("127.0.0.2:")
 
 
-@pytest.mark.parametrize("login_map", [True, False], ids=["sender_login_map", "no-map"])
-def test_an_authenticated_user_gets_signatures_only_for_the_from_addresses_they_own(relay_factory, tmp_path, pki,
-                                                                                   passwd_file, login_map):
+@pytest.fixture(scope="module")
+def qualified_passwd_file(tmp_path_factory, passwd_file) -> str:
+    """alice and bob, and the login ``bob@bob.test`` with bob's password (an address as a login)."""
+    out = subprocess.run([sys.executable, "-m", "mtaq.cli", "passwd", "bob@bob.test", "--rounds", "4"],
+                         input=USERS["bob"] + "\n", capture_output=True, text=True, timeout=60, check=True)
+    path = tmp_path_factory.mktemp("auth-qualified") / "passwd"
+    path.write_text(open(passwd_file).read() + out.stdout)
+    path.chmod(0o600)
+    return str(path)
+
+
+@pytest.mark.parametrize(("login_map", "login"), [(True, "bob"), (False, "bob@bob.test"), (False, "bob")],
+                         ids=["sender_login_map", "no-map-address-login", "no-map-bare-login"])
+def test_an_authenticated_user_gets_signatures_only_for_the_from_addresses_they_own(
+        relay_factory, tmp_path, pki, qualified_passwd_file, login_map, login):
     """Port 587 (STARTTLS, AUTH), client on 127.0.0.1 (in mynetworks: the login's rule still decides). bob,
     held to @bob.test by sender_login_map, sends MAIL FROM:<bob@bob.test> with `From: ceo@example.org`: relayed
     unsigned (`dkim_not_signed`, the From: address is not his). Without a map, the From: domain must be the
-    envelope sender's: the same message is unsigned too. Positive control: `From: bob@bob.test` is signed
-    d=bob.test and verifies."""
+    envelope sender's and the login an address at that domain (rspamd's allow_username_mismatch = false):
+    the same message is unsigned too, and a bare login `bob` gets no signature even for `From: bob@bob.test`
+    (else any login could sign for any keyed domain by naming it as envelope sender: review finding B3).
+    Positive control: `From: bob@bob.test` is signed d=bob.test and verifies."""
     keys, zone_text = _keys(tmp_path, "example.org", "bob.test")
     submission = free_port()
     r = relay_factory(config=(
-        f'tls_cert_file = "{pki["cert"]}"\ntls_key_file = "{pki["key"]}"\nauth_password_file = "{passwd_file}"\n'
+        f'tls_cert_file = "{pki["cert"]}"\ntls_key_file = "{pki["key"]}"\n'
+        f'auth_password_file = "{qualified_passwd_file}"\n'
         + ('[sender_login_map]\n"@bob.test" = "bob"\n"alice@example.org" = "alice"\n' if login_map else "")
         + f'[listeners."127.0.0.1:{submission}"]\nmode = "submission"\n' + keys))
     r.wait_for(lambda: r.events("listening"), what="the listening event")
@@ -123,19 +140,25 @@ def test_an_authenticated_user_gets_signatures_only_for_the_from_addresses_they_
         s.ehlo("client.test")
         s.starttls(context=client_context(pki))
         s.ehlo("client.test")
-        s.login("bob", USERS["bob"])
+        s.login(login, USERS["bob"])
         for mid, author in (("<spoof@bob.test>", "CEO <ceo@example.org>"), ("<own@bob.test>", "Bob <bob@bob.test>")):
             assert {} == s.sendmail("bob@bob.test", ["someone@example.net"], message(sender=author, mid=mid))
     stored = r.wait_for(lambda: (m := _stored(r.maildir)) and len(m) == 2 and m, what="2 messages")
+    signs_own = login_map or "@" in login
     with _dns(zone_text) as check:
         assert b"DKIM-Signature" not in stored["<spoof@bob.test>"]
         assert not dkim.verify(stored["<spoof@bob.test>"], dnsfunc=check)
-        assert dkim.verify(stored["<own@bob.test>"], dnsfunc=check)
-        assert b"d=bob.test;" in stored["<own@bob.test>"]
+        assert signs_own == dkim.verify(stored["<own@bob.test>"], dnsfunc=check)
+        assert signs_own == (b"d=bob.test;" in stored["<own@bob.test>"])
     reason = ("From: address not owned by the login (sender_login_map)" if login_map
               else "From: domain is not the envelope sender's")
-    assert [("example.org", "bob", "bob@bob.test", reason)] == [
-        (e["domain"], e["login"], e["sender"], e["reason"]) for e in r.events("dkim_not_signed")]
+    expected = [("example.org", login, "bob@bob.test", reason)]
+    if not signs_own:
+        expected.append(("bob.test", login, "bob@bob.test",
+                         "login is not an address at the From: domain (no sender_login_map)"))
+    assert expected == [(e["domain"], e["login"], e["sender"], e["reason"])
+                        for e in r.wait_for(lambda: len(r.events("dkim_not_signed")) == len(expected)
+                                            and r.events("dkim_not_signed"), what="the dkim_not_signed events")]
 
 
 def test_who_is_signed_for_follows_dkim_sign_clients(tmp_path):
@@ -161,4 +184,16 @@ def test_who_is_signed_for_follows_dkim_sign_clients(tmp_path):
     assert None is only_local.permits(other, head)  # in mynetworks: signed as any mynetworks client
     assert "authenticated clients are not signed for (dkim_sign_clients)" == only_local.permits(owner, head)
     assert key is default.choose(head, owner)
+    # Without sender_login_map (owns None): the login must be an address at the From: domain (B3), unless
+    # dkim_allow_username_mismatch; the From: domain must be the envelope sender's either way.
+    bare = Origin(client="127.0.0.2:1", mynetworks=False, login="mallory", mail_from="ceo@example.org")
+    qualified = Origin(client="127.0.0.2:1", mynetworks=False, login="ceo@EXAMPLE.org", mail_from="ceo@example.org")
+    elsewhere = Origin(client="127.0.0.2:1", mynetworks=False, login="mallory@evil.test", mail_from="ceo@example.org")
+    assert ["login is not an address at the From: domain (no sender_login_map)", None,
+            "login is not an address at the From: domain (no sender_login_map)"] == [
+        default.permits(o, head) for o in (bare, qualified, elsewhere)]
+    lenient = Signer([key], allow_username_mismatch=True)
+    assert [None, None, None] == [lenient.permits(o, head) for o in (bare, qualified, elsewhere)]
+    assert "From: domain is not the envelope sender's" == lenient.permits(
+        Origin(client="127.0.0.2:1", mynetworks=False, login="mallory", mail_from="m@evil.test"), head)
     assert None is default.choose(head, outside)

@@ -317,3 +317,57 @@ def test_a_segment_that_cannot_be_created_for_want_of_descriptors_is_a_temporary
         return outcome, log.segments()
 
     assert ("451 4.3.0 Error: queue file write error", [1, 2]) == asyncio.run(main())
+
+
+def test_spilled_bodies_never_take_the_descriptor_a_new_connection_needs(tmp_path):
+    """Review finding B6: a body past ``receive_buffer_bytes`` spills to a temporary file, a second descriptor
+    beside its session's socket, which the open-files check (one per connection) does not count. Under an
+    RLIMIT_NOFILE 5 above what ``open_files_needed`` asks, 250 sessions (of connections_max = 300) each in the
+    middle of a spilled body: a new client is still greeted at once (before: every descriptor went to spill
+    files, and accept() failed with EMFILE), and the sessions whose body found no room get 451 4.3.0 after
+    the dot (nothing acknowledged) while at least one spilled body is queued with 250."""
+    from mtaq.config import load_config
+    from mtaq.daemon.process import open_files_needed
+
+    conf = tmp_path / "mtaq.toml"
+    conf.write_text("connections_max = 300\ndelivery_concurrency = 4\nreceive_buffer_bytes = 4096\n"
+                    "smtpd_error_sleep_time_s = 0\nsmtp_server_timeout_s = 120\n")
+    limit = open_files_needed(load_config(str(conf), {})) + 5
+    maildir = tmp_path / "maildir"
+    sink = start_sink(str(maildir), str(tmp_path / "sink.log"))
+    d = start_daemon(str(tmp_path / "spool"), sink.port, str(tmp_path / "daemon.log"), config=str(conf),
+                     wrapper=["prlimit", f"--nofile={limit}:{limit}", "--"])
+    sessions: list[smtplib.SMTP] = []
+    try:
+        body = b"Subject: spill\r\n\r\n" + b"x" * 78 + b"\r\n" + (b"y" * 78 + b"\r\n") * 100  # 8 KiB: spilled
+        for i in range(250):
+            s = smtplib.SMTP("127.0.0.1", d.port, timeout=60)
+            s.ehlo("client.test")
+            assert 250 == s.mail(f"s{i}@example.org")[0]
+            assert 250 == s.rcpt("r@example.net")[0]
+            s.putcmd("data")
+            assert 354 == s.getreply()[0]
+            s.send(body)
+            sessions.append(s)
+        # Every session is in the middle of its body; a new client must still be greeted at once.
+        with socket.create_connection(("127.0.0.1", d.port), timeout=10) as probe:
+            assert "220" == _first_reply(probe)
+        codes = []
+        for s in sessions:
+            s.send(b".\r\n")
+            codes.append(s.getreply()[0])
+            s.close()
+        assert {250, 451} == set(codes), codes
+        queued = [e for e in read_events(d.log_path) if e.get("event") == "queued"]
+        assert codes.count(250) == len(queued)
+        # Whole messages only: a body whose temporary file could not be made is refused, never queued in part
+        # (before: the part still in memory was queued with a 250).
+        new = maildir / "new"
+        wait_for(lambda: new.is_dir() and len(list(new.iterdir())) == len(queued), 60, "every queued message delivered")
+        assert [True] * len(queued) == [f.read_bytes().endswith(body.split(b"\r\n\r\n", 1)[1])
+                                        for f in new.iterdir()]
+    finally:
+        for s in sessions:
+            s.close()
+        d.kill9()
+        sink.kill9()

@@ -254,6 +254,8 @@ def test_535_defers_4_7_0_reports_sasl_auth_failed_and_holds_the_credentials(dae
         assert (relay, 535, USER) == (fail["relay"], fail["code"], fail["sasl_username"])
         assert "4.7.0" == deferred["dsn"]
         assert deferred["reply"].startswith(f"454 4.7.0 SASL authentication failed; server {relay} said: 535")
+        # The refusal came inside a TLS session (level encrypt: not verified): the event says so (before: none).
+        assert deferred["tls"] in ("TLSv1.2", "TLSv1.3"), deferred["tls"]
         qid2 = d.send("<auth-bad-2@mtaq.test>")
         [deferred2] = d.wait_for("deferred", qid2)
         assert "4.7.0" == deferred2["dsn"] and "not tried again for" in deferred2["reply"]

@@ -142,3 +142,12 @@ def test_config_accepts_the_new_levels_and_refuses_others(tmp_path):
     p.write_text('smtp_tls_security_level = "dane"\n')
     with pytest.raises(ConfigError, match="smtp_tls_security_level"):
         load_config(str(p), {})
+
+
+def test_a_password_file_key_written_with_its_transport_is_the_next_hop_alone(tmp_path):
+    """`smtps:[host]:465` as written in transport_map finds the same credentials as `[host]:465`, the key
+    Postfix documents (a newcomer's question, issue 33): before, such a key matched nothing and mail went
+    without AUTH."""
+    path = write(tmp_path, "smtps:[Smtp.Example.com]:465 u:p\nsmtp:[relay.example]:587 v:q\n")
+    assert {"[smtp.example.com]:465": ("u", "p"), "[relay.example]:587": ("v", "q")} == load_password_file(path)
+    assert nexthop_keys("smtp.example.com", 465, mx=False)[0] in load_password_file(path)

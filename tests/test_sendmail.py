@@ -443,3 +443,51 @@ def test_a_full_disk_is_a_temporary_failure_and_leaves_nothing(host, tmp_path: P
         assert [] == os.listdir(small / "spool" / "maildrop")
     finally:
         subprocess.run(["umount", str(small)], check=False)
+
+
+def test_sendmail_makes_the_text_fit_for_smtp_or_refuses_it(host) -> None:
+    """Review finding B8: what ``mtaq sendmail`` takes, an SMTP client could have sent. A line over 998 octets
+    (here 2,500 in the body and a 1,200-octet Subject:) is broken by CRLF SPACE every 998 octets, as Postfix's
+    smtp_line_length_limit does; a NUL is refused (exit 65, one line) unless smtpd_forbid_nul = "strip";
+    a bare CR is refused (65) unless smtp_bare_newline = "normalize"."""
+    h = host()
+    long_body = b"".join(b"%09d," % i for i in range(250))  # 2,500 octets, no space
+    subject = b"S" * 1200
+    r = sendmail(h.cfg, "long@example.net", stdin=b"Subject: " + subject + b"\n\n" + long_body + b"\nend\n")
+    assert (0, b"") == (r.returncode, r.stderr)
+    for stdin, word in ((b"Subject: nul\n\na\0b\n", b"NUL"), (b"Subject: cr\n\na\rb\n", b"bare CR")):
+        r = sendmail(h.cfg, "bad@example.net", stdin=stdin)
+        assert 65 == r.returncode
+        assert 1 == len(r.stderr.splitlines()) and word in r.stderr
+    h.start()
+    h.wait_messages(1)
+    [path] = [os.path.join(h.maildir, "new", n) for n in os.listdir(os.path.join(h.maildir, "new"))]
+    raw = open(path, "rb").read()
+    assert 998 == max(len(line) for line in raw.split(b"\r\n") if not line.startswith((b"Received", b"\t")))
+    unfolded = raw.replace(b"\r\n ", b"")
+    assert b"\r\nSubject: " + subject + b"\r\n" in unfolded and b"\r\n\r\n" + long_body + b"\r\nend\r\n" in unfolded
+    lenient = host('smtpd_forbid_nul = "strip"\nsmtp_bare_newline = "normalize"\n')
+    r = sendmail(lenient.cfg, "-i", "x@example.net", stdin=b"Subject: mended\n\na\0b\rc\n")
+    assert (0, b"") == (r.returncode, r.stderr)
+
+
+def test_maildrop_files_with_text_smtp_would_refuse_are_set_aside(host) -> None:
+    """Review finding B8: a file written into the maildrop past ``mtaq sendmail`` (its format is simple; any
+    local user may write one) whose text has a line over 998 octets, a NUL or a bare LF is set aside with a
+    ``maildrop_corrupt`` event naming the line, as an SMTP client's message would be refused; a good one
+    beside them is queued."""
+    from mtaq.storage import maildrop as md
+
+    h = host()
+    bodies = {"long": b"Subject: long\r\n\r\n" + b"x" * 999 + b"\r\n", "nul": b"Subject: nul\r\n\r\na\0b\r\n",
+              "lf": b"Subject: lf\r\n\r\na\nb\r\n", "good": b"Subject: good\r\n\r\nfine\r\n"}
+    names = {md.write_message(str(h.spool), "a@example.org", ["b@example.net"], text, login="root"): key
+             for key, text in bodies.items()}
+    h.start()
+    [m] = h.wait_messages(1)
+    assert "good" == m["Subject"]
+    reports = wait_for(lambda: len(h.events("maildrop_corrupt")) >= 3 and h.events("maildrop_corrupt"), 10, "reports")
+    assert {"long": "message text: line 3 longer than 998 octets (RFC 5321 section 4.5.3.1.6)",
+            "nul": "message text: line 3 has a NUL octet", "lf": "message text: line 3 has a bare LF"} == {
+        names[e["maildrop"]]: e["reason"] for e in reports}
+    assert [] == h.maildrop()

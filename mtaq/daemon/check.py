@@ -8,8 +8,10 @@ an ``ssl.SSLContext`` (a key that is not the certificate's: "tls_key_file does n
 password files parsed (``auth_password_file``; ``smtp_sasl_password_file`` with its mode), every DKIM key
 loaded and test-signed (mtaq.edge.dkim), the CA files (``smtp_tls_CAfile``, ``mta_sts_ca_file``) loaded as
 trust anchors, and with ``bind`` every SMTP listener and ``admin_listen`` bound once and let go. Each check is
-the loader the daemon itself uses, so ``check`` and ``serve`` cannot disagree. Not checked: the DKIM keys' DNS
-records (mtaq has no DNS client for TXT records at start).
+the loader the daemon itself uses, so ``check`` and ``serve`` cannot disagree. With ``dns`` (``mtaq check``,
+not ``serve``: a start never waits for DNS), each DKIM key's TXT record (``SELECTOR._domainkey.DOMAIN``, asked
+of ``dns_nameservers`` or the system's resolvers) must publish that key (:func:`mtaq.edge.dkim.record_problem`);
+a resolver that does not answer (timeout, SERVFAIL, no network) is no problem: the record is then not checked.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ from mtaq.core.errors import ConfigError
 __all__ = ["check_start", "problems"]
 
 
-def problems(cfg: Config, *, bind: bool = False) -> list[str]:
+def problems(cfg: Config, *, bind: bool = False, dns: bool = False) -> list[str]:
     """Every problem of ``cfg``'s files, spool and listeners (see the module docstring), one line each, in a
     fixed order; [] when there is none. ``bind``: also bind each listening address once (it fails while a
-    daemon holds it, and below port 1024 without root or CAP_NET_BIND_SERVICE). Never raises ConfigError."""
+    daemon holds it, and below port 1024 without root or CAP_NET_BIND_SERVICE). ``dns``: also look up each
+    DKIM key's TXT record (at most :data:`DNS_TIMEOUT_S` seconds each). Never raises ConfigError."""
     from mtaq.daemon import privileges
 
     found: list[str] = []
@@ -49,8 +52,53 @@ def problems(cfg: Config, *, bind: bool = False) -> list[str]:
         run(lambda: EdgePolicy.from_config(cfg))
     for check in _other_loaders(cfg):
         run(check)
+    if dns:
+        found += _dkim_records(cfg)
     if bind:
         found += _bind(cfg)
+    return found
+
+
+DNS_TIMEOUT_S = 3.0
+"""Seconds a DKIM record lookup of ``mtaq check`` may take before it is left unchecked."""
+
+
+def _dkim_records(cfg: Config) -> list[str]:
+    """One line per DKIM key (that loads) whose TXT record does not publish it; a lookup without an answer
+    (timeout, SERVFAIL, no resolver) is skipped. RFC 6376 §3.6.2.2: the record's strings are joined."""
+    import dns.exception
+    import dns.nameserver
+    import dns.resolver
+
+    from mtaq.config import parse_nameserver
+    from mtaq.edge.dkim import load_key, record_problem
+
+    try:
+        resolver = dns.resolver.Resolver(configure=not cfg.dns_nameservers)
+    except dns.exception.DNSException:
+        return []  # no resolver configured on this host: nothing can be looked up
+    if cfg.dns_nameservers:
+        resolver.nameservers = [dns.nameserver.Do53Nameserver(*parse_nameserver(ns, cfg.dns_port))
+                                for ns in cfg.dns_nameservers]
+    resolver.lifetime = DNS_TIMEOUT_S
+    resolver.timeout = min(resolver.timeout, DNS_TIMEOUT_S)
+    found = []
+    for domain, k in cfg.dkim_keys.items():
+        try:
+            key = load_key(domain, k.selector, k.key_file)
+        except ConfigError:
+            continue  # said already
+        name = f"{key.selector}._domainkey.{key.domain}."
+        try:
+            answer = resolver.resolve(name, "TXT")
+            published: str | None = "".join(b"".join(rd.strings).decode("ascii", "replace") for rd in answer[:1])
+        except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
+            published = None
+        except dns.exception.DNSException:
+            continue  # unreachable or failing: not checked
+        problem = record_problem(key, published)
+        if problem is not None:
+            found.append(f'dkim_keys."{domain}": {problem}')
     return found
 
 

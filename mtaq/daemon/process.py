@@ -71,6 +71,7 @@ from mtaq.storage.archive import ArchiveError, SegmentArchive
 from mtaq.storage.checkpoint import write_checkpoint
 from mtaq.storage.fs import FileSystem, OsFileSystem, make_durable_dirs
 from mtaq.storage.log import FILES_OPEN_MAX, RESERVE_BYTES, Log, release_reserve, segment_path
+from mtaq.storage.spill import set_spill_files_max
 from mtaq.testing import killpoints, powercut
 
 if TYPE_CHECKING:  # imported when needed, not before the first 250 (issue 15.6)
@@ -1029,6 +1030,9 @@ def serve(cfg: Config, source: Callable[[], Config] | None = None) -> int:
     os.umask(0o077)
     listeners = listeners_of(cfg)
     files_before, files = raise_open_files_limit(open_files_needed(cfg))
+    # What the limit leaves beyond open_files_needed is the temporary body files' (mtaq.storage.spill): a
+    # spilled body past it gets 451 4.3.0, never the descriptor an accept() needs (review finding B6).
+    set_spill_files_max(None if files == resource.RLIM_INFINITY else files - open_files_needed(cfg))
     if files != files_before:
         get_logger().info("open_files_limit_raised", soft_before=files_before, soft=files, needed=open_files_needed(cfg))
     n = shard_count(cfg.spool_dir, workers_wanted(cfg.workers, [lst.port for lst in listeners]))

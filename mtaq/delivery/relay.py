@@ -202,6 +202,9 @@ class RelayConnection:
         self._client: aiosmtplib.SMTP | None = None
         self.remote_dsn = False  # whether the next hop offered DSN in the last transaction
         self.tls_version = ""  # e.g. "TLSv1.3" while the connection is encrypted, "" in plaintext
+        # The TLS version of the session last opened, kept after it ends (an AUTH refusal or a failure met
+        # in it is reported with the TLS it had); "" once a new one starts, until it is encrypted.
+        self.session_tls = ""
 
     @property
     def name(self) -> str:
@@ -321,7 +324,7 @@ class RelayConnection:
                     raise _TlsFailed(exc) from exc
                 raise
             if wrapped:
-                self.tls_version = self._peer(c, tls)
+                self.tls_version = self.session_tls = self._peer(c, tls)
             await _hello(c)
             if not wrapped and tls != "none" and c.supports_extension("starttls"):
                 try:
@@ -329,7 +332,7 @@ class RelayConnection:
                     await _hello(c)  # RFC 3207 §4.2: forget what the server said before TLS
                 except (aiosmtplib.SMTPException, OSError, ssl.SSLError) as exc:
                     raise _TlsFailed(exc) from exc
-                self.tls_version = self._peer(c, tls)
+                self.tls_version = self.session_tls = self._peer(c, tls)
             elif not wrapped and tls in _MANDATORY:
                 raise HopUnusable(Reply(450, "4.7.4", f"TLS is required, but was not offered by host {self.name}"))
             await self._authenticate(c)
@@ -351,7 +354,7 @@ class RelayConnection:
         if c is not None and c.is_connected:
             return c
         self._client = None
-        self.tls_version = ""
+        self.tls_version = self.session_tls = ""
         try:
             c = await self._open(self.tls)
         except _TlsFailed as exc:

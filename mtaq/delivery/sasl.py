@@ -8,7 +8,8 @@ Postfix's ``smtp_sasl_auth_enable`` with ``smtp_sasl_password_maps``. The passwo
     @example.org                   org-relay:other secret     (with smtp_sender_dependent_authentication)
 
 The user name ends at the first ``:``; the password is the rest of the line (it may hold ``:`` and spaces).
-Keys are folded to lower case. Lookup, first match wins (Postfix ``smtp_sasl_passwd_lookup``): with
+Keys are folded to lower case; a key written with its ``transport_map`` transport (``smtps:[host]:465``)
+is the same as the next hop alone (``[host]:465``, Postfix's form). Lookup, first match wins (Postfix ``smtp_sasl_passwd_lookup``): with
 ``smtp_sender_dependent_authentication`` the sender address, then ``@domain`` of the sender; then the next
 hop as written in ``relayhost`` or ``transport_map`` (``[host]:port``, then ``[host]``; for an MX next hop
 ``host:port``, then ``host``). No entry: no AUTH.
@@ -86,7 +87,11 @@ def load_password_file(path: str) -> dict[str, tuple[str, str]]:
             raise ConfigError(f"{path}: smtp_sasl_password_file: line {n}: expected 'KEY user:password'")
         if any(ord(c) < 32 or ord(c) == 127 for c in user + password):
             raise ConfigError(f"{path}: smtp_sasl_password_file: line {n}: control character in user or password")
-        out[parts[0].lower()] = (user, password)
+        key = parts[0].lower()
+        for transport in ("smtps:", "smtp:"):  # `smtps:[host]:465` as in transport_map: the key is its next hop
+            if key.startswith(transport):
+                key = key[len(transport):]
+        out[key] = (user, password)
     return out
 
 

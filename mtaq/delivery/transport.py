@@ -197,7 +197,7 @@ async def _deliver_group(
 ) -> None:
     pending = list(positions)
     last: dict[int, Reply] = {}
-    last_relay, last_dsn = "none", False
+    last_relay, last_dsn, last_tls = "none", False, ""
     cred: Credentials | None = None
     if sasl is not None:
         cred = sasl.credentials(sender, nexthop_keys(route.host, route.port, route.mx))
@@ -253,7 +253,7 @@ async def _deliver_group(
             if final:
                 await record(Batch(conn.name, final, remote_dsn=conn.remote_dsn, tls=conn.tls_version))
             pending = [i for i, _ in retry]
-            last_relay, last_dsn = conn.name, conn.remote_dsn
+            last_relay, last_dsn, last_tls = conn.name, conn.remote_dsn, conn.session_tls
             for i, r in retry:
                 last[i] = r
             if not pending:
@@ -274,4 +274,5 @@ async def _deliver_group(
         for i in pending:
             last.setdefault(i, exc.reply)
     fallback = Reply(451, "4.4.4", f"no route to {route}")
-    await record(Batch(last_relay, [(i, last.get(i, fallback)) for i in pending], remote_dsn=last_dsn))
+    await record(Batch(last_relay, [(i, last.get(i, fallback)) for i in pending], remote_dsn=last_dsn,
+                       tls=last_tls))

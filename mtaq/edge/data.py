@@ -36,7 +36,7 @@ from collections.abc import Callable
 
 from mtaq.storage.spill import BodyBuffer
 
-__all__ = ["END_MARK", "TEXT_LINE_MAX", "DataScanner", "read_data_text", "refusal"]
+__all__ = ["END_MARK", "TEXT_LINE_MAX", "DataScanner", "read_data_text", "refusal", "text_problem"]
 
 TEXT_LINE_MAX = 1000
 """RFC 5321 §4.5.3.1.6: a text line is at most 1000 octets with its CRLF (not counting a transparency dot)."""
@@ -242,3 +242,22 @@ async def read_data_text(reader: asyncio.StreamReader, scanner: DataScanner, ali
             continue
         scanner.feed(chunk[:-3])
         return
+
+
+def text_problem(text: bytes) -> str | None:
+    """Why ``text`` (a whole message as stored: CRLF line ends, not dot-stuffed) would be refused at DATA,
+    or None: the listener's checks (:func:`refusal`) for text that did not come over SMTP (the maildrop,
+    review finding B8): a CR or LF that is not part of a CRLF, a line longer than :data:`TEXT_LINE_MAX`
+    octets with its CRLF (RFC 5321 §4.5.3.1.6), a NUL octet. Lines are numbered from 1."""
+    for number, line in enumerate(text.split(b"\r\n"), 1):
+        if len(line) + 2 > TEXT_LINE_MAX:
+            return f"line {number} longer than {TEXT_LINE_MAX - 2} octets (RFC 5321 section 4.5.3.1.6)"
+        if b"\r" in line:
+            return f"line {number} has a bare CR"
+        if b"\n" in line:
+            return f"line {number} has a bare LF"
+        if b"\0" in line:
+            return f"line {number} has a NUL octet"
+    if text and not text.endswith(b"\r\n"):
+        return "the text does not end with CRLF"
+    return None

@@ -71,6 +71,8 @@ __all__ = [
     "headers_to_sign",
     "load_key",
     "normalize_domain",
+    "public_value",
+    "record_problem",
     "split_head",
     "txt_record",
     "valid_selector",
@@ -414,9 +416,11 @@ class Signer:
     Thread-safe (no state changes after construction): a large message may be signed in a worker thread.
     """
 
-    def __init__(self, keys: Iterable[DkimKey] = (), sign_clients: Iterable[str] = SIGN_CLIENTS) -> None:
+    def __init__(self, keys: Iterable[DkimKey] = (), sign_clients: Iterable[str] = SIGN_CLIENTS, *,
+                 allow_username_mismatch: bool = False) -> None:
         self.keys: dict[str, DkimKey] = {k.domain: k for k in keys}
         self.sign_clients = frozenset(sign_clients)
+        self.allow_username_mismatch = allow_username_mismatch
         self.log = get_logger()
 
     @classmethod
@@ -424,7 +428,7 @@ class Signer:
         """A signer for the config's ``dkim_keys`` and ``dkim_sign_clients``; every key is loaded and checked
         now (:func:`load_key`). Raises ConfigError naming the first bad key."""
         keys = [load_key(domain, k.selector, k.key_file) for domain, k in cfg.dkim_keys.items()]
-        return cls(keys, cfg.dkim_sign_clients)
+        return cls(keys, cfg.dkim_sign_clients, allow_username_mismatch=cfg.dkim_allow_username_mismatch)
 
     def __bool__(self) -> bool:
         return bool(self.keys)
@@ -453,7 +457,9 @@ class Signer:
         * an authenticated client (with "authenticated" in ``sign_clients``): with ``sender_login_map``, the
           login must own the ``From:`` address (the address, else its ``@domain``: the lookup of MAIL FROM);
           without it, the ``From:`` domain must be the envelope sender's (rspamd's default
-          ``allow_hdrfrom_mismatch = false``);
+          ``allow_hdrfrom_mismatch = false``) and the login an address at that domain, ``user@domain``
+          (rspamd's default ``allow_username_mismatch = false``; ``dkim_allow_username_mismatch`` lifts this
+          second rule, and then any login may sign for any keyed domain it names as envelope sender);
         * else a client in ``mynetworks`` (with "mynetworks" in ``sign_clients``): any ``From:``;
         * anyone else (the internet: mail received for ``relay_domains``): never.
         """
@@ -467,6 +473,11 @@ class Signer:
             env_ace = domain_to_ascii(env.rstrip(".")) if env else None
             if env_ace is None or env_ace != from_domain(head):
                 return "From: domain is not the envelope sender's"
+            if not self.allow_username_mismatch:
+                at = origin.login.rfind("@")
+                login_ace = domain_to_ascii(origin.login[at + 1:].rstrip(".")) if at > 0 else None
+                if login_ace is None or login_ace != env_ace:
+                    return "login is not an address at the From: domain (no sender_login_map)"
             return None
         if origin.mynetworks and "mynetworks" in self.sign_clients:
             return None
@@ -591,6 +602,47 @@ def generate_key(kind: Literal["rsa", "ed25519"] = "rsa", bits: int = RSA_BITS_M
     # p= is the DER SubjectPublicKeyInfo, base64 (RFC 6376 §3.6.1)
     spki = rk.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
     return pem, f"v=DKIM1; k=rsa; p={base64.b64encode(spki).decode('ascii')}"
+
+
+def public_value(key: DkimKey) -> str:
+    """The TXT record value that publishes ``key`` (``v=DKIM1; k=rsa; p=...``, RFC 6376 §3.6.1; ``k=ed25519``,
+    RFC 8463 §4.2), as :func:`generate_key` prints it."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    if key.algorithm.startswith("ed25519"):
+        ek = ed25519.Ed25519PrivateKey.from_private_bytes(base64.b64decode(key.secret))
+        pub = ek.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+        return f"v=DKIM1; k=ed25519; p={base64.b64encode(pub).decode('ascii')}"
+    rk = serialization.load_pem_private_key(key.secret, password=None)
+    spki = rk.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return f"v=DKIM1; k=rsa; p={base64.b64encode(spki).decode('ascii')}"
+
+
+def record_problem(key: DkimKey, published: str | None) -> str | None:
+    """Why the TXT record value ``published`` (its strings joined; None: no record at
+    ``SELECTOR._domainkey.DOMAIN``) does not let a verifier check ``key``'s signatures, or None when it does:
+    no record, no ``p=`` tag, an empty ``p=`` (revoked, RFC 6376 §3.6.1), a ``k=`` other than the key's,
+    or the public key of another private key."""
+    name = f"{key.selector}._domainkey.{key.domain}"
+    if published is None:
+        return f"no DKIM record at {name} (publish: {public_value(key)})"
+    tags: dict[str, str] = {}
+    for part in published.split(";"):
+        tag, eq, value = part.partition("=")
+        if eq:
+            tags[tag.strip()] = "".join(value.split())
+    kind = "ed25519" if key.algorithm.startswith("ed25519") else "rsa"
+    if "p" not in tags:
+        return f"the record at {name} has no p= tag"
+    if not tags["p"]:
+        return f"the record at {name} is revoked (empty p=)"
+    if tags.get("k", "rsa") != kind:
+        return f"the record at {name} is k={tags.get('k', 'rsa')}, the key is {kind}"
+    wanted = public_value(key).rpartition("p=")[2]
+    if tags["p"] != wanted:
+        return f"the record at {name} publishes another key than key_file's (publish: {public_value(key)})"
+    return None
 
 
 def txt_record(domain: str, selector: str, value: str) -> str:

@@ -35,6 +35,7 @@ from typing import Any
 
 from mtaq.core.errors import StorageError, StorageFatal
 from mtaq.core.records import EnvelopeRecord
+from mtaq.edge.data import text_problem
 from mtaq.edge.dkim import Origin, Signer
 from mtaq.edge.policy import address_problem
 from mtaq.queue.store import Queue, new_queue_id
@@ -60,6 +61,17 @@ def local_received_header(user: str, hostname: str, queue_id: str, when_ts: floa
     u = _NOT_IN_COMMENT.sub("?", user[:64]) or "unknown"
     h = _NOT_IN_COMMENT.sub("?", hostname[:255]) or "localhost"
     return f"Received: (from {u}@localhost)\r\n\tby {h} (mtaq) id {queue_id}; {date}\r\n".encode("ascii")
+
+
+def _read_checked(directory: str, name: str, body_bytes_max: int) -> md.Dropped:
+    """:func:`mtaq.storage.maildrop.read_message`, and the listener's checks of the text (review finding B8:
+    a file written past ``mtaq sendmail``, which makes its text fit, with a bare CR/LF, a NUL or a line over
+    998 octets): DropError with the reason, so that it is set aside as an SMTP client's would be refused."""
+    msg = md.read_message(directory, name, body_bytes_max=body_bytes_max)
+    problem = text_problem(msg.body)
+    if problem is not None:
+        raise md.DropError(f"message text: {problem}")
+    return msg
 
 
 def _login_of(uid: int) -> str:
@@ -139,7 +151,7 @@ class Pickup:
                 await self._aside(name, "unexpected file name", None)
                 continue
             try:
-                msg = await asyncio.to_thread(md.read_message, self.dir, name, body_bytes_max=self.body_bytes_max)
+                msg = await asyncio.to_thread(_read_checked, self.dir, name, self.body_bytes_max)
             except md.DropError as exc:
                 await self._aside(name, exc.reason, None)
                 continue

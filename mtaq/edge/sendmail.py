@@ -39,6 +39,7 @@ from typing import BinaryIO
 
 from mtaq.config import Config, load_config
 from mtaq.core.errors import ConfigError
+from mtaq.edge.data import TEXT_LINE_MAX
 from mtaq.edge.policy import address_problem
 from mtaq.storage import maildrop as md
 
@@ -169,6 +170,35 @@ def read_message(stream: BinaryIO, *, dots: bool, limit: int) -> bytes:
     if data and not data.endswith(b"\r\n"):
         data += b"\r\n"
     return data
+
+
+def conform(message: bytes, *, forbid_nul: str, bare_newline: str) -> bytes:
+    """``message`` (CRLF line ends, from :func:`read_message`) made fit for SMTP as the listener would take it
+    (review finding B8; :func:`mtaq.edge.data.text_problem` holds for the result):
+
+    * a NUL octet: removed with ``smtpd_forbid_nul = "strip"``, else SendmailError (EX_DATAERR);
+    * a bare CR: made CRLF with ``smtp_bare_newline = "normalize"``, else SendmailError (EX_DATAERR);
+    * a line longer than 998 octets: broken by inserting CRLF SPACE every 998 octets, as Postfix's
+      ``smtp_line_length_limit`` (998) does to minimize the damage to MIME formatted mail.
+    """
+    if b"\0" in message:
+        if forbid_nul != "strip":
+            raise SendmailError(EX_DATAERR, "message contains NUL characters (smtpd_forbid_nul)")
+        message = message.replace(b"\0", b"")
+    lines = message.split(b"\r\n")
+    if any(b"\r" in line for line in lines):
+        if bare_newline != "normalize":
+            raise SendmailError(EX_DATAERR, "message contains a bare CR (smtp_bare_newline)")
+        lines = [part for line in lines for part in line.split(b"\r")]
+    limit = TEXT_LINE_MAX - 2
+    if any(len(line) > limit for line in lines):
+        broken: list[bytes] = []
+        for line in lines:
+            broken.append(line[:limit])
+            for at in range(limit, len(line), limit - 1):
+                broken.append(b" " + line[at:at + limit - 1])
+        lines = broken
+    return b"\r\n".join(lines)
 
 
 def _split(message: bytes) -> tuple[list[bytes], bytes]:
@@ -302,7 +332,8 @@ def _submit(o: Options, cfg: Config) -> int:
     if not cmdline and not o.extract:
         raise SendmailError(EX_USAGE, "Recipient addresses must be specified on the command line or via the -t option")
     _check_recipients(cmdline, cfg)
-    raw = read_message(sys.stdin.buffer, dots=o.dots, limit=cfg.message_size_limit_bytes)
+    raw = conform(read_message(sys.stdin.buffer, dots=o.dots, limit=cfg.message_size_limit_bytes),
+                  forbid_nul=cfg.smtpd_forbid_nul, bare_newline=cfg.smtp_bare_newline)
     now = time.time()
     name_hint = md.new_name(now)
     message, found = prepare(raw, sender=sender, full_name=o.full_name if o.full_name is not None else gecos,

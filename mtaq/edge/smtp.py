@@ -942,7 +942,10 @@ class MtaqSMTP(FastPathMixin, SMTP):
         if refused is not None:
             return b"", refused[0], refused[1]
         if buf is not None:
-            if buf.spilled:
+            if buf.spilled or buf.failure is not None:
+                # A failed temporary file (ENOSPC, EIO, EMFILE) dropped what it held: the buffer goes on, so
+                # that the queue answers 452/451 for it (StorageFull/StorageError), never 250 for the part
+                # still in memory.
                 return buf, None, False
             return buf.getvalue(), None, False
         return b"".join(kept), None, False

@@ -12,19 +12,60 @@ Memory per receiving session is therefore bounded by ``memory_bytes`` + ``chunk_
 ``message_size_limit_bytes``. A write error on the temporary file (ENOSPC, EIO) does not end the session:
 the buffer remembers it, keeps counting bytes, and :attr:`failure` makes the queue answer 452/451 after
 the final dot (nothing is acknowledged).
+
+Each spilled body holds one descriptor beside its session's socket. The daemon's open-files check counts
+one per connection (``mtaq.daemon.process.open_files_needed``), so the temporary files get what the limit
+leaves beyond it, :func:`set_spill_files_max`: a body that would spill past that gets the EMFILE
+:attr:`BodyBuffer.failure` at once (451 4.3.0 after the dot), instead of taking the descriptor the next
+``accept()`` needs (review finding B6: the mynetworks reserve of ``connections_max`` must hold).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
+import threading
 from collections.abc import Iterator
 from typing import IO
 
-__all__ = ["CHUNK_BYTES", "MEMORY_BYTES", "BodyBuffer"]
+__all__ = ["CHUNK_BYTES", "MEMORY_BYTES", "BodyBuffer", "set_spill_files_max", "spill_files_open"]
 
 MEMORY_BYTES = 256 * 1024  # default: bodies up to this size never touch the temporary file
 CHUNK_BYTES = 64 * 1024  # bytes written to, and read back from, the temporary file at a time
+
+_lock = threading.Lock()
+_spill_files_max: int | None = None  # None: no bound (tests, tools); the daemon sets it at start
+_spill_files_open = 0
+
+
+def set_spill_files_max(n: int | None) -> None:
+    """Bound the temporary body files open at once in this process to ``n`` (None: no bound). Set by
+    ``mtaq serve`` to RLIMIT_NOFILE's soft limit minus what ``open_files_needed`` keeps for connections, the
+    log and the rest."""
+    global _spill_files_max
+    with _lock:
+        _spill_files_max = None if n is None else max(0, n)
+
+
+def spill_files_open() -> int:
+    """How many temporary body files are open now in this process."""
+    return _spill_files_open
+
+
+def _take_spill_file() -> bool:
+    global _spill_files_open
+    with _lock:
+        if _spill_files_max is not None and _spill_files_open >= _spill_files_max:
+            return False
+        _spill_files_open += 1
+        return True
+
+
+def _give_spill_file() -> None:
+    global _spill_files_open
+    with _lock:
+        _spill_files_open -= 1
 
 
 class BodyBuffer:
@@ -68,8 +109,15 @@ class BodyBuffer:
     def _flush(self) -> None:
         try:
             if self._file is None:
-                # O_TMPFILE on Linux: no name; unbuffered, so that pieces() reads back every byte written
-                self._file = tempfile.TemporaryFile(dir=self.directory, buffering=0)
+                if not _take_spill_file():
+                    raise OSError(errno.EMFILE, f"too many temporary body files open ({_spill_files_max}: what "
+                                                "RLIMIT_NOFILE leaves beyond connections_max)")
+                try:
+                    # O_TMPFILE on Linux: no name; unbuffered, so that pieces() reads back every byte written
+                    self._file = tempfile.TemporaryFile(dir=self.directory, buffering=0)
+                except BaseException:
+                    _give_spill_file()
+                    raise
             view = memoryview(self._mem)
             fd = self._file.fileno()
             while view:
@@ -122,6 +170,7 @@ class BodyBuffer:
             except OSError:
                 pass
             self._file = None
+            _give_spill_file()
 
     def close(self) -> None:
         """Free the temporary file and the memory."""
