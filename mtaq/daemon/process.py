@@ -488,8 +488,8 @@ class Daemon:
             admin.delay_max_s = cfg.delay_max_s
         # Delivery: attempts that start from now on (those running hold the old objects to their end).
         sasl: SaslClient | None = b["sasl"]
-        if sasl is not None:
-            res.sasl_hold_cleared = sasl.keep_holds(self.sasl)
+        # Holds of entries that changed or went end (smtp_sasl_auth_enable turned off: every hold ends).
+        res.sasl_hold_cleared = (sasl or SaslClient({})).keep_holds(self.sasl)
         self.sasl = sasl
         self.router = b["router"]
         self.peers = b["peers"]
