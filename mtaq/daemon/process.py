@@ -398,7 +398,9 @@ class Daemon:
         says why nothing changed."""
         async with self._reload_lock:
             res = ReloadResult(shard=self.shard)
-            built = self._build_reload(res)
+            # In a thread: reading and checking the files (keys test-signed, TLS contexts) must not hold up
+            # the sessions and deliveries; nothing it builds is in use before _apply_reload.
+            built = await asyncio.to_thread(self._build_reload, res)
             if built is None:
                 self.log.error("reload_failed", trigger=trigger, problems=res.problems, action="nothing changed")
                 return res
