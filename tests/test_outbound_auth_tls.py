@@ -23,7 +23,7 @@ import pytest
 from aiosmtpd.smtp import SMTP, AuthResult, LoginPassword
 
 from mtaq.testing.dnsserver import ZoneServer
-from mtaq.testing.procs import Proc, free_port, read_events, start_daemon
+from mtaq.testing.procs import Proc, free_port, read_events, start_daemon, wait_for
 
 trustme = pytest.importorskip("trustme")
 
@@ -119,7 +119,7 @@ class Daemon:
     """``mtaq serve`` relaying through the provider; ``password_mode`` is the password file's mode."""
 
     def __init__(self, tmp: Path, dns: ZoneServer, config: str, *, password_mode: int = 0o600,
-                 user: str = USER, password: str = PASSWORD) -> None:
+                 user: str = USER, password: str = PASSWORD, workers: int = 1) -> None:
         self.tmp = tmp
         body, _, key = config.partition("@KEY@")
         sasl = ""
@@ -132,7 +132,15 @@ class Daemon:
             f'dns_nameservers = ["127.0.0.1:{dns.port}"]\ndns_timeout_s = 2\nretry_intervals_s = [600]\n'
             + sasl + body)
         self.spool = str(tmp / "spool")
-        self.proc: Proc = start_daemon(self.spool, None, str(tmp / "daemon.log"), config=str(tmp / "mtaq.toml"))
+        self.workers = workers
+        self.start()
+
+    def start(self) -> None:
+        before = len(self.events("listening")) if hasattr(self, "proc") else 0
+        self.proc: Proc = start_daemon(self.spool, None, str(self.tmp / "daemon.log"), config=str(self.tmp / "mtaq.toml"),
+                                       workers=self.workers)
+        if self.workers > 1:
+            wait_for(lambda: before + self.workers == len(self.events("listening")), 60, "every worker listening")
 
     def send(self, mid: str, rcpts: tuple[str, ...] = ("bob@example.net",)) -> str:
         with smtplib.SMTP("127.0.0.1", self.proc.port, timeout=30) as s:
@@ -262,6 +270,35 @@ def test_535_defers_4_7_0_reports_sasl_auth_failed_and_holds_the_credentials(dae
         assert [USER] == hop.tried_users and [] == hop.messages
         assert [] == d.events("sasl_auth_failed", qid2)
         assert [] == secrets_in(d, qid, password=PASSWORD + "-old")
+
+
+def test_the_sasl_hold_is_the_hosts_across_workers_and_a_restart(daemons, dns, pki):
+    """A wrong password with two workers: the first 535 holds the credentials for every worker (one AUTH
+    tried at the provider, however many messages reach either worker), and after a kill -9 and a start the
+    hold still stands (SPOOL/sasl_hold): a restart loop cannot lock the account. Before, each worker process
+    tried the refused password once (newcomer finding, issue 33)."""
+    with Hop(pki["good"]) as hop:
+        d = daemons(dns, f'relayhost = "[{NAME}]:{hop.port}"\nsmtp_tls_security_level = "encrypt"\n'
+                         f"@KEY@[{NAME}]:{hop.port}", password=PASSWORD + "-old", workers=2)
+        first = d.send("<hold-0@mtaq.test>")
+        d.wait_for("sasl_auth_failed", first)
+        shards: dict[int, str] = {}
+        for i in range(1, 40):  # until a message has been queued by each worker (the kernel picks the worker)
+            qid = d.send(f"<hold-{i}@mtaq.test>")
+            [deferred] = d.wait_for("deferred", qid)
+            assert "not tried again for" in deferred["reply"], deferred["reply"]
+            shards[deferred["shard"]] = qid
+            if len(shards) == 2:
+                break
+        assert {0, 1} == set(shards)
+        assert [USER] == hop.tried_users
+        d.close()
+        d.start()
+        qid = d.send("<hold-after-restart@mtaq.test>")
+        [deferred] = d.wait_for("deferred", qid)
+        assert "not tried again for" in deferred["reply"]
+        assert [USER] == hop.tried_users and [] == hop.messages
+        assert [] == secrets_in(d, password=PASSWORD + "-old")
 
 
 def test_no_auth_without_tls_unless_allowed(daemons, dns):

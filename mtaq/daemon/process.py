@@ -71,6 +71,7 @@ from mtaq.storage.archive import ArchiveError, SegmentArchive
 from mtaq.storage.checkpoint import write_checkpoint
 from mtaq.storage.fs import FileSystem, OsFileSystem, make_durable_dirs
 from mtaq.storage.log import FILES_OPEN_MAX, RESERVE_BYTES, Log, release_reserve, segment_path
+from mtaq.storage.sharedmap import SharedMap
 from mtaq.storage.spill import set_spill_files_max
 from mtaq.testing import killpoints, powercut
 
@@ -97,6 +98,7 @@ sessions with one worker, fsyncs per message fell from 0.40 to 0.20 with 6 ms an
 per message by about a tenth, then 3 % more; the 250 waits at most this much longer (docs/performance.md,
 seventh round of issue 15)."""
 FILES_RESERVED = 100
+SASL_HOLD_FILE = "sasl_hold"  # in the spool: the host's outbound SASL holds (mtaq.storage.sharedmap)
 """Descriptors a worker needs besides its SMTP connections, its deliveries and the log's readers: listening
 sockets, the log's files being written, the admin API, the anvil, pidfds, DNS, temporary files of messages."""
 EXIT_FSYNC_FAILED = 75
@@ -151,7 +153,7 @@ class Daemon:
                                           cfg.tls_handshake_timeout_s)
         self.listeners = listeners_of(cfg)  # the SMTP listeners: listen, then the listeners tables
         self.servers: list[asyncio.Server] = []
-        self.sasl = SaslClient.from_config(cfg)  # outbound AUTH credentials; ConfigError if bad or readable
+        self.sasl = self._sasl_client(cfg)  # outbound AUTH credentials; ConfigError if bad or readable
         self.signer = Signer.from_config(cfg)  # reads the DKIM keys; ConfigError if one is unsafe or bad
         self.peers = self._peer_policy(cfg)  # DANE and MTA-STS, when configured
         self.counts = {"delivered": 0, "deferred": 0, "failed": 0}
@@ -173,6 +175,16 @@ class Daemon:
         self._reclaim_task: asyncio.Task[None] | None = None
         self._reclaim_limit = 0
         self._reserve_released = 0  # Log.stats.reserve_released already reported (spool_reserve_released)
+
+    def _sasl_client(self, cfg: Config) -> SaslClient | None:
+        """The outbound credentials of ``cfg`` (None: no AUTH), their holds kept for the whole host in
+        ``SPOOL/sasl_hold`` (the spool above the shards: every worker's; mtaq.delivery.sasl). Raises
+        ConfigError."""
+        sasl = SaslClient.from_config(cfg)
+        if sasl is not None:
+            host_spool = os.path.dirname(cfg.spool_dir.rstrip("/")) if self.shard > 0 else cfg.spool_dir
+            sasl.shared = SharedMap(os.path.join(host_spool, SASL_HOLD_FILE))
+        return sasl
 
     def _on_durable(self, env: EnvelopeRecord, pos: Pos) -> None:
         self.log.info(
@@ -436,7 +448,7 @@ class Daemon:
         built: dict[str, Any] = {"cfg": cfg}
         steps: list[tuple[str, Callable[[], Any]]] = [
             ("edge", lambda: EdgePolicy.from_config(cfg)),
-            ("sasl", lambda: SaslClient.from_config(cfg)),
+            ("sasl", lambda: self._sasl_client(cfg)),
             ("signer", lambda: Signer.from_config(cfg)),
             ("router", lambda: Router(cfg)),
             ("peers", lambda: self._peer_policy(cfg)),

@@ -21,26 +21,48 @@ line number, never the line.
 
 A 5xx reply to AUTH (535 5.7.8 "credentials invalid") means the next try would fail the same way, and
 providers lock accounts after a few: the credentials are *held* for ``smtp_sasl_auth_failure_hold_s``
-(default 300 s; in memory, per process): mail that would use them is deferred with the remembered reply
-without connecting. A 4xx to AUTH (454 4.7.0) is not remembered. ``mtaq reload`` (SIGHUP) reads the file
-again and ends the hold of every entry whose user name or password changed (:meth:`SaslClient.keep_holds`);
-the hold of an unchanged entry stays until it runs out.
+(default 300 s): mail that would use them is deferred with the remembered reply without connecting. A 4xx
+to AUTH (454 4.7.0) is not remembered. ``mtaq reload`` (SIGHUP) reads the file again and ends the hold of
+every entry whose user name or password changed (:meth:`SaslClient.keep_holds`); the hold of an unchanged
+entry stays until it runs out.
+
+The hold is the host's, not one process's: with a :class:`HoldMap` (the daemon passes ``SPOOL/sasl_hold``,
+:class:`mtaq.storage.sharedmap.SharedMap`) every worker sees every hold, and it outlives a restart (so a
+restart loop cannot lock the account either). Its entries are keyed by a SHA-256 of the entry's key, user
+name and password (never the password itself): a changed password is not held, whichever process held the
+old one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from mtaq.config import Config
 from mtaq.core.errors import ConfigError
 from mtaq.delivery.relay import Reply
 from mtaq.delivery.security import Credentials
 
-__all__ = ["SaslClient", "load_password_file", "nexthop_keys"]
+__all__ = ["HoldMap", "SaslClient", "load_password_file", "nexthop_keys"]
+
+
+class HoldMap(Protocol):
+    """A map shared by the daemon's processes (:class:`mtaq.storage.sharedmap.SharedMap`): ``read()`` the map
+    as it is now; ``update(change)`` applies ``change`` to it under a lock (raises OSError)."""
+
+    def read(self) -> dict[str, Any]: ...
+
+    def update(self, change: Callable[[dict[str, Any]], None]) -> None: ...
+
+
+def _fingerprint(cred: Credentials) -> str:
+    """The hold map's key of ``cred``: SHA-256 of key, user name and password (hex)."""
+    return hashlib.sha256(f"{cred.key}\0{cred.username}\0{cred.password}".encode()).hexdigest()
 
 
 def load_password_file(path: str) -> dict[str, tuple[str, str]]:
@@ -111,6 +133,10 @@ class SaslClient:
     allow_plaintext: bool = False
     hold_s: float = 300.0
     clock: Callable[[], float] = time.monotonic
+    # The host's holds (every worker's; module text), None: this process's only. Its times are wall-clock
+    # UTC seconds (``wall``): other processes and the next start read them.
+    shared: HoldMap | None = None
+    wall: Callable[[], float] = time.time
     _held: dict[Credentials, tuple[float, Reply]] = field(default_factory=dict, repr=False)
 
     def __repr__(self) -> str:  # never the passwords
@@ -145,7 +171,18 @@ class SaslClient:
         return None
 
     def held(self, cred: Credentials) -> Reply | None:
-        """The deferral reply while ``cred`` is held after a 5xx to AUTH, else None."""
+        """The deferral reply while ``cred`` is held after a 5xx to AUTH (by any process of the host, with
+        ``shared``), else None."""
+        if self.shared is not None:
+            entry = self.shared.read().get(_fingerprint(cred))
+            try:
+                until, code, enhanced, text = float(entry[0]), int(entry[1]), str(entry[2]), str(entry[3])  # type: ignore[index]
+            except (TypeError, ValueError, IndexError, KeyError):
+                pass  # none, or not one of ours: this process's own hold decides
+            else:
+                left = min(until - self.wall(), self.hold_s)  # a clock stepped back holds no longer than hold_s
+                if left > 0:
+                    return Reply(code, enhanced, f"{text} (not tried again for {left:.0f} s: smtp_sasl_auth_failure_hold_s)")
         h = self._held.get(cred)
         if h is None:
             return None
@@ -160,10 +197,31 @@ class SaslClient:
         """After a reload: keep ``old``'s holds of the credentials this client still has unchanged (same
         key, user name and password); return the password-file keys whose hold ends here because their
         entry changed or went (never a password)."""
+        cleared: list[str] = []
+        if self.shared is not None:
+            current = {_fingerprint(Credentials(k, u, p)) for k, (u, p) in self.passwords.items()}
+            wall = self.wall()
+
+            def prune(holds: dict[str, Any]) -> None:
+                for fp, entry in list(holds.items()):
+                    try:
+                        live = float(entry[0]) > wall
+                        key = str(entry[4])
+                    except (TypeError, ValueError, IndexError, KeyError):
+                        live, key = False, ""
+                    if live and fp in current:
+                        continue
+                    if live:
+                        cleared.append(key)
+                    del holds[fp]
+
+            try:
+                self.shared.update(prune)
+            except OSError:
+                pass  # advisory: a changed entry is not held anyway (its fingerprint changed)
         if old is None:
-            return []
+            return sorted(set(cleared))
         now = set(self.passwords.items())
-        cleared = []
         for cred, held in old._held.items():
             if old.clock() >= held[0]:
                 continue  # ran out anyway
@@ -175,5 +233,23 @@ class SaslClient:
 
     def failed(self, cred: Credentials, reply: Reply) -> None:
         """Hold ``cred`` for ``hold_s`` seconds after the AUTH failure ``reply`` (a 5xx from the server)."""
-        if self.hold_s > 0:
-            self._held[cred] = (self.clock() + self.hold_s, reply)
+        if self.hold_s <= 0:
+            return
+        self._held[cred] = (self.clock() + self.hold_s, reply)
+        if self.shared is not None:
+            wall = self.wall()
+            entry = [wall + self.hold_s, reply.code, reply.enhanced, reply.text, cred.key]
+
+            def put(holds: dict[str, Any]) -> None:
+                for fp, e in list(holds.items()):  # those that ran out go
+                    try:
+                        if float(e[0]) <= wall:
+                            del holds[fp]
+                    except (TypeError, ValueError, IndexError, KeyError):
+                        del holds[fp]
+                holds[_fingerprint(cred)] = entry
+
+            try:
+                self.shared.update(put)
+            except OSError:
+                pass  # advisory: this process holds them still
