@@ -248,6 +248,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     smtpd_mynetworks_reserve_percent: Annotated[float, msgspec.Meta(ge=0, lt=100)] = 10.0
     # NUL octets in DATA: "reject" (550 5.6.0 after the final dot; the session goes on) or "strip".
     smtpd_forbid_nul: Literal["reject", "strip"] = "reject"
+    # Mail loops (Postfix hopcount_limit): a message that already has this many Received: and Delivered-To:
+    # header fields is refused at DATA (554 5.4.6 too many hops).
+    hopcount_limit: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 50
     # Postfix smtpd_error_sleep_time: seconds before a failed AUTH is answered.
     smtpd_error_sleep_time_s: Annotated[float, msgspec.Meta(ge=0, le=300)] = 1.0
     # Failed AUTH attempts per client IP in any 60 s before AUTH gets 450 4.7.1 (mynetworks too); 0: no limit.

@@ -36,7 +36,7 @@ RELOADABLE: frozenset[str] = frozenset({
     "smtpd_client_connection_count_limit", "smtpd_mynetworks_reserve_percent", "smtpd_forbid_nul",
     "smtpd_error_sleep_time_s", "smtpd_client_auth_failure_rate_limit", "tls_cert_file", "tls_key_file",
     "auth_password_file", "delay_max_s", "message_size_limit_bytes", "smtp_server_timeout_s",
-    "tls_handshake_timeout_s",
+    "tls_handshake_timeout_s", "hopcount_limit",
     # delivery: new attempts (Router, Throttle, SaslClient, PeerPolicy)
     "relayhost", "transport_map", "destination_concurrency_limit", "destination_rate_per_s",
     "destination_limits", "smtp_tls_security_level", "tls_policy_map", "smtp_tls_CAfile", "smtp_tls_wrappermode",
@@ -45,7 +45,7 @@ RELOADABLE: frozenset[str] = frozenset({
     "smtp_port", "smtp_mx_addresses_max", "smtp_dns_support_level", "dnssec_trusted_resolvers", "mta_sts",
     "mta_sts_ca_file", "mta_sts_timeout_s", "delivery_timeout_s",
     # DKIM signing: messages whose DATA ends after the reload (Signer)
-    "dkim_keys", "dkim_sign_clients",
+    "dkim_keys", "dkim_sign_clients", "dkim_allow_username_mismatch",
     # the queue's admission limits and the checkpoint period
     "queue_messages_max", "commit_backlog_max", "bounce_size_limit_bytes", "queue_minfree_bytes",
     "checkpoint_interval_s",

@@ -33,11 +33,12 @@ from __future__ import annotations
 import functools
 import ipaddress
 import random
+import socket
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, TypeVar
 
-from mtaq.config import Config, Relayhost, parse_nameserver, parse_relayhost, parse_transport_spec
+from mtaq.config import Config, Relayhost, listeners_of, parse_nameserver, parse_relayhost, parse_transport_spec
 from mtaq.delivery.relay import Reply, TlsLevel
 
 if TYPE_CHECKING:  # dnspython is imported at the first lookup: a relayhost never needs it (issue 15.6)
@@ -231,6 +232,29 @@ class Dns:
 ROUTES_KEPT = 4096  # routes kept by recipient domain (Router.route); all are dropped when it is full
 
 
+def _same_address(a: str, b: str) -> bool:
+    try:
+        return ipaddress.ip_address(a.strip("[]")) == ipaddress.ip_address(b.strip("[]"))
+    except ValueError:
+        return a.lower() == b.lower()
+
+
+@functools.lru_cache(maxsize=256)
+def _is_local_address(address: str) -> bool:
+    """Whether ``address`` (an IP address) is one of this host's: a socket can be bound to it."""
+    try:
+        ip = ipaddress.ip_address(address.strip("[]"))
+    except ValueError:
+        return False
+    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.bind((str(ip), 0))
+        return True
+    except OSError:
+        return False
+
+
 class Router:
     """Routes recipients (pure) and turns a route into the addresses to try (DNS). See the module text."""
 
@@ -251,6 +275,24 @@ class Router:
         self.dns = dns_client or Dns(
             [parse_nameserver(ns, cfg.dns_port) for ns in cfg.dns_nameservers], timeout_s=cfg.dns_timeout_s
         )
+        try:  # our own SMTP listeners (a port 0 one cannot be known here): a next hop there is a mail loop
+            self.own: tuple[tuple[str, int], ...] = tuple((lst.host, lst.port) for lst in listeners_of(cfg) if lst.port)
+        except ValueError:
+            self.own = ()
+
+    def loops_back(self, address: str, port: int) -> bool:
+        """Whether a next hop at ``address``:``port`` is this daemon (one of its listeners: the same address,
+        or any address of this host for a wildcard listener), as Postfix refuses to deliver to itself
+        (``mail for DOMAIN loops back to myself``)."""
+        for host, own_port in self.own:
+            if own_port != port:
+                continue
+            if host in ("", "0.0.0.0", "::", "*"):
+                if _is_local_address(address):
+                    return True
+            elif _same_address(host, address):
+                return True
+        return False
 
     def describe(self) -> str:
         """The default route for logs: the relayhost, or ``mx`` (by recipient domain)."""

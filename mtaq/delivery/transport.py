@@ -208,12 +208,24 @@ async def _deliver_group(
         return
     try:
         dest = await peers.destination(route) if peers is not None else None
+        tried = False  # a host other than this daemon came first (tried, or its address not found)
         async for cand in router.candidates(route):
             if isinstance(cand, Reply):
+                tried = True  # a host before this daemon's place (its address could not be found)
                 for i in pending:
                     last[i] = cand
                 on_hop_failure(HopFailure("none", tuple(pending), cand))
                 continue
+            if router.loops_back(cand.address, cand.port):
+                # Postfix: a next hop that is this daemon ends the search; the hosts after it are of lower
+                # preference. Without a host tried before it, the mail can go nowhere: bounced 5.4.6.
+                loop = Reply(554, "5.4.6", f"mail for {route.host} loops back to myself")
+                on_hop_failure(HopFailure(f"{cand.hostname}[{cand.address}]:{cand.port}", tuple(pending), loop))
+                if not tried:
+                    await record(Batch("none", [(i, loop) for i in pending]))
+                    return
+                break
+            tried = True
             level: TlsLevel = "may" if route.tls == "dane" else route.tls
             match = route.tls_match(cand.hostname)
             tlsa: tuple[Tlsa, ...] = ()

@@ -24,12 +24,12 @@ from typing import Any, cast
 from aiosmtpd.smtp import SMTP, Envelope, Session
 
 from mtaq.core.errors import StorageError
-from mtaq.edge.dkim import Origin, Signer
+from mtaq.edge.dkim import HEAD_BYTES_MAX, Origin, Signer, header_section, split_head
 from mtaq.edge.fastpath import FastHandlerMixin
 from mtaq.edge.limits import ConnectionGate, Gate
 from mtaq.edge.policy import EdgePolicy
 from mtaq.edge.smtp import MtaqSMTP
-from mtaq.edge.trace import protocol_name, received_header
+from mtaq.edge.trace import hop_count, protocol_name, received_header
 from mtaq.logs import get_logger
 from mtaq.queue.store import Queue
 from mtaq.storage.spill import BodyBuffer
@@ -53,6 +53,15 @@ class QueueHandler(FastHandlerMixin):
     async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
         peer = session.peer
         client = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer or "")
+        content = envelope.original_content or b""
+        policy = getattr(server, "policy", None)  # MtaqSMTP's (the one in force when the session began)
+        limit = policy.hopcount_limit if isinstance(policy, EdgePolicy) else 0
+        if limit:
+            hops = hop_count(await _head_of(content))
+            if hops >= limit:  # a mail loop (Postfix hopcount_limit; RFC 5321 §6.3)
+                self.log.warning("too_many_hops", client=client, sender=envelope.mail_from or "", hops=hops,
+                                 limit=limit, action="refused")
+                return f"554 5.4.6 Error: too many hops ({hops} Received:/Delivered-To: fields; hopcount_limit {limit})"
         trace = received_header(
             helo=session.host_name or "",
             client_ip=str(peer[0]) if isinstance(peer, tuple) else "",
@@ -62,7 +71,6 @@ class QueueHandler(FastHandlerMixin):
             recipients=envelope.rcpt_tos,
             when_ts=self.queue.clock(),
         )
-        content = envelope.original_content or b""
         if self.signer:  # RFC 6376: the DKIM-Signature field on top, the (unsigned) Received field below it
             trace = await self.signer.signature_of(content, _origin(server, session, envelope, client)) + trace
         body: bytes | BodyBuffer
@@ -95,6 +103,27 @@ class QueueHandler(FastHandlerMixin):
             return exc.smtp_reply
         killpoints.hit("edge.after_commit")
         return f"250 2.0.0 Ok: queued as {env.queue_id}"
+
+
+async def _head_of(content: bytes | BodyBuffer) -> bytes:
+    """The header section of a message received (at most :data:`~mtaq.edge.dkim.HEAD_BYTES_MAX` bytes of it
+    read from a spilled body, in a thread); b"" for a buffer that failed (the queue refuses it anyway)."""
+    if isinstance(content, bytes):
+        return header_section(content)
+    if content.failure is not None:
+        return b""
+    if not content.spilled:
+        return header_section(content.getvalue())
+
+    def read() -> bytes:
+        head = b""
+        for piece in content.pieces():
+            head += piece
+            if split_head(head) is not None or len(head) > HEAD_BYTES_MAX:
+                break
+        return header_section(head[:HEAD_BYTES_MAX])
+
+    return await asyncio.to_thread(read)
 
 
 def _origin(server: SMTP, session: Session, envelope: Envelope, client: str) -> Origin:

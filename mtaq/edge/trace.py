@@ -28,7 +28,16 @@ from collections.abc import Sequence
 
 from mtaq.core.text import ASCII_CONTROL
 
-__all__ = ["address_literal", "protocol_name", "received_header"]
+__all__ = ["address_literal", "hop_count", "protocol_name", "received_header"]
+
+_HOP_FIELD = re.compile(rb"^(?:received|delivered-to)[ \t]*:", re.IGNORECASE | re.MULTILINE)
+
+
+def hop_count(head: bytes) -> int:
+    """The ``Received:`` and ``Delivered-To:`` fields of the header section ``head`` (each counted once, not
+    its continuation lines): the hops a message has made (Postfix's ``hopcount_limit``, RFC 5321 §6.3: a
+    loop is detected by counting them)."""
+    return len(_HOP_FIELD.findall(head))
 
 _HELO_MAX = 255
 _NOT_IN_COMMENT = re.compile(r"[^!-~]|[()\\]")  # what _clean_helo replaces
