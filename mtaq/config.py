@@ -169,6 +169,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     smtp_mx_addresses_max: Annotated[int, msgspec.Meta(ge=1, le=100)] = 5  # addresses tried per destination
     smtp_connection_idle_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0  # cached connections closed after
     smtp_connection_cache_max: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 8  # per delivery worker
+    # The local address of outbound SMTP connections (Postfix smtp_bind_address / smtp_bind_address6): an IPv4
+    # and an IPv6 address of this host ("" : the kernel's choice). Checked at start (mtaq check).
+    smtp_bind_address: str = ""
+    smtp_bind_address6: str = ""
     myhostname: str = ""  # "" means the host's name
     # The domain mtaq sendmail appends to a bare local name and to the invoking user's login as the default sender
     # (Postfix's myorigin); "" means myhostname.

@@ -131,7 +131,30 @@ def _other_loaders(cfg: Config) -> list[Callable[[], object]]:
     for key, path in (("smtp_tls_CAfile", cfg.smtp_tls_CAfile), ("mta_sts_ca_file", cfg.mta_sts_ca_file)):
         if path:
             checks.append(partial(_ca_file, key, path))
+    for key, address, version in (("smtp_bind_address", cfg.smtp_bind_address, 4),
+                                  ("smtp_bind_address6", cfg.smtp_bind_address6, 6)):
+        if address:
+            checks.append(partial(_bind_address, key, address, version))
     return checks
+
+
+def _bind_address(key: str, address: str, version: int) -> None:
+    """``address`` must be an IPv``version`` address of this host (a socket can be bound to it), as Postfix's
+    smtp_bind_address must. Raises ConfigError."""
+    import ipaddress
+    import socket
+
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        raise ConfigError(f"{key}: {address!r} is not an IP address") from None
+    if ip.version != version:
+        raise ConfigError(f"{key}: {address} is not an IPv{version} address")
+    try:
+        with socket.socket(socket.AF_INET6 if version == 6 else socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((address, 0))
+    except OSError as exc:
+        raise ConfigError(f"{key}: {address} is not an address of this host ({exc.strerror})") from None
 
 
 def _ca_file(key: str, path: str) -> None:

@@ -523,7 +523,8 @@ class Daemon:
     async def _worker(self) -> None:
         cfg = self.cfg
         pool = ConnectionPool(helo_name=cfg.hostname(), timeout_s=cfg.smtp_timeout_s,
-                              idle_s=cfg.smtp_connection_idle_s, max_conns=cfg.smtp_connection_cache_max)
+                              idle_s=cfg.smtp_connection_idle_s, max_conns=cfg.smtp_connection_cache_max,
+                              bind_address=cfg.smtp_bind_address, bind_address6=cfg.smtp_bind_address6)
         self.pools.append(pool)
         q = self.queue
         me = asyncio.current_task()

@@ -190,8 +190,10 @@ class RelayConnection:
         hostname: str | None = None,
         tls: TlsLevel = "may",
         security: HopSecurity | None = None,
+        bind_address: str = "",
     ) -> None:
         self.address = address
+        self.bind_address = bind_address  # the local address connected from (smtp_bind_address); "": any
         self.port = port
         self.hostname = hostname or address
         self.helo_name = helo_name
@@ -226,6 +228,8 @@ class RelayConnection:
         sock = socket.socket(family, kind, proto)
         sock.setblocking(False)
         try:
+            if self.bind_address:
+                sock.bind((self.bind_address, 0))
             async with asyncio.timeout(self.timeout_s):
                 await loop.sock_connect(sock, addr)
         except BaseException:
@@ -315,6 +319,7 @@ class RelayConnection:
                 local_hostname=self.helo_name,
                 timeout=self.timeout_s,
                 start_tls=False,  # STARTTLS is driven here, by policy
+                source_address=(self.bind_address, 0) if self.bind_address else None,
             )
         try:
             try:

@@ -21,6 +21,7 @@ the least recently used idle one is closed when the pool is full.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -85,10 +86,21 @@ class ConnectionPool:
     idle_s: float
     max_conns: int = 8
     clock: Callable[[], float] = time.monotonic
+    bind_address: str = ""  # the local IPv4 address of new connections (smtp_bind_address); "": any
+    bind_address6: str = ""  # the same for IPv6 (smtp_bind_address6)
     _entries: dict[tuple[str, int, str, str, HopSecurity], _Entry] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def _bind_for(self, address: str) -> str:
+        """The local address to connect to ``address`` from: ``bind_address6`` for an IPv6 one,
+        ``bind_address`` for an IPv4 one, "" for a name (the system resolver picks the family)."""
+        try:
+            version = ipaddress.ip_address(address).version
+        except ValueError:
+            return ""
+        return self.bind_address6 if version == 6 else self.bind_address
 
     def get(self, cand: Candidate, tls: TlsLevel, security: HopSecurity | None = None) -> RelayConnection:
         """The cached connection for ``cand`` with policy ``tls`` and ``security`` (implicit TLS, names to
@@ -100,7 +112,8 @@ class ConnectionPool:
         if e is None:
             e = _Entry(
                 RelayConnection(cand.address, cand.port, hostname=cand.hostname, helo_name=self.helo_name,
-                                timeout_s=self.timeout_s, tls=tls, security=security),
+                                timeout_s=self.timeout_s, tls=tls, security=security,
+                                bind_address=self._bind_for(cand.address)),
                 self.clock(),
             )
         e.busy = True

@@ -68,7 +68,9 @@ class SinkHandler:
             head += f"X-Sink-TLS: {tls.version()}\r\n".encode()
         key = self.maildir.add(head + (envelope.original_content or b""))
         self.received += 1
-        self.log.info("sink_stored", key=key, sender=envelope.mail_from, recipients=envelope.rcpt_tos)
+        peer = session.peer
+        self.log.info("sink_stored", key=key, sender=envelope.mail_from, recipients=envelope.rcpt_tos,
+                      client=peer[0] if isinstance(peer, tuple) else str(peer or ""))
         return f"250 2.0.0 Ok: stored as {key}"
 
 
