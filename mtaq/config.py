@@ -124,6 +124,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Per-domain next hops (Postfix transport(5)): "example.org" = "[10.0.0.5]:25" | "smtp:host" | "discard"
     # | "error:5.1.1 text". Lookup order: exact domain, ".parent" domains, then "*". Wins over relayhost.
     transport_map: dict[str, str] = msgspec.field(default_factory=dict)
+    # Next hop by envelope sender (Postfix sender_dependent_relayhost_maps): "alice@example.org" or
+    # "@example.org" (or "<>" for the null sender) = relayhost syntax ("[host]:port", "host"). Looked up
+    # (address, then @domain) for recipients that transport_map does not route; wins over relayhost.
+    sender_dependent_relayhost_maps: dict[str, str] = msgspec.field(default_factory=dict)
     # Per recipient domain: deliveries at once (Postfix default_destination_concurrency_limit) and a rate.
     destination_concurrency_limit: Annotated[int, msgspec.Meta(ge=1, le=10000)] = 20
     destination_rate_per_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # 0: no limit
@@ -359,6 +363,7 @@ def config_problems(cfg: Config) -> list[str]:
         *[lambda ns=ns: parse_nameserver(ns, cfg.dns_port, key="dnssec_trusted_resolvers")
           for ns in cfg.dnssec_trusted_resolvers],
         *[lambda d=d, v=v: parse_transport_spec(v, key=f"transport_map.{d}") for d, v in cfg.transport_map.items()],
+        *[lambda k=k, v=v: _check_sender_relayhost(k, v) for k, v in cfg.sender_dependent_relayhost_maps.items()],
         dane_needs_dnssec,
         admin,
     ]
@@ -504,6 +509,16 @@ class Relayhost(msgspec.Struct, frozen=True):
 
     def __str__(self) -> str:
         return f"[{self.host}]:{self.port}" if not self.mx else f"{self.host}:{self.port}"
+
+
+def _check_sender_relayhost(key: str, value: str) -> None:
+    """One ``sender_dependent_relayhost_maps`` entry: a sender address, ``@domain`` or ``<>``, and a next hop
+    (relayhost syntax, not empty). Raises ValueError naming it."""
+    name = f"sender_dependent_relayhost_maps.{key}"
+    if key != "<>" and "@" not in key:
+        raise ValueError(f"{name}: the key is an address, @domain or <>")
+    if parse_relayhost(value, key=name) is None:
+        raise ValueError(f"{name}: a next hop is needed")
 
 
 def parse_relayhost(value: str, *, key: str = "relayhost", default_port: int = 25) -> Relayhost | None:

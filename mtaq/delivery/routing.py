@@ -261,6 +261,11 @@ class Router:
     def __init__(self, cfg: Config, *, rng: random.Random | None = None, dns_client: Dns | None = None) -> None:
         self.smtp_port = cfg.smtp_port
         self.relayhost = parse_relayhost(cfg.relayhost, default_port=cfg.smtp_port)
+        self.sender_relayhosts: dict[str, Relayhost] = {}  # sender_dependent_relayhost_maps, keys lower case
+        for k, v in cfg.sender_dependent_relayhost_maps.items():
+            hop = parse_relayhost(v, key=f"sender_dependent_relayhost_maps.{k}", default_port=cfg.smtp_port)
+            if hop is not None:
+                self.sender_relayhosts[k.strip().lower()] = hop
         self.transports = {
             k.strip().lower(): parse_transport(v, key=f"transport_map.{k}", default_port=cfg.smtp_port)
             for k, v in cfg.transport_map.items()
@@ -308,11 +313,27 @@ class Router:
         found = lookup(self.tls_policy, domain)
         return found if found is not None else self.tls_default
 
-    def route(self, address: str) -> Route:
+    def sender_relayhost(self, sender: str) -> Relayhost | None:
+        """The next hop ``sender_dependent_relayhost_maps`` gives mail from ``sender`` (the address, then its
+        ``@domain``; ``<>`` for the null sender), or None."""
+        if not self.sender_relayhosts:
+            return None
+        if not sender:
+            return self.sender_relayhosts.get("<>")
+        low = sender.lower()
+        return self.sender_relayhosts.get(low) or self.sender_relayhosts.get("@" + low.rpartition("@")[2])
+
+    def route(self, address: str, sender: str | None = None) -> Route:
         """The route of recipient ``address`` (no I/O). A route depends on the recipient's domain alone (and
         on this router's tables, set once), so it is kept per domain (at most ``ROUTES_KEPT``); the error
-        route of an address without a domain names the address and is never kept."""
+        route of an address without a domain names the address and is never kept. With ``sender`` (the
+        envelope sender; "" for <>), a recipient that ``transport_map`` does not route goes to the next hop
+        of :meth:`sender_relayhost`, if any, before ``relayhost`` (Postfix's order)."""
         domain = domain_of(address)
+        if sender is not None and self.sender_relayhosts and lookup(self.transports, domain) is None:
+            hop = self.sender_relayhost(sender)
+            if hop is not None:
+                return Route("smtp", hop.host, hop.port, hop.mx, self._tls(hop, domain), wrapper=self.wrappermode)
         found = self._routes.get(domain)
         if found is None:
             found = self._route(address, domain)

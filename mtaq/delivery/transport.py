@@ -178,7 +178,7 @@ async def deliver(
     params = list(rcpt_params) if rcpt_params is not None else [()] * len(recipients)
     groups: dict[Route, list[int]] = {}
     for i, rcpt in enumerate(recipients):
-        groups.setdefault(router.route(rcpt), []).append(i)
+        groups.setdefault(router.route(rcpt, sender), []).append(i)
     for route, positions in groups.items():
         if route.kind != "smtp":
             assert route.reply is not None
