@@ -113,8 +113,11 @@ def test_signed_headers_are_those_of_rfc6376_5_4_1_and_each_once_more():
     (over-signed, §8.15): no To, Reply-To, second Subject... can be added to a signed message."""
     head = (b"Received: x\r\nFrom: a@example.test\r\nTo: b@x\r\nCc: c@x\r\nBcc: d@x\r\nX-Mailer: m\r\n"
             b"Resent-From: r@x\r\nResent-Bcc: z@x\r\nList-Id: <l.x>\r\nSubject: s\r\n\tfolded\r\nDate: d\r\n")
-    over = [b"from", b"reply-to", b"subject", b"date", b"to", b"cc", b"in-reply-to", b"references", b"message-id",
-            b"mime-version", b"content-type", b"content-transfer-encoding"]
+    over = [b"from", b"sender", b"reply-to", b"subject", b"date", b"message-id", b"to", b"cc", b"in-reply-to",
+            b"references", b"mime-version", b"content-type", b"content-transfer-encoding", b"content-id",
+            b"content-description", b"resent-date", b"resent-from", b"resent-sender", b"resent-to", b"resent-cc",
+            b"resent-message-id", b"list-id", b"list-help", b"list-unsubscribe", b"list-unsubscribe-post",
+            b"list-subscribe", b"list-post", b"list-owner", b"list-archive"]
     assert [b"from", b"to", b"cc", b"resent-from", b"list-id", b"subject", b"date", *over] == headers_to_sign(head)
 
 
@@ -128,8 +131,21 @@ def test_no_header_field_can_be_added_to_a_signed_message(tmp_path):
         check = dnsfunc_for(zone)
         assert dkim.verify(signed, dnsfunc=check)
         for added in (b"Reply-To: thief@evil.test", b"To: victim@example.net", b"Cc: x@evil.test",
-                      b"Subject: URGENT", b"Content-Type: text/html"):
+                      b"Subject: URGENT", b"Content-Type: text/html",
+                      # the second outside review (F2): Resent-*, List-*, Sender could still be added
+                      b"Resent-From: ceo@example.test", b"Resent-Date: Mon, 1 Jan 2024 00:00:00 +0000",
+                      b"Resent-To: victim@example.net", b"Resent-Cc: x@evil.test", b"Resent-Sender: x@evil.test",
+                      b"List-Unsubscribe: <https://evil.test/u>", b"List-Unsubscribe-Post: List-Unsubscribe=One-Click",
+                      b"List-Id: <evil.test>", b"List-Help: <https://evil.test/h>", b"List-Subscribe: <mailto:s@evil.test>",
+                      b"List-Post: <mailto:p@evil.test>", b"List-Owner: <mailto:o@evil.test>",
+                      b"List-Archive: <https://evil.test/a>", b"Sender: x@evil.test"):
             assert not dkim.verify(added + b"\r\n" + signed, dnsfunc=check), added
+            assert not dkim.verify(signed.replace(b"\r\n\r\n", b"\r\n" + added + b"\r\n\r\n", 1), dnsfunc=check), added
+        # A List-* field present once is over-signed too: a second one cannot be added.
+        listed = Signer([load_key("example.test", "s1", key_file)]).sign(
+            message().replace(b"\r\n\r\n", b"\r\nList-Post: <mailto:list@example.test>\r\n\r\n", 1))
+        assert dkim.verify(listed, dnsfunc=check)
+        assert not dkim.verify(b"List-Post: <mailto:p@evil.test>\r\n" + listed, dnsfunc=check)
 
 
 def test_the_signing_domain_is_the_one_from_address_else_nothing():

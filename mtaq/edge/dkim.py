@@ -82,11 +82,20 @@ RSA_BITS_MIN = 2048  # RFC 8301 §3.2: signers SHOULD use at least 2048 bits
 RSA_BITS_MAX = 8192
 TXT_STRING_BYTES_MAX = 255  # one <character-string> of a TXT record (RFC 1035 §3.3)
 
-# RFC 6376 §5.4.1, plus the MIME fields and Message-ID; Resent-* and List-* are matched by prefix below.
-_SIGN = frozenset({
-    b"from", b"reply-to", b"subject", b"date", b"to", b"cc", b"in-reply-to", b"references", b"message-id",
-    b"mime-version", b"content-type", b"content-transfer-encoding",
-})
+# Over-signed (RFC 6376 §8.15; rspamd's oversign_headers): each once more than it appears, absent ones too, so
+# that no such field can be added to a signed message (a second Subject on top, a Reply-To, a To, a Resent-From,
+# a List-Unsubscribe link) for replay. Every field of RFC 6376 §5.4.1 and dkimpy's SHOULD list (Sender, the
+# MIME fields, Message-ID, the Resent-* and List-* fields of RFC 5322 §3.6.6 and RFC 2369/2919), and
+# List-Unsubscribe-Post (RFC 8058 §4: must be signed).
+_OVERSIGN = (
+    b"from", b"sender", b"reply-to", b"subject", b"date", b"message-id", b"to", b"cc", b"in-reply-to",
+    b"references", b"mime-version", b"content-type", b"content-transfer-encoding", b"content-id",
+    b"content-description", b"resent-date", b"resent-from", b"resent-sender", b"resent-to", b"resent-cc",
+    b"resent-message-id", b"list-id", b"list-help", b"list-unsubscribe", b"list-unsubscribe-post",
+    b"list-subscribe", b"list-post", b"list-owner", b"list-archive",
+)
+# Signed once per occurrence: those, and any other Resent-* and List-* field (matched by prefix below).
+_SIGN = frozenset(_OVERSIGN)
 # dkimpy's SHOULD_NOT list (Received, Return-Path, Bcc, Resent-Bcc, DKIM-Signature, ...), taken at the first use:
 # dkimpy and cryptography are imported only when a key is configured (start time, issue 15.6).
 _NEVER: frozenset[bytes] = frozenset()
@@ -100,10 +109,7 @@ def _never() -> frozenset[bytes]:
         _NEVER = frozenset(dkim.DKIM.SHOULD_NOT)
     return _NEVER
 
-# Over-signed (RFC 6376 §8.15; rspamd's oversign_headers): each once more than it appears, absent ones too, so
-# that no such field can be added to a signed message (a second Subject on top, a Reply-To, a To) for replay.
-_OVERSIGN = (b"from", b"reply-to", b"subject", b"date", b"to", b"cc", b"in-reply-to", b"references", b"message-id",
-             b"mime-version", b"content-type", b"content-transfer-encoding")
+
 _DOMAIN = re.compile(r"(?=.{1,253}$)[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?(?:\.[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?)*")
 _SELECTOR = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
 
