@@ -241,6 +241,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     mynetworks: list[str] = msgspec.field(default_factory=lambda: ["127.0.0.0/8", "::1/128"])
     # Domains anyone may send to ("example.org" exactly; ".example.org" for its subdomains).
     relay_domains: list[str] = msgspec.field(default_factory=list)
+    # The valid recipients of relay_domains (Postfix relay_recipient_maps): a file of "user@domain VALUE" or
+    # "@domain VALUE" lines (VALUE is not used; # comments). With it, an unlisted recipient of a relay domain
+    # gets 550 5.1.1 at RCPT (no backscatter later); "": every local part is accepted.
+    relay_recipient_maps: str = ""
     # RFC 5321 §4.5.3.1.8: at least 100 recipients must be accepted; the excess gets 452 4.5.3.
     recipients_per_message_max: Annotated[int, msgspec.Meta(ge=100, le=100_000)] = 1000
     connections_max: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 500  # concurrent, all clients

@@ -31,7 +31,7 @@ __all__ = ["RELOADABLE", "ReloadResult", "changed_keys", "unreadable_files"]
 
 RELOADABLE: frozenset[str] = frozenset({
     # the SMTP edge: new sessions (EdgePolicy, the connection gate, EdgeSettings)
-    "mynetworks", "relay_domains", "sender_login_map", "recipients_per_message_max", "connections_max",
+    "mynetworks", "relay_domains", "relay_recipient_maps", "sender_login_map", "recipients_per_message_max", "connections_max",
     "connections_per_client_per_minute_max", "smtp_server_errors_max", "smtp_bare_newline",
     "smtpd_client_connection_count_limit", "smtpd_mynetworks_reserve_percent", "smtpd_forbid_nul",
     "smtpd_error_sleep_time_s", "smtpd_client_auth_failure_rate_limit", "tls_cert_file", "tls_key_file",

@@ -251,6 +251,32 @@ def parse_networks(values: list[str], key: str = "mynetworks") -> tuple[IPNetwor
     return tuple(nets)
 
 
+def load_recipient_map(path: str) -> frozenset[str]:
+    """Read a ``relay_recipient_maps`` file (Postfix's source format: ``KEY VALUE`` per line, ``#`` comments,
+    blank lines; the key an address ``user@domain`` or ``@domain``, the value not used) -> its keys, the local
+    part lower case, the domain in A-labels. Raises ConfigError naming the file and the line number of a bad
+    line, or why it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(64 * 1024 * 1024 + 1)
+    except OSError as exc:
+        raise ConfigError(f"relay_recipient_maps: {path}: {exc.strerror}") from None
+    if len(raw) > 64 * 1024 * 1024:
+        raise ConfigError(f"relay_recipient_maps: {path}: larger than 64 MiB")
+    keys: set[str] = set()
+    for n, line in enumerate(raw.decode("utf-8", "replace").splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        key = line.split()[0]
+        local, at, domain = key.rpartition("@")
+        ace = domain_to_ascii(domain.rstrip(".")) if at and domain else None
+        if ace is None:
+            raise ConfigError(f"relay_recipient_maps: {path}: line {n}: expected user@domain or @domain")
+        keys.add(f"{local.lower()}@{ace}")
+    return frozenset(keys)
+
+
 def parse_domains(values: list[str], key: str = "relay_domains") -> tuple[str, ...]:
     """Domains as IDNA A-labels (:func:`domain_to_ascii`), without a trailing dot; ``.example.org`` stands
     for its subdomains. ``bücher.test`` is kept as ``xn--bcher-kva.test``.
@@ -324,6 +350,9 @@ class EdgePolicy:
 
     mynetworks: tuple[IPNetwork, ...] = DEFAULT_MYNETWORKS
     relay_domains: tuple[str, ...] = ()
+    # relay_recipient_maps: the valid recipients of relay_domains ("user@domain" and "@domain" keys, lower
+    # case, A-labels); None: every recipient of a relay domain is accepted.
+    relay_recipients: frozenset[str] | None = field(default=None, repr=False)
     recipients_max: int = 1000
     connections_max: int = 500
     client_connections_per_minute_max: int = 120
@@ -358,6 +387,7 @@ class EdgePolicy:
         return cls(
             mynetworks=parse_networks(cfg.mynetworks),
             relay_domains=parse_domains(cfg.relay_domains),
+            relay_recipients=load_recipient_map(cfg.relay_recipient_maps) if cfg.relay_recipient_maps else None,
             recipients_max=cfg.recipients_per_message_max,
             connections_max=cfg.connections_max,
             client_connections_per_minute_max=cfg.connections_per_client_per_minute_max,
@@ -417,6 +447,11 @@ class EdgePolicy:
         assert domain is not None
         ace = domain_to_ascii(domain)
         assert ace is not None  # address_problem refuses a domain without one
+        if self.relay_recipients is not None and self.is_relay_domain(ace):
+            # Postfix smtpd_reject_unlisted_recipient with relay_recipient_maps: whoever the client is.
+            key = f"{address.rpartition('@')[0].lower()}@{ace}"
+            if key not in self.relay_recipients and f"@{ace}" not in self.relay_recipients:
+                return f"550 5.1.1 <{address}>: Recipient address rejected: User unknown in relay recipient table"
         if authenticated or self.in_mynetworks(client_ip) or self.is_relay_domain(ace):
             return None
         return f"554 5.7.1 <{address}>: Relay access denied"
