@@ -263,6 +263,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Mail loops (Postfix hopcount_limit): a message that already has this many Received: and Delivered-To:
     # header fields is refused at DATA (554 5.4.6 too many hops).
     hopcount_limit: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 50
+    # Header privacy for authenticated submission: the Received: field of mail from an authenticated client
+    # leaves out the client's HELO name and address ("Received: by HOST (mtaq) with ESMTPSA; DATE").
+    smtpd_received_header_private: bool = False
     # Postfix smtpd_error_sleep_time: seconds before a failed AUTH is answered.
     smtpd_error_sleep_time_s: Annotated[float, msgspec.Meta(ge=0, le=300)] = 1.0
     # Failed AUTH attempts per client IP in any 60 s before AUTH gets 450 4.7.1 (mynetworks too); 0: no limit.

@@ -368,6 +368,7 @@ class EdgePolicy:
     mynetworks_reserve_percent: float = 10.0
     forbid_nul: Literal["reject", "strip"] = "reject"  # NUL octets in DATA: 550 5.6.0, or removed
     hopcount_limit: int = 50  # Received:/Delivered-To: fields a message may already have (554 5.4.6 beyond)
+    received_private: bool = False  # smtpd_received_header_private: no client in authenticated mail's Received:
     error_sleep_s: float = 1.0  # Postfix smtpd_error_sleep_time: the wait before answering a failed AUTH
     auth_failures_per_minute_max: int = 10  # failed AUTH per client IP in any 60 s before 450 4.7.1; 0: none
     # Postfix smtpd_sender_login_maps (+ reject_authenticated_sender_login_mismatch): lookup key
@@ -400,6 +401,7 @@ class EdgePolicy:
             mynetworks_reserve_percent=cfg.smtpd_mynetworks_reserve_percent,
             forbid_nul=cfg.smtpd_forbid_nul,
             hopcount_limit=cfg.hopcount_limit,
+            received_private=cfg.smtpd_received_header_private,
             error_sleep_s=cfg.smtpd_error_sleep_time_s,
             auth_failures_per_minute_max=cfg.smtpd_client_auth_failure_rate_limit,
             sender_logins=parse_sender_logins(cfg.sender_login_map) if cfg.sender_login_map else None,

@@ -70,6 +70,7 @@ class QueueHandler(FastHandlerMixin):
                                    authenticated=bool(session.authenticated), smtputf8=bool(envelope.smtp_utf8)),
             recipients=envelope.rcpt_tos,
             when_ts=self.queue.clock(),
+            private=bool(session.authenticated) and isinstance(policy, EdgePolicy) and policy.received_private,
         )
         if self.signer:  # RFC 6376: the DKIM-Signature field on top, the (unsigned) Received field below it
             trace = await self.signer.signature_of(content, _origin(server, session, envelope, client)) + trace

@@ -97,12 +97,16 @@ def received_header(
     protocol: str,
     recipients: Sequence[str],
     when_ts: float,
+    private: bool = False,
 ) -> bytes:
-    """The ``Received:`` header (with its final CRLF) for a message received now (``when_ts``, UTC seconds)."""
+    """The ``Received:`` header (with its final CRLF) for a message received now (``when_ts``, UTC seconds).
+    ``private``: without the ``from`` clause (the client's HELO name and address), for mail an authenticated
+    user submitted (``smtpd_received_header_private``): ``Received: by HOST (mtaq) with ESMTPSA ...; DATE``."""
     date = _date(when_ts)
-    lines = [
+    by = f"by {_clean_helo(hostname)} (mtaq) with {protocol}"
+    lines = [f"Received: {by}"] if private else [
         f"Received: from {_clean_helo(helo)} ({address_literal(client_ip)})",
-        f"\tby {_clean_helo(hostname)} (mtaq) with {protocol}",
+        f"\t{by}",
     ]
     if len(recipients) == 1 and ASCII_CONTROL.search(recipients[0]) is None:
         lines.append(f"\tfor <{recipients[0]}>; {date}")
