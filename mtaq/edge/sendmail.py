@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import errno
+import logging
 import os
 import pwd
 import socket
@@ -383,6 +384,9 @@ def _smtp(o: Options, cfg: Config) -> int:
 
     login, gecos = _login()
     origin = _myorigin(cfg)
+    # aiosmtpd logs the end of the pipe after QUIT ("SMTP session exception", IncompleteReadError) with a
+    # traceback; on a terminal or a caller's stderr that is noise: the session's outcome is in its replies.
+    logging.getLogger("mail.log").disabled = True
 
     class Handler:
         async def handle_MAIL(self, server: SMTP, session: Session, envelope: Envelope, address: str,
@@ -408,6 +412,10 @@ def _smtp(o: Options, cfg: Config) -> int:
         async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
             raw = envelope.original_content or b""
             assert isinstance(raw, bytes)
+            try:  # what an SMTP listener would refuse is refused here, not set aside after a 250 (B8)
+                raw = conform(raw, forbid_nul=cfg.smtpd_forbid_nul, bare_newline=cfg.smtp_bare_newline)
+            except SendmailError as exc:
+                return f"550 5.6.0 Error: {exc}"
             now = time.time()
             name = md.new_name(now)
             message, _ = prepare(raw, sender=envelope.mail_from or "", full_name=gecos, extract=False,
