@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import pwd
 import shutil
 import smtplib
 import socket
@@ -34,6 +35,7 @@ A = "2001:db8:1::{:x}"
 B = "2001:db8:1:0:2::{:x}"
 C = "2001:db8:1:0:3::{:x}"
 D = "2001:db8:1:0:1::1"
+E = "2001:db8:1:0:4::{:x}"  # after a reload to 128 bits
 COUNT_LIMIT, RATE_LIMIT, AUTH_LIMIT = 5, 10, 3
 PASSWORD = "correct horse battery staple"
 HOST = "mx.test"
@@ -96,6 +98,18 @@ def _in_namespace(work: str, cert: str, key: str, ca: str, passwd: str, workers:
         out["v4_one"] = sorted(_greeting(s)[:3] for s in v4_one)
         for s in [*v4, *v4_one]:
             s.close()
+        # `mtaq reload` with smtpd_client_ipv6_prefix_length = 128: each address is a client again
+        mtaq_user = pwd.getpwnam("mtaq")
+        for path in (cert, key, passwd):  # read again by the daemon, now mail_owner
+            os.chown(path, mtaq_user.pw_uid, mtaq_user.pw_gid)
+        conf.write_text(conf.read_text().replace("[listeners.", "smtpd_client_ipv6_prefix_length = 128\n[listeners."))
+        reload = subprocess.run([sys.executable, "-m", "mtaq.cli", "reload", "--spool", f"{work}/spool"],
+                                capture_output=True, text=True, timeout=60)
+        out["reload"] = [reload.returncode, reload.stdout + reload.stderr]
+        held = [_connect(("::1", p6), E.format(k)) for k in range(1, 9)]
+        out["e"] = [_greeting(s)[:3] for s in held]
+        for s in held:
+            s.close()
         events = read_events(d.log_path)
         out["auth_failed"] = [e.get("client") for e in events if e.get("event") == "auth_failed"]
         out["auth_rate_limited"] = [e.get("client") for e in events if e.get("event") == "auth_rate_limited"]
@@ -109,6 +123,7 @@ def tls_and_passwords(tmp_path_factory) -> dict[str, str]:
     """A local CA, a certificate for ::1, and alice's password file (`mtaq passwd`, bcrypt cost 4)."""
     trustme = pytest.importorskip("trustme")
     d = tmp_path_factory.mktemp("pki")
+    os.chmod(d, 0o755)  # the daemon reads the key and the password file again at a reload, as mail_owner
     ca = trustme.CA()
     leaf = ca.issue_cert(HOST, "::1", "127.0.0.1")
     paths = {"ca": str(d / "ca.pem"), "cert": str(d / "cert.pem"), "key": str(d / "key.pem"),
@@ -133,7 +148,8 @@ def test_the_addresses_of_one_ipv6_prefix_are_one_client(tmp_path, tls_and_passw
     connections from <the real address>`` (limit 5), while an address of another /84 of the same /64 is
     greeted; 12 connections in a row from 12 addresses of one /84 get 10 greetings, then 421 (10 a minute);
     5 wrong AUTHs from 5 addresses of one /84 get 535 three times, then 450 (3 a minute), the events naming
-    each real address. IPv4 is unchanged: 8 addresses are 8 clients, one address is one."""
+    each real address. IPv4 is unchanged: 8 addresses are 8 clients, one address is one. After ``mtaq
+    reload`` with the key at 128 (reloadable), 8 addresses of one /84 are 8 clients again."""
     p = tls_and_passwords
     run = subprocess.run(["unshare", "-n", sys.executable, __file__, str(tmp_path), p["cert"], p["key"], p["ca"],
                           p["passwd"], str(workers)], capture_output=True, text=True, timeout=90)
@@ -153,6 +169,8 @@ def test_the_addresses_of_one_ipv6_prefix_are_one_client(tmp_path, tls_and_passw
     assert [C.format(k) for k in range(AUTH_LIMIT + 1, 6)] == got["auth_rate_limited"]
     assert ["220"] * 8 == got["v4_many"]
     assert ["220"] * COUNT_LIMIT + ["421"] * (8 - COUNT_LIMIT) == got["v4_one"]
+    assert 0 == got["reload"][0], got["reload"][1]
+    assert ["220"] * 8 == got["e"]  # reloaded to 128 bits: 8 addresses of one /84 are 8 clients
 
 
 if __name__ == "__main__":  # inside `unshare -n`: see the module docstring
