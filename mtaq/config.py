@@ -270,6 +270,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     smtpd_error_sleep_time_s: Annotated[float, msgspec.Meta(ge=0, le=300)] = 1.0
     # Failed AUTH attempts per client IP in any 60 s before AUTH gets 450 4.7.1 (mynetworks too); 0: no limit.
     smtpd_client_auth_failure_rate_limit: Annotated[int, msgspec.Meta(ge=0)] = 10
+    # Postfix smtpd_client_ipv6_prefix_length (default 84 since 3.8): an IPv6 client counts as its address's
+    # first this many bits in every per-client limit (connections at once, per minute, AUTH failures).
+    smtpd_client_ipv6_prefix_length: Annotated[int, msgspec.Meta(ge=0, le=128)] = 84
     tls_cert_file: str = ""  # PEM certificate chain for STARTTLS ("" : no STARTTLS)
     tls_key_file: str = ""  # PEM private key for STARTTLS
     auth_password_file: str = ""  # "user:bcrypt-hash" lines (mtaq passwd); "" : no AUTH

@@ -202,3 +202,77 @@ def test_mtaq_queue_sends_many_queue_ids_in_several_requests(daemon):
     assert 0 == p.returncode, p.stderr[-2000:]
     res = json.loads(p.stdout)
     assert ([qid], 60_000) == (res["done"], len(res["skipped"]))
+
+
+@pytest.fixture(scope="module")
+def daemon_10s(tmp_path_factory):
+    """The daemon with the default request deadline (10 s), so that a close within 3 s is not the deadline's."""
+    tmp = tmp_path_factory.mktemp("body")
+    sink = start_sink(str(tmp / "maildir"), str(tmp / "sink.log"))
+    d = start_daemon(str(tmp / "spool"), sink.port, str(tmp / "daemon.log"))
+    yield d
+    d.kill9()
+    sink.kill9()
+
+
+@pytest.mark.parametrize(("token", "length", "stream", "expected"), [
+    (False, 1 << 30, True, (413, "PayloadTooLarge")),   # over admin_body_bytes_max, no token: 413 first
+    (True, 1 << 30, True, (413, "PayloadTooLarge")),    # over the limit with the token
+    (False, 1000, False, (401, "Unauthorized")),        # a small body, no token: the body is never awaited
+    (False, 1 << 20, True, (401, "Unauthorized")),      # the largest allowed body, streamed, no token
+])
+def test_a_body_that_will_not_be_used_is_not_read_and_the_connection_is_closed(daemon_10s, token, length, stream,
+                                                                                expected):
+    """Issue 32 outside review F7: a request answered before its body is read (``413`` by ``Content-Length``,
+    ``401`` without the token) used to keep its connection open while aiohttp read and discarded the declared
+    body (a 10 TB one until the 10 s deadline: 10.7 GB taken in worker 0's event loop); a small body
+    without the token held the connection until the deadline. Now the answer (JSON) comes at once and the
+    connection is closed right after it: the client that keeps writing the body gets a reset (or EPIPE)
+    within 3 s, having sent far less than the declared body."""
+    spool = daemon_spool(daemon_10s)
+    host, port = _host_port(admin_url(spool))
+    auth = b"Authorization: Bearer " + admin_token(spool).encode() + b"\r\n" if token else b""
+    s = socket.create_connection((host, port), timeout=10)
+    try:
+        s.sendall(b"POST /mails/actions/delete HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  + auth + f"Content-Length: {length}\r\n\r\n".encode())
+        t0 = time.monotonic()
+        s.setblocking(False)
+        sent, data, ended = 0, b"", None
+        chunk = b" " * 65536
+        while ended is None and time.monotonic() - t0 < 6:
+            if stream and sent < length:
+                try:
+                    sent += s.send(chunk[: length - sent])
+                except BlockingIOError:
+                    time.sleep(0.001)
+                except (BrokenPipeError, ConnectionResetError):
+                    ended = time.monotonic() - t0
+            else:
+                time.sleep(0.01)
+            try:
+                got = s.recv(65536)
+                if got:
+                    data += got
+                else:
+                    ended = time.monotonic() - t0  # the server's FIN
+            except BlockingIOError:
+                pass
+            except ConnectionResetError:
+                ended = time.monotonic() - t0
+        s.setblocking(True)
+        s.settimeout(2)
+        try:  # what is left of the answer, if the loop ended on the write side
+            while got := s.recv(65536):
+                data += got
+        except OSError:
+            pass
+    finally:
+        s.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert ended is not None, f"still open after 6 s, {sent} bytes of the body taken"
+    assert ended < 3.0, ended
+    assert sent < 64 * 1024 * 1024, sent  # kernel buffers at most; read and thrown away, it was the whole GiB
+    assert expected == (int(head.split()[1]), json.loads(body)["type"]), head
+    assert b"Connection: close" in head
+    assert daemon_10s.alive()

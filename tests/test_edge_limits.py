@@ -9,7 +9,7 @@ import sys
 
 from edgekit import HOST, codes, edge_relay, run_edge
 
-from mtaq.edge.limits import ConnectionGate
+from mtaq.edge.limits import ConnectionGate, client_key
 from mtaq.edge.policy import EdgePolicy, parse_networks
 
 ENHANCED = re.compile(r"^\d{3}[ -][245]\.\d{1,3}\.\d{1,3} ")
@@ -168,7 +168,7 @@ def test_many_clients_in_a_minute_cost_no_rescan_of_every_client():
     of entries; the stale ones are forgotten; the rate limit itself holds as before."""
     now = [0.0]
     gate = ConnectionGate(connections_max=500, per_client_per_minute_max=3, clock=lambda: now[0],
-                          auth_failures_per_minute_max=10)
+                          auth_failures_per_minute_max=10, ipv6_prefix_length=128)  # each address a client
     gate._recent = _CountingDict()
     _CountingDict.reads = 0
     for k in range(30_000):
@@ -366,3 +366,43 @@ def test_a_proxy_timeout_longer_than_the_idle_timeout_gives_way_to_it_after_the_
         assert greeting.startswith(b"220 ")
         assert rest.startswith(b"421 4.4.2")
         assert took < 2.0, took  # 0.6 s, then 0.4 s idle; not the 3 s PROXY timeout
+
+
+def test_an_ipv6_client_is_its_prefix_and_an_ipv4_client_its_address():
+    """Postfix ``smtpd_client_ipv6_prefix_length``: an IPv6 address counts as its first N bits (84 by
+    default); IPv4, IPv4-mapped IPv6 and text that is no address count as they are."""
+    assert "2001:db8:1::/84" == client_key("2001:db8:1::5")
+    assert "2001:db8:1::/84" == client_key("2001:db8:1:0:0:fff::1")  # bits 84..127 differ: the same client
+    assert "2001:db8:1:0:1000::/84" == client_key("2001:db8:1:0:1000::1")  # bit 67 differs: another
+    assert "2001:db8:1::/64" == client_key("2001:db8:1::ffff:1", 64)
+    assert "2001:db8:1::5" == client_key("2001:db8:1::5", 128)
+    assert "::/0" == client_key("2001:db8:1::5", 0)
+    assert "fe80::/84" == client_key("fe80::1%eth0")
+    assert ["192.0.2.1", "::ffff:192.0.2.1", "unknown"] == [client_key(a) for a in ("192.0.2.1", "::ffff:192.0.2.1",
+                                                                                    "unknown")]
+
+
+def test_a_reload_that_changes_the_ipv6_prefix_keeps_every_count_exact():
+    """A reload from 84 bits to 128 and back: the connections admitted before are counted under the new
+    clients (kept by address too), each release finds its count, and nothing is left once all have ended;
+    the same for password checks in progress (auth_begin / auth_end)."""
+    gate = ConnectionGate(connections_max=100, per_client_per_minute_max=0, client_connections_max=2,
+                          auth_failures_per_minute_max=2)
+    limits = {"connections_max": 100, "per_client_per_minute_max": 0, "exempt": lambda ip: False,
+              "client_connections_max": 2, "mynetworks_reserve": 0, "auth_failures_per_minute_max": 2}
+    a = [f"2001:db8::{k}" for k in range(1, 5)]
+    assert [None, None, "too many connections from 2001:db8::3"] == [gate.admit(ip) for ip in a[:3]]
+    # two password checks in flight from one /84 (limit 2): a third address of it must wait
+    assert [True, True, False] == [gate.auth_begin(a[0]), gate.auth_begin(a[1]), gate.auth_begin(a[2])]
+    gate.configure(**limits, ipv6_prefix_length=128)
+    assert [None, None] == [gate.admit(a[2]), gate.admit(a[3])]  # each address its own client now
+    assert [True, False] == [gate.auth_begin(a[2]), gate.auth_blocked(a[2])]
+    gate.configure(**limits, ipv6_prefix_length=84)
+    assert "too many connections from 2001:db8::1" == gate.admit(a[0])  # 4 of one /84 again
+    assert gate.auth_blocked(a[3])  # 3 checks in flight in the /84
+    for ip in a:
+        gate.release(ip)
+    for ip in a[:3]:
+        gate.auth_end(ip)
+    assert (0, 0, {}, {}) == (gate.active, gate.active_outside, gate._per_client, gate._auth_checking)
+    assert [None, None] == [gate.admit(a[0]), gate.admit(a[1])]

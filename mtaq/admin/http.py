@@ -24,7 +24,9 @@ What must always hold:
   have arrived within ``admin_request_timeout_s`` of the connection (or of the previous answer on it), or it
   gets ``408`` JSON and is closed; a body over ``admin_body_bytes_max`` (1 MiB) gets ``413`` JSON and the
   connection is closed without reading it (by ``Content-Length``; a chunked one is read no further than the
-  limit). Checked before the token, so they hold for clients without one;
+  limit). Checked before the token, so they hold for clients without one. Any request answered before its
+  body was read (401 without the token, 403, 415) is answered without reading the body, and the connection
+  is closed right after the answer (``Connection: close``), never read to its end;
 * ``SPOOL/admin.json`` (``{"url", "pid"}``) is written atomically (rename; not fsync'd: it is a hint for
   ``mtaq queue``, rewritten at every start) once the API listens;
 * with several workers (:mod:`mtaq.daemon.workers`) the public API is worker 0's and covers every shard
@@ -452,10 +454,14 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         if guard is not None:
             guard.answered(closing=True)
         raise
+    # Answered before its body was read (413 by Content-Length, 401 without the token, 403, 415...): the body
+    # is never read, and the connection is closed right after the answer (``Connection: close``; the runner
+    # has no lingering time, so aiohttp closes the transport instead of reading and discarding the rest).
+    closing = resp.status in _CLOSING or (request.body_exists and not request.content.is_eof())
     guard = _guard_of(request)
     if guard is not None:  # the next request on this connection has its own deadline
-        guard.answered(closing=resp.status in _CLOSING)
-    if resp.status in _CLOSING:
+        guard.answered(closing=closing)
+    if closing:
         resp.force_close()
     return resp
 
@@ -488,13 +494,20 @@ def _guard_of(request: web.Request) -> _Guard | None:
 
 
 @web.middleware
-async def _received(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """The whole request before any handler runs: a body over the limit is refused by its ``Content-Length``
-    unread (413), a chunked one is read up to the limit only (aiohttp's ``client_max_size``: 413); then the
-    connection's deadline stops (the request has arrived; handling it may take longer)."""
+async def _body_cap(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A body over the limit by its ``Content-Length`` gets 413 before any other check (the token's
+    included), unread; the connection is then closed (:func:`_errors`)."""
     length = request.content_length
     if length is not None and length > request.app[_BODY_MAX]:
         raise _too_large(request)
+    return await handler(request)
+
+
+@web.middleware
+async def _received(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The whole request before any handler runs, once the token is checked: a chunked body is read up to
+    the limit only (aiohttp's ``client_max_size``: 413); then the connection's deadline stops (the request
+    has arrived; handling it may take longer)."""
     if request.body_exists:
         try:
             await request.read()  # kept by aiohttp: the handler's read() returns it
@@ -590,7 +603,7 @@ def make_app(state: ApiState, *, internal: bool = False, body_bytes_max: int = B
     ``internal`` the :data:`INTERNAL_ROUTES` too (a worker's unix socket), whose bodies (worker 0's share of
     a public request) may be twice ``body_bytes_max``. The same middleware either way."""
     limit = body_bytes_max * (2 if internal else 1)
-    app = web.Application(middlewares=[_errors, _same_origin, _auth, _received], client_max_size=limit)
+    app = web.Application(middlewares=[_errors, _body_cap, _same_origin, _auth, _received], client_max_size=limit)
     app[_STATE] = state
     app[_BODY_MAX] = limit
     for method, path, handler in (*ROUTES, *(INTERNAL_ROUTES if internal else ())):
@@ -730,7 +743,9 @@ class AdminHttp:
 
     async def _runner_for(self, *, internal: bool) -> web.AppRunner:
         app = make_app(self.state, internal=internal, body_bytes_max=self.body_bytes_max)
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        # lingering_time 0: a request answered before its body was read is closed, not read to its end (aiohttp
+        # would read and discard up to 10 s of it, in this event loop, for any client).
+        runner = web.AppRunner(app, access_log=None, handle_signals=False, lingering_time=0)
         await runner.setup()
         return runner
 

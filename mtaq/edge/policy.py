@@ -371,6 +371,9 @@ class EdgePolicy:
     received_private: bool = False  # smtpd_received_header_private: no client in authenticated mail's Received:
     error_sleep_s: float = 1.0  # Postfix smtpd_error_sleep_time: the wait before answering a failed AUTH
     auth_failures_per_minute_max: int = 10  # failed AUTH per client IP in any 60 s before 450 4.7.1; 0: none
+    # Postfix smtpd_client_ipv6_prefix_length: the bits of an IPv6 client address that every per-client
+    # limit counts as one client (mtaq.edge.limits.client_key).
+    client_ipv6_prefix_length: int = 84
     # Postfix smtpd_sender_login_maps (+ reject_authenticated_sender_login_mismatch): lookup key
     # (parse_sender_logins) -> login names; None: authenticated clients may use any sender.
     sender_logins: dict[str, frozenset[str]] | None = field(default=None, repr=False)
@@ -404,6 +407,7 @@ class EdgePolicy:
             received_private=cfg.smtpd_received_header_private,
             error_sleep_s=cfg.smtpd_error_sleep_time_s,
             auth_failures_per_minute_max=cfg.smtpd_client_auth_failure_rate_limit,
+            client_ipv6_prefix_length=cfg.smtpd_client_ipv6_prefix_length,
             sender_logins=parse_sender_logins(cfg.sender_login_map) if cfg.sender_login_map else None,
         )
 

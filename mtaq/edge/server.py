@@ -248,6 +248,7 @@ def gate_limits(policy: EdgePolicy) -> dict[str, Any]:
         "client_connections_max": policy.client_connections_max,
         "mynetworks_reserve": policy.mynetworks_reserve(),
         "auth_failures_per_minute_max": policy.auth_failures_per_minute_max,
+        "ipv6_prefix_length": policy.client_ipv6_prefix_length,
     }
 
 
