@@ -231,7 +231,7 @@ class AnvilClient:
                 if not fut.done():
                     fut.set_result(answer)
                 elif answer == "+":  # nobody waits for it any more (timed out, or the connection went): give it back
-                    self._send("R" if op == "A" else "E", ip)
+                    self._give_back(op, ip)
         except (OSError, ValueError) as exc:
             self._gone(f"{type(exc).__name__}: {exc}")
             return
@@ -264,8 +264,22 @@ class AnvilClient:
         timer = loop.call_later(self.timeout_s, self._expire, fut)
         try:
             return await fut
+        except asyncio.CancelledError:
+            # Cancelled (the client's connection ended) after the answer was set but before this task woke up
+            # to take it: the future holds "+", the entry is gone, so neither _read nor the caller would give
+            # it back. (Cancelled while still waiting, the future is cancelled and _read gives a late "+" back.)
+            if fut.done() and not fut.cancelled() and fut.result() == "+":
+                self._give_back(op, ip)
+            raise
         finally:
             timer.cancel()
+
+    def _give_back(self, op: str, ip: str) -> None:
+        """Undo a ``+`` nobody takes: an admission (``A``) is released, an AUTH check (``B``) ended."""
+        if op == "A":
+            self._send("R", ip)
+        elif op == "B":
+            self._send("E", ip)
 
     def _expire(self, fut: asyncio.Future[str]) -> None:
         if fut.done():
