@@ -442,3 +442,32 @@ def test_connections_ended_before_the_greeting_give_their_places_back_with_two_w
         assert d.alive()
     finally:
         d.kill9()
+
+
+def _close_wait(port: int) -> int:
+    """Sockets of this host on local port ``port`` in CLOSE-WAIT (the peer has closed, this side not yet)."""
+    n = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table, encoding="ascii") as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                n += int(local.rsplit(":", 1)[1], 16) == port and state == "08"
+    return n
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_client_that_closes_before_the_greeting_leaves_no_socket_behind(tmp_path, pki, passwd_file, workers):
+    """Found with review finding F1: 600 connections from 40 outside addresses, each closed (FIN) right after
+    connect. Every one is closed by the daemon too within 10 s (none left in CLOSE-WAIT); before, each whose
+    handler was cancelled before its command loop kept its socket for smtp_server_timeout_s (300 s), outside
+    every limit (338 of 1,000 with one worker, 674 with two)."""
+    import asyncio
+
+    d = _daemon(tmp_path, pki, passwd_file, workers, "connections_per_client_per_minute_max = 0\n")
+    try:
+        assert 600 == asyncio.run(_churn([d.port], 600, [f"127.0.5.{i}" for i in range(1, 41)], 12, "fin"))
+        wait_for(lambda: 0 == _close_wait(d.port), 10, "no socket of the daemon left in CLOSE-WAIT")
+        with socket.create_connection(("127.0.0.1", d.port), timeout=10, source_address=(OUTSIDE, 0)) as s:
+            assert "220" == _first_reply(s)
+    finally:
+        d.kill9()
