@@ -438,7 +438,8 @@ class MtaqSMTP(FastPathMixin, SMTP):
     async def _handle_client(self) -> None:
         if not self._admitted and self.gate is not None:
             # Admission before the greeting (the host's gate may answer from another process: a cancellation
-            # while asking leaves nothing held, the gate gives a late place back itself).
+            # while asking leaves nothing held, the gate gives a late place back itself, and one answered
+            # just before the cancellation too: mtaq.daemon.anvil.AnvilClient._ask).
             self._refusal = await self.gate.ask_admit(self._gate_ip)
             self._admitted = self._refusal is None
         if self._refusal is not None:
