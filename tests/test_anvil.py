@@ -120,3 +120,81 @@ def test_a_closed_anvil_means_the_workers_own_gate_at_once():
         return time.monotonic() - t0
 
     assert asyncio.run(main()) < 1.0
+
+
+def test_an_answer_taken_by_a_cancelled_question_is_given_back():
+    """Review finding F1: the anvil's `+` is set on the question's future, and the asking task (a connection's
+    handler) is cancelled before it wakes up to take it (aiosmtpd cancels it when the client resets or closes
+    right then). The task gets CancelledError, not `+`: the admission and the AUTH check it was given are
+    released / ended at once, so the host's gate holds nothing (before: the place was kept for ever).
+
+    Deterministic on asyncio's loop: a task that yields every iteration sees the future done in the iteration
+    after the anvil's reader set it, before the asking task's wake-up (queued behind it) runs, and cancels it."""
+    ours, theirs = socket.socketpair()
+    host = _gate(per_ip=5)
+    server = AnvilServer(host, [ours])
+
+    async def cancel_once_answered(w: AnvilClient, ask) -> str:
+        task = asyncio.ensure_future(ask)
+        while not w._pending:  # the question is on the wire
+            await asyncio.sleep(0)
+        [(_op, _ip, fut)] = w._pending.values()
+        while not fut.done():
+            await asyncio.sleep(0)
+        assert not task.done()  # answered, not yet taken
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            return "cancelled"
+        return "taken"
+
+    async def main() -> list[str]:
+        loop = asyncio.get_running_loop()
+        loop.add_reader(ours, server.readable, ours)
+        w = AnvilClient(theirs, _gate(), timeout_s=5)
+        await w.start()
+        outcomes = [await cancel_once_answered(w, w.ask_admit("192.0.2.1")),
+                    await cancel_once_answered(w, w.ask_auth_begin("192.0.2.1"))]
+        deadline = time.monotonic() + 10
+        while (host.active or host._auth_checking) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        loop.remove_reader(ours)
+        return outcomes
+
+    assert ["cancelled", "cancelled"] == asyncio.run(main())
+    assert (0, 0, {}, {}) == (host.active, host.active_outside, host._per_client, host._auth_checking)
+
+
+def test_what_a_cut_off_worker_held_is_given_back_and_a_release_counts_once():
+    """Found with review finding F1: the supervisor closes the socket of a worker that breaks the wire (here it
+    sends a line that is not the wire); that worker then decides alone and never releases its places in the
+    host's gate, so the anvil gives back at once what it held (2 admissions and 1 AUTH check of 192.0.2.1),
+    and the other worker's client is admitted again up to the limit of 2. A release the worker holds nothing
+    for is ignored (a place is given back once)."""
+    host = _gate(per_ip=2)
+    pairs = [socket.socketpair() for _ in range(2)]
+    server = AnvilServer(host, [a for a, _b in pairs])
+
+    async def main() -> list[str | None]:
+        loop = asyncio.get_running_loop()
+        for s in server.sockets:
+            loop.add_reader(s, server.readable, s)
+        w1, w2 = (AnvilClient(b, _gate(per_ip=2), timeout_s=5) for _a, b in pairs)
+        await w1.start()
+        await w2.start()
+        assert [None, None] == [await w1.ask_admit("192.0.2.1"), await w1.ask_admit("192.0.2.1")]
+        assert await w1.ask_auth_begin("192.0.2.1")
+        w2.release("192.0.2.1")  # w2 holds nothing: ignored
+        assert "too many connections from 192.0.2.1" == await w2.ask_admit("192.0.2.1")
+        pairs[0][1].send(b"not the wire\n")
+        deadline = time.monotonic() + 10
+        while len(server.sockets) == 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        answers = [await w2.ask_admit("192.0.2.1"), await w2.ask_admit("192.0.2.1"), await w2.ask_admit("192.0.2.1")]
+        for s in server.sockets:
+            loop.remove_reader(s)
+        return answers
+
+    assert [None, None, "too many connections from 192.0.2.1"] == asyncio.run(main())
+    assert (2, {"192.0.2.1": 2}, {}) == (host.active, host._per_client, host._auth_checking)

@@ -371,3 +371,103 @@ def test_spilled_bodies_never_take_the_descriptor_a_new_connection_needs(tmp_pat
             s.close()
         d.kill9()
         sink.kill9()
+
+
+def _greetings(port: int, sources: list[str]) -> list[str]:
+    """The first reply code each of ``sources`` gets, all connections held until every one has its reply."""
+    socks = []
+    try:
+        for src in sources:
+            s = socket.create_connection(("127.0.0.1", port), timeout=30, source_address=(src, 0))
+            socks.append(s)
+        return [_first_reply(s) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+async def _churn(ports: list[int], n: int, sources: list[str], concurrency: int, how: str) -> int:
+    """``n`` connections to ``ports`` (in turn) from ``sources`` (in turn), each ended right after connect,
+    before the greeting: ``how`` "rst" (SO_LINGER 0: a reset) or "fin" (a plain close). Returns how many
+    connected."""
+    import asyncio
+    import struct
+
+    sem = asyncio.Semaphore(concurrency)
+    done = 0
+
+    async def one(k: int) -> None:
+        nonlocal done
+        async with sem:
+            try:
+                _r, w = await asyncio.wait_for(asyncio.open_connection(
+                    "127.0.0.1", ports[k % len(ports)], local_addr=(sources[k % len(sources)], 0)), 10)
+            except OSError:
+                return
+            if how == "rst":
+                w.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                w.transport.abort()
+            else:
+                w.close()
+            done += 1
+
+    await asyncio.gather(*(one(k) for k in range(n)))
+    return done
+
+
+@pytest.mark.parametrize("how", ["rst", "fin"])
+def test_connections_ended_before_the_greeting_give_their_places_back_with_two_workers(tmp_path, pki, passwd_file,
+                                                                                        how):
+    """Review finding F1 (issue 32.4): with 2 workers each connection asks the supervisor's anvil, and a
+    connection that ends (reset or FIN) right as the anvil's `+` comes back used to keep its place for ever.
+    connections_max = 20 (18 for clients outside mynetworks), 2 per client: after 3,000 connections from 40
+    outside addresses to ports 25 and 587, each ended right after connect, 18 fresh outside addresses are
+    all greeted (220) and a 19th gets 421 4.7.0 (the host's count is back to 0, and exact), and each of the
+    40 churning addresses is greeted twice (its own count is back to 0)."""
+    import asyncio
+
+    sub = free_port()
+    d = _daemon(tmp_path, pki, passwd_file, 2,
+                "connections_max = 20\nsmtpd_client_connection_count_limit = 2\n"
+                f"connections_per_client_per_minute_max = 0\n[listeners.\"127.0.0.1:{sub}\"]\nmode = \"submission\"\n")
+    churners = [f"127.0.5.{i}" for i in range(1, 41)]
+    fresh = [f"127.0.6.{i}" for i in range(1, 20)]
+    try:
+        assert 3000 == asyncio.run(_churn([d.port, sub], 3000, churners, 12, how))
+        wait_for(lambda: ["220"] * 18 + ["421"] == _greetings(d.port, fresh), 10,
+                 "18 fresh outside clients greeted, the 19th refused")
+        for i in range(0, 40, 8):  # 8 addresses twice each: 16 connections held, within the 18 places
+            wait_for(lambda i=i: ["220"] * 16 == _greetings(d.port, churners[i:i + 8] * 2), 10,
+                     f"two connections of each of {churners[i:i + 8]} greeted")
+        assert d.alive()
+    finally:
+        d.kill9()
+
+
+def _close_wait(port: int) -> int:
+    """Sockets of this host on local port ``port`` in CLOSE-WAIT (the peer has closed, this side not yet)."""
+    n = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table, encoding="ascii") as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                n += int(local.rsplit(":", 1)[1], 16) == port and state == "08"
+    return n
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_client_that_closes_before_the_greeting_leaves_no_socket_behind(tmp_path, pki, passwd_file, workers):
+    """Found with review finding F1: 600 connections from 40 outside addresses, each closed (FIN) right after
+    connect. Every one is closed by the daemon too within 10 s (none left in CLOSE-WAIT); before, each whose
+    handler was cancelled before its command loop kept its socket for smtp_server_timeout_s (300 s), outside
+    every limit (338 of 1,000 with one worker, 674 with two)."""
+    import asyncio
+
+    d = _daemon(tmp_path, pki, passwd_file, workers, "connections_per_client_per_minute_max = 0\n")
+    try:
+        assert 600 == asyncio.run(_churn([d.port], 600, [f"127.0.5.{i}" for i in range(1, 41)], 12, "fin"))
+        wait_for(lambda: 0 == _close_wait(d.port), 10, "no socket of the daemon left in CLOSE-WAIT")
+        with socket.create_connection(("127.0.0.1", d.port), timeout=10, source_address=(OUTSIDE, 0)) as s:
+            assert "220" == _first_reply(s)
+    finally:
+        d.kill9()

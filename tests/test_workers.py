@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import smtplib
+import socket
 import subprocess
 import sys
 import time
@@ -177,6 +178,37 @@ def test_kill9_of_the_supervisor_stops_every_worker_and_a_restart_with_fewer_wor
 def _state(pid: int) -> str:
     with open(f"/proc/{pid}/stat", encoding="ascii") as f:
         return f.read().rpartition(")")[2].split()[0]
+
+
+def test_kill9_of_the_supervisor_alone_takes_workers_that_switched_to_mail_owner_with_it(tmp_path: Path) -> None:
+    """Review finding F8: started as root, each worker switches to mail_owner, and Linux clears the
+    parent-death signal (PR_SET_PDEATHSIG) on that change of uid and gid. kill -9 of the supervisor only (not
+    its workers: what an OOM killer or an administrator does): both workers are gone within 10 s and the port
+    can be bound again (before: they went on serving port 25 under init, and the next `mtaq serve` failed with
+    Address already in use)."""
+    assert 0 == os.geteuid()  # the tests run as root: the workers switch to mail_owner
+    daemon = start_daemon(str(tmp_path / "spool"), free_port(), str(tmp_path / "daemon.log"), workers=2)
+    kids: list[int] = []
+    try:
+        kids = wait_for(lambda: (k := daemon.children()) and len(k) == 2 and k, 20, "two workers")
+        wait_for(lambda: 2 == len([e for e in read_events(daemon.log_path) if e.get("event") == "listening"]), 20,
+                 "both workers listening")
+        assert [True, True] == [os.stat(f"/proc/{pid}").st_uid != 0 for pid in kids]  # switched
+        os.kill(daemon.popen.pid, signal.SIGKILL)
+        assert -signal.SIGKILL == daemon.popen.wait(timeout=20)
+        wait_for(lambda: not [p for p in kids if os.path.exists(f"/proc/{p}") and _state(p) != "Z"], 10,
+                 "both workers to be gone")
+        with socket.socket() as s:  # as the next `mtaq serve` binds (mtaq.daemon.workers.bind_listeners)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", daemon.port))
+            s.listen()
+    finally:
+        for pid in kids:  # before the fix they outlive the supervisor: daemon.kill9 no longer sees them
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        daemon.kill9()
 
 
 def test_a_worker_that_dies_takes_the_supervisor_and_the_other_workers_down(tmp_path: Path) -> None:

@@ -19,8 +19,11 @@ What must always hold:
 * a worker never waits on the anvil for more than :data:`ANVIL_TIMEOUT_S` for one answer, and never blocks its
   event loop on it: when the supervisor is slow or gone, the worker decides with its own gate (the same
   limits, counted per worker: the behaviour before the anvil, never no limit), logs ``anvil_unavailable``
-  and goes on; a late ``+`` to an admission or a check it no longer waits for is given back at once, so the
-  host's counters never keep a place nobody holds;
+  and goes on; a late ``+`` to an admission or a check it no longer waits for is given back at once, as is
+  a ``+`` set just before the asking task was cancelled (its connection ended), so the host's counters
+  never keep a place nobody holds;
+* the supervisor counts what each worker holds: a release or an end that worker holds nothing for is
+  ignored, and what it holds is given back when its socket is closed (each place is given back once);
 * the supervisor never blocks on a worker: its sockets are non-blocking, what a worker does not read is
   buffered (at most :data:`OUT_BUFFER_MAX` bytes, then that worker's socket is closed and it falls back).
 """
@@ -57,33 +60,49 @@ class AnvilServer:
         self.reconfigure = reconfigure
         self._in: dict[socket.socket, bytearray] = {}
         self._out: dict[socket.socket, bytearray] = {}
+        # What each worker holds (admissions and AUTH checks answered "+", not yet released / ended), per IP:
+        # given back when its socket is closed, so a worker cut off keeps no place in the host's gate.
+        self._held: dict[socket.socket, dict[str, int]] = {}
+        self._checks: dict[socket.socket, dict[str, int]] = {}
         for s in socks:
             s.setblocking(False)
             self._in[s] = bytearray()
             self._out[s] = bytearray()
+            self._held[s] = {}
+            self._checks[s] = {}
 
     @property
     def sockets(self) -> list[socket.socket]:
         return list(self._in)
 
-    def answer(self, line: bytes) -> bytes | None:
-        """The answer to one message (without its LF), or None when it needs none. Raises ValueError when
-        it is not the wire."""
+    def answer(self, line: bytes, s: socket.socket | None = None) -> bytes | None:
+        """The answer to one message (without its LF) from the worker on ``s``, or None when it needs none.
+        Raises ValueError when it is not the wire. A release (``R``) or an end (``E``) the worker on ``s``
+        holds nothing for is ignored: each place is given back once."""
         ident, op, ip = line.decode("ascii").split(" ", 2)
         g = self.gate
+        held = self._held.get(s) if s is not None else None
+        checks = self._checks.get(s) if s is not None else None
         if op == "A":
             refusal = g.admit(ip)
+            if refusal is None and held is not None:
+                held[ip] = held.get(ip, 0) + 1
             return f"{ident} +\n".encode() if refusal is None else f"{ident} -{refusal}\n".encode("ascii", "replace")
         if op == "B":
-            return f"{ident} {'+' if g.auth_begin(ip) else '-'}\n".encode()
+            ok = g.auth_begin(ip)
+            if ok and checks is not None:
+                checks[ip] = checks.get(ip, 0) + 1
+            return f"{ident} {'+' if ok else '-'}\n".encode()
         if op == "Q":
             return f"{ident} {'+' if g.auth_blocked(ip) else '-'}\n".encode()
         if op == "R":
-            g.release(ip)
+            if held is None or _take(held, ip):
+                g.release(ip)
         elif op == "F":
             g.auth_failed(ip)
         elif op == "E":
-            g.auth_end(ip)
+            if checks is None or _take(checks, ip):
+                g.auth_end(ip)
         elif op == "L":
             if self.reconfigure is not None:
                 self.reconfigure()
@@ -109,7 +128,7 @@ class AnvilServer:
         out = self._out[s]
         try:
             while (nl := buf.find(b"\n")) >= 0:
-                reply = self.answer(bytes(buf[:nl]))
+                reply = self.answer(bytes(buf[:nl]), s)
                 del buf[: nl + 1]
                 if reply is not None:
                     out += reply
@@ -143,10 +162,30 @@ class AnvilServer:
         return bool(self._out.get(s))
 
     def close(self, s: socket.socket) -> None:
+        """Close the socket of a worker (gone, or it broke the wire), and give back what that worker held:
+        it now decides alone (:class:`AnvilClient` falls back), and never releases those places here."""
         self._in.pop(s, None)
         self._out.pop(s, None)
+        for ip, n in self._held.pop(s, {}).items():
+            for _ in range(n):
+                self.gate.release(ip)
+        for ip, n in self._checks.pop(s, {}).items():
+            for _ in range(n):
+                self.gate.auth_end(ip)
         with contextlib.suppress(OSError):
             s.close()
+
+
+def _take(counts: dict[str, int], key: str) -> bool:
+    """Take one from ``counts[key]``; False when it held none."""
+    left = counts.get(key, 0)
+    if not left:
+        return False
+    if left > 1:
+        counts[key] = left - 1
+    else:
+        del counts[key]
+    return True
 
 
 def wait_serving(server: AnvilServer | None, pids: Iterable[int]) -> tuple[int, int]:
@@ -231,7 +270,7 @@ class AnvilClient:
                 if not fut.done():
                     fut.set_result(answer)
                 elif answer == "+":  # nobody waits for it any more (timed out, or the connection went): give it back
-                    self._send("R" if op == "A" else "E", ip)
+                    self._give_back(op, ip)
         except (OSError, ValueError) as exc:
             self._gone(f"{type(exc).__name__}: {exc}")
             return
@@ -264,8 +303,22 @@ class AnvilClient:
         timer = loop.call_later(self.timeout_s, self._expire, fut)
         try:
             return await fut
+        except asyncio.CancelledError:
+            # Cancelled (the client's connection ended) after the answer was set but before this task woke up
+            # to take it: the future holds "+", the entry is gone, so neither _read nor the caller would give
+            # it back. (Cancelled while still waiting, the future is cancelled and _read gives a late "+" back.)
+            if fut.done() and not fut.cancelled() and fut.result() == "+":
+                self._give_back(op, ip)
+            raise
         finally:
             timer.cancel()
+
+    def _give_back(self, op: str, ip: str) -> None:
+        """Undo a ``+`` nobody takes: an admission (``A``) is released, an AUTH check (``B``) ended."""
+        if op == "A":
+            self._send("R", ip)
+        elif op == "B":
+            self._send("E", ip)
 
     def _expire(self, fut: asyncio.Future[str]) -> None:
         if fut.done():

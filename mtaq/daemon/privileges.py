@@ -19,10 +19,12 @@ and mtaq.delivery.sasl); ``SPOOL/admin.token`` is tightened to 0600 when it is r
 
 from __future__ import annotations
 
+import ctypes
 import os
 import pwd
 import stat
 from dataclasses import dataclass
+from typing import Any
 
 from mtaq.config import Config
 from mtaq.core.errors import ConfigError
@@ -158,9 +160,12 @@ def switch_to(owner: Owner, cfg: Config) -> None:
     every capability). Raises ConfigError (one line) when the switch does not hold or ``owner`` cannot
     write the spool (e.g. a parent directory it may not search)."""
     _load_trust_anchors(cfg)
+    death_signal, parent = _parent_death_signal(), os.getppid()
     os.setgroups([owner.gid])
     os.setgid(owner.gid)
     os.setuid(owner.uid)
+    if death_signal:
+        _rearm_parent_death_signal(death_signal, parent)
     check_switched(owner)
     stdlib = os.path.dirname(os.__file__)  # modules imported later (lazily) are read as owner
     if not os.access(stdlib, os.R_OK | os.X_OK):
@@ -168,6 +173,38 @@ def switch_to(owner: Owner, cfg: Config) -> None:
     if not os.access(cfg.spool_dir, os.R_OK | os.W_OK | os.X_OK):
         raise ConfigError(f"mail_owner {owner.name!r}: cannot use the spool {cfg.spool_dir} "
                           "(a parent directory it may not search?)")
+
+
+_PR_SET_PDEATHSIG, _PR_GET_PDEATHSIG = 1, 2
+
+
+def _prctl() -> Any:
+    """libc's ``prctl`` (Linux), or None."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        return None
+
+
+def _parent_death_signal() -> int:
+    """The signal this process gets when its parent dies (``PR_GET_PDEATHSIG``; 0: none, or not Linux)."""
+    prctl = _prctl()
+    sig = ctypes.c_int(0)
+    if prctl is None or prctl(_PR_GET_PDEATHSIG, ctypes.byref(sig), 0, 0, 0) != 0:
+        return 0
+    return sig.value
+
+
+def _rearm_parent_death_signal(sig: int, parent: int) -> None:
+    """Set the parent-death signal ``sig`` again: Linux clears it when a process changes its uid or gid
+    (prctl(2), PR_SET_PDEATHSIG), so a worker that switched to ``mail_owner`` would outlive a ``kill -9`` of
+    its supervisor and keep serving its port. If the parent (pid ``parent`` before the switch) died in
+    between, this process gets ``sig`` now, as it would have."""
+    prctl = _prctl()
+    if prctl is not None:
+        prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+    if os.getppid() != parent:
+        os.kill(os.getpid(), sig)
 
 
 def _load_trust_anchors(cfg: Config) -> None:

@@ -19,7 +19,8 @@ What must always hold:
   shard found on disk, so lowering ``workers`` never strands queued mail;
 * crash-only: when any worker ends, the supervisor SIGKILLs the others and exits with that worker's status
   (75 after a failed fsync, 128 + signal number after a signal); the next start is a recovery of every
-  shard. Workers die with the supervisor (``PR_SET_PDEATHSIG``), so ``kill -9`` of it stops them all;
+  shard. Workers die with the supervisor (``PR_SET_PDEATHSIG``, set again after the switch to ``mail_owner``:
+  :func:`mtaq.daemon.privileges.switch_to`), so ``kill -9`` of it stops them all;
 * queue IDs are unique across shards: the low 4 bits of worker k's IDs are k (so at most 16 workers).
 
 ``workers = "auto"`` (the default) is one worker per core this process may run on

@@ -425,16 +425,21 @@ class MtaqSMTP(FastPathMixin, SMTP):
         super().connection_lost(error)
 
     def eof_received(self) -> bool | None:
-        """aiosmtpd's; an end of stream before :meth:`connection_made` (right after an smtps handshake) closes."""
-        if self.session is None:
-            return False
-        result: bool | None = super().eof_received()
-        return result
+        """aiosmtpd's (it cancels the session's handler), and the connection is closed (False). aiosmtpd kept
+        the transport open (True) and left the closing to the handler's ``except CancelledError``, which a
+        handler cancelled before it reached its command loop (not yet started, asking the gate, greeting)
+        never runs: a client that connected and closed at once (a port scanner's FIN) left a socket in
+        CLOSE-WAIT for ``smtp_server_timeout_s`` (300 s), not counted in any limit. An end of stream before
+        :meth:`connection_made` (right after an smtps handshake) closes too."""
+        if self.session is not None:
+            super().eof_received()
+        return False
 
     async def _handle_client(self) -> None:
         if not self._admitted and self.gate is not None:
             # Admission before the greeting (the host's gate may answer from another process: a cancellation
-            # while asking leaves nothing held, the gate gives a late place back itself).
+            # while asking leaves nothing held, the gate gives a late place back itself, and one answered
+            # just before the cancellation too: mtaq.daemon.anvil.AnvilClient._ask).
             self._refusal = await self.gate.ask_admit(self._gate_ip)
             self._admitted = self._refusal is None
         if self._refusal is not None:
