@@ -259,3 +259,39 @@ def test_a_damaged_segment_header_is_reported_by_the_runners_cursor(tmp_path, fl
     else:
         assert problems[0].end == 32
         assert set(got) == set(again) == {e.queue_id for e in envs}
+
+
+def test_a_hole_stays_a_hole_when_the_run_after_the_cut_was_killed_before_its_recovery_saw_it(tmp_path):
+    """Found by a clean-clone run of test_crash_kill9 (seed 5, reordered write-back), stop 41: a power cut
+    leaves an unsynced hole (two unacknowledged messages, the second one's records kept); the next run's
+    Log.open makes every segment durable (the baseline) and the run accepts a message, whose envelope
+    claims the durable end of the new segment, then is killed before its recovery reached the hole; the
+    run after that must still call the hole an unsynced hole. The later run's claim vouches for bytes that
+    were already lost when its baseline fsync'd them: it is no evidence that the hole was ever fsync'd."""
+    spool = str(tmp_path)
+    log, q, _ = start(spool, segment_bytes_max=1 << 20)
+    receive(q, 3)
+    e = log.durable_end
+    write_checkpoint(OsFileSystem(), spool, Checkpoint(e, e, (e, e), ((), ()), 1.0))
+    late = [q._append_message("s@x", [f"late{i}@y"], b"Subject: late\r\n\r\n" + b"z" * 1500 + b"\r\n")[0]
+            for i in range(2)]
+    seg = log.current_segment
+    log.close()
+    path = segment_path(os.path.join(spool, "log"), seg)
+    raw = bytearray(open(path, "rb").read())
+    scan = scan_segment(seg, bytes(raw))
+    data_pos = next(p for p, r in scan.records if isinstance(r, DataRecord) and r.queue_id == late[0].queue_id)
+    data_end = next(p.offset for p, _ in scan.records if p > data_pos)
+    raw[data_pos.offset:data_end] = bytes(data_end - data_pos.offset)  # that write never reached the disk
+    open(path, "wb").write(bytes(raw))
+
+    # The next run: the baseline, one message accepted (durable, its envelope stamped), killed before recovery.
+    log, _report = Log.open(OsFileSystem(), os.path.join(spool, "log"), segment_bytes_max=1 << 20)
+    q = Queue(log, policy=RetryPolicy(intervals_s=(60.0,)), clock=lambda: 1000.0, reporting_mta="mx.test")
+    receive(q, 1)
+    log.close()
+
+    log, q, res = start(spool, segment_bytes_max=1 << 20)
+    log.close()
+    assert [(seg, data_pos.offset, data_end)] == [(p.segment, p.offset, p.end) for p in res.holes]
+    assert [] == res.corrupt
