@@ -36,7 +36,16 @@ from mtaq.core.checkpoint import Checkpoint, restore_runners
 from mtaq.core.errors import CorruptRecord
 from mtaq.core.frame import SEGMENT_HEADER_BYTES, Problem, scan_segment
 from mtaq.core.parking import RECOVERY_END, QueueCounts
-from mtaq.core.records import PARKED, DeliveryRecord, EnvelopeRecord, FinishRecord, Outcome, Pos, StartRecord
+from mtaq.core.records import (
+    PARKED,
+    DeliveryRecord,
+    EnvelopeRecord,
+    FinishRecord,
+    Outcome,
+    Pos,
+    SealRecord,
+    StartRecord,
+)
 from mtaq.core.state import Attempt
 from mtaq.queue.store import Queue, far_data
 from mtaq.storage.checkpoint import read_checkpoint
@@ -185,7 +194,11 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
     # ENVELOPE and START carries the durable end when it was appended, and a START names an envelope that
     # was durable (runners offer nothing else); the checkpoint's head was fsync'd before it was written.
     scans: list[tuple[int, Any, bool]] = []
-    durable_known = cp.head if cp is not None else Pos(0, 0)
+    # The claims are kept per segment: a run's claims vouch only for the bytes of its own run and earlier
+    # ones, never for the unsynced tail of an earlier run that its start's baseline fsync made durable as it
+    # was (holes and all). Runs end at the segments a start sealed (a SEAL without a claim, or unsealed now).
+    claims: dict[int, Pos] = {}
+    run_ends: set[int] = set(report.unsealed)
     for seg in report.segments:
         if seg < scan_from.segment:
             continue
@@ -196,12 +209,28 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
             scan = await asyncio.to_thread(scan_segment, seg, buf, skip_data=True)
         scans.append((seg, scan, seg in report.unsealed or not scan.sealed))
         for _pos, rec in scan.records:
+            if isinstance(rec, SealRecord) and rec.durable is None:
+                run_ends.add(seg)  # sealed by the repair at a start: the last segment of a run
             claim = getattr(rec, "durable", None)  # every record kind but DATA carries one (docs/log_format.md)
-            if claim is not None and claim > durable_known:
-                durable_known = claim
-            if isinstance(rec, StartRecord) and rec.envelope >= durable_known:
-                durable_known = Pos(rec.envelope.segment, rec.envelope.offset + 1)
+            if isinstance(rec, StartRecord):  # a runner starts only durable envelopes
+                started_claim = Pos(rec.envelope.segment, rec.envelope.offset + 1)
+                claim = started_claim if claim is None or started_claim > claim else claim
+            if claim is not None and claim > claims.get(seg, Pos(0, 0)):
+                claims[seg] = claim
         await asyncio.sleep(0)  # let SMTP clients in between segments
+
+    checkpoint_head = cp.head if cp is not None else Pos(0, 0)
+
+    def durable_known_for(at: Pos) -> Pos:
+        """How far the log is known to have been fsync'd, as evidence about the bytes at ``at``: the largest
+        claim of a record of ``at``'s run or an earlier one (and the checkpoint's head, when it lies in
+        those runs). Without a run end after ``at``, every claim counts."""
+        end = min((r for r in run_ends if r >= at.segment), default=None)
+        known = checkpoint_head if end is None or checkpoint_head.segment <= end else Pos(0, 0)
+        for seg, claim in claims.items():
+            if (end is None or seg <= end) and claim > known:
+                known = claim
+        return known
 
     # Where the last good frame ends, DATA frames included (recovery's scans list no DATA records): damage
     # before it has good frames after it.
@@ -224,7 +253,7 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
                 continue
             known = aside.get((p.segment, p.offset))
             if (known is not None and known.kind == "unsynced-hole") or (
-                known is None and durable_known <= Pos(p.segment, p.offset) < last_record
+                known is None and durable_known_for(Pos(p.segment, p.offset)) <= Pos(p.segment, p.offset) < last_record
             ):
                 # Bytes after the last point known to be durable that never reached the disk, with later writes
                 # that did (a disk writes back out of order): not damage; kept aside the same way, and reported
@@ -267,7 +296,7 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
                                    reason="an unsynced hole lies within the attempt; concluded again")
                     continue
             if (isinstance(rec, EnvelopeRecord) and rec.replaces is not None and rec.replaces >= scan_from
-                    and rec.replaces not in starts_read and rec.replaces >= durable_known):
+                    and rec.replaces not in starts_read and rec.replaces >= durable_known_for(rec.replaces)):
                 # A replacement whose START was never read: lost in an unsynced hole (a power cut kept this
                 # page and not the START's). Nothing it concludes happened as far as the log can show: the
                 # envelope the START named is still live, so this one is ended (31.2: two live envelopes
@@ -278,7 +307,7 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
                 continue
             if (isinstance(rec, EnvelopeRecord) and rec.bounce_of and rec.replaces is None
                     and rec.bounce_start is not None and rec.bounce_start >= scan_from
-                    and rec.bounce_start not in starts_read and rec.bounce_start >= durable_known):
+                    and rec.bounce_start not in starts_read and rec.bounce_start >= durable_known_for(rec.bounce_start)):
                 # A DSN whose START (the attempt or the administrator's bounce that queued it) was lost: that
                 # attempt never happened as far as the log can show, and the message is still live. Ended, or
                 # the sender would be told of a failure while the message is delivered.
