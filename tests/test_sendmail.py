@@ -507,7 +507,9 @@ def test_a_local_users_directories_in_the_maildrop_are_reported_once(host) -> No
 
     h = host()
     h.start()
-    wait_for(lambda: (h.spool / "maildrop").is_dir(), 10, "the maildrop made by the daemon")
+    # Mode 1733 is set just after the directory is made: wait for the mode, not for the directory.
+    wait_for(lambda: (h.spool / "maildrop").is_dir() and 0o1733 == (h.spool / "maildrop").stat().st_mode & 0o7777,
+             10, "the maildrop made by the daemon, mode 1733")
     os.chmod(h.spool, 0o755)
     names = [md.new_name() for _ in range(20)]
     made = subprocess.run([*NOBODY, "mkdir", *[str(h.spool / "maildrop" / n) for n in names]], capture_output=True)
