@@ -53,17 +53,22 @@ class Offline(Exception):
 
 
 # ------------------------------------------------------------------------------------------- arguments
+def _add_api_arguments(p: argparse.ArgumentParser, *, timeout_s: float) -> None:
+    """How a command reaches the running daemon's admin API: --spool, --url, --token, --timeout."""
+    p.add_argument("--spool", metavar="DIR", help="spool directory (default: spool_dir of --config, else ./spool)")
+    p.add_argument("--url", metavar="URL", help="admin API URL (default: from SPOOL/admin.json)")
+    p.add_argument("--token", metavar="TOKEN",
+                   help="admin API bearer token (default: $MTAQ_ADMIN_TOKEN, else admin_token of --config, "
+                        "else SPOOL/admin.token)")
+    p.add_argument("--timeout", metavar="SECONDS", type=float, default=timeout_s,
+                   help=f"seconds to wait for the daemon's answer (default {timeout_s:g})")
+
+
 def add_queue_parser(sub: Any) -> None:
     """Add ``mtaq queue ...`` to the ``mtaq`` sub-command parsers ``sub``."""
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--spool", metavar="DIR", help="spool directory (default: spool_dir of --config, else ./spool)")
     common.add_argument("--config", metavar="FILE", help="TOML configuration file (spool_dir, admin_token)")
-    common.add_argument("--url", metavar="URL", help="admin API URL (default: from SPOOL/admin.json)")
-    common.add_argument("--token", metavar="TOKEN",
-                        help="admin API bearer token (default: $MTAQ_ADMIN_TOKEN, else admin_token of --config, "
-                             "else SPOOL/admin.token)")
-    common.add_argument("--timeout", metavar="SECONDS", type=float, default=300.0,
-                        help="seconds to wait for the daemon's answer (default 300)")
+    _add_api_arguments(common, timeout_s=300.0)
     filters = argparse.ArgumentParser(add_help=False)
     filters.add_argument("--sender", metavar="S", help="sender contains S (case-insensitive)")
     filters.add_argument("--recipient", metavar="R", help="a recipient contains R (case-insensitive)")
@@ -97,13 +102,7 @@ def add_reload_parser(sub: Any) -> None:
     p.add_argument("--config", metavar="FILE",
                    help="the daemon's TOML configuration file (to find spool_dir and admin_token; the daemon "
                         "reads the file it was started with)")
-    p.add_argument("--spool", metavar="DIR", help="spool directory (default: spool_dir of --config, else ./spool)")
-    p.add_argument("--url", metavar="URL", help="admin API URL (default: from SPOOL/admin.json)")
-    p.add_argument("--token", metavar="TOKEN",
-                   help="admin API bearer token (default: $MTAQ_ADMIN_TOKEN, else admin_token of --config, "
-                        "else SPOOL/admin.token)")
-    p.add_argument("--timeout", metavar="SECONDS", type=float, default=60.0,
-                   help="seconds to wait for the daemon's answer (default 60)")
+    _add_api_arguments(p, timeout_s=60.0)
     p.add_argument("--json", action="store_true", help="the daemon's answer as one JSON object")
 
 
