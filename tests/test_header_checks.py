@@ -84,3 +84,38 @@ def test_the_daemon_applies_the_rules_before_it_queues_and_signs(relay_factory, 
     assert ["550 5.7.1 Spam is not welcome here"] == [e["reply"] for e in read_events(r.daemon.log_path)
                                                        if e.get("event") == "header_checks_reject"]
     assert 2 == len(r.events("queued"))
+
+
+def test_a_hold_rule_queues_the_message_on_hold_across_a_restart_until_released(relay_factory):
+    """`/^X-Review:/ HOLD needs review`: the message is accepted (250) and queued on hold
+    (header_checks_hold with its queue ID); `mtaq queue list` shows it held, before and after a kill -9 and a
+    start (recovery parks it again); nothing reaches the next hop until `mtaq queue release ID`."""
+    import json
+    import subprocess
+    import sys
+
+    r = relay_factory(config="header_checks = ['/^X-Review:/ HOLD needs review']\n")
+    r.wait_for(lambda: r.events("listening"), what="the listening event")
+    with smtplib.SMTP("127.0.0.1", r.daemon.port, timeout=30) as s:
+        assert {} == s.sendmail("a@example.org", ["x@example.net"],
+                                b"From: a@example.org\r\nX-Review: please\r\nMessage-ID: <hold@p>\r\n\r\nwait\r\n")
+    [hold] = r.wait_for(lambda: r.events("header_checks_hold"), what="the hold event")
+    assert ("needs review", "X-Review: please") == (hold["text"], hold["header"])
+
+    def queue(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "mtaq.cli", "queue", *args, "--spool", r.spool],
+                              capture_output=True, text=True, timeout=60)
+
+    def states() -> list[tuple[str, str]]:
+        out = queue("list", "--json")
+        assert 0 == out.returncode, out.stderr
+        return [(m["queue_id"], m["state"]) for m in map(json.loads, out.stdout.splitlines())]  # JSON lines
+
+    assert [(hold["queue_id"], "held")] == states()
+    r.restart()
+    r.wait_for(lambda: r.events("recovery_complete"), what="recovery")
+    assert [(hold["queue_id"], "held")] == states()
+    assert {} == _stored(r.maildir)
+    assert 0 == queue("release", hold["queue_id"]).returncode
+    stored = r.wait_for(lambda: _stored(r.maildir), what="the released message delivered")
+    assert ["<hold@p>"] == list(stored)

@@ -13,6 +13,8 @@ pattern does not match. The first rule that matches a header decides for it:
 * ``REJECT [TEXT]``: the message is refused at the end of DATA, ``550 5.7.1 TEXT`` (default text
   ``Error: message content rejected``), nothing is queued; event ``header_checks_reject``.
 * ``WARN [TEXT]``: the message goes on; event ``header_checks_warn`` with the header.
+* ``HOLD [TEXT]``: the message is queued on hold (``mtaq queue list`` shows it held; an administrator
+  releases or deletes it), event ``header_checks_hold``; the rules go on for the other headers.
 * ``IGNORE``: the header is removed.
 * ``REPLACE TEXT``: the header is replaced by ``TEXT`` (a whole header line, ``Name: value``).
 * ``PREPEND TEXT``: ``TEXT`` (a header line) is inserted before the header.
@@ -33,8 +35,8 @@ from mtaq.core.errors import ConfigError
 
 __all__ = ["HeaderChecks", "Outcome", "Rule"]
 
-Action = Literal["REJECT", "WARN", "IGNORE", "REPLACE", "PREPEND", "DUNNO", "OK"]
-_ACTIONS = ("REJECT", "WARN", "IGNORE", "REPLACE", "PREPEND", "DUNNO", "OK")
+Action = Literal["REJECT", "WARN", "HOLD", "IGNORE", "REPLACE", "PREPEND", "DUNNO", "OK"]
+_ACTIONS = ("REJECT", "WARN", "HOLD", "IGNORE", "REPLACE", "PREPEND", "DUNNO", "OK")
 _NEEDS_TEXT = ("REPLACE", "PREPEND")
 _RULE = re.compile(r"^(?P<neg>!?)/(?P<pattern>(?:\\.|[^\\/])*)/(?P<flags>[imx]*)\s+(?P<action>\S+)(?:\s+(?P<text>.*))?$")
 _FIELD_LINE = re.compile(r"^[!-9;-~]+:[^\r\n\0]*$")  # RFC 5322 §3.6.8 ftext, then the value
@@ -58,11 +60,12 @@ class Rule:
 @dataclass
 class Outcome:
     """What the rules made of a header section: ``reject`` (the reply, or None), ``warnings`` (rule text,
-    header) pairs, and ``head`` (the rewritten header section, its empty line included, or None when no
+    header) pairs, ``hold`` (the first HOLD rule's (text, header), or None), and ``head`` (the rewritten header section, its empty line included, or None when no
     header changed)."""
 
     reject: str | None = None
     warnings: list[tuple[str, str]] = field(default_factory=list)
+    hold: tuple[str, str] | None = None
     head: bytes | None = None
 
 
@@ -133,6 +136,9 @@ class HeaderChecks:
                 return out
             if rule.action == "WARN":
                 out.warnings.append((rule.text, text))
+                new.append(raw)
+            elif rule.action == "HOLD":
+                out.hold = out.hold or (rule.text, text)
                 new.append(raw)
             elif rule.action == "IGNORE":
                 changed = True

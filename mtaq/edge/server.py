@@ -63,12 +63,14 @@ class QueueHandler(FastHandlerMixin):
                                  limit=limit, action="refused")
                 return f"554 5.4.6 Error: too many hops ({hops} Received:/Delivered-To: fields; hopcount_limit {limit})"
         checks = policy.header_checks if isinstance(policy, EdgePolicy) else None
+        held: tuple[str, str] | None = None  # a header_checks HOLD: (its text, the header)
         if checks:
             head, whole = await _head_read(content)
             outcome = checks.apply(head)
             for text, header in outcome.warnings:
                 self.log.warning("header_checks_warn", client=client, sender=envelope.mail_from or "",
                                  header=header[:200], text=text)
+            held = outcome.hold
             if outcome.reject is not None:
                 self.log.info("header_checks_reject", client=client, sender=envelope.mail_from or "",
                               reply=outcome.reject)
@@ -116,10 +118,14 @@ class QueueHandler(FastHandlerMixin):
                 client=client,
                 helo=session.host_name or "",
                 not_before_ts=release_ts,
+                held=held is not None,
             )
         except StorageError as exc:
             self.log.error("queue_write_failed", error=str(exc), client=client, reply=exc.smtp_reply)
             return exc.smtp_reply
+        if held is not None:
+            self.log.warning("header_checks_hold", queue_id=env.queue_id, client=client, text=held[0],
+                             header=held[1][:200], action="held until released (mtaq queue release)")
         killpoints.hit("edge.after_commit")
         return f"250 2.0.0 Ok: queued as {env.queue_id}"
 
