@@ -81,7 +81,10 @@ class QueueHandler(FastHandlerMixin):
                 if isinstance(content, bytes):
                     content = outcome.head + content[len(head):]
                 else:
-                    content.replace_start(len(head), outcome.head)
+                    try:
+                        content.replace_start(len(head), outcome.head)
+                    except ValueError:  # a header section longer than what the temporary file holds yet
+                        return "552 5.3.4 Error: message header section too large to filter"
         trace = received_header(
             helo=session.host_name or "",
             client_ip=str(peer[0]) if isinstance(peer, tuple) else "",
