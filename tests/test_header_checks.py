@@ -69,21 +69,23 @@ def test_the_daemon_applies_the_rules_before_it_queues_and_signs(relay_factory, 
             s.sendmail("a@example.org", ["x@example.net"],
                        b"From: a@example.org\r\nSubject: cheap viagra\r\nMessage-ID: <spam@p>\r\n\r\nbuy\r\n")
         assert (550, b"5.7.1 Spam is not welcome here") == (refused.value.smtp_code, refused.value.smtp_error)
-        for mid, body in (("<small@p>", b"short body\r\n"), ("<big@p>", big)):
+        for mid, body in (("<small@p>", b"short body\r\n"), ("<big@p>", big), ("<bighead@p>", b"tail\r\n")):
+            # <bighead@p>: a 100 KiB header section, spilled, longer than the temporary file held at the end
+            padding = "".join(f"X-Secret: pad {i:04d} {'.' * 60}\r\n" for i in range(1500)) if mid == "<bighead@p>" else ""
             assert {} == s.sendmail("a@example.org", ["x@example.net"], (
-                f"From: a@example.org\r\nTo: x@example.net\r\nX-Secret: internal\r\n\tfolded\r\n"
+                f"From: a@example.org\r\nTo: x@example.net\r\nX-Secret: internal\r\n\tfolded\r\n{padding}"
                 f"X-Mailer: Outlook 16\r\nSubject: hello\r\nMessage-ID: {mid}\r\n\r\n").encode() + body)
-    stored = r.wait_for(lambda: (m := _stored(r.maildir)) and len(m) == 2 and m, what="2 messages")
+    stored = r.wait_for(lambda: (m := _stored(r.maildir)) and len(m) == 3 and m, what="3 messages")
     with ZoneServer(zone_line + "\n", origin="org.") as zone:
         check = dnsfunc_for(zone)
-        for mid, body in (("<small@p>", b"short body\r\n"), ("<big@p>", big)):
+        for mid, body in (("<small@p>", b"short body\r\n"), ("<big@p>", big), ("<bighead@p>", b"tail\r\n")):
             m = stored[mid]
             assert b"X-Secret" not in m and b"X-Mailer: hidden\r\nX-Checked: yes\r\nSubject: hello\r\n" in m, mid
             assert m.endswith(b"\r\n\r\n" + body), mid
             assert dkim.verify(m, dnsfunc=check), mid
     assert ["550 5.7.1 Spam is not welcome here"] == [e["reply"] for e in read_events(r.daemon.log_path)
                                                        if e.get("event") == "header_checks_reject"]
-    assert 2 == len(r.events("queued"))
+    assert 3 == len(r.events("queued"))
 
 
 def test_a_hold_rule_queues_the_message_on_hold_across_a_restart_until_released(relay_factory):
@@ -119,3 +121,23 @@ def test_a_hold_rule_queues_the_message_on_hold_across_a_restart_until_released(
     assert 0 == queue("release", hold["queue_id"]).returncode
     stored = r.wait_for(lambda: _stored(r.maildir), what="the released message delivered")
     assert ["<hold@p>"] == list(stored)
+
+
+def test_a_rewritten_header_section_longer_than_the_file_holds_yet_is_read_back_whole(tmp_path):
+    """A spilled body written line by line (memory 4 KiB, pieces of 64 KiB): its 114 KB header section
+    reaches past what the temporary file holds (the rest is still in memory). replace_start writes the
+    memory out first, so the rewritten message reads back as the new header section and the rest, whole;
+    size follows."""
+    from mtaq.storage.spill import BodyBuffer
+
+    b = BodyBuffer(str(tmp_path), memory_bytes=4096)
+    line = b"X-Secret: pad " + b"." * 60 + b"\r\n"
+    for _ in range(1500):
+        b.write(line)
+    b.write(b"\r\ntail\r\n")
+    head_len = 1500 * len(line)
+    b.replace_start(head_len, b"X-New: 1\r\n")
+    b.head = b"Received: x\r\n"
+    assert b"Received: x\r\nX-New: 1\r\n\r\ntail\r\n" == b"".join(b.pieces())
+    assert len(b"Received: x\r\nX-New: 1\r\n\r\ntail\r\n") == b.size
+    b.close()

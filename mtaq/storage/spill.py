@@ -149,8 +149,11 @@ class BodyBuffer:
 
     def replace_start(self, old_len: int, new: bytes) -> None:
         """Read the first ``old_len`` octets written as ``new`` from now on (the header section rewritten by
-        header_checks, :mod:`mtaq.edge.headerchecks`), the file itself untouched. Only for a spilled body
-        whose file holds those octets; raises ValueError otherwise."""
+        header_checks, :mod:`mtaq.edge.headerchecks`), the file itself untouched (what is still in memory is
+        written to it first when the octets reach past it). Only for a spilled body; raises ValueError
+        otherwise, or when the file could not be written."""
+        if self._file is not None and old_len > self._in_file and self._mem and self.failure is None:
+            self._flush()  # what is still in memory goes to the file first: the octets are then all there
         if self._file is None or old_len > self._in_file:
             raise ValueError("replace_start: the octets to replace are not all in the temporary file")
         self._skip, self._start = old_len, new
