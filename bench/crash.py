@@ -290,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="after this fraction of the crashes, flip a bit or zero a sector in a sealed segment or "
                          "the checkpoint (mtaq.testing.media); a lost message is excused only if it was in the "
                          "damaged bytes and the damage was reported")
+    ap.add_argument("--header-checks", action="store_true",
+                    help="run the daemon with header_checks rewriting every message (issue 35: PREPEND before "
+                         "Subject, IGNORE Date, REPLACE To); the Message-ID that tells messages apart is kept")
     ap.add_argument("--concurrency", type=int, default=20)
     ap.add_argument("--seed", type=int, default=None, help="default: random (printed)")
     ap.add_argument("--keep", metavar="DIR", help="work in DIR (must not hold a spool yet) and keep it")
@@ -387,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
                 lines.append(f"segment_bytes_max = {seg}")
             if args.receive_buffer_bytes:
                 lines.append(f"receive_buffer_bytes = {args.receive_buffer_bytes}")
+            if args.header_checks:
+                lines.append("header_checks = [" + ", ".join(f"'{r}'" for r in HEADER_CHECKS) + "]")
             if not lines:
                 return None
             configs_used[" ".join(lines)] += 1
@@ -636,7 +641,8 @@ def main(argv: list[str] | None = None) -> int:
         silently_ended = [m for m in lost_ids if queue_id_of(tally.acked[m]) not in bounced_qids]
         damaged_no_dsn = [m for m in lost_damaged if queue_id_of(tally.acked[m]) not in bounced_qids]
         dsn_ids = dsn_message_ids(maildir)
-        truncated = truncated_copies(maildir, {mid: data for mid, data, _r in work})
+        truncated = truncated_copies(maildir, {mid: rewritten(data) if args.header_checks else data
+                                               for mid, data, _r in work})
         dup_ids = sorted(m for m, c in delivered.items() if c > 1)
         unknown_qids = {e.get("queue_id") for e in events if e.get("event") == "outcome_unknown"}
         dup_unexplained = [m for m in dup_ids if tally.submissions[m] == 1 and m in tally.acked
@@ -774,6 +780,19 @@ def dsn_message_ids(maildir: str) -> set[str]:
                 out |= {line.split(b":", 1)[1].strip().decode(errors="replace") for line in head
                         if line.lower().startswith(b"message-id:")}
     return out
+
+
+# --header-checks: what every message goes through (its Message-ID, which tells messages apart, is kept)
+HEADER_CHECKS = ("/^Subject:/ PREPEND X-Checked: crash", "/^Date:/ IGNORE", "/^To:/ REPLACE To: <rewritten@example.net>")
+
+
+def rewritten(data: bytes) -> bytes:
+    """``data`` as the daemon's header_checks (:data:`HEADER_CHECKS`) rewrite it: what a faithful copy ends with."""
+    from mtaq.edge.headerchecks import HeaderChecks
+
+    head, _sep, rest = data.partition(b"\r\n\r\n")
+    out = HeaderChecks.from_config(list(HEADER_CHECKS)).apply(head + b"\r\n")
+    return (out.head if out.head is not None else head + b"\r\n") + b"\r\n" + rest
 
 
 def truncated_copies(maildir: str, sent: dict[str, bytes]) -> list[str]:

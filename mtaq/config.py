@@ -266,6 +266,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Header privacy for authenticated submission: the Received: field of mail from an authenticated client
     # leaves out the client's HELO name and address ("Received: by HOST (mtaq) with ESMTPSA; DATE").
     smtpd_received_header_private: bool = False
+    # Rules over each header of a message received (Postfix header_checks, regexp table syntax):
+    # "/PATTERN/FLAGS ACTION [TEXT]", ACTION REJECT, WARN, IGNORE, REPLACE, PREPEND, DUNNO (mtaq.edge.headerchecks).
+    header_checks: list[str] = msgspec.field(default_factory=list)
     # Postfix smtpd_error_sleep_time: seconds before a failed AUTH is answered.
     smtpd_error_sleep_time_s: Annotated[float, msgspec.Meta(ge=0, le=300)] = 1.0
     # Failed AUTH attempts per client IP in any 60 s before AUTH gets 450 4.7.1 (mynetworks too); 0: no limit.

@@ -62,6 +62,29 @@ class QueueHandler(FastHandlerMixin):
                 self.log.warning("too_many_hops", client=client, sender=envelope.mail_from or "", hops=hops,
                                  limit=limit, action="refused")
                 return f"554 5.4.6 Error: too many hops ({hops} Received:/Delivered-To: fields; hopcount_limit {limit})"
+        checks = policy.header_checks if isinstance(policy, EdgePolicy) else None
+        held: tuple[str, str] | None = None  # a header_checks HOLD: (its text, the header)
+        if checks:
+            head, whole = await _head_read(content)
+            outcome = checks.apply(head)
+            for text, header in outcome.warnings:
+                self.log.warning("header_checks_warn", client=client, sender=envelope.mail_from or "",
+                                 header=header[:200], text=text)
+            held = outcome.hold
+            if outcome.reject is not None:
+                self.log.info("header_checks_reject", client=client, sender=envelope.mail_from or "",
+                              reply=outcome.reject)
+                return outcome.reject
+            if outcome.head is not None:
+                if not whole:  # a header section past HEAD_BYTES_MAX: not rewritten in part
+                    return "552 5.3.4 Error: message header section too large to filter"
+                if isinstance(content, bytes):
+                    content = outcome.head + content[len(head):]
+                else:
+                    try:
+                        content.replace_start(len(head), outcome.head)
+                    except ValueError:  # a header section longer than what the temporary file holds yet
+                        return "552 5.3.4 Error: message header section too large to filter"
         trace = received_header(
             helo=session.host_name or "",
             client_ip=str(peer[0]) if isinstance(peer, tuple) else "",
@@ -98,12 +121,25 @@ class QueueHandler(FastHandlerMixin):
                 client=client,
                 helo=session.host_name or "",
                 not_before_ts=release_ts,
+                held=held is not None,
             )
         except StorageError as exc:
             self.log.error("queue_write_failed", error=str(exc), client=client, reply=exc.smtp_reply)
             return exc.smtp_reply
+        if held is not None:
+            self.log.warning("header_checks_hold", queue_id=env.queue_id, client=client, text=held[0],
+                             header=held[1][:200], action="held until released (mtaq queue release)")
         killpoints.hit("edge.after_commit")
         return f"250 2.0.0 Ok: queued as {env.queue_id}"
+
+
+async def _head_read(content: bytes | BodyBuffer) -> tuple[bytes, bool]:
+    """(:func:`_head_of`, whether it is the whole header section: its end was found within
+    :data:`~mtaq.edge.dkim.HEAD_BYTES_MAX`)."""
+    head = await _head_of(content)
+    if isinstance(content, bytes):
+        return head, True
+    return head, len(head) < HEAD_BYTES_MAX
 
 
 async def _head_of(content: bytes | BodyBuffer) -> bytes:

@@ -234,6 +234,7 @@ class Queue:
         not_before_ts: float | None = None,
         queue_id: str = "",
         maildrop: str = "",
+        held: bool = False,
     ) -> EnvelopeRecord:
         """Append a new message and return its envelope once it is durable (the caller may then say 250).
 
@@ -244,7 +245,8 @@ class Queue:
         then parked until that time instead of going to the runner for new mail.
         ``queue_id``: the ID to give the message (made by :func:`new_queue_id` before, when the caller writes it
         into the message: the pick-up's ``Received:`` line); "" makes one. ``maildrop``: the maildrop file the
-        message comes from (:attr:`EnvelopeRecord.maildrop`).
+        message comes from (:attr:`EnvelopeRecord.maildrop`). ``held``: queued on hold (parked, ``held``; a
+        ``header_checks`` HOLD), delivered only once an administrator releases it.
 
         ``on_durable`` runs once the covering fsync is done, even if the caller was cancelled meanwhile
         (an SMTP client that hangs up after its final dot). The queue runner for new mail sees the
@@ -263,7 +265,7 @@ class Queue:
             raise StorageFull(f"spool free space below queue_minfree_bytes ({self.minfree_bytes} bytes)")
         env, pos, lsn = self._append_message(
             sender, recipients, body, mail_params, rcpt_params, client, helo, not_before_ts=not_before_ts,
-            queue_id=queue_id, maildrop=maildrop,
+            queue_id=queue_id, maildrop=maildrop, held=held,
         )
         # Settled by a callback at the end of the covering fsync round, which runs even if this caller is
         # cancelled meanwhile (the client hung up) and lets the 250 out one loop turn after the fsync, before
@@ -293,6 +295,7 @@ class Queue:
         bounce_start: Pos | None = None,
         queue_id: str = "",
         maildrop: str = "",
+        held: bool = False,
     ) -> tuple[EnvelopeRecord, Pos, int]:
         now = self.clock()
         delayed = not_before_ts is not None and not_before_ts > now
@@ -326,15 +329,16 @@ class Queue:
             helo=helo,
             bounce_of=bounce_of,
             bounce_start=bounce_start,
-            runner=PARKED if delayed else 0,
+            runner=PARKED if delayed or held else 0,
             maildrop=maildrop,
+            held=held,
         )
         if delayed:
             assert not_before_ts is not None
             env = msgspec.structs.replace(env, not_before_ts=not_before_ts)
         pos, lsn = self.log.append(env)
         self.counts.added(env)
-        if delayed:
+        if delayed or held:
             self.parked.add(pos, env)
         return env, pos, lsn
 

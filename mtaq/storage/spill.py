@@ -81,6 +81,9 @@ class BodyBuffer:
         self.memory_bytes = memory_bytes
         self.chunk_bytes = chunk_bytes
         self.head = b""
+        # replace_start: the first _skip octets written are read as _start instead (header rewriting)
+        self._skip = 0
+        self._start = b""
         self._mem = bytearray()
         self._file: IO[bytes] | None = None
         self._in_file = 0  # bytes in the temporary file
@@ -89,7 +92,7 @@ class BodyBuffer:
 
     @property
     def size(self) -> int:
-        return len(self.head) + self._written
+        return len(self.head) + len(self._start) + self._written - self._skip
 
     @property
     def spilled(self) -> bool:
@@ -136,12 +139,24 @@ class BodyBuffer:
         self._mem = bytearray()
         self._written = 0
         self._in_file = 0
+        self._skip, self._start = 0, b""
         self.failure = None
 
     def getvalue(self) -> bytes:
         """The whole body as one bytes object (``head`` included): only for bodies that were not spilled."""
         assert self._file is None, "a spilled body is read with pieces()"
         return self.head + bytes(self._mem)
+
+    def replace_start(self, old_len: int, new: bytes) -> None:
+        """Read the first ``old_len`` octets written as ``new`` from now on (the header section rewritten by
+        header_checks, :mod:`mtaq.edge.headerchecks`), the file itself untouched (what is still in memory is
+        written to it first when the octets reach past it). Only for a spilled body; raises ValueError
+        otherwise, or when the file could not be written."""
+        if self._file is not None and old_len > self._in_file and self._mem and self.failure is None:
+            self._flush()  # what is still in memory goes to the file first: the octets are then all there
+        if self._file is None or old_len > self._in_file:
+            raise ValueError("replace_start: the octets to replace are not all in the temporary file")
+        self._skip, self._start = old_len, new
 
     def pieces(self) -> Iterator[bytes]:
         """The body in order, ``head`` first, in pieces of at most ``chunk_bytes`` (plus the memory tail).
@@ -151,9 +166,11 @@ class BodyBuffer:
         """
         if self.head:
             yield self.head
+        if self._start:
+            yield self._start
         if self._file is not None:
             fd = self._file.fileno()
-            offset = 0
+            offset = self._skip
             while offset < self._in_file:
                 piece = os.pread(fd, min(self.chunk_bytes, self._in_file - offset), offset)
                 if not piece:
