@@ -43,6 +43,7 @@ __all__ = [
     "FRAME_HEADER_BYTES",
     "FRAME_MAGIC",
     "RECORD_BYTES_MAX",
+    "SEGMENT_FLAG_START",
     "SEGMENT_HEADER_BYTES",
     "SEGMENT_MAGIC",
     "SEGMENT_VERSION",
@@ -66,7 +67,9 @@ __all__ = [
 
 SEGMENT_MAGIC = b"MTAQSEG\x00"
 SEGMENT_VERSION = 1
-_SEG_HDR = struct.Struct("<8sHHQII")  # magic, version, reserved, segment, salt, created (UTC seconds)
+_SEG_HDR = struct.Struct("<8sHHQII")  # magic, version, flags, segment, salt, created (UTC seconds)
+# Segment header flags (the u16 after the version; 0 in segments written before they existed).
+SEGMENT_FLAG_START = 1  # opened by a start (Log.open): the segment before it ended a run
 SEGMENT_HEADER_BYTES = _SEG_HDR.size + 4  # + header crc
 FRAME_MAGIC = 0x514D  # b"MQ" little-endian
 _FRAME_MAGIC_BYTES = struct.pack("<H", FRAME_MAGIC)
@@ -82,17 +85,19 @@ class HeaderError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class SegmentHeader:
-    """A segment's header: its number, its checksum salt and its creation time (UTC seconds)."""
+    """A segment's header: its number, its checksum salt, its creation time (UTC seconds) and its flags
+    (:data:`SEGMENT_FLAG_START`; 0 when unknown, as in a salvaged header)."""
 
     segment: int
     salt: int
     created: int
     version: int = SEGMENT_VERSION
+    flags: int = 0
 
 
 def encode_segment_header(h: SegmentHeader) -> bytes:
     """Return the 32-byte header of segment ``h.segment``."""
-    body = _SEG_HDR.pack(SEGMENT_MAGIC, h.version, 0, h.segment, h.salt, h.created)
+    body = _SEG_HDR.pack(SEGMENT_MAGIC, h.version, h.flags, h.segment, h.salt, h.created)
     return body + struct.pack("<I", zlib.crc32(body))
 
 
@@ -102,14 +107,14 @@ def decode_segment_header(buf: bytes | memoryview) -> SegmentHeader:
         raise HeaderError(f"segment header short: {len(buf)} of {SEGMENT_HEADER_BYTES} bytes")
     body = bytes(buf[: _SEG_HDR.size])
     (crc,) = struct.unpack_from("<I", buf, _SEG_HDR.size)
-    magic, version, _reserved, segment, salt, created = _SEG_HDR.unpack(body)
+    magic, version, flags, segment, salt, created = _SEG_HDR.unpack(body)
     if magic != SEGMENT_MAGIC:
         raise HeaderError(f"bad segment magic {magic!r}")
     if zlib.crc32(body) != crc:
         raise HeaderError("segment header checksum mismatch")
     if version != SEGMENT_VERSION:
         raise HeaderError(f"unsupported segment format version {version}")
-    return SegmentHeader(segment=segment, salt=salt, created=created, version=version)
+    return SegmentHeader(segment=segment, salt=salt, created=created, version=version, flags=flags)
 
 
 def _solve_crc_seed(data: bytes | memoryview, crc: int) -> int | None:

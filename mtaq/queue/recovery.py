@@ -34,7 +34,7 @@ from typing import Any
 
 from mtaq.core.checkpoint import Checkpoint, restore_runners
 from mtaq.core.errors import CorruptRecord
-from mtaq.core.frame import SEGMENT_HEADER_BYTES, Problem, scan_segment
+from mtaq.core.frame import SEGMENT_FLAG_START, SEGMENT_HEADER_BYTES, Problem, scan_segment
 from mtaq.core.parking import RECOVERY_END, QueueCounts
 from mtaq.core.records import (
     PARKED,
@@ -196,9 +196,13 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
     scans: list[tuple[int, Any, bool]] = []
     # The claims are kept per segment: a run's claims vouch only for the bytes of its own run and earlier
     # ones, never for the unsynced tail of an earlier run that its start's baseline fsync made durable as it
-    # was (holes and all). Runs end at the segments a start sealed (a SEAL without a claim, or unsealed now).
+    # was (holes and all). Runs end at the segment before one a start opened (its header's start flag), at
+    # those a start sealed (a SEAL without a claim; segments older than the flag), and at the newest now.
     claims: dict[int, Pos] = {}
-    run_ends: set[int] = set(report.unsealed)
+    # This start opened report.new_segment: the newest earlier segment ended the last run (sealed by this
+    # start, or already sealed by a roll-over just before the crash).
+    run_ends: set[int] = set(report.unsealed) | ({max(report.segments)} if report.segments else set())
+    prev_seg: int | None = None
     for seg in report.segments:
         if seg < scan_from.segment:
             continue
@@ -208,6 +212,9 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
             res.bytes += len(buf)
             scan = await asyncio.to_thread(scan_segment, seg, buf, skip_data=True)
         scans.append((seg, scan, seg in report.unsealed or not scan.sealed))
+        if scan.header is not None and scan.header.flags & SEGMENT_FLAG_START and prev_seg is not None:
+            run_ends.add(prev_seg)  # a start opened ``seg``: the segment before it ended a run
+        prev_seg = seg
         for _pos, rec in scan.records:
             if isinstance(rec, SealRecord) and rec.durable is None:
                 run_ends.add(seg)  # sealed by the repair at a start: the last segment of a run

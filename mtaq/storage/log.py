@@ -43,6 +43,7 @@ from mtaq.core.errors import CorruptRecord, StorageError, StorageFatal, StorageF
 from mtaq.core.frame import (
     FRAME_HEADER_BYTES,
     RECORD_BYTES_MAX,
+    SEGMENT_FLAG_START,
     SEGMENT_HEADER_BYTES,
     BadFrame,
     Frame,
@@ -367,7 +368,7 @@ class Log:
                 report.scans[n] = scan
                 break
             report.segments = nums
-            log._new_segment(highest + 1)
+            log._new_segment(highest + 1, at_start=True)
             report.new_segment = log._cur_no
             assert log._cur is not None
             log._cur.fsync()
@@ -381,17 +382,17 @@ class Log:
             raise storage_error(exc, f"opening log {directory}") from exc
         return log, report
 
-    def _new_segment(self, number: int) -> None:
+    def _new_segment(self, number: int, *, at_start: bool = False) -> None:
         salt = secrets.randbits(32)
         path = segment_path(self.directory, number)
         try:
-            f = self._create_segment(path, number, salt)
+            f = self._create_segment(path, number, salt, at_start)
         except OSError as exc:
             # A full disk: the room the reserve kept lets the log go on (at a start, recovery and the deliveries
             # that free space; issue 31.9). Without a reserve the error stands.
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not self.release_reserve():
                 raise
-            f = self._create_segment(path, number, salt)
+            f = self._create_segment(path, number, salt, at_start)
         self._cur, self._cur_no, self._cur_salt = f, number, salt
         self._cur_records = 0
         self._cur_sealed = False
@@ -401,10 +402,11 @@ class Log:
         self._dir_dirty = True
         self.stats.segments_created += 1
 
-    def _create_segment(self, path: str, number: int, salt: int) -> File:
+    def _create_segment(self, path: str, number: int, salt: int, at_start: bool = False) -> File:
         f = self.fs.open(path, create=True)
         try:
-            f.append(encode_segment_header(SegmentHeader(segment=number, salt=salt, created=int(time.time()))))
+            f.append(encode_segment_header(SegmentHeader(segment=number, salt=salt, created=int(time.time()),
+                                                         flags=SEGMENT_FLAG_START if at_start else 0)))
         except OSError:
             f.close()
             try:

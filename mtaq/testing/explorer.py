@@ -412,8 +412,9 @@ class Proc:
     def clock(self) -> float:
         return self.now
 
-    async def start(self) -> None:
-        """``Daemon.run`` up to its first checkpoint. Raises what they raise."""
+    async def start(self, receive_first: int | None = None) -> None:
+        """``Daemon.run`` up to its first checkpoint. Raises what they raise. ``receive_first``: a message
+        marker acknowledged after ``Log.open`` and before recovery (the daemon listens before it recovers)."""
         _Ids.begin(self.run)
         qlog, report = Log.open(self.fs, LOG_DIR, segment_bytes_max=self.segment_bytes_max)
         self.qlog = qlog
@@ -424,6 +425,8 @@ class Proc:
                            reporting_mta="mx.explorer.test")
         # The daemon's DELIVERY linger (2 ms) only moves when a lone round starts, never what it covers.
         self.queue.delivery_linger_s = 0.0
+        if receive_first is not None:
+            await self.receive(receive_first, [f"ok{receive_first}@example.net"])
         res = await recover(self.queue, report, SPOOL, _Quiet())
         self.trace.results.append(res)
         for p in res.corrupt:
@@ -935,6 +938,10 @@ class Bounds:
     # "holes" (only those power cuts).
     deepen: str = "all"
     states_max: int = 0  # stop after this many distinct states (0: no limit)
+    # In each run after a crash, a client's message is acknowledged between ``Log.open`` and recovery (the
+    # daemon listens before it recovers): a crash in that run may leave new durable records past damage
+    # the run's recovery never reached (the class of the stop-41 defect).
+    later_receive: bool = False
 
 
 def choices(changes: Sequence[Change], all_max: int, *, torn: bool, families: bool
@@ -1031,7 +1038,8 @@ class _Explorer:
         proc = Proc(trace, spec.segment_bytes_max)
         failure, drained = "", False
         try:
-            await asyncio.wait_for(proc.start(), 30)
+            first = 100 + len(path) if path and self.bounds.later_receive else None
+            await asyncio.wait_for(proc.start(first), 30)
             trace.start_end = trace.t
             if not path:
                 proc = await asyncio.wait_for(spec.fn(proc), 30)
@@ -1146,14 +1154,16 @@ def run_once(workload: str) -> CrashFileSystem:
         return asyncio.run(go())
 
 
-def replay(workload: str, path: Sequence[Step]) -> list[tuple[str, str]]:
+def replay(workload: str, path: Sequence[Step], bounds: Bounds | None = None) -> list[tuple[str, str]]:
     """Run the history of ``workload`` with exactly the crashes of ``path`` (from a :class:`Violation`) and
-    return what :func:`check` finds at its end."""
+    return what :func:`check` finds at its end. ``bounds``: those of the exploration that found it (only
+    ``later_receive`` matters here)."""
     spec = WORKLOADS[workload]
 
     async def go() -> list[tuple[str, str]]:
         asyncio.get_running_loop().set_default_executor(_Inline(max_workers=1))
-        ex = _Explorer(Bounds(crashes=0), ExploreReport())
+        later = bounds.later_receive if bounds is not None else False
+        ex = _Explorer(Bounds(crashes=0, later_receive=later), ExploreReport())
         fs = CrashFileSystem()
         before: list[Event] = []
         done: tuple[Step, ...] = ()
