@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reject-rcpt", metavar="REGEX", help="answer 550 5.1.1 to matching recipients")
     p.add_argument("--defer-count", metavar="N", type=int, default=0,
                    help="defer a --defer-rcpt recipient only on its first N attempts (0: always)")
+    p.add_argument("--rcpt-reply", metavar="REGEX=REPLY", action="append", default=[],
+                   help="answer REPLY (e.g. '452 4.2.2 mailbox full') to matching recipients (repeatable; first wins)")
     p.add_argument("--tls-cert", metavar="FILE", help="PEM certificate (chain): offer STARTTLS")
     p.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert (default: in the same file)")
     p.add_argument("--no-smtputf8", action="store_true", help="do not offer SMTPUTF8 (RFC 6531)")
@@ -311,11 +313,14 @@ def _sink(args: argparse.Namespace) -> int:
 
     try:
         asyncio.run(run_sink(host, port, args.maildir, defer_rcpt=args.defer_rcpt, reject_rcpt=args.reject_rcpt,
-                              defer_count=args.defer_count, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                              defer_count=args.defer_count, rcpt_replies=args.rcpt_reply,
+                              tls_cert=args.tls_cert, tls_key=args.tls_key,
                               smtputf8=not args.no_smtputf8))
     except (OSError, ssl.SSLError) as exc:
         print(f"mtaq: sink: {exc.strerror or exc}", file=sys.stderr)
         return 1
+    except ValueError as exc:  # a bad --rcpt-reply
+        raise ConfigError(str(exc)) from exc
     return 0
 
 

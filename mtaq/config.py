@@ -269,6 +269,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Rules over each header of a message received (Postfix header_checks, regexp table syntax):
     # "/PATTERN/FLAGS ACTION [TEXT]", ACTION REJECT, WARN, IGNORE, REPLACE, PREPEND, DUNNO (mtaq.edge.headerchecks).
     header_checks: list[str] = msgspec.field(default_factory=list)
+    # Bounce classification (issue 37.3, after KumoMTA's classifier): a TOML rule file whose rules are tried
+    # before the shipped ones (mtaq/core/bounce_rules.toml; the format in mtaq.core.bounce_class). "": the
+    # shipped rules alone. Read at the start (a bad file stops it with one line) and by ``mtaq check``.
+    bounce_classification_file: str = ""
     # Postfix smtpd_error_sleep_time: seconds before a failed AUTH is answered.
     smtpd_error_sleep_time_s: Annotated[float, msgspec.Meta(ge=0, le=300)] = 1.0
     # Failed AUTH attempts per client IP in any 60 s before AUTH gets 450 4.7.1 (mynetworks too); 0: no limit.

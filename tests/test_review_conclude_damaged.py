@@ -39,7 +39,7 @@ def test_a_body_damaged_at_conclusion_bounces_each_recipient_once(tmp_path):
     qid: list[str] = []
     ended: list = []
     q.on_durable = lambda env, pos: durable.append((pos, env))
-    q.on_dsn = lambda env, qid, kind: dsns.append((qid, kind))
+    q.on_dsn = lambda env, qid, kind, items: dsns.append((qid, kind))
     body = b"Subject: big\r\n\r\n" + b"x" * 998 + b"\r\n" * 1 + (b"y" * 78 + b"\r\n") * 8000
 
     async def main() -> None:
@@ -84,7 +84,7 @@ def test_a_conclusion_that_fails_after_its_dsn_does_not_queue_the_dsn_again(tmp_
     durable: list = []
     dsns: list[str] = []
 
-    def disk_full_after_the_dsn(env, qid, kind) -> None:
+    def disk_full_after_the_dsn(env, qid, kind, items) -> None:
         dsns.append(qid)
         fs.fail_append = errno.ENOSPC
 

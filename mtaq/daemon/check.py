@@ -5,7 +5,8 @@ config's own problems, from :func:`mtaq.config.load_config`, come first, from ``
 when root (mtaq.daemon.privileges), the modes of the spool, ``archive_dir``, ``tls_key_file`` and
 ``auth_password_file`` (:func:`mtaq.daemon.privileges.file_problems`), the TLS certificate and key loaded into
 an ``ssl.SSLContext`` (a key that is not the certificate's: "tls_key_file does not match tls_cert_file"), the
-password files parsed (``auth_password_file``; ``smtp_sasl_password_file`` with its mode), every DKIM key
+password files parsed (``auth_password_file``; ``smtp_sasl_password_file`` with its mode), the bounce
+classification rules (``bounce_classification_file``, mtaq.delivery.classify), every DKIM key
 loaded and test-signed (mtaq.edge.dkim), the CA files (``smtp_tls_CAfile``, ``mta_sts_ca_file``) loaded as
 trust anchors, and with ``bind`` every SMTP listener and ``admin_listen`` bound once and let go. Each check is
 the loader the daemon itself uses, so ``check`` and ``serve`` cannot disagree. With ``dns`` (``mtaq check``,
@@ -123,10 +124,11 @@ def _file_loaders(cfg: Config) -> list[Callable[[], object]]:
 
 
 def _other_loaders(cfg: Config) -> list[Callable[[], object]]:
+    from mtaq.delivery.classify import load_rules
     from mtaq.delivery.sasl import SaslClient
     from mtaq.edge.dkim import load_key
 
-    checks: list[Callable[[], object]] = [lambda: SaslClient.from_config(cfg)]
+    checks: list[Callable[[], object]] = [lambda: SaslClient.from_config(cfg), lambda: load_rules(cfg)]
     checks += [partial(load_key, d, k.selector, k.key_file) for d, k in cfg.dkim_keys.items()]
     for key, path in (("smtp_tls_CAfile", cfg.smtp_tls_CAfile), ("mta_sts_ca_file", cfg.mta_sts_ca_file)):
         if path:

@@ -33,11 +33,12 @@ import msgspec
 
 from mtaq.admin.metrics import Metrics
 from mtaq.config import Config, listeners_of, parse_hostport
+from mtaq.core.bounce_class import classify as classify_bounce
 from mtaq.core.checkpoint import Checkpoint
 from mtaq.core.errors import CorruptRecord, MtaqError, StorageError, StorageFatal
 from mtaq.core.frame import Problem
 from mtaq.core.records import EnvelopeRecord, Outcome, Pos
-from mtaq.core.state import Attempt, RetryPolicy, format_reply
+from mtaq.core.state import Attempt, DsnItem, RetryPolicy, format_reply
 from mtaq.daemon import privileges
 from mtaq.daemon.anvil import AnvilClient
 from mtaq.daemon.check import check_start
@@ -52,6 +53,7 @@ from mtaq.daemon.workers import (
     worker_anvil_socket,
     workers_wanted,
 )
+from mtaq.delivery.classify import load_rules
 from mtaq.delivery.relay import Reply, classify
 from mtaq.delivery.routing import Router
 from mtaq.delivery.sasl import SaslClient
@@ -156,6 +158,8 @@ class Daemon:
         self.sasl = self._sasl_client(cfg)  # outbound AUTH credentials; ConfigError if bad or readable
         self.signer = Signer.from_config(cfg)  # reads the DKIM keys; ConfigError if one is unsafe or bad
         self.peers = self._peer_policy(cfg)  # DANE and MTA-STS, when configured
+        # The bounce classifier's rules (bounce_classification_file, then the shipped ones); ConfigError if bad.
+        self.bounce_rules = load_rules(cfg)
         self.counts = {"delivered": 0, "deferred": 0, "failed": 0}
         self.metrics = Metrics(self.counts, domains_max=cfg.metrics_domains_max)
         self.http: AdminHttp | None = None  # the admin API (admin_listen), listening from the start
@@ -206,8 +210,25 @@ class Daemon:
         sts = MtaSts.from_config(cfg, CacheDir(os.path.join(cfg.spool_dir, "mta-sts"))) if cfg.mta_sts else None
         return PeerPolicy(dane=dane, sts=sts, report=lambda event, fields: self.log.warning(event, **fields))
 
-    def _on_dsn(self, env: EnvelopeRecord, original: str, kind: str) -> None:
-        self.log.info("dsn_queued", queue_id=env.queue_id, dsn_for=original, action=kind, recipient=env.recipients[0].address)
+    def _category(self, code: int, enhanced: str, text: str) -> str:
+        """The bounce category of a reply (mtaq.core.bounce_class, with this daemon's rules)."""
+        return classify_bounce(self.bounce_rules, code, enhanced, text)
+
+    def _item_category(self, i: DsnItem) -> str:
+        """The bounce category of one recipient of a DSN: ``message_expired`` when its queue lifetime ran out
+        (4.4.7, as its ``bounced`` event says), else its reply's."""
+        if i.action == "failed" and i.status == "4.4.7":
+            return "message_expired"
+        o = i.outcome
+        return self._category(o.code, o.enhanced, o.text) if o is not None else self._category(0, i.status, "")
+
+    def _on_dsn(self, env: EnvelopeRecord, original: str, kind: str, items: tuple[DsnItem, ...] = ()) -> None:
+        # ``category``: the first reported recipient's; ``categories``: each reported recipient's (issue 37.3).
+        # A success notice (action relayed) has neither.
+        cats = {i.recipient.address: self._item_category(i) for i in items if i.action in ("failed", "delayed")}
+        extra: dict[str, Any] = {"category": next(iter(cats.values())), "categories": cats} if cats else {}
+        self.log.info("dsn_queued", queue_id=env.queue_id, dsn_for=original, action=kind,
+                      recipient=env.recipients[0].address, **extra)
 
     def _on_fatal(self, exc: StorageFatal) -> None:
         self.log.critical("storage_fatal", error=str(exc), exit_status=EXIT_FSYNC_FAILED)
@@ -603,6 +624,8 @@ class Daemon:
                 if o.status == "delivered":
                     self.metrics.delivered(rcpts[i].address, self.clock() - env.arrival_ts)
                 event = "discarded" if b.discarded else _EVENT_OF[o.status]
+                # deferred and bounced events carry the reply's bounce category (issue 37.3)
+                extra = {} if o.status == "delivered" else {"category": self._category(o.code, o.enhanced, o.text)}
                 getattr(self.log, "info" if o.status == "delivered" else "warning")(
                     event,
                     queue_id=env.queue_id,
@@ -614,6 +637,7 @@ class Daemon:
                     reply=format_reply(o),
                     attempt=env.attempts + 1,
                     tls=b.tls or "none",
+                    **extra,
                 )
 
         def hop_failed(f: HopFailure) -> None:
@@ -671,12 +695,13 @@ class Daemon:
                                                         text=text)
                     self.counts["failed"] += 1
                     self.log.warning("bounced", queue_id=env.queue_id, recipient=r.address, dsn="5.3.0",
-                                     status="bounced", reply=f"554 5.3.0 {text}")
+                                     status="bounced", reply=f"554 5.3.0 {text}",
+                                     category=self._category(554, "5.3.0", text))
             c, _pos = q.conclude(attempt, b"")
         for r in c.expired:
             self.counts["failed"] += 1
             self.log.warning("bounced", queue_id=env.queue_id, recipient=r.address, dsn="4.4.7",
-                             status="expired", reply="message delivery time expired")
+                             status="expired", reply="message delivery time expired", category="message_expired")
         if isinstance(c.record, EnvelopeRecord):
             self.log.info("deferred_until", queue_id=env.queue_id, runner=c.record.runner,
                           due=round(c.record.not_before_ts, 3), recipients_left=len(c.record.recipients))

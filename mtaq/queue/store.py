@@ -206,7 +206,8 @@ class Queue:
         # Called with each new envelope and its position once it is durable (the daemon logs `queued`).
         self.on_durable: Callable[[EnvelopeRecord, Pos], None] = lambda env, pos: None
         # Called for each DSN queued: (dsn envelope, original queue ID, kind).
-        self.on_dsn: Callable[[EnvelopeRecord, str, str], None] = lambda env, qid, kind: None
+        # (the DSN's envelope, the original's queue ID, its action, the recipients it reports) once queued
+        self.on_dsn: Callable[[EnvelopeRecord, str, str, tuple[DsnItem, ...]], None] = lambda env, qid, kind, items: None
         # Returns a DSN this queue generated (first argument) as it is to be relayed, given the original message
         # as stored (second): the daemon gives DKIM signing here (mtaq.edge.dkim, RFC 6376; the queue does not
         # import the edge). Must not raise.
@@ -639,4 +640,4 @@ class Queue:
         msg = self.sign(msg, original)
         dsn_env, _pos, _lsn = self._append_message("", [env.sender], msg, bounce_of=env.queue_id,
                                                    bounce_start=start)
-        self.on_dsn(dsn_env, env.queue_id, items[0].action)
+        self.on_dsn(dsn_env, env.queue_id, items[0].action, items)

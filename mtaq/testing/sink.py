@@ -5,6 +5,8 @@ one ``Delivered-To`` line per envelope recipient (as Postfix's local delivery wr
 message byte for byte. ``--defer-rcpt`` / ``--reject-rcpt`` take regular expressions: matching recipients
 get ``451 4.2.0`` / ``550 5.1.1`` at RCPT, to exercise deferral and bounces; with ``--defer-count N`` a
 matching recipient is deferred only on its first N attempts, then accepted (4xx, then 2xx).
+``--rcpt-reply REGEX=REPLY`` (repeatable, tried first, the first that matches wins) answers a matching
+recipient with REPLY as given, e.g. ``452 4.2.2 mailbox full`` (the replies the large providers send).
 
 With ``--tls-cert``/``--tls-key`` the sink offers STARTTLS (RFC 3207) and a message that came over TLS gets
 an ``X-Sink-TLS: <protocol version>`` line after ``Delivered-To``; ``--no-smtputf8`` makes it a next hop
@@ -36,18 +38,28 @@ class SinkHandler:
         defer_rcpt: str | None = None,
         reject_rcpt: str | None = None,
         defer_count: int = 0,
+        rcpt_replies: list[str] | None = None,
     ) -> None:
         self.maildir = mailbox.Maildir(maildir, create=True)
         self.defer_count = defer_count  # 0: always defer matching recipients
         self.deferred: dict[str, int] = {}
         self.defer = re.compile(defer_rcpt) if defer_rcpt else None
         self.reject = re.compile(reject_rcpt) if reject_rcpt else None
+        self.replies = []  # (pattern, reply) of --rcpt-reply REGEX=REPLY
+        for item in rcpt_replies or []:
+            pattern, sep, reply = item.partition("=")
+            if not sep or not reply[:3].isdigit():
+                raise ValueError(f"--rcpt-reply: expected REGEX=REPLY with a 3-digit code, got {item!r}")
+            self.replies.append((re.compile(pattern), reply))
         self.received = 0
         self.log = get_logger(component="sink")
 
     async def handle_RCPT(
         self, server: SMTP, session: Session, envelope: Envelope, address: str, rcpt_options: list[str]
     ) -> str:
+        for pattern, reply in self.replies:
+            if pattern.search(address):
+                return reply
         if self.reject is not None and self.reject.search(address):
             return f"550 5.1.1 <{address}>: Recipient address rejected: User unknown"
         if self.defer is not None and self.defer.search(address):
