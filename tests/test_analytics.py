@@ -273,6 +273,21 @@ def test_deferral_and_bounce_reasons_by_enhanced_code_and_relay(script, result):
             ("expired", "4.4.7", relay, 1, 1)] == got
 
 
+def test_bounces_and_deferrals_by_category_in_the_table_and_the_report(result):
+    """Issue 37.3: each deferred/bounced/expired reply classified (mtaq.core.bounce_class): 550 5.1.1 is
+    invalid_recipient, 451 4.4.1 and 451 4.2.0 transient, the 4.4.7 expiry message_expired; report.md has the
+    table, and tables/categories reads back."""
+    got = [(r["status"], r["category"], r["count"], r["recipients"]) for r in result.tables["categories"]]
+    assert [("bounced", "invalid_recipient", 2, 2), ("deferred", "transient", 7, 5),
+            ("expired", "message_expired", 1, 1)] == got
+    text = open(os.path.join(result.out, "report.md")).read()
+    section = text.split("## Bounces and deferrals by category", 1)[1].split("\n## ", 1)[0]
+    assert "| bounced | invalid\\_recipient | 2 | 2 | 2 |" in section, section  # Markdown escapes the _
+    import pyarrow.parquet as pq
+
+    assert 3 == pq.read_table(os.path.join(result.out, "tables", "categories")).num_rows
+
+
 def test_top_senders_and_recipients(script, result):
     """Senders by messages received (DSNs excluded) and recipients by deliveries, largest first."""
     assert [("alice@a.example", 8, sum(script["sizes"]["alice@a.example"])), ("bob@b.example", 3,

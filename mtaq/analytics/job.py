@@ -21,6 +21,9 @@ Definitions (each fact is counted in the ``--since``/``--until`` window by its o
   (the value at rank ceil(p * N) of the sorted delays; before, ``percentile_approx`` with accuracy 10000,
   within 0.01 % of rank above 10,000 values): counted in delay buckets by the tasks, and only the values of
   a bucket in which a wanted rank falls read again (``_percentiles``).
+* bounce category: each deferred, bounced or expired outcome's reply classified by the shipped rules
+  (:mod:`mtaq.core.bounce_class`, after KumoMTA's classifier; issue 37.3); table ``categories`` by status
+  and category: count, recipients, messages, example.
 * attempts per message: START records of each received message.
 * queue over time (qshape): at every whole hour, the messages that had arrived and not yet FINISHed,
   by age (qshape's buckets, minutes); ``qshape_now`` is the same by recipient domain at the end.
@@ -283,6 +286,8 @@ def _small_schemas() -> dict[str, pa.Schema]:
         "sender_domains": [("domain", s), ("messages", i64), ("bytes", i64)],
         "reasons": [("status", s), ("enhanced", s), ("relay", s), ("count", i64), ("recipients", i64),
                     ("messages", i64), ("example", s)],
+        "categories": [("status", s), ("category", s), ("count", i64), ("recipients", i64), ("messages", i64),
+                       ("example", s)],
         "hourly": [("hour", ts), *((k, i64) for k in ("received", "delivered", "deferrals", "bounced", "bytes_received",
                                                        "bytes_delivered"))],
         "delays": [("bucket", s), ("delivered", i64)],
@@ -762,6 +767,7 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
         "sender_domains": _sorted(got["sender_domains"], "-messages", "domain"),
         "recipients": top_recipients,
         "reasons": _sorted(got["reasons"], "-count", "status", "enhanced", "relay"),
+        "categories": _sorted(got["categories"], "status", "-count", "category"),
         "hourly": hourly_rows,
         "daily": [daily[k] for k in sorted(daily)],
         "delays": got["delays"],
@@ -1016,6 +1022,7 @@ def _split_parts(parts: dict[str, pa.Table], percentiles: list[dict[str, Any]]) 
         "attempts": [{"attempts": r["attempts"], "messages": r["received"]} for r in rows["m_attempts"] if r["received"]],
         "deferred_rcpts": rows["deferred"],
         "reasons": rows["reasons"],
+        "categories": rows["categories"],
     }
     hours: dict[Any, dict[str, Any]] = {}
 

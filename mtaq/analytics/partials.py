@@ -32,6 +32,9 @@ Definitions are those of :mod:`mtaq.analytics.job` (its docstring), value for va
 * ``deferred``: recipients deferred at least once, by domain;
 * ``reasons``: deferred / bounced / expired outcomes by status, enhanced code and relay: count, recipients,
   messages, example (the least reply text);
+* ``categories``: the same outcomes by status and bounce category (:func:`mtaq.core.bounce_class.classify`
+  of each reply with the shipped rules, issue 37.3; ``expired`` is ``message_expired``): count, recipients,
+  messages, example;
 * ``m_total``, ``m_domain``, ``m_attempts``, ``m_hour``: messages first seen in the log, arrived in the
   window, by nothing, sending domain, attempts, UTC hour: received, bytes_received, dsn_generated;
 * ``qshape``, ``qshape_age``: at every whole hour in the window, the messages arrived and not FINISHed:
@@ -58,6 +61,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from mtaq.analytics.tables import AGE_BUCKETS_MIN, DELAY_BUCKETS_S, bucket_labels
+from mtaq.core.bounce_class import Rules, classify, default_rules
 
 __all__ = ["FILE_PARTS", "PARTS", "RankTarget", "decode", "delay_key", "encode", "in_window", "locate_percentiles", "merge", "merge_tables", "partial_rows",
            "partials", "rank_value"]
@@ -82,6 +86,8 @@ PARTS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     "deferred": (("domain",), {"deferred": "sum"}),
     "reasons": (("status", "enhanced", "relay"),
                 {"count": "sum", "recipients": "sum", "messages": "sum", "example": "min"}),
+    "categories": (("status", "category"),
+                   {"count": "sum", "recipients": "sum", "messages": "sum", "example": "min"}),
     **{f"m_{g}": (k, {v: "sum" for v in _M_VALUES})
        for g, k in (("total", ()), ("domain", ("domain",)), ("attempts", ("attempts",)), ("hour", ("hour",)))},
     "qshape": (("tick",), {"messages": "sum", "bytes": "sum"}),
@@ -308,15 +314,38 @@ def _outcome_parts(oe: pa.Table) -> dict[str, pa.Table]:
     r = pa.table({
         "status": pc.if_else(_true(pc.equal(r["status"], "failed")), pa.scalar("bounced"), r["status"]),
         "enhanced": r["enhanced"], "relay": r["relay"], "queue_id": r["queue_id"], "rcpt_index": r["rcpt_index"],
-        "text": r["text"]})
+        "text": r["text"], "code": r["code"]})
     why = ("status", "enhanced", "relay")
     per_rcpt = _group(r, (*why, "queue_id", "rcpt_index"), mins=("text",), count="n")
     per_msg = _group(per_rcpt, (*why, "queue_id"), sums=("n",), mins=("text",), count="recipients")
     reasons = _group(per_msg, why, sums=("n", "recipients"), mins=("text",), count="messages")
     out["reasons"] = reasons.rename_columns([*why, "count", "recipients", "example", "messages"]).select(
         [*why, "count", "recipients", "messages", "example"])
+    c = pa.table({"status": r["status"], "category": _categories(r["code"], r["enhanced"], r["text"]),
+                  "queue_id": r["queue_id"], "rcpt_index": r["rcpt_index"], "text": r["text"]})
+    cat = ("status", "category")
+    per_rcpt = _group(c, (*cat, "queue_id", "rcpt_index"), mins=("text",), count="n")
+    per_msg = _group(per_rcpt, (*cat, "queue_id"), sums=("n",), mins=("text",), count="recipients")
+    cats = _group(per_msg, cat, sums=("n", "recipients"), mins=("text",), count="messages")
+    out["categories"] = cats.rename_columns([*cat, "count", "recipients", "example", "messages"]).select(
+        [*cat, "count", "recipients", "messages", "example"])
     out["recipients"] = _count_bytes(oe.filter(delivered), ("rcpt_address", "rcpt_domain"), "delivered")
     return out
+
+
+def _categories(code: pa.ChunkedArray, enhanced: pa.ChunkedArray, text: pa.ChunkedArray,
+                rules: Rules | None = None) -> pa.Array:
+    """The bounce category of each reply (:func:`mtaq.core.bounce_class.classify`; ``rules`` None: the shipped
+    rules), each distinct reply classified once."""
+    rules = rules or default_rules()
+    seen: dict[tuple[object, object, object], str] = {}
+    out = []
+    for k in zip(code.to_pylist(), enhanced.to_pylist(), text.to_pylist(), strict=True):
+        got = seen.get(k)
+        if got is None:
+            got = seen[k] = classify(rules, k[0] or 0, k[1] or "", k[2] or "")
+        out.append(got)
+    return pa.array(out, pa.string())
 
 
 def _count_bytes(t: pa.Table, keys: tuple[str, str], count: str) -> pa.Table:

@@ -168,6 +168,8 @@ def _sections(result: Result, top: int) -> tuple[str, list[tuple[str, list[dict[
          ["rcpt_address", "delivered", "bytes"], top, ""),
         ("Deferral and bounce reasons (by enhanced status code and remote host)", t["reasons"],
          ["status", "enhanced", "relay", "count", "recipients", "messages", "example"], top, ""),
+        ("Bounces and deferrals by category", t.get("categories", []),
+         ["status", "category", "count", "recipients", "messages", "example"], top, ""),
         ("Attempts per message", t["attempts"], ["attempts", "messages"], None, ""),
         ("Queue shape over time (messages in the queue at each hour, by age)", t["qshape"],
          ["tick", "messages", "bytes", *ages], top * 5, ""),
