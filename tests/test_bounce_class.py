@@ -192,3 +192,21 @@ def test_a_bad_rule_file_is_one_line_naming_file_rule_and_key(text, expected):
     msg = str(info.value)
     assert "\n" not in msg
     assert msg.startswith(expected), msg
+
+
+def test_a_config_names_its_rule_file_and_a_missing_one_is_one_line(tmp_path):
+    """``bounce_classification_file`` of a loaded config: its rules first (mtaq.delivery.classify.load_rules);
+    a file that is not there is a ConfigError naming the key and the file."""
+    from mtaq.config import load_config
+    from mtaq.core.errors import ConfigError
+    from mtaq.delivery.classify import load_rules
+
+    path = tmp_path / "bounces.toml"
+    path.write_text(CUSTOM)
+    rules = load_rules(load_config(None, {"bounce_classification_file": str(path)}))
+    assert "rate_limited" == classify(rules, 550, "5.7.1", "this message is likely unsolicited mail")
+    assert "content_related" == classify(load_rules(load_config(None, {})), 550, "5.7.1",
+                                         "this message is likely unsolicited mail")
+    with pytest.raises(ConfigError) as info:
+        load_rules(load_config(None, {"bounce_classification_file": str(tmp_path / "nope.toml")}))
+    assert f"bounce_classification_file: {tmp_path / 'nope.toml'}: No such file or directory" == str(info.value)
