@@ -81,7 +81,7 @@ bench-analytics: install debs
 # The module zip for spark-submit --py-files (executors import mtaq from it).
 spark-zip:
 	mkdir -p dist && $(PY) -c "import zipfile, pathlib; z = zipfile.ZipFile('dist/mtaq.zip', 'w'); \
-	  [z.write(p) for p in sorted(pathlib.Path('mtaq').rglob('*.py'))]; z.close()"
+	  [z.write(p) for e in ('py', 'toml') for p in sorted(pathlib.Path('mtaq').rglob('*.' + e))]; z.close()"
 
 # mtaq against Postfix, issue 15's table in one run (root: installs and configures Postfix from Debian; perf
 # counts fsyncs; see docs/performance.md). JSON on stdout, the table on stderr.

@@ -545,8 +545,9 @@ def test_spark_submit_on_a_local_cluster_with_the_module_zip(script, tmp_path):
     zpath = tmp_path / "mtaq.zip"
     pkg = os.path.dirname(os.path.dirname(os.path.abspath(__import__("mtaq").__file__)))
     with zipfile.ZipFile(zpath, "w") as z:
-        for f in glob.glob(f"{pkg}/mtaq/**/*.py", recursive=True):
-            z.write(f, os.path.relpath(f, pkg))
+        for ext in ("py", "toml"):  # as make spark-zip: the modules and the shipped bounce rules (package data)
+            for f in glob.glob(f"{pkg}/mtaq/**/*.{ext}", recursive=True):
+                z.write(f, os.path.relpath(f, pkg))
     submit = shutil.which("spark-submit", path=os.path.dirname(sys.executable))
     assert submit is not None
     env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}

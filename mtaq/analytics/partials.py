@@ -334,18 +334,18 @@ def _outcome_parts(oe: pa.Table) -> dict[str, pa.Table]:
 
 
 def _categories(code: pa.ChunkedArray, enhanced: pa.ChunkedArray, text: pa.ChunkedArray,
-                rules: Rules | None = None) -> pa.Array:
+                rules: Rules | None = None) -> pa.ChunkedArray | pa.Array:
     """The bounce category of each reply (:func:`mtaq.core.bounce_class.classify`; ``rules`` None: the shipped
-    rules), each distinct reply classified once."""
+    rules): each distinct (code, enhanced, text) classified once, then looked up (pyarrow ``index_in``)."""
     rules = rules or default_rules()
-    seen: dict[tuple[object, object, object], str] = {}
-    out = []
-    for k in zip(code.to_pylist(), enhanced.to_pylist(), text.to_pylist(), strict=True):
-        got = seen.get(k)
-        if got is None:
-            got = seen[k] = classify(rules, k[0] or 0, k[1] or "", k[2] or "")
-        out.append(got)
-    return pa.array(out, pa.string())
+    parts = [pc.fill_null(a.cast(pa.string()), "") for a in (code, enhanced, text)]
+    key = pc.binary_join_element_wise(*parts, "\x1f")  # code and enhanced code never hold \x1f
+    distinct = pc.unique(key)
+    cats = []
+    for k in distinct.to_pylist():
+        c, e, t = k.split("\x1f", 2)
+        cats.append(classify(rules, c, e, t))
+    return pa.array(cats, pa.string()).take(pc.index_in(key, value_set=distinct))
 
 
 def _count_bytes(t: pa.Table, keys: tuple[str, str], count: str) -> pa.Table:
