@@ -269,6 +269,22 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Rules over each header of a message received (Postfix header_checks, regexp table syntax):
     # "/PATTERN/FLAGS ACTION [TEXT]", ACTION REJECT, WARN, IGNORE, REPLACE, PREPEND, DUNNO (mtaq.edge.headerchecks).
     header_checks: list[str] = msgspec.field(default_factory=list)
+    # Address rewriting at receipt (Postfix canonical(5); mtaq.edge.canonical): files of "KEY VALUE" lines in
+    # Postfix's table syntax, KEY user@domain, user or @domain, VALUE an address or @domain (keeps the local
+    # part). The envelope sender and sender headers go through sender_canonical_maps then canonical_maps;
+    # recipients and recipient headers through recipient_canonical_maps then canonical_maps. Headers only in
+    # mail from mynetworks or authenticated clients. "": none.
+    canonical_maps: str = ""
+    sender_canonical_maps: str = ""
+    recipient_canonical_maps: str = ""
+    # What canonical maps rewrite (Postfix canonical_classes).
+    canonical_classes: list[Literal["envelope_sender", "envelope_recipient", "header_sender", "header_recipient"]] = (
+        msgspec.field(default_factory=lambda: ["envelope_sender", "envelope_recipient", "header_sender",
+                                               "header_recipient"]))
+    # Address rewriting of mail leaving (Postfix smtp_generic_maps, generic(5)): the same file syntax, applied
+    # when a message is sent to the envelope and the header addresses (not to fields a DKIM/ARC signature of
+    # the message covers); the queued message is unchanged. "": none.
+    smtp_generic_maps: str = ""
     # Postfix smtpd_error_sleep_time: seconds before a failed AUTH is answered.
     smtpd_error_sleep_time_s: Annotated[float, msgspec.Meta(ge=0, le=300)] = 1.0
     # Failed AUTH attempts per client IP in any 60 s before AUTH gets 450 4.7.1 (mynetworks too); 0: no limit.

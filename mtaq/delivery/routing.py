@@ -45,6 +45,8 @@ if TYPE_CHECKING:  # dnspython is imported at the first lookup: a relayhost neve
     import dns.asyncresolver
     import dns.resolver
 
+    from mtaq.edge.canonical import Generic
+
 __all__ = ["Candidate", "Dns", "Route", "RouteFailure", "Router", "domain_of", "lookup", "parse_transport"]
 
 V = TypeVar("V")
@@ -273,6 +275,10 @@ class Router:
         self.tls_default: TlsLevel = cfg.smtp_tls_security_level
         self.tls_policy: dict[str, TlsLevel] = {k.strip().lower(): v for k, v in cfg.tls_policy_map.items()}
         self.tls_ca_file = cfg.smtp_tls_CAfile
+        self.generic: Generic | None = None  # smtp_generic_maps (mtaq.edge.canonical), applied as mail leaves
+        if cfg.smtp_generic_maps:
+            from mtaq.edge.canonical import Generic
+            self.generic = Generic.from_config(cfg.smtp_generic_maps, myhostname=cfg.hostname(), myorigin=cfg.myorigin)
         self.wrappermode = cfg.smtp_tls_wrappermode
         self.addresses_max = cfg.smtp_mx_addresses_max
         self.rng = rng or random.Random()

@@ -23,10 +23,11 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from mtaq.core.errors import CorruptRecord, StorageError
 from mtaq.delivery.relay import Content, RelayConnection, Reply, TlsLevel
 from mtaq.delivery.routing import Candidate, Route, RouteFailure, Router
 from mtaq.delivery.sasl import SaslClient, nexthop_keys
@@ -36,8 +37,12 @@ from mtaq.delivery.throttle import Throttle
 if TYPE_CHECKING:  # DANE and MTA-STS pull in dnspython, aiohttp and cryptography: only when configured
     from mtaq.delivery.dane import Tlsa
     from mtaq.delivery.peers import PeerPolicy
+    from mtaq.edge.canonical import Generic
 
-__all__ = ["Batch", "ConnectionPool", "HopFailure", "deliver"]
+__all__ = ["GENERIC_HEAD_BYTES_MAX", "Batch", "ConnectionPool", "HopFailure", "deliver"]
+
+GENERIC_HEAD_BYTES_MAX = 1024 * 1024
+"""The most of a queued message read to find its header section for smtp_generic_maps (bytes)."""
 
 
 @dataclass(slots=True)
@@ -176,6 +181,9 @@ async def deliver(
     applies DANE and MTA-STS to each host (:mod:`mtaq.delivery.peers`); without it level ``dane`` is ``may``.
     """
     params = list(rcpt_params) if rcpt_params is not None else [()] * len(recipients)
+    wire = _Wire(sender, list(recipients), body)
+    if router.generic is not None:  # smtp_generic_maps: what leaves, not what is routed, logged or queued
+        wire = _generic_wire(router.generic, wire)
     groups: dict[Route, list[int]] = {}
     for i, rcpt in enumerate(recipients):
         groups.setdefault(router.route(rcpt, sender), []).append(i)
@@ -185,12 +193,69 @@ async def deliver(
             await record(Batch("none", [(i, route.reply) for i in positions], discarded=route.kind == "discard"))
             continue
         if throttle is None:
-            await _deliver_group(router, pool, route, positions, sender, recipients, params, body, mail_params,
+            await _deliver_group(router, pool, route, positions, sender, wire, params, mail_params,
                                  record, on_hop_failure, sasl, peers)
             continue
         async with throttle.slots(recipients[i].rpartition("@")[2] for i in positions):
-            await _deliver_group(router, pool, route, positions, sender, recipients, params, body, mail_params,
+            await _deliver_group(router, pool, route, positions, sender, wire, params, mail_params,
                                  record, on_hop_failure, sasl, peers)
+
+
+@dataclass(frozen=True, slots=True)
+class _Wire:
+    """What goes on the MAIL and RCPT lines and after DATA (after smtp_generic_maps)."""
+
+    sender: str
+    recipients: list[str]
+    body: bytes | Content
+
+
+class _Spliced:
+    """``inner`` with its first ``old_len`` octets read as ``head`` (a :class:`Content`): the rest is read
+    through, so the inner iterator's checks (the record checksum at its end) still run."""
+
+    def __init__(self, inner: Content, old_len: int, head: bytes) -> None:
+        self.inner, self.old_len, self.head = inner, old_len, head
+
+    @property
+    def size(self) -> int:
+        return self.inner.size - self.old_len + len(self.head)
+
+    def pieces(self) -> Iterator[bytes]:
+        yield self.head
+        skip = self.old_len
+        for piece in self.inner.pieces():
+            if skip >= len(piece):
+                skip -= len(piece)
+                continue
+            yield piece[skip:] if skip else piece
+            skip = 0
+
+
+def _generic_wire(generic: Generic, wire: _Wire) -> _Wire:
+    """``wire`` with smtp_generic_maps applied (:class:`mtaq.edge.canonical.Generic`): the envelope
+    addresses, and the header addresses the message's DKIM/ARC signatures do not cover. A header section
+    longer than :data:`GENERIC_HEAD_BYTES_MAX`, or one that cannot be read (found again when the content is
+    sent), is sent as it is."""
+    from mtaq.edge.dkim import header_section, split_head  # only with smtp_generic_maps
+
+    body = wire.body
+    if isinstance(body, bytes):
+        head = header_section(body)
+    else:
+        buf = b""
+        try:
+            for piece in body.pieces():
+                buf += piece
+                if split_head(buf) is not None or len(buf) > GENERIC_HEAD_BYTES_MAX:
+                    break
+        except (CorruptRecord, StorageError):
+            buf = b""
+        head = header_section(buf) if split_head(buf) is not None else b""
+    new_head = generic.head(head) if head else None
+    if new_head is not None:
+        body = new_head + body[len(head):] if isinstance(body, bytes) else _Spliced(body, len(head), new_head)
+    return _Wire(generic.address(wire.sender), [generic.address(r) for r in wire.recipients], body)
 
 
 async def _deliver_group(
@@ -199,9 +264,8 @@ async def _deliver_group(
     route: Route,
     positions: list[int],
     sender: str,
-    recipients: Sequence[str],
+    wire: _Wire,
     params: Sequence[Sequence[tuple[str, str]]],
-    body: bytes | Content,
     mail_params: Sequence[tuple[str, str]],
     record: Callable[[Batch], Awaitable[None]],
     on_hop_failure: Callable[[HopFailure], None],
@@ -262,9 +326,9 @@ async def _deliver_group(
             conn = pool.get(cand, level, security)
             try:
                 replies = await conn.send(
-                    sender,
-                    [recipients[i] for i in pending],
-                    body,
+                    wire.sender,
+                    [wire.recipients[i] for i in pending],
+                    wire.body,
                     mail_params=mail_params,
                     rcpt_params=[params[i] for i in pending],
                 )

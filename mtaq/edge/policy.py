@@ -55,6 +55,7 @@ from mtaq.edge.headerchecks import HeaderChecks
 
 if TYPE_CHECKING:
     from mtaq.config import Config
+    from mtaq.edge.canonical import Canonical
 
 __all__ = [
     "DEFAULT_MYNETWORKS",
@@ -371,6 +372,8 @@ class EdgePolicy:
     hopcount_limit: int = 50  # Received:/Delivered-To: fields a message may already have (554 5.4.6 beyond)
     received_private: bool = False  # smtpd_received_header_private: no client in authenticated mail's Received:
     header_checks: HeaderChecks | None = field(default=None, repr=False)  # header_checks rules; None: none
+    # canonical_maps, sender_canonical_maps, recipient_canonical_maps (mtaq.edge.canonical); None: none
+    canonical: Canonical | None = field(default=None, repr=False)
     error_sleep_s: float = 1.0  # Postfix smtpd_error_sleep_time: the wait before answering a failed AUTH
     auth_failures_per_minute_max: int = 10  # failed AUTH per client IP in any 60 s before 450 4.7.1; 0: none
     # Postfix smtpd_client_ipv6_prefix_length: the bits of an IPv6 client address that every per-client
@@ -384,7 +387,10 @@ class EdgePolicy:
 
     @classmethod
     def from_config(cls, cfg: Config) -> EdgePolicy:
-        """Build the policy from ``cfg``: reads the TLS files and the password file. Raises ConfigError."""
+        """Build the policy from ``cfg``: reads the TLS files, the password file and the canonical maps.
+        Raises ConfigError."""
+        from mtaq.edge.canonical import Canonical  # it imports this module
+
         tls = server_tls_context(cfg.tls_cert_file, cfg.tls_key_file) if cfg.tls_cert_file or cfg.tls_key_file else None
         passwords = PasswordFile.load(cfg.auth_password_file) if cfg.auth_password_file else None
         if passwords is not None and tls is None:
@@ -408,6 +414,10 @@ class EdgePolicy:
             hopcount_limit=cfg.hopcount_limit,
             received_private=cfg.smtpd_received_header_private,
             header_checks=HeaderChecks.from_config(cfg.header_checks) if cfg.header_checks else None,
+            canonical=Canonical.from_config(
+                canonical_maps=cfg.canonical_maps, sender_canonical_maps=cfg.sender_canonical_maps,
+                recipient_canonical_maps=cfg.recipient_canonical_maps, canonical_classes=list(cfg.canonical_classes),
+                myhostname=cfg.hostname(), myorigin=cfg.myorigin),
             error_sleep_s=cfg.smtpd_error_sleep_time_s,
             auth_failures_per_minute_max=cfg.smtpd_client_auth_failure_rate_limit,
             client_ipv6_prefix_length=cfg.smtpd_client_ipv6_prefix_length,
