@@ -216,3 +216,17 @@ def test_generic_maps_rewrite_only_what_leaves(relay_factory, tmp_path):
     assert b"\r\nFrom: Carl <carl@public.example>\r\nTo: Bob <robert@example.net>\r\n" in plain
     assert plain.endswith(b"\r\n\r\nhi\r\n")
     assert {"bob@example.net"} == {e["recipient"] for e in r.events("delivered")}  # the log: queued addresses
+
+
+def test_a_rewritten_recipient_keeps_its_original_address_as_orcpt():
+    """RFC 3461 §4.2 ORCPT=rfc822;ORIGINAL added to a recipient canonical_maps rewrote (Postfix keeps the
+    original recipient for DSNs); one given by the client, and an unchanged recipient, are kept as they are."""
+    from mtaq.edge.server import _keep_original
+
+    old = ["a@old.example", "b@old.example", "c@example.org"]
+    new = ["a@new.example", "b@new.example", "c@example.org"]
+    given = [(("NOTIFY", "FAILURE"),), (("ORCPT", "rfc822;b@client.example"),), ()]
+    assert [(("NOTIFY", "FAILURE"), ("ORCPT", "rfc822;a@old.example")), (("ORCPT", "rfc822;b@client.example"),),
+            ()] == _keep_original(old, new, given)
+    assert [(("ORCPT", "rfc822;a@old.example"),), (("ORCPT", "rfc822;b@old.example"),), ()] == _keep_original(
+        old, new, None)
