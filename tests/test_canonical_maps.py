@@ -230,3 +230,34 @@ def test_a_rewritten_recipient_keeps_its_original_address_as_orcpt():
             ()] == _keep_original(old, new, given)
     assert [(("ORCPT", "rfc822;a@old.example"),), (("ORCPT", "rfc822;b@old.example"),), ()] == _keep_original(
         old, new, None)
+
+
+def test_reload_reads_the_maps_again(relay_factory, tmp_path):
+    """The canonical and generic map files changed in place (the configuration itself unchanged) and SIGHUP
+    to the daemon: a message sent before goes out with the old tables' addresses, one sent after the
+    `reloaded` event with the new ones (canonical at receipt, generic as it leaves)."""
+    import signal
+
+    canon_file, generic_file = tmp_path / "canonical", tmp_path / "generic"
+    canon_file.write_text("alice@example.org first@example.org\n")
+    generic_file.write_text("bob@example.net bob.first@example.net\n")
+    for f in (canon_file, generic_file):
+        f.chmod(0o644)
+    r = relay_factory(config=f'canonical_maps = "{canon_file}"\nsmtp_generic_maps = "{generic_file}"\n')
+    r.wait_for(lambda: r.events("listening"), what="the listening event")
+
+    def send(mid: str) -> bytes:
+        with smtplib.SMTP("127.0.0.1", r.daemon.port, timeout=30) as s:
+            assert {} == s.sendmail("alice@example.org", ["bob@example.net"],
+                                    f"From: alice@example.org\r\nMessage-ID: {mid}\r\n\r\nhi\r\n".encode())
+        return bytes(r.wait_for(lambda: _stored(r.maildir).get(mid), what=f"delivery of {mid}"))
+
+    assert send("<before@p>").startswith(b"Return-Path: <first@example.org>\r\nDelivered-To: bob.first@example.net\r\n")
+    canon_file.write_text("alice@example.org second@example.org\n")
+    generic_file.write_text("bob@example.net bob.second@example.net\n")
+    r.daemon.popen.send_signal(signal.SIGHUP)
+    [ev] = r.wait_for(lambda: r.events("reloaded"), what="reloaded")
+    assert [] == ev["changed"]
+    after = send("<after@p>")
+    assert after.startswith(b"Return-Path: <second@example.org>\r\nDelivered-To: bob.second@example.net\r\n")
+    assert b"\r\nFrom: second@example.org\r\n" in after
