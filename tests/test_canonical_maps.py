@@ -261,3 +261,25 @@ def test_reload_reads_the_maps_again(relay_factory, tmp_path):
     after = send("<after@p>")
     assert after.startswith(b"Return-Path: <second@example.org>\r\nDelivered-To: bob.second@example.net\r\n")
     assert b"\r\nFrom: second@example.org\r\n" in after
+
+
+def test_mail_from_the_maildrop_is_rewritten_too(tmp_path):
+    """`mtaq sendmail -t` as root (myhostname host.test): the table's bare `root` key (the user form, at
+    myhostname) rewrites the envelope sender root@host.test and the From: sendmail wrote; the recipient's
+    @domain form its envelope and To: (Postfix's cleanup rewrites pickup mail as it does smtpd's)."""
+    import test_sendmail
+
+    base = tmp_path / "h"
+    base.mkdir()
+    (tmp_path / "canonical").write_text("root  admin@example.org\n@old.example  @new.example\n")
+    h = test_sendmail.Host(base, f'canonical_maps = "{tmp_path / "canonical"}"\n')
+    try:
+        h.start()
+        r = test_sendmail.sendmail(h.cfg, "-t", stdin=b"To: Ann <ann@old.example>\nSubject: t\n\nhello\n")
+        assert (0, b"") == (r.returncode, r.stderr)
+        [m] = h.wait_messages(1)
+        assert ("<admin@example.org>", ["ann@new.example"], "Ann <ann@new.example>") == (
+            m["Return-Path"], m.get_all("Delivered-To"), m["To"])
+        assert "admin@example.org" in m["From"]
+    finally:
+        h.close()

@@ -376,7 +376,7 @@ class Daemon:
             self.pickup = Pickup(self.queue, cfg.spool_dir, hostname=cfg.hostname(),
                                  body_bytes_max=cfg.message_size_limit_bytes,
                                  recipients_max=cfg.recipients_per_message_max, signer=self.signer, log=self.log,
-                                 myorigin=cfg.myorigin)
+                                 myorigin=cfg.myorigin, canonical=self.edge.canonical)
             tasks.append(asyncio.create_task(self.pickup.run(res.maildrop)))
         if cfg.stats_interval_s > 0:
             tasks.append(asyncio.create_task(self._stats()))
@@ -495,6 +495,7 @@ class Daemon:
             self.queue.minfree_bytes = max(cfg.queue_minfree_bytes, cfg.message_size_limit_bytes * 3 // 2)
         if self.pickup is not None:
             self.pickup.signer = self.signer
+            self.pickup.canonical = self.edge.canonical
             self.pickup.body_bytes_max = cfg.message_size_limit_bytes
             self.pickup.recipients_max = cfg.recipients_per_message_max
         admin = getattr(self, "admin", None)
