@@ -283,3 +283,16 @@ def test_mail_from_the_maildrop_is_rewritten_too(tmp_path):
         assert "admin@example.org" in m["From"]
     finally:
         h.close()
+
+
+def test_mtaq_check_names_a_bad_line_of_either_map(tmp_path):
+    """`mtaq check` loads the maps as the start does: a bad line of canonical_maps or smtp_generic_maps is a
+    problem line naming the key, the file and the line; exit status 1."""
+    (tmp_path / "bad").write_text("# fine\nalice@example.org\n")
+    for key in ("canonical_maps", "smtp_generic_maps"):
+        cfg = tmp_path / f"{key}.toml"
+        cfg.write_text(f'spool_dir = "{tmp_path / "spool"}"\n{key} = "{tmp_path / "bad"}"\n')
+        out = subprocess.run([sys.executable, "-m", "mtaq.cli", "check", "--config", str(cfg)],
+                             capture_output=True, text=True, timeout=60)
+        assert 1 == out.returncode, out.stdout + out.stderr
+        assert f"{key}: {tmp_path / 'bad'}: line 2: expected KEY VALUE" in out.stdout + out.stderr
