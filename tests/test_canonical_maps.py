@@ -296,3 +296,17 @@ def test_mtaq_check_names_a_bad_line_of_either_map(tmp_path):
                              capture_output=True, text=True, timeout=60)
         assert 1 == out.returncode, out.stdout + out.stderr
         assert f"{key}: {tmp_path / 'bad'}: line 2: expected KEY VALUE" in out.stdout + out.stderr
+
+
+def test_long_and_hostile_address_lists(tmp_path):
+    """A To: of 5,000 addresses is rewritten whole (each list element parsed alone: the standard parser is
+    quadratic in what it is given); 5,000 nested comments (the parser's recursion) leave that field as it
+    is and the others rewritten; a comma in a quoted name, a comment or a group does not cut an address."""
+    c = canon(tmp_path)
+    many = b"To: " + b",\r\n ".join(b"u%d@old.example" % i for i in range(5000)) + b"\r\n"
+    assert many.replace(b"@old.example", b"@new.example") == c.head(many)
+    hostile = b"Cc: " + b"(" * 5000 + b")" * 5000 + b" zed@old.example\r\nFrom: alice@example.org\r\n"
+    assert hostile.replace(b"From: alice@", b"From: Alice.Smith@") == c.head(hostile)
+    tricky = b'To: "x, alice@example.org" <zed@old.example> (a, b), team: a@old.example, b@old.example;\r\n'
+    assert (b'To: "x, alice@example.org" <zed@new.example> (a, b), team: a@new.example, b@new.example;\r\n'
+            == c.head(tricky))

@@ -43,6 +43,8 @@ __all__ = ["GENERIC_HEAD_BYTES_MAX", "Batch", "ConnectionPool", "HopFailure", "d
 
 GENERIC_HEAD_BYTES_MAX = 1024 * 1024
 """The most of a queued message read to find its header section for smtp_generic_maps (bytes)."""
+HEAD_INLINE_BYTES_MAX = 64 * 1024
+"""A header section up to this long is rewritten by smtp_generic_maps in the event loop; a longer one in a thread."""
 
 
 @dataclass(slots=True)
@@ -183,7 +185,7 @@ async def deliver(
     params = list(rcpt_params) if rcpt_params is not None else [()] * len(recipients)
     wire = _Wire(sender, list(recipients), body)
     if router.generic is not None:  # smtp_generic_maps: what leaves, not what is routed, logged or queued
-        wire = _generic_wire(router.generic, wire)
+        wire = await _generic_wire(router.generic, wire)
     groups: dict[Route, list[int]] = {}
     for i, rcpt in enumerate(recipients):
         groups.setdefault(router.route(rcpt, sender), []).append(i)
@@ -232,7 +234,7 @@ class _Spliced:
             skip = 0
 
 
-def _generic_wire(generic: Generic, wire: _Wire) -> _Wire:
+async def _generic_wire(generic: Generic, wire: _Wire) -> _Wire:
     """``wire`` with smtp_generic_maps applied (:class:`mtaq.edge.canonical.Generic`): the envelope
     addresses, and the header addresses the message's DKIM/ARC signatures do not cover. A header section
     longer than :data:`GENERIC_HEAD_BYTES_MAX`, or one that cannot be read (found again when the content is
@@ -252,7 +254,9 @@ def _generic_wire(generic: Generic, wire: _Wire) -> _Wire:
         except (CorruptRecord, StorageError):
             buf = b""
         head = header_section(buf) if split_head(buf) is not None else b""
-    new_head = generic.head(head) if head else None
+    # A large header section is rewritten in a thread (the RFC 5322 parser is slow on long address lists).
+    new_head = (None if not head else generic.head(head) if len(head) <= HEAD_INLINE_BYTES_MAX
+                else await asyncio.to_thread(generic.head, head))
     if new_head is not None:
         body = new_head + body[len(head):] if isinstance(body, bytes) else _Spliced(body, len(head), new_head)
     return _Wire(generic.address(wire.sender), [generic.address(r) for r in wire.recipients], body)

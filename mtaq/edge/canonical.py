@@ -76,11 +76,19 @@ RECIPIENT_HEADERS = frozenset({
 })
 """Fields whose addresses are recipients (Postfix header_opts.c, HDR_OPT_RECIP / HDR_OPT_XRECIP), lower case."""
 FILE_BYTES_MAX = 64 * 1024 * 1024
+PIECE_CHARS_MAX = 16 * 1024
+"""A piece of an address list (one address or group) longer than this is left as it is (the parser's time)."""
 _ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
 _LINE_END = re.compile(rb"\r?\n$")
 _H_TAG = re.compile(r"(?:^|;)\s*h\s*=([^;]*)", re.IGNORECASE)
 _ENCODED_WORD = re.compile(r"=\?[^?\s]+\?[bBqQ]\?[^?\s]*\?=")  # RFC 2047 §2
 _PLACEHOLDER = re.compile(r"mtaqEW(\d+)x")
+_ADDR = r"[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+(?:\.[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+)*@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*"
+# One list element in a common form: a bare dot-atom address, or one in angle brackets after a display name
+# of atoms or a plain quoted string (anything else goes to the full RFC 5322 parser).
+_SIMPLE = re.compile(
+    rf"[ \t\r\n]*(?:(?P<bare>{_ADDR})|(?:[A-Za-z0-9!#$%&'*+/=?^_`{{|}}~.-]+(?:[ \t\r\n]+[A-Za-z0-9!#$%&'*+/=?^_`{{|}}~.-]+)*"
+    rf"|\"[^\"\\\r\n]*\")?[ \t\r\n]*<(?P<addr>{_ADDR})>)[ \t\r\n]*")
 _SIGNATURES = (b"dkim-signature", b"arc-message-signature")
 
 
@@ -337,7 +345,69 @@ def rewrite_headers(head: bytes, pick: Callable[[str], Callable[[str], str] | No
 
 
 def _rewrite_value(value: str, fn: Callable[[str], str]) -> str | None:
-    """An address-list field value with each mailbox's address passed through ``fn``; None if none changed."""
+    """An address-list field value with each mailbox's address passed through ``fn``; None if none changed.
+
+    The value is cut at its top-level commas (:func:`_split_list`) and each piece parsed alone: the standard
+    library's parser takes time quadratic in the length of what it parses (20,000 addresses: 26 s)."""
+    pieces = _split_list(value)
+    out: list[str] = []
+    changed = False
+    for piece in pieces:
+        simple = _SIMPLE.fullmatch(piece)
+        if simple is not None:  # the common forms (a@b, Name <a@b>, "Name" <a@b>): no parser needed
+            address = simple["addr"] or simple["bare"]
+            replaced = fn(address)
+            new = None if replaced == address else (
+                piece[:simple.start("addr" if simple["addr"] else "bare")] + replaced
+                + piece[simple.end("addr" if simple["addr"] else "bare"):])
+        else:
+            new = _rewrite_piece(piece, fn) if len(piece) <= PIECE_CHARS_MAX else None
+        out.append(piece if new is None else new)
+        changed = changed or new is not None
+    return ",".join(out) if changed else None
+
+
+def _split_list(value: str) -> list[str]:
+    """``value`` cut at each comma outside quoted strings, comments, angle brackets, domain literals and
+    groups (``name: a, b;`` stays one piece): the pieces, without the commas."""
+    pieces: list[str] = []
+    start = depth = 0  # depth: nested comments
+    quoted = escaped = angle = literal = group = False
+    for i, ch in enumerate(value):
+        if escaped:
+            escaped = False
+        elif ch == "\\" and (quoted or depth):
+            escaped = True
+        elif quoted:
+            quoted = ch != '"'
+        elif ch == "(":
+            depth += 1
+        elif depth:
+            depth -= ch == ")"
+        elif ch == '"':
+            quoted = True
+        elif literal:
+            literal = ch != "]"
+        elif ch == "[":
+            literal = True
+        elif ch == "<":
+            angle = True
+        elif ch == ">":
+            angle = False
+        elif angle:
+            continue
+        elif ch == ":":
+            group = True
+        elif ch == ";":
+            group = False
+        elif ch == "," and not group:
+            pieces.append(value[start:i])
+            start = i + 1
+    pieces.append(value[start:])
+    return pieces
+
+
+def _rewrite_piece(value: str, fn: Callable[[str], str]) -> str | None:
     # The parser decodes RFC 2047 encoded words (a display name =?utf-8?q?...?=): each is held out of its
     # reach as a placeholder atom and put back as it was.
     words: list[str] = []
@@ -351,10 +421,10 @@ def _rewrite_value(value: str, fn: Callable[[str], str]) -> str | None:
     masked = _ENCODED_WORD.sub(hold, value)
     try:
         tokens, rest = hvp.get_address_list(masked)
-    except (email_errors.HeaderParseError, IndexError, ValueError, TypeError):
-        return None
-    parts: list[str] = []
-    if not _render(tokens, fn, parts):
+        parts: list[str] = []
+        if not _render(tokens, fn, parts):
+            return None
+    except (email_errors.HeaderParseError, IndexError, ValueError, TypeError, RecursionError):
         return None
     return _PLACEHOLDER.sub(lambda m: words[int(m.group(1))], "".join(parts) + rest)
 

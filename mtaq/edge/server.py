@@ -88,7 +88,10 @@ class QueueHandler(FastHandlerMixin):
                     mail_from = canon.sender(mail_from)
                     rcpt_tos = [canon.recipient(r) for r in rcpt_tos]
                     if isinstance(policy, EdgePolicy) and _rewrites_headers(session, policy):
-                        new_head = canon.head(new_head if new_head is not None else head) or new_head
+                        base = new_head if new_head is not None else head
+                        # a long header section in a thread: the RFC 5322 parser is slow on long address lists
+                        new_head = (canon.head(base) if len(base) <= 64 * 1024
+                                    else await asyncio.to_thread(canon.head, base)) or new_head
                 except MapNesting as exc:
                     self.log.warning("canonical_maps_nesting", client=client, sender=envelope.mail_from or "",
                                      error=str(exc), action="refused")
