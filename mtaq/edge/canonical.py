@@ -12,8 +12,8 @@ before it. The key is one of, tried in this order for an address ``user@domain``
 The value is the new address; a value ``@otherdomain`` keeps the local part (``@old.example @new.example``).
 Keys are matched without regard to ASCII case, the domain in IDNA A-labels; values are used as written.
 
-**canonical** (at receipt, before the DATA and ENVELOPE records are written and before DKIM signing: what is
-on disk is what is sent). The envelope sender goes through ``sender_canonical_maps`` then ``canonical_maps``,
+**canonical** (at receipt, over SMTP and from the maildrop (``mtaq sendmail``, a local client), before the
+DATA and ENVELOPE records are written and before DKIM signing: what is on disk is what is sent). The envelope sender goes through ``sender_canonical_maps`` then ``canonical_maps``,
 each recipient through ``recipient_canonical_maps`` then ``canonical_maps``; as in Postfix's cleanup a map is
 applied again to its own result until the address maps to itself or no entry matches, at most
 :data:`NESTING_MAX` times (beyond: :class:`MapNesting`, the message is refused ``451 4.3.0`` as Postfix
@@ -33,8 +33,12 @@ left as it is (rewriting it would break that signature); only the envelope and u
 
 Header rewriting keeps every other octet of the message: only the address of a mailbox changes in a field
 that holds one (display names, comments around the address, folding and the other addresses are kept; a
-comment inside an address is lost with it). Headers are parsed with the standard library's RFC 5322 parser
-(:mod:`email._header_value_parser`, what :mod:`email.headerregistry` uses).
+comment inside an address is lost with it). A field is cut at its top-level commas; an element in a common
+form (``a@b``, ``Name <a@b>``, ``"Name" <a@b>``) is rewritten by a regular expression, any other is parsed
+alone by the standard library's RFC 5322 parser (:mod:`email._header_value_parser`, what
+:mod:`email.headerregistry` uses; its time grows with the square of what it is given, hence one element at a
+time). An element the parser cannot take (longer than :data:`PIECE_CHARS_MAX`, nested past Python's
+recursion limit) is left as it is.
 """
 
 from __future__ import annotations
