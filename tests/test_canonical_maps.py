@@ -310,3 +310,13 @@ def test_long_and_hostile_address_lists(tmp_path):
     tricky = b'To: "x, alice@example.org" <zed@old.example> (a, b), team: a@old.example, b@old.example;\r\n'
     assert (b'To: "x, alice@example.org" <zed@new.example> (a, b), team: a@new.example, b@new.example;\r\n'
             == c.head(tricky))
+
+
+@pytest.mark.parametrize("domain", ["Example.ORG", "bücher.test", "xn--bcher-kva.test", "BÜCHER.test", "[192.0.2.1]",
+                                    "xn--zz.test", "a_b.test", "straße.de"])
+def test_lookup_keys_fold_domains_as_the_smtp_edge_does(domain):
+    """The tables' own copy of the edge's IDNA rule (mtaq.edge.policy imports mtaq.edge.canonical, which
+    therefore cannot import it): the same A-labels, or None, for every domain."""
+    from mtaq.edge import canonical, policy
+
+    assert policy.domain_to_ascii(domain) == canonical.domain_to_ascii(domain)

@@ -58,6 +58,7 @@ from mtaq.delivery.sasl import SaslClient
 from mtaq.delivery.security import forget_contexts
 from mtaq.delivery.throttle import DomainLimit, Throttle
 from mtaq.delivery.transport import Batch, ConnectionPool, HopFailure, deliver
+from mtaq.edge.canonical import Generic
 from mtaq.edge.dkim import Signer
 from mtaq.edge.limits import ConnectionGate, Gate
 from mtaq.edge.pickup import Pickup
@@ -141,7 +142,7 @@ class Daemon:
         self.listen_sockets = listen_sockets
         self._copy_failed: set[Pos] = set()  # parked envelopes whose DATA could not be copied forward
         self.log = get_logger()
-        self.router = Router(cfg)
+        self.router = _router(cfg)
         self.throttle = Throttle(
             DomainLimit(cfg.destination_concurrency_limit, cfg.destination_rate_per_s),
             {d: DomainLimit(v.concurrency, v.rate_per_s) for d, v in cfg.destination_limits.items()},
@@ -450,7 +451,7 @@ class Daemon:
             ("edge", lambda: EdgePolicy.from_config(cfg)),
             ("sasl", lambda: self._sasl_client(cfg)),
             ("signer", lambda: Signer.from_config(cfg)),
-            ("router", lambda: Router(cfg)),
+            ("router", lambda: _router(cfg)),
             ("peers", lambda: self._peer_policy(cfg)),
         ]
         for name, make in steps:
@@ -919,6 +920,14 @@ async def _run_or_crash(daemon: Daemon) -> None:
     except BaseException:
         daemon.log.exception("daemon_crashed", exit_status=EXIT_SOFTWARE)
         os._exit(EXIT_SOFTWARE)
+
+
+def _router(cfg: Config) -> Router:
+    """The delivery router of ``cfg``, with its ``smtp_generic_maps`` (:class:`mtaq.edge.canonical.Generic`)
+    read: the delivery package does not read edge modules. Raises ConfigError."""
+    router = Router(cfg)
+    router.generic = Generic.from_config(cfg.smtp_generic_maps, myhostname=cfg.hostname(), myorigin=cfg.myorigin)
+    return router
 
 
 def _run_loop(daemon: Daemon) -> None:

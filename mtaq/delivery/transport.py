@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import re
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from mtaq.core.errors import CorruptRecord, StorageError
 from mtaq.delivery.relay import Content, RelayConnection, Reply, TlsLevel
-from mtaq.delivery.routing import Candidate, Route, RouteFailure, Router
+from mtaq.delivery.routing import AddressRewriter, Candidate, Route, RouteFailure, Router
 from mtaq.delivery.sasl import SaslClient, nexthop_keys
 from mtaq.delivery.security import Credentials, HopSecurity
 from mtaq.delivery.throttle import Throttle
@@ -37,12 +38,12 @@ from mtaq.delivery.throttle import Throttle
 if TYPE_CHECKING:  # DANE and MTA-STS pull in dnspython, aiohttp and cryptography: only when configured
     from mtaq.delivery.dane import Tlsa
     from mtaq.delivery.peers import PeerPolicy
-    from mtaq.edge.canonical import Generic
 
 __all__ = ["GENERIC_HEAD_BYTES_MAX", "Batch", "ConnectionPool", "HopFailure", "deliver"]
 
 GENERIC_HEAD_BYTES_MAX = 1024 * 1024
 """The most of a queued message read to find its header section for smtp_generic_maps (bytes)."""
+_BLANK_LINE = re.compile(rb"(?:\A|\n)\r?\n")  # the empty line that ends the header section (as mtaq.edge.dkim)
 HEAD_INLINE_BYTES_MAX = 64 * 1024
 """A header section up to this long is rewritten by smtp_generic_maps in the event loop; a longer one in a thread."""
 
@@ -234,26 +235,26 @@ class _Spliced:
             skip = 0
 
 
-async def _generic_wire(generic: Generic, wire: _Wire) -> _Wire:
+async def _generic_wire(generic: AddressRewriter, wire: _Wire) -> _Wire:
     """``wire`` with smtp_generic_maps applied (:class:`mtaq.edge.canonical.Generic`): the envelope
     addresses, and the header addresses the message's DKIM/ARC signatures do not cover. A header section
     longer than :data:`GENERIC_HEAD_BYTES_MAX`, or one that cannot be read (found again when the content is
     sent), is sent as it is."""
-    from mtaq.edge.dkim import header_section, split_head  # only with smtp_generic_maps
-
     body = wire.body
     if isinstance(body, bytes):
-        head = header_section(body)
+        m = _BLANK_LINE.search(body)
+        head = body if m is None else body[: m.start() + 1] if m.start() else b""
     else:
         buf = b""
         try:
             for piece in body.pieces():
                 buf += piece
-                if split_head(buf) is not None or len(buf) > GENERIC_HEAD_BYTES_MAX:
+                if _BLANK_LINE.search(buf) is not None or len(buf) > GENERIC_HEAD_BYTES_MAX:
                     break
         except (CorruptRecord, StorageError):
             buf = b""
-        head = header_section(buf) if split_head(buf) is not None else b""
+        m = _BLANK_LINE.search(buf)
+        head = b"" if m is None else buf[: m.start() + 1] if m.start() else b""
     # A large header section is rewritten in a thread (the RFC 5322 parser is slow on long address lists).
     new_head = (None if not head else generic.head(head) if len(head) <= HEAD_INLINE_BYTES_MAX
                 else await asyncio.to_thread(generic.head, head))

@@ -43,6 +43,7 @@ recursion limit) is left as it is.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -50,8 +51,10 @@ from email import _header_value_parser as hvp
 from email import errors as email_errors
 from typing import Literal
 
+import idna
+from aiosmtplib.email import quote_address
+
 from mtaq.core.errors import ConfigError
-from mtaq.edge.policy import address_problem, domain_to_ascii
 
 __all__ = [
     "CLASSES",
@@ -94,6 +97,51 @@ _SIMPLE = re.compile(
     rf"[ \t\r\n]*(?:(?P<bare>{_ADDR})|(?:[A-Za-z0-9!#$%&'*+/=?^_`{{|}}~.-]+(?:[ \t\r\n]+[A-Za-z0-9!#$%&'*+/=?^_`{{|}}~.-]+)*"
     rf"|\"[^\"\\\r\n]*\")?[ \t\r\n]*<(?P<addr>{_ADDR})>)[ \t\r\n]*")
 _SIGNATURES = (b"dkim-signature", b"arc-message-signature")
+
+
+_LABEL = re.compile(r"(?!-)[a-z0-9-]{1,63}(?<!-)")
+_LOCAL = re.compile(r'[^\x00-\x20\x7f"(),:;<>@\[\\\]]+(?:\.[^\x00-\x20\x7f"(),:;<>@\[\\\]]+)*|"(?:[^"\\\x00-\x1f\x7f]|\\[ -~])*"')
+
+
+@functools.lru_cache(maxsize=4096)  # domains repeat; a pure function of the domain
+def domain_to_ascii(domain: str) -> str | None:
+    """``domain`` as IDNA2008 A-labels in ASCII lower case, or None if it has none: the rule of
+    :func:`mtaq.edge.policy.domain_to_ascii` (which imports this module, so it cannot be imported here);
+    an address literal ``[...]`` lower-cased."""
+    if domain.startswith("["):
+        return domain.translate(_ASCII_LOWER)
+    out: list[str] = []
+    for label in domain.split("."):
+        low = label.translate(_ASCII_LOWER)
+        try:
+            if low.isascii():
+                if low.startswith("xn--"):
+                    idna.ulabel(low)
+                out.append(low)
+            else:
+                out.append(idna.alabel(low).decode("ascii"))
+        except (UnicodeError, ValueError):
+            return None
+    return ".".join(out)
+
+
+def _value_ok(value: str) -> bool:
+    """Whether a table value is ``@domain`` or an address ``local@domain`` that MAIL FROM / RCPT TO can
+    carry as written (RFC 5321 §4.1.2 Local-part, a domain with A-labels; what aiosmtplib sends as is)."""
+    local, at, domain = value.rpartition("@")
+    if not at or not domain:
+        return False
+    ace = domain_to_ascii(domain.rstrip("."))
+    if ace is None or not ((ace.startswith("[") and ace.endswith("]")) or all(_LABEL.fullmatch(x) for x in ace.split("."))):
+        return False
+    if not local:
+        return value.startswith("@")
+    if _LOCAL.fullmatch(local) is None:
+        return False
+    try:
+        return bool(quote_address(value) == f"<{value}>")
+    except ValueError:
+        return False
 
 
 class MapNesting(ValueError):
@@ -143,12 +191,7 @@ class AddressMap:
             local, at, domain = k.rpartition("@")
             if at and (not domain or domain_to_ascii(domain.rstrip(".")) is None):
                 raise ConfigError(f"{where}: the key {k!r} is not user@domain, user or @domain")
-            if value.startswith("@"):
-                bad = domain_to_ascii(value[1:].rstrip(".")) is None or address_problem(
-                    "x" + value, smtputf8=True) is not None
-            else:
-                bad = address_problem(value, smtputf8=True) is not None
-            if bad:
+            if not _value_ok(value):
                 raise ConfigError(f"{where}: the value {value!r} is not an address (user@domain) or @domain")
             lookup = _key(k, frozenset())[0] if at and local else (
                 f"@{domain_to_ascii(domain.rstrip('.'))}" if at else k.translate(_ASCII_LOWER))

@@ -51,11 +51,11 @@ from aiosmtplib.email import quote_address
 from mtaq.core.errors import ConfigError
 from mtaq.core.text import ASCII_CONTROL
 from mtaq.edge.auth import PasswordFile
+from mtaq.edge.canonical import Canonical
 from mtaq.edge.headerchecks import HeaderChecks
 
 if TYPE_CHECKING:
     from mtaq.config import Config
-    from mtaq.edge.canonical import Canonical
 
 __all__ = [
     "DEFAULT_MYNETWORKS",
@@ -389,8 +389,6 @@ class EdgePolicy:
     def from_config(cls, cfg: Config) -> EdgePolicy:
         """Build the policy from ``cfg``: reads the TLS files, the password file and the canonical maps.
         Raises ConfigError."""
-        from mtaq.edge.canonical import Canonical  # it imports this module
-
         tls = server_tls_context(cfg.tls_cert_file, cfg.tls_key_file) if cfg.tls_cert_file or cfg.tls_key_file else None
         passwords = PasswordFile.load(cfg.auth_password_file) if cfg.auth_password_file else None
         if passwords is not None and tls is None:
