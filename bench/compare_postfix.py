@@ -80,7 +80,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import mtaq
-from mtaq.testing.procs import children, peak_rss_kib
+from mtaq.testing.procs import children, mail_owner_ready, peak_rss_kib
 
 # The daemon runs the mtaq this script imported (PYTHONPATH=TREE chooses the tree, for an A/B of two
 # commits), from its work directory: with the working directory inside another tree, ``python -m`` would
@@ -381,6 +381,8 @@ def run_mtaq(args: argparse.Namespace, sink_port: int, workdir: str, i: int) -> 
         f.write("stats_interval_s = 0.5\n" + "".join(line + "\n" for line in args.mtaq_config))
     port = free_port()
     logf = os.path.join(work, "daemon.log")
+    os.makedirs(os.path.join(work, "spool"), exist_ok=True)
+    mail_owner_ready(os.path.join(work, "spool"), conf)  # run as root: mtaq serve switches to mail_owner
     sink = Sink(sink_port, args.backlog)
     out = open(logf, "ab")
     daemon = subprocess.Popen(
