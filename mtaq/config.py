@@ -177,6 +177,15 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # and an IPv6 address of this host ("" : the kernel's choice). Checked at start (mtaq check).
     smtp_bind_address: str = ""
     smtp_bind_address6: str = ""
+    # Source addresses by envelope sender and by destination (KumoMTA's egress sources; Postfix's per-transport
+    # -o smtp_bind_address with sender_dependent_default_transport_maps). Values: an address of this host, or a
+    # list of one IPv4 and one IPv6 address. Keys of sender_dependent_bind_address_maps: "alice@example.org",
+    # "@example.org", "<>" (the address, then its @domain). Keys of destination_bind_address_maps: as
+    # tls_policy_map (the next hop as written, "[10.0.0.5]:25", then the recipient domain: "example.org" or
+    # "@example.org", ".parent", "*"). For each family: the sender's entry, then the destination's, then
+    # smtp_bind_address / smtp_bind_address6. Checked at start and on reload (mtaq check).
+    sender_dependent_bind_address_maps: dict[str, str | list[str]] = msgspec.field(default_factory=dict)
+    destination_bind_address_maps: dict[str, str | list[str]] = msgspec.field(default_factory=dict)
     myhostname: str = ""  # "" means the host's name
     # The domain mtaq sendmail appends to a bare local name and to the invoking user's login as the default sender
     # (Postfix's myorigin); "" means myhostname.
@@ -377,6 +386,10 @@ def config_problems(cfg: Config) -> list[str]:
           for ns in cfg.dnssec_trusted_resolvers],
         *[lambda d=d, v=v: parse_transport_spec(v, key=f"transport_map.{d}") for d, v in cfg.transport_map.items()],
         *[lambda k=k, v=v: _check_sender_relayhost(k, v) for k, v in cfg.sender_dependent_relayhost_maps.items()],
+        *[lambda k=k, v=v: _check_bind_entry("sender_dependent_bind_address_maps", k, v)
+          for k, v in cfg.sender_dependent_bind_address_maps.items()],
+        *[lambda k=k, v=v: _check_bind_entry("destination_bind_address_maps", k, v)
+          for k, v in cfg.destination_bind_address_maps.items()],
         dane_needs_dnssec,
         admin,
     ]
@@ -465,9 +478,10 @@ def _check_tables(data: dict[str, object], where: str) -> None:
     listeners = data.get("listeners")
     if isinstance(listeners, dict):
         entries += [(f'listeners."{k}"', v, ListenerConfig) for k, v in listeners.items()]
-    logins = data.get("sender_login_map")
-    if isinstance(logins, dict):
-        entries += [(f'sender_login_map."{k}"', v, str | list[str]) for k, v in logins.items()]
+    for table in ("sender_login_map", "sender_dependent_bind_address_maps", "destination_bind_address_maps"):
+        entries_of = data.get(table)
+        if isinstance(entries_of, dict):
+            entries += [(f'{table}."{k}"', v, str | list[str]) for k, v in entries_of.items()]
     for key, value, kind in entries:
         try:
             msgspec.convert(value, kind)
@@ -524,14 +538,63 @@ class Relayhost(msgspec.Struct, frozen=True):
         return f"[{self.host}]:{self.port}" if not self.mx else f"{self.host}:{self.port}"
 
 
+def _check_sender_key(table: str, key: str) -> None:
+    """A key of a sender-dependent table (Postfix sender_dependent_*_maps): an address, ``@domain`` or ``<>``.
+    Raises ValueError naming it."""
+    if key != "<>" and "@" not in key:
+        raise ValueError(f"{table}.{key}: the key is an address, @domain or <>")
+
+
 def _check_sender_relayhost(key: str, value: str) -> None:
     """One ``sender_dependent_relayhost_maps`` entry: a sender address, ``@domain`` or ``<>``, and a next hop
     (relayhost syntax, not empty). Raises ValueError naming it."""
     name = f"sender_dependent_relayhost_maps.{key}"
-    if key != "<>" and "@" not in key:
-        raise ValueError(f"{name}: the key is an address, @domain or <>")
+    _check_sender_key("sender_dependent_relayhost_maps", key)
     if parse_relayhost(value, key=name) is None:
         raise ValueError(f"{name}: a next hop is needed")
+
+
+def destination_key(value: str, *, key: str) -> str:
+    """A ``destination_bind_address_maps`` key, lower case, as looked up: a next hop as written
+    (``[10.0.0.5]:25``, ``[mx.example]``, ``relay.example:587``) or a recipient domain (``example.org``,
+    ``.parent``, ``*``); ``@example.org`` is ``example.org``. Raises ValueError naming ``key``."""
+    v = value.strip().lower()
+    if v.startswith("@"):
+        v = v[1:]
+    if not v or any(c.isspace() or c in "@\"\\" for c in v):
+        raise ValueError(f"{key}: the key is a next hop ([host]:port) or a domain (example.org, @example.org, "
+                         ".parent, *)")
+    return v
+
+
+def _check_bind_entry(table: str, key: str, value: str | list[str]) -> None:
+    """One entry of a source-address map: its key (a sender, or a destination) and its addresses."""
+    if table == "sender_dependent_bind_address_maps":
+        _check_sender_key(table, key)
+    else:
+        destination_key(key, key=f"{table}.{key}")
+    parse_bind_addresses(value, key=f"{table}.{key}")
+
+
+def parse_bind_addresses(value: str | list[str], *, key: str) -> tuple[str, str]:
+    """A source-address map value (``sender_dependent_bind_address_maps``, ``destination_bind_address_maps``):
+    one IP address, or one IPv4 and one IPv6 address (a list, or a string with commas or spaces) ->
+    ``(ipv4, ipv6)``, "" for the family not given. Raises ValueError naming ``key``: not an IP address, none,
+    two of one family. Whether the host has them is :mod:`mtaq.daemon.check`'s (at start and on reload)."""
+    items = value.replace(",", " ").split() if isinstance(value, str) else [v.strip() for v in value]
+    found: dict[int, str] = {}
+    for item in items:
+        try:
+            ip = ipaddress.ip_address(item)
+        except ValueError:
+            raise ValueError(f"{key}: {item!r} is not an IP address") from None
+        if ip.version in found:
+            raise ValueError(f"{key}: two IPv{ip.version} addresses ({found[ip.version]}, {ip}): give at most "
+                             "one of each family")
+        found[ip.version] = str(ip)
+    if not found:
+        raise ValueError(f"{key}: give an IP address of this host")
+    return found.get(4, ""), found.get(6, "")
 
 
 def parse_relayhost(value: str, *, key: str = "relayhost", default_port: int = 25) -> Relayhost | None:
