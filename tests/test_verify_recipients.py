@@ -20,6 +20,8 @@ from aiosmtpd.smtp import SMTP
 from mtaq.config import Config
 from mtaq.delivery.routing import Router
 from mtaq.delivery.verify import Verifier, VerifySettings, make_prober
+from mtaq.edge.policy import EdgePolicy
+from mtaq.storage.sharedmap import SharedMap
 from mtaq.testing.procs import free_port, start_daemon, wait_for
 
 OUTSIDE = "127.0.0.2"
@@ -209,10 +211,47 @@ def test_a_damaged_cache_file_is_forgotten_never_believed(tmp_path):
         ctl.stop()
 
 
-def _verifier(port: int, **settings: object) -> Verifier:
+def _verifier(port: int, shared: SharedMap | None = None, **settings: object) -> Verifier:
     cfg = Config(relayhost=f"[127.0.0.1]:{port}", smtp_timeout_s=10.0)
     router = Router(cfg)
-    return Verifier(VerifySettings(**settings), None, make_prober(cfg, lambda: (router, None, None)))
+    return Verifier(VerifySettings(**settings), shared, make_prober(cfg, lambda: (router, None, None)))
+
+
+def test_a_failed_refresh_never_clobbers_an_accepted_address(tmp_path):
+    """Postfix verify(8): an accepted address past its refresh time is answered from the cache and probed
+    again in the background; when that probe fails (the next hop is down now), the address stays accepted
+    until it expires."""
+    hop, ctl = start_hop()
+    port = ctl.port
+    shared = SharedMap(str(tmp_path / "verify_cache"))
+
+    async def main() -> list[str]:
+        v = _verifier(port, shared, positive_refresh_s=0.2)
+        first = await v.verify("alice@example.org")
+        ctl.stop()  # down: the refresh gets "connection refused"
+        await asyncio.sleep(0.3)
+        during = await v.verify("alice@example.org")
+        while v._inflight:  # the background refresh
+            await asyncio.sleep(0.05)
+        after = await v.verify("alice@example.org")
+        return [first[0], during[0], after[0], str(v.probes)]
+
+    assert ["ok", "ok", "ok", "2"] == asyncio.run(main())
+    assert "ok" == shared.read()["alice@example.org"]["s"]
+
+
+def test_unverified_reply_is_one_line_of_printable_ascii_within_512_octets():
+    """A next hop's text is repeated to the client on one line of printable ASCII, the reply cut to 510
+    characters (RFC 5321 §4.5.3.1.5: a reply line is at most 512 octets with its CRLF)."""
+    p = EdgePolicy()
+    reply = p.unverified_reply("bob@example.org", "bounce", "host x said: 550 \x1b[31mno\r\n" + "y" * 1000)
+    assert reply is not None
+    assert 510 == len(reply)
+    assert reply.startswith("550 5.1.1 <bob@example.org>: Recipient address rejected: undeliverable address: "
+                            "host x said: 550 ?[31mno yyy")
+    assert None is p.unverified_reply("bob@example.org", "ok", "")
+    assert ("450 4.1.1 <bob@example.org>: Recipient address rejected: unverified address: in progress"
+            == p.unverified_reply("bob@example.org", "defer", "in progress"))
 
 
 def test_one_probe_per_address_and_a_bound_on_probes_in_flight():

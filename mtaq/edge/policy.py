@@ -503,7 +503,10 @@ class EdgePolicy:
             code, what = self.unverified_reject_code, "undeliverable address"
         else:
             code, what = self.unverified_defer_code, "unverified address"
-        return f"{code} {code // 100}.1.1 <{address}>: Recipient address rejected: {what}: {text}"
+        head = f"{code} {code // 100}.1.1 <{address}>: Recipient address rejected: {what}: "
+        # One line of printable ASCII, the whole reply at most 510 characters (RFC 5321 §4.5.3.1.5: 512 with CRLF).
+        flat = "".join(ch if " " <= ch <= "~" else "?" for ch in " ".join(text.split()))
+        return head + flat[: max(0, 510 - len(head))]
 
     def login_owns(self, address: str, login: str) -> bool:
         """Whether ``sender_login_map`` lists ``login`` (compared without regard to case) among the owners of
