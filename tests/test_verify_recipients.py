@@ -238,6 +238,7 @@ def test_a_failed_refresh_never_clobbers_an_accepted_address(tmp_path):
 
     assert ["ok", "ok", "ok", "2"] == asyncio.run(main())
     assert "ok" == shared.read()["alice@example.org"]["s"]
+    assert {"alice@example.org": 1} == hop.probes()  # the second probe found nobody
 
 
 def test_unverified_reply_is_one_line_of_printable_ascii_within_512_octets():
