@@ -241,6 +241,25 @@ def test_a_failed_refresh_never_clobbers_an_accepted_address(tmp_path):
     assert {"alice@example.org": 1} == hop.probes()  # the second probe found nobody
 
 
+def test_two_workers_sharing_the_cache_probe_an_address_once(tmp_path):
+    """Two worker processes' verifiers on one SPOOL/verify_cache (the second stands for another live
+    process: its pid is this test's parent's): asked about the same new address at once, one claims it and
+    probes, the other waits for the result in the map; the next hop sees one probe, both get its answer."""
+    hop, ctl = start_hop(rcpt_delay_s=0.5)
+    path = str(tmp_path / "verify_cache")
+    try:
+        async def main() -> list[str]:
+            a, b = _verifier(ctl.port, SharedMap(path)), _verifier(ctl.port, SharedMap(path))
+            b.pid = os.getppid()
+            got = await asyncio.gather(a.verify("bob@example.org"), b.verify("bob@example.org"))
+            return [s for s, _ in got] + [str(a.probes + b.probes)]
+
+        assert ["bounce", "bounce", "1"] == asyncio.run(main())
+        assert {"bob@example.org": 1} == hop.probes()
+    finally:
+        ctl.stop()
+
+
 def test_unverified_reply_is_one_line_of_printable_ascii_within_512_octets():
     """A next hop's text is repeated to the client on one line of printable ASCII, the reply cut to 510
     characters (RFC 5321 §4.5.3.1.5: a reply line is at most 512 octets with its CRLF)."""
