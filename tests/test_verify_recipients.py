@@ -14,10 +14,12 @@ import smtplib
 import threading
 import time
 
+import pytest
 from aiosmtpd.controller import Controller
 from aiosmtpd.smtp import SMTP
 
-from mtaq.config import Config
+from mtaq.config import Config, load_config
+from mtaq.core.errors import ConfigError
 from mtaq.delivery.routing import Router
 from mtaq.delivery.verify import Verifier, VerifySettings, make_prober
 from mtaq.edge.policy import EdgePolicy
@@ -298,3 +300,13 @@ def test_one_probe_per_address_and_a_bound_on_probes_in_flight():
         assert [] == hop.data_commands
     finally:
         ctl.stop()
+
+
+def test_address_verify_sender_must_be_an_address_or_the_null_sender():
+    """The probes' MAIL FROM is checked at start: "" and "<>" (the null sender) or local@domain; anything
+    else stops the start with a line naming the key."""
+    for good in ("", "<>", "double-bounce@mx.example.org"):
+        assert good == load_config(None, {"address_verify_sender": good}).address_verify_sender
+    for bad in ("a b@example.org", "nodomain", "<x@example.org>"):
+        with pytest.raises(ConfigError, match="address_verify_sender"):
+            load_config(None, {"address_verify_sender": bad})
