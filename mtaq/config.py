@@ -254,6 +254,38 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # "@domain VALUE" lines (VALUE is not used; # comments). With it, an unlisted recipient of a relay domain
     # gets 550 5.1.1 at RCPT (no backscatter later); "": every local part is accepted.
     relay_recipient_maps: str = ""
+    # Recipient verification by probing the next hop (Postfix reject_unverified_recipient, verify(8);
+    # mtaq.delivery.verify): a recipient of relay_domains from a client outside mynetworks and not
+    # authenticated is checked at RCPT with a probe (EHLO, MAIL FROM, RCPT TO, RSET, QUIT; never DATA) over
+    # the route its mail would take: refused (5xx) -> unverified_recipient_reject_code 5.1.1, not known yet
+    # or a temporary failure -> unverified_recipient_defer_code 4.1.1, accepted -> accepted. Results are
+    # kept in SPOOL/verify_cache (shared by the workers, kept across restarts, at most
+    # address_verify_cache_max addresses).
+    reject_unverified_recipient: bool = False
+    # Postfix address_verify_sender: the probes' MAIL FROM; "" or "<>": the null sender.
+    address_verify_sender: str = ""
+    # Postfix address_verify_positive_expire_time (31d) / _refresh_time (7d): an accepted address is
+    # believed this long; after the refresh time it is probed again in the background.
+    address_verify_positive_expire_s: Annotated[float, msgspec.Meta(gt=0)] = 31 * 86400.0
+    address_verify_positive_refresh_s: Annotated[float, msgspec.Meta(gt=0)] = 7 * 86400.0
+    # Postfix address_verify_negative_expire_time (3d) / _refresh_time (3h): the same for a refused address.
+    address_verify_negative_expire_s: Annotated[float, msgspec.Meta(gt=0)] = 3 * 86400.0
+    address_verify_negative_refresh_s: Annotated[float, msgspec.Meta(gt=0)] = 3 * 3600.0
+    # A temporary failure (next hop down, 4xx to RCPT) is answered from the cache this long, then probed again.
+    address_verify_tempfail_expire_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0
+    # Addresses kept in the cache; the oldest results are dropped beyond.
+    address_verify_cache_max: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 10_000
+    # Probes in flight at once per worker process (one per address at most, host-wide); beyond, 4.1.1.
+    address_verify_probes_max: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 50
+    # How long RCPT waits for a probe's answer before 4.1.1 "address verification in progress" (the probe
+    # goes on; Postfix address_verify_poll_count x address_verify_poll_delay: 3 x 3 s).
+    address_verify_wait_s: Annotated[float, msgspec.Meta(ge=0, le=300)] = 6.0
+    # A probe (all its hosts) is abandoned after this long: a temporary failure.
+    address_verify_probe_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 120.0
+    # The RCPT replies (Postfix unverified_recipient_reject_code, whose default is 450; and
+    # unverified_recipient_defer_code).
+    unverified_recipient_reject_code: Annotated[int, msgspec.Meta(ge=400, le=599)] = 550
+    unverified_recipient_defer_code: Annotated[int, msgspec.Meta(ge=400, le=499)] = 450
     # RFC 5321 §4.5.3.1.8: at least 100 recipients must be accepted; the excess gets 452 4.5.3.
     recipients_per_message_max: Annotated[int, msgspec.Meta(ge=100, le=100_000)] = 1000
     connections_max: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 500  # concurrent, all clients
@@ -355,6 +387,16 @@ def load_config(path: str | None, overrides: dict[str, object], *, problems: lis
     return cfg
 
 
+def _check_verify_sender(sender: str) -> None:
+    """``address_verify_sender``: "" or "<>" (the null sender), else ``local@domain`` without white space,
+    controls or angle brackets. Raises ValueError naming the key."""
+    if sender in ("", "<>"):
+        return
+    local, at, domain = sender.rpartition("@")
+    if not at or not local or not domain or any(ch.isspace() or ord(ch) < 32 or ch in '<>"\x7f' for ch in sender):
+        raise ValueError(f"address_verify_sender: {sender!r} is not an address (local@domain) nor \"<>\"")
+
+
 def config_problems(cfg: Config) -> list[str]:
     """Every problem of a decoded config that its types do not catch (addresses that do not parse, listeners
     without their files, map entries, DANE without DNSSEC, admin_listen off loopback without a token): one
@@ -392,6 +434,7 @@ def config_problems(cfg: Config) -> list[str]:
           for k, v in cfg.destination_bind_address_maps.items()],
         dane_needs_dnssec,
         admin,
+        lambda: _check_verify_sender(cfg.address_verify_sender),
     ]
     found = []
     for check in checks:

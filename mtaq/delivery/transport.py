@@ -157,7 +157,7 @@ async def deliver(
     pool: ConnectionPool,
     sender: str,
     recipients: Sequence[str],
-    body: bytes | Content,
+    body: bytes | Content | None,
     *,
     mail_params: Sequence[tuple[str, str]] = (),
     rcpt_params: Sequence[Sequence[tuple[str, str]]] | None = None,
@@ -170,7 +170,8 @@ async def deliver(
     """Deliver ``body`` to ``recipients``; every position gets exactly one final reply through ``record``.
 
     ``body`` is the message as bytes, or :class:`~mtaq.delivery.relay.Content` read in pieces as it is sent
-    (once per transaction; a large message is never held in memory).
+    (once per transaction; a large message is never held in memory); None for an address probe (MAIL and
+    RCPT only, no DATA: :meth:`RelayConnection.send`; :mod:`mtaq.delivery.verify`).
 
     ``record`` is awaited for each batch (the caller makes it durable there). ``on_hop_failure`` hears of
     each host that was given up on for some recipients before the next one was tried. ``throttle`` holds
@@ -205,7 +206,7 @@ async def _deliver_group(
     sender: str,
     recipients: Sequence[str],
     params: Sequence[Sequence[tuple[str, str]]],
-    body: bytes | Content,
+    body: bytes | Content | None,
     mail_params: Sequence[tuple[str, str]],
     record: Callable[[Batch], Awaitable[None]],
     on_hop_failure: Callable[[HopFailure], None],
