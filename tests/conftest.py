@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from mtaq.testing.filters import Filter, OpenDkim, Rspamd, start_opendkim, start_rspamd
+from mtaq.testing.filters import Filter, OpenDkim, Rspamd, start_opendkim, start_rspamd, start_rspamd_distribution
 from mtaq.testing.procs import Proc, mail_owner_ready, read_events, start_daemon, start_sink
 
 _OWN_TEMPROOT = ""
@@ -137,6 +137,12 @@ class Filters:
     def rspamd(self, **kw) -> Rspamd:
         """:func:`mtaq.testing.filters.start_rspamd` (its milter address: ``.address``, inet:127.0.0.1:PORT)."""
         f = start_rspamd(str(self.tmp / f"rspamd{len(self.started)}"), **kw)
+        self.started.append(f)
+        return f
+
+    def rspamd_distribution(self, local_d, **kw) -> Rspamd:
+        """:func:`mtaq.testing.filters.start_rspamd_distribution`: /etc/rspamd with ``local_d`` as local.d."""
+        f = start_rspamd_distribution(str(self.tmp / f"rspamd{len(self.started)}"), local_d, **kw)
         self.started.append(f)
         return f
 

@@ -6,6 +6,8 @@ what mtaq's own milter client will be tested against is proven here without it.
 from __future__ import annotations
 
 import os
+import pathlib
+import re
 import socket
 
 import dkim
@@ -125,3 +127,32 @@ def test_opendkim_signs_authenticated_mail_not_outside_mail(filters):
     assert ("eom", ["DKIM-Signature"]) == (authenticated.stage, [m["name"] for _, m in authenticated.modifications])
     with ZoneServer(f.zone_line + "\n") as zone:
         assert dkim.verify(signed(authenticated), dnsfunc=dnsfunc_for(zone))
+
+
+def readme_rspamd_files() -> dict[str, str]:
+    """The files of README "Filtering with rspamd": each code block whose first line is a comment naming
+    ``/etc/rspamd/local.d/NAME``, as NAME -> its text (the indentation of the list item removed)."""
+    text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    section = text.split("## Filtering with rspamd\n", 1)[1].split("\n## ", 1)[0]
+    files = {}
+    for indent, name, body in re.findall(r"\n( *)```\n *# /etc/rspamd/local\.d/(\S+)\n(.*?)\n *```", section, re.S):
+        files[name] = "\n".join(line.removeprefix(indent) for line in body.splitlines()) + "\n"
+    return files
+
+
+def test_readme_rspamd_files_on_the_distribution_config(filters):
+    """A newcomer's rspamd: Debian's /etc/rspamd configuration with the README's local.d files (the fixture
+    only moves the port and cuts the network). GTUBE is refused with 554 5.7.1, a clean message from an
+    authenticated client on loopback is tagged (milter_headers would skip it by default)."""
+    files = readme_rspamd_files()
+    assert ["milter_headers.conf", "worker-proxy.inc"] == sorted(files)
+    assert "self_scan = yes;" in files["worker-proxy.inc"] and "milter = yes;" in files["worker-proxy.inc"]
+    f = filters.rspamd_distribution(files)
+    print(f"rspamd (distribution config) start {f.start_s:.2f} s")
+    spam = converse(f.address, headers=HEADERS, body=GTUBE.encode() + b"\r\n")
+    assert ("eom", "554", "5.7.1 Gtube pattern") == (spam.stage, spam.verdict[1].get("smtpcode"), spam.verdict[1].get("text"))
+    clean = converse(f.address, headers=HEADERS, body=BODY, client_addr="127.0.0.1", auth_authen="alice")
+    assert ("eom", ("a", {})) == (clean.stage, clean.verdict)
+    added = clean.added_headers()
+    assert {"X-Spamd-Result", "X-Spam-Status"} <= set(added)
+    assert added["X-Spamd-Result"].startswith("default: False [")

@@ -27,13 +27,14 @@ import socket
 import struct
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from mtaq.testing.procs import children, free_port, mail_owner_ready
 
 __all__ = ["GTUBE", "GTUBE_ADD_HEADER", "GTUBE_REWRITE_SUBJECT", "Filter", "OpenDkim", "Rspamd",
-           "milter_optneg", "start_opendkim", "start_rspamd", "wait_milter"]
+           "milter_optneg", "start_opendkim", "start_rspamd", "start_rspamd_distribution",
+           "wait_milter"]
 
 # The GTUBE line (https://spamassassin.apache.org/gtube/): rspamd's core rejects a body with it.
 GTUBE = "XJS*C4JDBQADN1.NSBN3*2IDNEN*GTUBE-STANDARD-ANTI-UBE-TEST-EMAIL*C.34X"
@@ -275,40 +276,93 @@ def start_rspamd(
     port), all its files under ``workdir`` (created; ``rspamd.conf``, ``db/``, ``run/``, ``log/rspamd.log``,
     ``rspamd.out``). ``reject``, ``add_header``, ``greylist``: the action thresholds (score; rspamd's
     defaults). ``extra_config``: more UCL appended to rspamd.conf. Returns once the proxy worker answers an
-    option negotiation (~1 s); RuntimeError after ``timeout_s`` seconds or if rspamd exits, after
-    stopping it. Run as root, rspamd runs as ``_rspamd`` (``-u``/``-g``)."""
-    program = _program("rspamd")
-    workdir = os.path.abspath(workdir)
-    os.makedirs(workdir, exist_ok=True)
-    root = os.geteuid() == 0
-    user = _system_user("_rspamd", "rspamd") if root else None
-    if root:
-        mail_owner_ready(workdir)  # its workers reach their directories (o+x on the 0700 pytest parents)
-    db = _owned(os.path.join(workdir, "db"), user)
-    run = _owned(os.path.join(workdir, "run"), user)
-    logdir = _owned(os.path.join(workdir, "log"), user)
-    filter_log = os.path.join(logdir, "rspamd.log")
-    os.makedirs(os.path.join(workdir, "languages"), exist_ok=True)  # none: loading rspamd's 46 takes seconds
-    with open(os.path.join(workdir, "tld.dat"), "w", encoding="ascii") as f:
-        f.write("com\nnet\norg\ntest\nexample\n")
+    option negotiation (~0.5 s idle, a few s on a loaded machine); RuntimeError after ``timeout_s`` seconds
+    or if rspamd exits, after stopping it. Run as root, rspamd runs as ``_rspamd`` (``-u``/``-g``)."""
+    workdir, dirs = _rspamd_dirs(workdir)
     port = port or free_port()
     config = os.path.join(workdir, "rspamd.conf")
     with open(config, "w", encoding="utf-8") as f:
-        f.write(_RSPAMD_CONF.format(dir=workdir, db=db, run=run, log=filter_log, port=port, dns_port=_closed_port(),
-                                    reject=reject, add_header=add_header, greylist=greylist, extra=extra_config))
-    args = [program, "-f", "-c", config,
-            # $CONFDIR/$LOCAL_CONFDIR point at the work directory: no /etc/rspamd file is read
-            "--var", f"CONFDIR={workdir}", "--var", f"LOCAL_CONFDIR={workdir}", "--var", f"DBDIR={db}",
-            "--var", f"RUNDIR={run}", "--var", f"LOGDIR={logdir}"]
+        f.write(_RSPAMD_CONF.format(dir=workdir, db=dirs["DBDIR"], run=dirs["RUNDIR"], log=dirs["log"], port=port,
+                                    dns_port=_closed_port(), reject=reject, add_header=add_header,
+                                    greylist=greylist, extra=extra_config))
+    # $CONFDIR/$LOCAL_CONFDIR point at the work directory: no /etc/rspamd file is read
+    return _launch_rspamd(workdir, config, {"CONFDIR": workdir, "LOCAL_CONFDIR": workdir}, dirs, port, timeout_s)
+
+
+# What start_rspamd_distribution adds to a newcomer's local.d files, at the highest priority (override.d):
+# its own port, no normal/controller workers (fixed ports 11333/11334), DNS to a closed loopback port, the
+# short TLD list, no languages, no hyperscan (its helper would compile the rules for tens of CPU seconds).
+_OVERRIDES = {
+    "override.d/worker-proxy.inc": 'bind_socket = "127.0.0.1:{port}";\n',
+    "override.d/worker-normal.inc": "enabled = false;\n",
+    "override.d/worker-controller.inc": "enabled = false;\n",
+    "override.d/options.inc": 'url_tld = "{dir}/tld.dat";\ndisable_hyperscan = true;\n'
+                              'dns {{ nameserver = ["127.0.0.1:{dns_port}"]; timeout = 0.1s; retransmits = 1; }}\n',
+    "rspamd.conf.local": 'lang_detection {{ languages = "{dir}/languages"; }}\n',
+}
+
+
+def start_rspamd_distribution(
+    workdir: str, local_d: Mapping[str, str], *, port: int | None = None, timeout_s: float = 60.0
+) -> Rspamd:
+    """Start ``rspamd -f`` on the distribution's own configuration (``/etc/rspamd/rspamd.conf``, every
+    module it enables) with ``local_d`` (file name -> text) as ``$LOCAL_CONFDIR/local.d/``: what an
+    administrator writes into ``/etc/rspamd/local.d/`` (README "Filtering with rspamd"). The fixture's own
+    changes are in ``override.d`` (``_OVERRIDES``): the proxy on ``127.0.0.1:PORT``, no other workers, no
+    network. Its milter answers what the distribution's rules make of a message; DNS-based rules fail fast.
+    Files, return and errors as :func:`start_rspamd` (start: a few seconds)."""
+    workdir, dirs = _rspamd_dirs(workdir)
+    port = port or free_port()
+    local = os.path.join(workdir, "local")
+    values = {"port": port, "dir": workdir, "dns_port": _closed_port()}
+    files = {**{f"local.d/{name}": text for name, text in local_d.items()},
+             **{name: text.format(**values) for name, text in _OVERRIDES.items()}}
+    for name, text in files.items():
+        path = os.path.join(local, name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    config = os.path.join(_DISTRIBUTION_CONFDIR, "rspamd.conf")
+    return _launch_rspamd(workdir, config, {"LOCAL_CONFDIR": local}, dirs, port, timeout_s)
+
+
+_DISTRIBUTION_CONFDIR = "/etc/rspamd"
+
+
+def _rspamd_dirs(workdir: str) -> tuple[str, dict[str, str]]:
+    """Make ``workdir`` and its ``db/``, ``run/``, ``log/`` (owned by rspamd's user when root), an empty
+    ``languages/`` (loading rspamd's 46 takes seconds) and a 5-suffix ``tld.dat``. Returns the absolute
+    work directory and {DBDIR, RUNDIR, LOGDIR: paths, log: the log file}."""
+    workdir = os.path.abspath(workdir)
+    os.makedirs(workdir, exist_ok=True)
+    user = _system_user("_rspamd", "rspamd") if os.geteuid() == 0 else None
     if user is not None:
+        mail_owner_ready(workdir)  # its workers reach their directories (o+x on the 0700 pytest parents)
+    dirs = {var: _owned(os.path.join(workdir, name), user) for var, name in
+            (("DBDIR", "db"), ("RUNDIR", "run"), ("LOGDIR", "log"))}
+    dirs["log"] = os.path.join(dirs["LOGDIR"], "rspamd.log")
+    os.makedirs(os.path.join(workdir, "languages"), exist_ok=True)
+    with open(os.path.join(workdir, "tld.dat"), "w", encoding="ascii") as f:
+        f.write("com\nnet\norg\ntest\nexample\n")
+    return workdir, dirs
+
+
+def _launch_rspamd(
+    workdir: str, config: str, variables: Mapping[str, str], dirs: Mapping[str, str], port: int, timeout_s: float
+) -> Rspamd:
+    args = [_program("rspamd"), "-f", "-c", config]
+    for var, value in {**variables, "DBDIR": dirs["DBDIR"], "RUNDIR": dirs["RUNDIR"], "LOGDIR": dirs["LOGDIR"]}.items():
+        args += ["--var", f"{var}={value}"]
+    if os.geteuid() == 0:
+        user = _system_user("_rspamd", "rspamd")
         args += ["-u", user.pw_name, "-g", _group_name(user)]
     log_path = os.path.join(workdir, "rspamd.out")
     started = time.monotonic()
     with open(log_path, "ab") as out:
         p = subprocess.Popen(args, stdout=out, stderr=out, stdin=subprocess.DEVNULL, cwd=workdir)
-    f_ = Rspamd("rspamd", p, "127.0.0.1", port, log_path, 0.0, filter_log, config_path=config)
+    f_ = Rspamd("rspamd", p, "127.0.0.1", port, log_path, 0.0, dirs["log"], config_path=config)
     try:
-        wait_milter("127.0.0.1", port, p, timeout_s, log=filter_log)
+        wait_milter("127.0.0.1", port, p, timeout_s, log=dirs["log"])
     except BaseException:
         f_.kill9()
         raise
@@ -348,14 +402,12 @@ def start_opendkim(
     authenticated (the ``{auth_type}`` macro). ``extra_config``: more opendkim.conf lines. Returns once it
     answers an option negotiation; RuntimeError after ``timeout_s`` seconds or if it exits, after stopping
     it. Run as root, it runs as ``opendkim`` (``UserID``)."""
-    from mtaq.edge.dkim import generate_key, txt_record
-
     program = _program("opendkim")
     workdir = os.path.abspath(workdir)
     os.makedirs(workdir, exist_ok=True)
     root = os.geteuid() == 0
     user = _system_user("opendkim") if root else None
-    pem, txt = generate_key("rsa", 2048)
+    pem, txt = _rsa_key()
     key_file = os.path.join(workdir, f"{selector}.{domain}.pem")
     fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
@@ -392,7 +444,7 @@ def start_opendkim(
         p = subprocess.Popen([program, "-f", "-x", config], stdout=out, stderr=out, stdin=subprocess.DEVNULL,
                              cwd=workdir)
     f_ = OpenDkim("opendkim", p, "127.0.0.1", port, log_path, 0.0, domain=domain, selector=selector,
-                  key_file=key_file, dns_txt=txt, zone_line=txt_record(domain, selector, txt), config_path=config)
+                  key_file=key_file, dns_txt=txt, zone_line=_zone_line(domain, selector, txt), config_path=config)
     try:
         wait_milter("127.0.0.1", port, p, timeout_s, log=log_path)
     except BaseException:
@@ -400,3 +452,24 @@ def start_opendkim(
         raise
     f_.start_s = time.monotonic() - started
     return f_
+
+
+def _rsa_key(bits: int = 2048) -> tuple[bytes, str]:
+    """A new RSA private key as PKCS#8 PEM, and its DKIM TXT record value ``v=DKIM1; k=rsa; p=BASE64``, p= the
+    DER SubjectPublicKeyInfo (RFC 6376 §3.6.1; as ``mtaq dkim keygen``, which testing may not import)."""
+    import base64
+
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    key = rsa.generate_private_key(public_exponent=65537, key_size=bits)
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    spki = key.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return pem, f"v=DKIM1; k=rsa; p={base64.b64encode(spki).decode('ascii')}"
+
+
+def _zone_line(domain: str, selector: str, value: str) -> str:
+    """``SELECTOR._domainkey.DOMAIN. IN TXT "..." ...``: ``value`` in strings of at most 255 bytes (RFC 1035
+    §3.3; a verifier joins them, RFC 6376 §3.6.2.2)."""
+    parts = [value[i : i + 255] for i in range(0, len(value), 255)]
+    return f"{selector}._domainkey.{domain.rstrip('.')}. IN TXT " + " ".join(f'"{p}"' for p in parts)
