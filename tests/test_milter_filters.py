@@ -16,7 +16,7 @@ from milterkit import converse
 from test_dkim import dnsfunc_for
 
 from mtaq.testing.dnsserver import ZoneServer
-from mtaq.testing.filters import GTUBE, GTUBE_ADD_HEADER, milter_optneg
+from mtaq.testing.filters import GTUBE, GTUBE_ADD_HEADER, GTUBE_REWRITE_SUBJECT, milter_optneg
 from mtaq.testing.procs import children, wait_for
 
 HEADERS = [
@@ -64,6 +64,30 @@ def test_rspamd_add_header_action_sets_the_spam_flag(rspamd_milter):
     out = converse(rspamd_milter.address, headers=HEADERS, body=GTUBE_ADD_HEADER.encode() + b"\r\n")
     assert ("eom", ("a", {})) == (out.stage, out.verdict)
     assert [("m", {"index": 1, "name": "X-Spam", "value": "Yes"})] == out.modifications
+
+
+def test_rspamd_rewrite_subject_action_changes_the_subject(rspamd_milter):
+    """rspamd's rewrite-subject test pattern (GTUBE with Z): the Subject: field is changed (index 1) to
+    rspamd's ``*** SPAM *** %s``, and the message accepted."""
+    out = converse(rspamd_milter.address, headers=HEADERS, body=GTUBE_REWRITE_SUBJECT.encode() + b"\r\n")
+    assert ("eom", ("a", {})) == (out.stage, out.verdict)
+    assert [("m", {"index": 1, "name": "Subject", "value": "*** SPAM *** quarterly figures"})] == out.modifications
+
+
+def test_rspamd_deletes_a_clients_spam_headers_before_adding_its_own(rspamd_milter):
+    """A message that arrives with X-Spam and X-Spam-Status fields (a sender faking a verdict): rspamd's
+    milter_headers deletes them (change header with an empty value: Sendmail's smfi_chgheader deletion),
+    then adds its own X-Spamd-Result and X-Spam-Status."""
+    out = converse(rspamd_milter.address, headers=[*HEADERS, ("X-Spam", "Yes"), ("X-Spam-Status", "Yes, score=99")],
+                   body=BODY)
+    assert ("eom", ("a", {})) == (out.stage, out.verdict)
+    kinds = [c for c, _ in out.modifications]
+    assert ["m", "m", "h", "h"] == kinds  # the deletions first (in either order)
+    assert {("X-Spam", 1, ""), ("X-Spam-Status", 1, "")} == {(m["name"], m["index"], m["value"])
+                                                               for c, m in out.modifications if c == "m"}
+    added = {m["name"]: m["value"] for c, m in out.modifications if c == "h"}
+    assert {"X-Spamd-Result", "X-Spam-Status"} == set(added)
+    assert "No, score=0.00" == added["X-Spam-Status"]
 
 
 def test_rspamd_starts_fast_and_stops_with_its_workers(filters):
