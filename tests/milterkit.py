@@ -54,12 +54,14 @@ def converse(
     mail_from: str = "alice@example.test",
     rcpts: tuple[str, ...] = ("bob@example.net",),
     auth_authen: str = "",
+    auth_type: str = "PLAIN",
     queue_id: str = "4A1B2C3D",
     timeout_s: float = 15.0,
 ) -> Outcome:
     """Run one message through the milter at ``address`` (``inet:HOST:PORT``) as Postfix's smtpd would.
     ``headers``: (name, value) in order, values without the space after the colon. ``auth_authen``: the
-    SASL login, sent with ``{auth_type}`` PLAIN in the MAIL step's macros ("" for an anonymous client)."""
+    SASL login, sent with ``{auth_type}`` (``auth_type``, "" for none) in the MAIL step's macros ("" for an
+    anonymous client)."""
     _, host, port = address.split(":")
     with socket.create_connection((host, int(port)), timeout=timeout_s) as s:
         c = miltertest.MilterConnection(s)
@@ -90,7 +92,9 @@ def converse(
                 return out
         mail_macros = {"{mail_addr}": mail_from, "i": queue_id}
         if auth_authen:
-            mail_macros |= {"{auth_type}": "PLAIN", "{auth_authen}": auth_authen}
+            mail_macros["{auth_authen}"] = auth_authen
+            if auth_type:
+                mail_macros["{auth_type}"] = auth_type
         c.send_macro(C.SMFIC_MAIL, **mail_macros)
         if (out := step("mail", C.SMFIC_MAIL, C.SMFIP_NOMAIL, C.SMFIP_NR_MAIL, args=[f"<{mail_from}>"])) is not None:
             return out

@@ -90,6 +90,15 @@ def test_rspamd_deletes_a_clients_spam_headers_before_adding_its_own(rspamd_milt
     assert "No, score=0.00" == added["X-Spam-Status"]
 
 
+def test_rspamd_asks_for_no_reply_steps_even_when_not_offered(rspamd_milter):
+    """rspamd 3.4 answers the option negotiation with the no-reply bits (SMFIP_NR_HDR, NR_CONN, NR_HELO,
+    NR_MAIL, NR_RCPT, NR_DATA, NR_UNKN, NR_EOH, NR_BODY: 0xff080) whether or not the MTA offered them, and
+    then sends no reply to those steps: an MTA must offer and honour them (as Postfix does), or wait in vain."""
+    nr_bits = 0xFF080
+    assert (6, 0x1FF, nr_bits) == milter_optneg(rspamd_milter.host, rspamd_milter.port)
+    assert (6, 0x1FF, nr_bits) == milter_optneg(rspamd_milter.host, rspamd_milter.port, protocol=0x1FFFFF & ~nr_bits)
+
+
 def test_rspamd_starts_fast_and_stops_with_its_workers(filters):
     """The fixture's rspamd (no Lua rules, a 5-suffix TLD list, no network) answers a milter negotiation in
     a few seconds, not the ~20 s of the distribution's configuration; stop() ends the main process and its
@@ -147,6 +156,9 @@ def test_opendkim_signs_authenticated_mail_not_outside_mail(filters):
     f = filters.opendkim(internal_hosts=())
     anonymous = converse(f.address, headers=HEADERS, body=BODY, client_addr="192.0.2.10")
     assert ("eoh", ("a", {}), []) == (anonymous.stage, anonymous.verdict, anonymous.modifications)
+    # OpenDKIM goes by {auth_type} (Postfix sends it with the MAIL step: milter_mail_macros), not {auth_authen}
+    no_type = converse(f.address, headers=HEADERS, body=BODY, client_addr="192.0.2.10", auth_authen="alice", auth_type="")
+    assert ("eoh", ("a", {}), []) == (no_type.stage, no_type.verdict, no_type.modifications)
     authenticated = converse(f.address, headers=HEADERS, body=BODY, client_addr="192.0.2.10", auth_authen="alice")
     assert ("eom", ["DKIM-Signature"]) == (authenticated.stage, [m["name"] for _, m in authenticated.modifications])
     with ZoneServer(f.zone_line + "\n") as zone:

@@ -156,11 +156,14 @@ def _recv_exact(s: socket.socket, n: int) -> bytes:
     return data
 
 
-def milter_optneg(host: str, port: int, timeout_s: float = 2.0) -> tuple[int, int, int]:
-    """Connect to the milter at ``host``:``port``, offer protocol version 6 with every action and step
-    (``SMFIC_OPTNEG``), and return its answer (version, actions, protocol bits); then ``SMFIC_QUIT``.
-    Raises OSError (refused, timed out, closed) or ValueError (an answer that is not ``SMFIC_OPTNEG``)."""
-    body = b"O" + struct.pack("!III", _SMFI_VERSION, _SMFI_V6_ACTS, _SMFI_V6_PROT)
+def milter_optneg(
+    host: str, port: int, timeout_s: float = 2.0, *, actions: int = _SMFI_V6_ACTS, protocol: int = _SMFI_V6_PROT
+) -> tuple[int, int, int]:
+    """Connect to the milter at ``host``:``port``, offer protocol version 6 with ``actions`` and ``protocol``
+    (``SMFIC_OPTNEG``; default: every action, step and no-reply bit of libmilter's mfdef.h), and return its
+    answer (version, actions, protocol bits); then ``SMFIC_QUIT``. Raises OSError (refused, timed out,
+    closed) or ValueError (an answer that is not ``SMFIC_OPTNEG``)."""
+    body = b"O" + struct.pack("!III", _SMFI_VERSION, actions, protocol)
     with socket.create_connection((host, port), timeout=timeout_s) as s:
         s.sendall(struct.pack("!I", len(body)) + body)
         (length,) = struct.unpack("!I", _recv_exact(s, 4))
