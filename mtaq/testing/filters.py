@@ -11,8 +11,17 @@ accepts connections: rspamd's main process binds the socket before its proxy wor
   GTUBE in a body is rejected ``554 5.7.1 Gtube pattern``; a clean message gets ``X-Spamd-Result`` and
   ``X-Spam-Status`` added (``milter_headers``); with ``enable_test_patterns`` (on here) the GTUBE variants
   ``YJS*...`` (add header: ``X-Spam: Yes``) and ``ZJS*...`` (rewrite subject) force the other actions.
+- :func:`start_rspamd_distribution`: the same worker on the distribution's own ``/etc/rspamd`` configuration
+  with given ``local.d`` files (README "Filtering with rspamd"), the network cut.
 - :func:`start_opendkim`: OpenDKIM in sign mode (``Mode s``) with a fresh RSA key; it signs mail from its
-  ``InternalHosts`` or from an authenticated client (the ``{auth_type}``/``{auth_authen}`` macros).
+  ``InternalHosts`` or from an authenticated client (the ``{auth_type}`` macro of the MAIL step).
+
+What an MTA must do for them (tests/test_milter_filters.py): rspamd 3.4 takes the no-reply steps
+(``SMFIP_NR_*``, protocol 0xff080) whether offered or not; its reject is ``SMFIR_REPLYCODE`` ``554 5.7.1
+...``; its X-Spam flag, a rewritten Subject and the deletion of a client's X-Spam fields are change-header
+modifications (index 1; an absent field is added, an empty value deletes). OpenDKIM inserts its
+``DKIM-Signature`` at index 0, the value folded with LF and a leading space (``SMFIP_HDR_LEADSPC``, taken
+when offered), and accepts at the end of headers a message it will not sign.
 
 Run as root (the tests are), each drops to its package's system user (``_rspamd``, ``opendkim``).
 """
