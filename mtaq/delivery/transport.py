@@ -14,7 +14,8 @@ Groups are delivered one after the other, within the single START of the attempt
 ``record`` names the relay that gave the replies (``host[address]:port``, ``none`` when no host was asked).
 
 :class:`ConnectionPool` is a worker's small cache of open connections keyed by (address, port, host name,
-TLS policy); connections idle longer than ``idle_s`` are closed by :meth:`ConnectionPool.close_idle`, and
+TLS policy, security, source address): a connection opened from one source address is never reused for mail
+that must leave from another; connections idle longer than ``idle_s`` are closed by :meth:`ConnectionPool.close_idle`, and
 the least recently used idle one is closed when the pool is full.
 """
 
@@ -96,32 +97,35 @@ class ConnectionPool:
     clock: Callable[[], float] = time.monotonic
     bind_address: str = ""  # the local IPv4 address of new connections (smtp_bind_address); "": any
     bind_address6: str = ""  # the same for IPv6 (smtp_bind_address6)
-    _entries: dict[tuple[str, int, str, str, HopSecurity], _Entry] = field(default_factory=dict)
+    _entries: dict[tuple[str, int, str, str, HopSecurity, str], _Entry] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def _bind_for(self, address: str) -> str:
-        """The local address to connect to ``address`` from: ``bind_address6`` for an IPv6 one,
-        ``bind_address`` for an IPv4 one, "" for a name (the system resolver picks the family)."""
+    def _bind_for(self, address: str, source: tuple[str, str] = ("", "")) -> str:
+        """The local address to connect to ``address`` from: for an IPv6 one the route's IPv6 ``source``, else
+        ``bind_address6``; for an IPv4 one the route's IPv4 ``source``, else ``bind_address``; "" for a name
+        (the system resolver picks the family). Never an address of the other family (Postfix's rule)."""
         try:
             version = ipaddress.ip_address(address).version
         except ValueError:
             return ""
-        return self.bind_address6 if version == 6 else self.bind_address
+        return (source[1] or self.bind_address6) if version == 6 else (source[0] or self.bind_address)
 
-    def get(self, cand: Candidate, tls: TlsLevel, security: HopSecurity | None = None) -> RelayConnection:
-        """The cached connection for ``cand`` with policy ``tls`` and ``security`` (implicit TLS, names to
-        verify, credentials: a connection authenticated as one user is never used for another), or a new
-        (not yet open) one; marked busy."""
+    def get(self, cand: Candidate, tls: TlsLevel, security: HopSecurity | None = None,
+            source: tuple[str, str] = ("", "")) -> RelayConnection:
+        """The cached connection for ``cand`` with policy ``tls``, ``security`` (implicit TLS, names to
+        verify, credentials: a connection authenticated as one user is never used for another) and the local
+        address :meth:`_bind_for` picks from the route's (IPv4, IPv6) ``source``, or a new (not yet open) one;
+        marked busy."""
         security = security or HopSecurity()
-        key = (cand.address, cand.port, cand.hostname, tls, security)
+        bind = self._bind_for(cand.address, source)
+        key = (cand.address, cand.port, cand.hostname, tls, security, bind)
         e = self._entries.pop(key, None)
         if e is None:
             e = _Entry(
                 RelayConnection(cand.address, cand.port, hostname=cand.hostname, helo_name=self.helo_name,
-                                timeout_s=self.timeout_s, tls=tls, security=security,
-                                bind_address=self._bind_for(cand.address)),
+                                timeout_s=self.timeout_s, tls=tls, security=security, bind_address=bind),
                 self.clock(),
             )
         e.busy = True
@@ -161,7 +165,7 @@ async def deliver(
     pool: ConnectionPool,
     sender: str,
     recipients: Sequence[str],
-    body: bytes | Content,
+    body: bytes | Content | None,
     *,
     mail_params: Sequence[tuple[str, str]] = (),
     rcpt_params: Sequence[Sequence[tuple[str, str]]] | None = None,
@@ -174,7 +178,8 @@ async def deliver(
     """Deliver ``body`` to ``recipients``; every position gets exactly one final reply through ``record``.
 
     ``body`` is the message as bytes, or :class:`~mtaq.delivery.relay.Content` read in pieces as it is sent
-    (once per transaction; a large message is never held in memory).
+    (once per transaction; a large message is never held in memory); None for an address probe (MAIL and
+    RCPT only, no DATA: :meth:`RelayConnection.send`; :mod:`mtaq.delivery.verify`).
 
     ``record`` is awaited for each batch (the caller makes it durable there). ``on_hop_failure`` hears of
     each host that was given up on for some recipients before the next one was tried. ``throttle`` holds
@@ -210,7 +215,7 @@ class _Wire:
 
     sender: str
     recipients: list[str]
-    body: bytes | Content
+    body: bytes | Content | None  # None: an address probe (no DATA)
 
 
 class _Spliced:
@@ -241,7 +246,9 @@ async def _generic_wire(generic: AddressRewriter, wire: _Wire) -> _Wire:
     longer than :data:`GENERIC_HEAD_BYTES_MAX`, or one that cannot be read (found again when the content is
     sent), is sent as it is."""
     body = wire.body
-    if isinstance(body, bytes):
+    if body is None:  # an address probe: the envelope only
+        head = b""
+    elif isinstance(body, bytes):
         m = _BLANK_LINE.search(body)
         head = body if m is None else body[: m.start() + 1] if m.start() else b""
     else:
@@ -258,7 +265,7 @@ async def _generic_wire(generic: AddressRewriter, wire: _Wire) -> _Wire:
     # A large header section is rewritten in a thread (the RFC 5322 parser is slow on long address lists).
     new_head = (None if not head else generic.head(head) if len(head) <= HEAD_INLINE_BYTES_MAX
                 else await asyncio.to_thread(generic.head, head))
-    if new_head is not None:
+    if new_head is not None and body is not None:
         body = new_head + body[len(head):] if isinstance(body, bytes) else _Spliced(body, len(head), new_head)
     return _Wire(generic.address(wire.sender), [generic.address(r) for r in wire.recipients], body)
 
@@ -328,7 +335,7 @@ async def _deliver_group(
                 allow_plaintext_auth=sasl is not None and sasl.allow_plaintext,
                 tlsa=tlsa,
             )
-            conn = pool.get(cand, level, security)
+            conn = pool.get(cand, level, security, route.source)
             try:
                 replies = await conn.send(
                     wire.sender,

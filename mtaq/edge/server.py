@@ -28,7 +28,7 @@ from mtaq.edge.canonical import MapNesting
 from mtaq.edge.dkim import HEAD_BYTES_MAX, Origin, Signer, header_section, split_head
 from mtaq.edge.fastpath import FastHandlerMixin
 from mtaq.edge.limits import ConnectionGate, Gate
-from mtaq.edge.policy import EdgePolicy
+from mtaq.edge.policy import EdgePolicy, RecipientVerifier
 from mtaq.edge.smtp import MtaqSMTP
 from mtaq.edge.trace import hop_count, protocol_name, received_header
 from mtaq.logs import get_logger
@@ -352,12 +352,15 @@ class EdgeSettings:
 
     ``policy``: relay control, limits, TLS certificate and AUTH passwords; ``data_size_limit``: bytes
     (``message_size_limit_bytes``); ``timeout_s``: idle seconds before ``421 4.4.2``
-    (``smtp_server_timeout_s``); ``tls_handshake_timeout_s``: seconds an smtps client has for its handshake."""
+    (``smtp_server_timeout_s``); ``tls_handshake_timeout_s``: seconds an smtps client has for its handshake;
+    ``verifier``: recipient verification with the next hop (``reject_unverified_recipient``), None for none."""
 
     policy: EdgePolicy
     data_size_limit: int
     timeout_s: float
     tls_handshake_timeout_s: float = TLS_HANDSHAKE_TIMEOUT_S
+    # Asks the next hop about recipients when policy.verify_recipients (mtaq.delivery.verify); None: never.
+    verifier: RecipientVerifier | None = None
 
 
 async def start_server(
@@ -431,6 +434,7 @@ async def start_server(
             policy=pol,
             gate=gate,
             body_buffer=body_buffer,
+            verifier=live.verifier,
             loop=loop,
         )
 
