@@ -90,6 +90,21 @@ class Throttle:
         d = self._domains.get(domain.lower())
         return d.peak if d is not None else 0
 
+    def wait_s(self, domains: Iterable[str]) -> float | None:
+        """Whether a delivery to ``domains`` could start now without waiting: 0.0 when a slot of each is free
+        and its rate allows a start now, the seconds until the rate allows one when only the rate is in the
+        way, None when a domain has no free slot (a slot comes free when a delivery ends). Entering
+        :meth:`slots` right after a 0.0, with no await in between, never waits."""
+        wait = 0.0
+        now = self.clock()
+        for name in {d.lower() for d in domains}:
+            d = self._domain(name)
+            if d.sem.locked():
+                return None
+            if d.limit.rate_per_s > 0:
+                wait = max(wait, d.next_start - now)
+        return wait
+
     def slots(self, domains: Iterable[str]) -> Slots:
         """Hold one slot (and one rate token) of each domain for the body of the ``async with``."""
         return Slots(self, domains)
