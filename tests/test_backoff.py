@@ -87,6 +87,9 @@ def test_a_421_peer_is_dead_no_connection_while_dead_one_probe_after_and_other_m
         await h.until(lambda: ev.named("destination_dead"), what="destination_dead")
         [dead] = ev.named("destination_dead")
         assert (dest, 60.0) == (dead["destination"], dead["dead_s"])
+        metrics = h.daemon.metrics.exposition().decode()
+        assert "mtaq_destinations_dead 1.0" in metrics
+        assert f'mtaq_destination_concurrency{{destination="{dest}"}} 1.0' in metrics
         for i in range(1, 4):
             await h.send("a@example.org", [f"r{i}@busy.example"], f"b{i}")
         for i in range(3):

@@ -198,6 +198,7 @@ class Daemon:
         self.peers = self._peer_policy(cfg)  # DANE and MTA-STS, when configured
         self.counts = {"delivered": 0, "deferred": 0, "failed": 0}
         self.metrics = Metrics(self.counts, domains_max=cfg.metrics_domains_max)
+        self.metrics.destinations = self.dests.backed_off
         self.http: AdminHttp | None = None  # the admin API (admin_listen), listening from the start
         self.admin_listen_sockets: list[socket.socket] | None = None  # admin_listen bound before dropping root
         self.policy = RetryPolicy(

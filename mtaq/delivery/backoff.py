@@ -37,7 +37,11 @@ from typing import Any
 
 from mtaq.delivery.relay import Reply
 
-__all__ = ["DestState", "Destinations"]
+__all__ = ["DESTINATIONS_MAX", "DestState", "Destinations"]
+
+DESTINATIONS_MAX = 10_000
+"""Destinations kept in memory; past it, those with nothing to remember (alive, idle, window at its ceiling)
+are forgotten."""
 
 
 @dataclass(slots=True)
@@ -84,9 +88,18 @@ class Destinations:
         """The state of ``dest`` (made at its first use, window at its ceiling)."""
         d = self._dests.get(dest)
         if d is None:
+            if len(self._dests) >= DESTINATIONS_MAX:
+                self._forget_idle()
             lim = self._ceiling(dest)
             d = self._dests[dest] = DestState(limit=lim, window=float(lim))
         return d
+
+    def _forget_idle(self) -> None:
+        now = self.clock()
+        for name in [n for n, d in self._dests.items()
+                     if not d.active and not d.fail_cohorts and d.window >= d.limit
+                     and not (d.dead_until and now < d.dead_until)]:
+            del self._dests[name]
 
     def configure(self, limit: int, limits: dict[str, int] | None = None, *, dead_s: float | None = None,
                   failed_cohort_limit: float | None = None) -> None:
@@ -196,8 +209,13 @@ class Destinations:
             self._set_window(name, d, float(d.limit), "flush")
         return dead
 
-    def snapshot(self) -> dict[str, tuple[int, int, bool]]:
-        """{destination: (concurrency window, active deliveries, dead)} for /metrics."""
+    def backed_off(self) -> dict[str, tuple[int, int, bool]]:
+        """{destination: (deliveries allowed at once, deliveries in progress, dead)} of the destinations
+        now dead or below their ceiling (for /metrics: the ones an administrator looks for)."""
         now = self.clock()
-        return {name: (max(1, int(d.window)), d.active, bool(d.dead_until) and now < d.dead_until)
-                for name, d in self._dests.items()}
+        out = {}
+        for name, d in self._dests.items():
+            dead = bool(d.dead_until) and now < d.dead_until
+            if dead or d.window < d.limit:
+                out[name] = (max(1, int(d.window)), d.active, dead)
+        return out

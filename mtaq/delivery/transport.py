@@ -192,7 +192,6 @@ async def deliver(
         if dests is not None:
             suspended = dests.suspended(str(route))
             if suspended is not None:
-                on_hop_failure(HopFailure("none", tuple(positions), suspended))
                 await record(Batch("none", [(i, suspended) for i in positions]))
                 continue
             fb = _Feedback()
