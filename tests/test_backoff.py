@@ -203,3 +203,36 @@ def test_concurrency_backs_off_after_421s_and_grows_back(tmp_path):
         assert [3, 2, 3, 4] == [e["concurrency"] for e in ev.named("concurrency_changed")]
 
     run(tmp_path, body, delivery_concurrency=8, destination_concurrency_limit=4, retry_intervals_s=[3600.0])
+
+
+def test_a_blocked_destination_holds_at_most_its_limit_of_workers_and_other_mail_flows(tmp_path):
+    """Four delivery workers; slow.example (limit 2) answers DATA only when the test lets it: two of its six
+    messages are in DATA, the other four wait without a worker, and fast.example's three messages are
+    delivered meanwhile. Once slow.example answers, all nine are delivered."""
+
+    async def body(h: Harness) -> None:
+        release = asyncio.Event()
+        now = 0
+        peak = 0
+        orig_data = h.sink.handle_DATA
+
+        async def data(server, session, envelope):
+            nonlocal now, peak
+            if envelope.rcpt_tos[0].endswith("@slow.example"):
+                now += 1
+                peak = max(peak, now)
+                await release.wait()
+                now -= 1
+            return await orig_data(server, session, envelope)
+
+        h.sink.handle_DATA = data
+        await asyncio.gather(*(h.send("a@example.org", [f"s{i}@slow.example"], f"s{i}") for i in range(6)))
+        await h.until(lambda: now == 2, what="two slow.example deliveries in DATA")
+        await asyncio.gather(*(h.send("a@example.org", [f"f{i}@fast.example"], f"f{i}") for i in range(3)))
+        await h.until(lambda: len(h.sink.messages) == 3, timeout_s=10, what="fast.example's mail")
+        assert (2, 0) == (now, len([m for m in h.sink.messages if m[1][0].endswith("@slow.example")]))
+        release.set()
+        await h.until(lambda: len(h.sink.messages) == 9, what="all nine delivered")
+        assert 2 == peak
+
+    run(tmp_path, body, delivery_concurrency=4, destination_limits={"slow.example": {"concurrency": 2}})
