@@ -236,3 +236,43 @@ def test_a_blocked_destination_holds_at_most_its_limit_of_workers_and_other_mail
         assert 2 == peak
 
     run(tmp_path, body, delivery_concurrency=4, destination_limits={"slow.example": {"concurrency": 2}})
+
+
+def test_feedback_arithmetic_window_never_below_one_and_cohort_limit_zero_never_dead():
+    """Destinations alone, on a clock the test moves: session 421s take the window from 3 down to 1 and no
+    lower; with destination_concurrency_failed_cohort_limit = 0 nothing is ever dead; with 2, a host that
+    cannot be reached is dead after its second failure (a whole cohort each); after the dead time one
+    delivery at a time probes it, and the failed cohorts count afresh."""
+    from mtaq.delivery.backoff import Destinations
+    from mtaq.delivery.relay import Reply
+
+    t = [0.0]
+    events: list[tuple[str, dict[str, Any]]] = []
+    lost = Reply(421, "4.4.2", "conversation with h[192.0.2.1]:25: connection lost")
+    never = Destinations(3, failed_cohort_limit=0, clock=lambda: t[0], report=lambda e, f: events.append((e, f)))
+    for _ in range(10):
+        never.feedback("x:25", answered=False, failure=lost)
+    assert (1.0, None) == (never.state("x:25").window, never.suspended("x:25"))
+    assert [2, 1] == [f["concurrency"] for e, f in events if e == "concurrency_changed"]
+    never.feedback("x:25", answered=True)
+    assert 2.0 == never.state("x:25").window
+
+    refused = Reply(421, "4.4.1", "connect to h[192.0.2.1]:25: Connection refused")
+    d = Destinations(20, dead_s=10, failed_cohort_limit=2, clock=lambda: t[0])
+    d.feedback("[192.0.2.1]:25", answered=False, failure=refused, whole=True)
+    assert (None, 19.0) == (d.suspended("[192.0.2.1]:25"), d.state("[192.0.2.1]:25").window)
+    d.feedback("[192.0.2.1]:25", answered=False, failure=refused, whole=True)
+    r = d.suspended("[192.0.2.1]:25")
+    assert r is not None and (421, "4.4.1") == (r.code, r.enhanced)
+    assert "delivery temporarily suspended: connect to h[192.0.2.1]:25: Connection refused" == r.text
+    assert True is d.free(["[192.0.2.1]:25"])  # dead: its mail goes at once, deferred without a connection
+    assert [] == d.hold(["[192.0.2.1]:25"])
+    t[0] = 10.0
+    assert None is d.suspended("[192.0.2.1]:25")
+    assert ["[192.0.2.1]:25"] == d.hold(["[192.0.2.1]:25"])
+    assert False is d.free(["[192.0.2.1]:25"])  # one probe at a time
+    d.feedback("[192.0.2.1]:25", answered=False, failure=refused, whole=True)
+    d.release(["[192.0.2.1]:25"])
+    assert None is d.suspended("[192.0.2.1]:25")  # one failed cohort of the two since the dead time
+    d.feedback("[192.0.2.1]:25", answered=False, failure=refused, whole=True)
+    assert d.suspended("[192.0.2.1]:25") is not None

@@ -3,8 +3,10 @@
 
 A delivery of a message to the recipients of one domain holds one of that domain's *slots* while it
 talks to the next hop, and takes one token of the domain's rate (a token bucket of one: deliveries to the
-domain start at least ``1 / rate_per_s`` seconds apart). A worker that finds the domain saturated waits,
-like mail in Postfix's active queue waits for its destination; it never defers the mail for it.
+domain start at least ``1 / rate_per_s`` seconds apart). Mail for a saturated domain waits, like mail in
+Postfix's active queue waits for its destination; it is never deferred for it. The daemon's workers ask
+:meth:`Throttle.wait_s` first and hold such mail back rather than wait themselves (mtaq.daemon.process:
+other destinations' mail goes on); :meth:`Throttle.slots` entered directly waits.
 
 What must always hold: at no moment do more deliveries to a domain hold a slot than its limit (after a
 reload that lowered it, :meth:`Throttle.update`: no new one starts until the deliveries begun before it are
