@@ -62,6 +62,8 @@ from mtaq.delivery.sasl import SaslClient
 from mtaq.delivery.security import forget_contexts
 from mtaq.delivery.throttle import DomainLimit, Slots, Throttle
 from mtaq.delivery.transport import Batch, ConnectionPool, HopFailure, deliver
+from mtaq.delivery.verify import VERIFY_CACHE_FILE, Verifier, VerifySettings, make_prober
+from mtaq.edge.canonical import Generic
 from mtaq.edge.dkim import Signer
 from mtaq.edge.limits import ConnectionGate, Gate
 from mtaq.edge.pickup import Pickup
@@ -176,7 +178,7 @@ class Daemon:
         self.listen_sockets = listen_sockets
         self._copy_failed: set[Pos] = set()  # parked envelopes whose DATA could not be copied forward
         self.log = get_logger()
-        self.router = Router(cfg)
+        self.router = _router(cfg)
         self.throttle = Throttle(
             DomainLimit(cfg.destination_concurrency_limit, cfg.destination_rate_per_s),
             {d: DomainLimit(v.concurrency, v.rate_per_s) for d, v in cfg.destination_limits.items()},
@@ -196,6 +198,9 @@ class Daemon:
         self.sasl = self._sasl_client(cfg)  # outbound AUTH credentials; ConfigError if bad or readable
         self.signer = Signer.from_config(cfg)  # reads the DKIM keys; ConfigError if one is unsafe or bad
         self.peers = self._peer_policy(cfg)  # DANE and MTA-STS, when configured
+        # reject_unverified_recipient: probes of the next hop at RCPT, results in SPOOL/verify_cache (the host's)
+        self.verifier = self._verifier(cfg)
+        self.edge_settings.verifier = self.verifier
         self.counts = {"delivered": 0, "deferred": 0, "failed": 0}
         self.metrics = Metrics(self.counts, domains_max=cfg.metrics_domains_max)
         self.metrics.destinations = self.dests.backed_off
@@ -226,6 +231,20 @@ class Daemon:
             host_spool = os.path.dirname(cfg.spool_dir.rstrip("/")) if self.shard > 0 else cfg.spool_dir
             sasl.shared = SharedMap(os.path.join(host_spool, SASL_HOLD_FILE))
         return sasl
+
+    def _verifier(self, cfg: Config) -> Verifier:
+        """The recipient verification service (used by the edge only while ``reject_unverified_recipient``
+        is on): probes over this daemon's current routing, credentials and DANE/MTA-STS, its cache in
+        ``SPOOL/verify_cache`` above the shards (every worker's; mtaq.delivery.verify)."""
+        settings = VerifySettings.from_config(cfg)
+        host_spool = os.path.dirname(cfg.spool_dir.rstrip("/")) if self.shard > 0 else cfg.spool_dir
+        shared = SharedMap(os.path.join(host_spool, VERIFY_CACHE_FILE), max_bytes=settings.map_bytes_max())
+
+        def report(event: str, fields: dict[str, object]) -> None:
+            (self.log.info if event == "address_verified" else self.log.warning)(event, **fields)
+
+        return Verifier(settings, shared, make_prober(cfg, lambda: (self.router, self.sasl, self.peers)),
+                        clock=self.clock, report=report)
 
     def _on_durable(self, env: EnvelopeRecord, pos: Pos) -> None:
         self.log.info(
@@ -418,7 +437,7 @@ class Daemon:
             self.pickup = Pickup(self.queue, cfg.spool_dir, hostname=cfg.hostname(),
                                  body_bytes_max=cfg.message_size_limit_bytes,
                                  recipients_max=cfg.recipients_per_message_max, signer=self.signer, log=self.log,
-                                 myorigin=cfg.myorigin)
+                                 myorigin=cfg.myorigin, canonical=self.edge.canonical)
             tasks.append(asyncio.create_task(self.pickup.run(res.maildrop)))
         if cfg.stats_interval_s > 0:
             tasks.append(asyncio.create_task(self._stats()))
@@ -492,7 +511,7 @@ class Daemon:
             ("edge", lambda: EdgePolicy.from_config(cfg)),
             ("sasl", lambda: self._sasl_client(cfg)),
             ("signer", lambda: Signer.from_config(cfg)),
-            ("router", lambda: Router(cfg)),
+            ("router", lambda: _router(cfg)),
             ("peers", lambda: self._peer_policy(cfg)),
         ]
         for name, make in steps:
@@ -537,6 +556,7 @@ class Daemon:
             self.queue.minfree_bytes = max(cfg.queue_minfree_bytes, cfg.message_size_limit_bytes * 3 // 2)
         if self.pickup is not None:
             self.pickup.signer = self.signer
+            self.pickup.canonical = self.edge.canonical
             self.pickup.body_bytes_max = cfg.message_size_limit_bytes
             self.pickup.recipients_max = cfg.recipients_per_message_max
         admin = getattr(self, "admin", None)
@@ -1070,6 +1090,14 @@ async def _run_or_crash(daemon: Daemon) -> None:
     except BaseException:
         daemon.log.exception("daemon_crashed", exit_status=EXIT_SOFTWARE)
         os._exit(EXIT_SOFTWARE)
+
+
+def _router(cfg: Config) -> Router:
+    """The delivery router of ``cfg``, with its ``smtp_generic_maps`` (:class:`mtaq.edge.canonical.Generic`)
+    read: the delivery package does not read edge modules. Raises ConfigError."""
+    router = Router(cfg)
+    router.generic = Generic.from_config(cfg.smtp_generic_maps, myhostname=cfg.hostname(), myorigin=cfg.myorigin)
+    return router
 
 
 def _run_loop(daemon: Daemon) -> None:

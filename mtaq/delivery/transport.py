@@ -14,7 +14,8 @@ Groups are delivered one after the other, within the single START of the attempt
 ``record`` names the relay that gave the replies (``host[address]:port``, ``none`` when no host was asked).
 
 :class:`ConnectionPool` is a worker's small cache of open connections keyed by (address, port, host name,
-TLS policy); connections idle longer than ``idle_s`` are closed by :meth:`ConnectionPool.close_idle`, and
+TLS policy, security, source address): a connection opened from one source address is never reused for mail
+that must leave from another; connections idle longer than ``idle_s`` are closed by :meth:`ConnectionPool.close_idle`, and
 the least recently used idle one is closed when the pool is full.
 """
 
@@ -22,14 +23,16 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import re
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from mtaq.core.errors import CorruptRecord, StorageError
 from mtaq.delivery.backoff import Destinations
 from mtaq.delivery.relay import Content, RelayConnection, Reply, TlsLevel
-from mtaq.delivery.routing import Candidate, Route, RouteFailure, Router
+from mtaq.delivery.routing import AddressRewriter, Candidate, Route, RouteFailure, Router
 from mtaq.delivery.sasl import SaslClient, nexthop_keys
 from mtaq.delivery.security import Credentials, HopSecurity
 from mtaq.delivery.throttle import Throttle
@@ -38,7 +41,13 @@ if TYPE_CHECKING:  # DANE and MTA-STS pull in dnspython, aiohttp and cryptograph
     from mtaq.delivery.dane import Tlsa
     from mtaq.delivery.peers import PeerPolicy
 
-__all__ = ["Batch", "ConnectionPool", "HopFailure", "deliver"]
+__all__ = ["GENERIC_HEAD_BYTES_MAX", "Batch", "ConnectionPool", "HopFailure", "deliver"]
+
+GENERIC_HEAD_BYTES_MAX = 1024 * 1024
+"""The most of a queued message read to find its header section for smtp_generic_maps (bytes)."""
+_BLANK_LINE = re.compile(rb"(?:\A|\n)\r?\n")  # the empty line that ends the header section (as mtaq.edge.dkim)
+HEAD_INLINE_BYTES_MAX = 64 * 1024
+"""A header section up to this long is rewritten by smtp_generic_maps in the event loop; a longer one in a thread."""
 
 
 @dataclass(slots=True)
@@ -89,32 +98,35 @@ class ConnectionPool:
     clock: Callable[[], float] = time.monotonic
     bind_address: str = ""  # the local IPv4 address of new connections (smtp_bind_address); "": any
     bind_address6: str = ""  # the same for IPv6 (smtp_bind_address6)
-    _entries: dict[tuple[str, int, str, str, HopSecurity], _Entry] = field(default_factory=dict)
+    _entries: dict[tuple[str, int, str, str, HopSecurity, str], _Entry] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def _bind_for(self, address: str) -> str:
-        """The local address to connect to ``address`` from: ``bind_address6`` for an IPv6 one,
-        ``bind_address`` for an IPv4 one, "" for a name (the system resolver picks the family)."""
+    def _bind_for(self, address: str, source: tuple[str, str] = ("", "")) -> str:
+        """The local address to connect to ``address`` from: for an IPv6 one the route's IPv6 ``source``, else
+        ``bind_address6``; for an IPv4 one the route's IPv4 ``source``, else ``bind_address``; "" for a name
+        (the system resolver picks the family). Never an address of the other family (Postfix's rule)."""
         try:
             version = ipaddress.ip_address(address).version
         except ValueError:
             return ""
-        return self.bind_address6 if version == 6 else self.bind_address
+        return (source[1] or self.bind_address6) if version == 6 else (source[0] or self.bind_address)
 
-    def get(self, cand: Candidate, tls: TlsLevel, security: HopSecurity | None = None) -> RelayConnection:
-        """The cached connection for ``cand`` with policy ``tls`` and ``security`` (implicit TLS, names to
-        verify, credentials: a connection authenticated as one user is never used for another), or a new
-        (not yet open) one; marked busy."""
+    def get(self, cand: Candidate, tls: TlsLevel, security: HopSecurity | None = None,
+            source: tuple[str, str] = ("", "")) -> RelayConnection:
+        """The cached connection for ``cand`` with policy ``tls``, ``security`` (implicit TLS, names to
+        verify, credentials: a connection authenticated as one user is never used for another) and the local
+        address :meth:`_bind_for` picks from the route's (IPv4, IPv6) ``source``, or a new (not yet open) one;
+        marked busy."""
         security = security or HopSecurity()
-        key = (cand.address, cand.port, cand.hostname, tls, security)
+        bind = self._bind_for(cand.address, source)
+        key = (cand.address, cand.port, cand.hostname, tls, security, bind)
         e = self._entries.pop(key, None)
         if e is None:
             e = _Entry(
                 RelayConnection(cand.address, cand.port, hostname=cand.hostname, helo_name=self.helo_name,
-                                timeout_s=self.timeout_s, tls=tls, security=security,
-                                bind_address=self._bind_for(cand.address)),
+                                timeout_s=self.timeout_s, tls=tls, security=security, bind_address=bind),
                 self.clock(),
             )
         e.busy = True
@@ -154,7 +166,7 @@ async def deliver(
     pool: ConnectionPool,
     sender: str,
     recipients: Sequence[str],
-    body: bytes | Content,
+    body: bytes | Content | None,
     *,
     mail_params: Sequence[tuple[str, str]] = (),
     rcpt_params: Sequence[Sequence[tuple[str, str]]] | None = None,
@@ -168,7 +180,8 @@ async def deliver(
     """Deliver ``body`` to ``recipients``; every position gets exactly one final reply through ``record``.
 
     ``body`` is the message as bytes, or :class:`~mtaq.delivery.relay.Content` read in pieces as it is sent
-    (once per transaction; a large message is never held in memory).
+    (once per transaction; a large message is never held in memory); None for an address probe (MAIL and
+    RCPT only, no DATA: :meth:`RelayConnection.send`; :mod:`mtaq.delivery.verify`).
 
     ``record`` is awaited for each batch (the caller makes it durable there). ``on_hop_failure`` hears of
     each host that was given up on for some recipients before the next one was tried. ``throttle`` holds
@@ -180,6 +193,9 @@ async def deliver(
     (``4.4.1 delivery temporarily suspended: …``); each group's outcome is the next hop's feedback.
     """
     params = list(rcpt_params) if rcpt_params is not None else [()] * len(recipients)
+    wire = _Wire(sender, list(recipients), body)
+    if router.generic is not None:  # smtp_generic_maps: what leaves, not what is routed, logged or queued
+        wire = await _generic_wire(router.generic, wire)
     groups: dict[Route, list[int]] = {}
     for i, rcpt in enumerate(recipients):
         groups.setdefault(router.route(rcpt, sender), []).append(i)
@@ -196,11 +212,11 @@ async def deliver(
                 continue
             fb = _Feedback()
         if throttle is None:
-            await _deliver_group(router, pool, route, positions, sender, recipients, params, body, mail_params,
+            await _deliver_group(router, pool, route, positions, sender, wire, params, mail_params,
                                  record, on_hop_failure, sasl, peers, fb)
         else:
             async with throttle.slots(recipients[i].rpartition("@")[2] for i in positions):
-                await _deliver_group(router, pool, route, positions, sender, recipients, params, body, mail_params,
+                await _deliver_group(router, pool, route, positions, sender, wire, params, mail_params,
                                      record, on_hop_failure, sasl, peers, fb)
         if dests is not None and fb is not None:
             dests.feedback(str(route), answered=fb.answered, failure=fb.failure,
@@ -226,15 +242,75 @@ class _Feedback:
         self.all_connect = self.all_connect and conn.connect_failed
 
 
+@dataclass(frozen=True, slots=True)
+class _Wire:
+    """What goes on the MAIL and RCPT lines and after DATA (after smtp_generic_maps)."""
+
+    sender: str
+    recipients: list[str]
+    body: bytes | Content | None  # None: an address probe (no DATA)
+
+
+class _Spliced:
+    """``inner`` with its first ``old_len`` octets read as ``head`` (a :class:`Content`): the rest is read
+    through, so the inner iterator's checks (the record checksum at its end) still run."""
+
+    def __init__(self, inner: Content, old_len: int, head: bytes) -> None:
+        self.inner, self.old_len, self.head = inner, old_len, head
+
+    @property
+    def size(self) -> int:
+        return self.inner.size - self.old_len + len(self.head)
+
+    def pieces(self) -> Iterator[bytes]:
+        yield self.head
+        skip = self.old_len
+        for piece in self.inner.pieces():
+            if skip >= len(piece):
+                skip -= len(piece)
+                continue
+            yield piece[skip:] if skip else piece
+            skip = 0
+
+
+async def _generic_wire(generic: AddressRewriter, wire: _Wire) -> _Wire:
+    """``wire`` with smtp_generic_maps applied (:class:`mtaq.edge.canonical.Generic`): the envelope
+    addresses, and the header addresses the message's DKIM/ARC signatures do not cover. A header section
+    longer than :data:`GENERIC_HEAD_BYTES_MAX`, or one that cannot be read (found again when the content is
+    sent), is sent as it is."""
+    body = wire.body
+    if body is None:  # an address probe: the envelope only
+        head = b""
+    elif isinstance(body, bytes):
+        m = _BLANK_LINE.search(body)
+        head = body if m is None else body[: m.start() + 1] if m.start() else b""
+    else:
+        buf = b""
+        try:
+            for piece in body.pieces():
+                buf += piece
+                if _BLANK_LINE.search(buf) is not None or len(buf) > GENERIC_HEAD_BYTES_MAX:
+                    break
+        except (CorruptRecord, StorageError):
+            buf = b""
+        m = _BLANK_LINE.search(buf)
+        head = b"" if m is None else buf[: m.start() + 1] if m.start() else b""
+    # A large header section is rewritten in a thread (the RFC 5322 parser is slow on long address lists).
+    new_head = (None if not head else generic.head(head) if len(head) <= HEAD_INLINE_BYTES_MAX
+                else await asyncio.to_thread(generic.head, head))
+    if new_head is not None and body is not None:
+        body = new_head + body[len(head):] if isinstance(body, bytes) else _Spliced(body, len(head), new_head)
+    return _Wire(generic.address(wire.sender), [generic.address(r) for r in wire.recipients], body)
+
+
 async def _deliver_group(
     router: Router,
     pool: ConnectionPool,
     route: Route,
     positions: list[int],
     sender: str,
-    recipients: Sequence[str],
+    wire: _Wire,
     params: Sequence[Sequence[tuple[str, str]]],
-    body: bytes | Content,
     mail_params: Sequence[tuple[str, str]],
     record: Callable[[Batch], Awaitable[None]],
     on_hop_failure: Callable[[HopFailure], None],
@@ -293,12 +369,12 @@ async def _deliver_group(
                 allow_plaintext_auth=sasl is not None and sasl.allow_plaintext,
                 tlsa=tlsa,
             )
-            conn = pool.get(cand, level, security)
+            conn = pool.get(cand, level, security, route.source)
             try:
                 replies = await conn.send(
-                    sender,
-                    [recipients[i] for i in pending],
-                    body,
+                    wire.sender,
+                    [wire.recipients[i] for i in pending],
+                    wire.body,
                     mail_params=mail_params,
                     rcpt_params=[params[i] for i in pending],
                 )

@@ -35,8 +35,9 @@ from typing import Any
 
 from mtaq.core.errors import StorageError, StorageFatal
 from mtaq.core.records import EnvelopeRecord
+from mtaq.edge.canonical import Canonical
 from mtaq.edge.data import text_problem
-from mtaq.edge.dkim import Origin, Signer
+from mtaq.edge.dkim import Origin, Signer, header_section
 from mtaq.edge.policy import address_problem
 from mtaq.queue.store import Queue, new_queue_id
 from mtaq.storage import maildrop as md
@@ -86,7 +87,7 @@ class Pickup:
     """Picks up ``SPOOL/maildrop`` into ``queue`` (see the module docstring)."""
 
     def __init__(self, queue: Queue, spool: str, *, hostname: str, body_bytes_max: int, recipients_max: int,
-                 signer: Signer | None, log: Any, myorigin: str = "") -> None:
+                 signer: Signer | None, log: Any, myorigin: str = "", canonical: Canonical | None = None) -> None:
         self.queue = queue
         self.spool = spool
         self.dir = os.path.join(spool, md.MAILDROP_DIR)
@@ -95,6 +96,7 @@ class Pickup:
         self.body_bytes_max = body_bytes_max
         self.recipients_max = recipients_max
         self.signer = signer
+        self.canonical = canonical  # canonical_maps (mtaq.edge.canonical): local mail's envelope and headers
         self.log = log
         # Held from before a batch's envelopes are appended until their files' unlinks are fsync'd; the
         # daemon's checkpoint reads its positions under it (module docstring).
@@ -288,6 +290,15 @@ class Pickup:
         qid = new_queue_id(self.queue.clock())
         user = _login_of(msg.uid)
         content = _NEWLINE.sub(b"\r\n", msg.body)
+        sender, recipients = msg.sender, list(msg.recipients)
+        if self.canonical is not None:  # before signing and queueing, as for SMTP (a local client: headers too)
+            # MapNesting (a loop in a table) sets the file aside with the reason, like any other exception here.
+            sender = self.canonical.sender(sender)
+            recipients = [self.canonical.recipient(r) for r in recipients]
+            head = header_section(content)
+            new_head = self.canonical.head(head) if head else None
+            if new_head is not None:
+                content = new_head + content[len(head):]
         trace = local_received_header(user, self.hostname, qid, self.queue.clock())
         if self.signer:
             # Who may get a signature (issue 32.1): root's mail (cron, the system) as mynetworks mail; any other
@@ -295,11 +306,11 @@ class Pickup:
             # `mtaq sendmail` gives by default; -f is free to anyone, so the envelope sender proves nothing).
             own = f"{user}@{self.myorigin}".lower()
             origin = Origin(client="local", mynetworks=msg.uid == 0, login="" if msg.uid == 0 else (user or str(msg.uid)),
-                            mail_from=msg.sender, owns=lambda address: address.lower() == own)
+                            mail_from=sender, owns=lambda address: address.lower() == own)
             trace = await self.signer.signature_of(content, origin) + trace
-        addresses = (msg.sender, *msg.recipients)
+        addresses = (sender, *recipients)
         params = [] if all(a.isascii() for a in addresses) else [("SMTPUTF8", "")]
-        env = await self.queue.receive(msg.sender, list(msg.recipients), trace + content, mail_params=params,
+        env = await self.queue.receive(sender, recipients, trace + content, mail_params=params,
                                        client="local", helo="", queue_id=qid, maildrop=msg.name)
         self.picked_up += 1
         self.log.info("picked_up", queue_id=qid, maildrop=msg.name, uid=msg.uid, user=user, sender=msg.sender,

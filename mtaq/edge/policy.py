@@ -43,7 +43,7 @@ import re
 import ssl
 import unicodedata
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import idna
 from aiosmtplib.email import quote_address
@@ -51,6 +51,7 @@ from aiosmtplib.email import quote_address
 from mtaq.core.errors import ConfigError
 from mtaq.core.text import ASCII_CONTROL
 from mtaq.edge.auth import PasswordFile
+from mtaq.edge.canonical import Canonical
 from mtaq.edge.headerchecks import HeaderChecks
 
 if TYPE_CHECKING:
@@ -61,6 +62,7 @@ __all__ = [
     "MYNETWORKS_SEEN_MAX",
     "EdgePolicy",
     "IPNetwork",
+    "RecipientVerifier",
     "address_problem",
     "domain_of",
     "domain_to_ascii",
@@ -71,6 +73,14 @@ __all__ = [
 ]
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+class RecipientVerifier(Protocol):
+    """Asks the next hop whether it takes a recipient (:class:`mtaq.delivery.verify.Verifier`, which the
+    daemon passes in): ``verify(address)`` gives ``(status, text)``, status ``ok``, ``bounce`` or ``defer``."""
+
+    async def verify(self, address: str) -> tuple[str, str]: ...
+
 
 DEFAULT_MYNETWORKS: tuple[IPNetwork, ...] = (ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("::1/128"))
 """Loopback only: out of the box, only this host may relay."""
@@ -354,6 +364,11 @@ class EdgePolicy:
     # relay_recipient_maps: the valid recipients of relay_domains ("user@domain" and "@domain" keys, lower
     # case, A-labels); None: every recipient of a relay domain is accepted.
     relay_recipients: frozenset[str] | None = field(default=None, repr=False)
+    # reject_unverified_recipient: recipients of relay_domains from outside mynetworks, not authenticated,
+    # are verified with the next hop at RCPT (a RecipientVerifier); the codes of the two refusals.
+    verify_recipients: bool = False
+    unverified_reject_code: int = 550
+    unverified_defer_code: int = 450
     recipients_max: int = 1000
     connections_max: int = 500
     client_connections_per_minute_max: int = 120
@@ -371,6 +386,8 @@ class EdgePolicy:
     hopcount_limit: int = 50  # Received:/Delivered-To: fields a message may already have (554 5.4.6 beyond)
     received_private: bool = False  # smtpd_received_header_private: no client in authenticated mail's Received:
     header_checks: HeaderChecks | None = field(default=None, repr=False)  # header_checks rules; None: none
+    # canonical_maps, sender_canonical_maps, recipient_canonical_maps (mtaq.edge.canonical); None: none
+    canonical: Canonical | None = field(default=None, repr=False)
     error_sleep_s: float = 1.0  # Postfix smtpd_error_sleep_time: the wait before answering a failed AUTH
     auth_failures_per_minute_max: int = 10  # failed AUTH per client IP in any 60 s before 450 4.7.1; 0: none
     # Postfix smtpd_client_ipv6_prefix_length: the bits of an IPv6 client address that every per-client
@@ -384,7 +401,8 @@ class EdgePolicy:
 
     @classmethod
     def from_config(cls, cfg: Config) -> EdgePolicy:
-        """Build the policy from ``cfg``: reads the TLS files and the password file. Raises ConfigError."""
+        """Build the policy from ``cfg``: reads the TLS files, the password file and the canonical maps.
+        Raises ConfigError."""
         tls = server_tls_context(cfg.tls_cert_file, cfg.tls_key_file) if cfg.tls_cert_file or cfg.tls_key_file else None
         passwords = PasswordFile.load(cfg.auth_password_file) if cfg.auth_password_file else None
         if passwords is not None and tls is None:
@@ -394,6 +412,9 @@ class EdgePolicy:
             mynetworks=parse_networks(cfg.mynetworks),
             relay_domains=parse_domains(cfg.relay_domains),
             relay_recipients=load_recipient_map(cfg.relay_recipient_maps) if cfg.relay_recipient_maps else None,
+            verify_recipients=cfg.reject_unverified_recipient,
+            unverified_reject_code=cfg.unverified_recipient_reject_code,
+            unverified_defer_code=cfg.unverified_recipient_defer_code,
             recipients_max=cfg.recipients_per_message_max,
             connections_max=cfg.connections_max,
             client_connections_per_minute_max=cfg.connections_per_client_per_minute_max,
@@ -408,6 +429,10 @@ class EdgePolicy:
             hopcount_limit=cfg.hopcount_limit,
             received_private=cfg.smtpd_received_header_private,
             header_checks=HeaderChecks.from_config(cfg.header_checks) if cfg.header_checks else None,
+            canonical=Canonical.from_config(
+                canonical_maps=cfg.canonical_maps, sender_canonical_maps=cfg.sender_canonical_maps,
+                recipient_canonical_maps=cfg.recipient_canonical_maps, canonical_classes=list(cfg.canonical_classes),
+                myhostname=cfg.hostname(), myorigin=cfg.myorigin),
             error_sleep_s=cfg.smtpd_error_sleep_time_s,
             auth_failures_per_minute_max=cfg.smtpd_client_auth_failure_rate_limit,
             client_ipv6_prefix_length=cfg.smtpd_client_ipv6_prefix_length,
@@ -464,6 +489,32 @@ class EdgePolicy:
         if authenticated or self.in_mynetworks(client_ip) or self.is_relay_domain(ace):
             return None
         return f"554 5.7.1 <{address}>: Relay access denied"
+
+    def verification_wanted(self, address: str, *, client_ip: str, authenticated: bool) -> bool:
+        """Whether RCPT TO ``address`` (accepted by :meth:`rcpt_reply`) is to be verified with the next hop:
+        ``verify_recipients`` is on, the domain is a relay domain, and the client is neither authenticated
+        nor in mynetworks (Postfix's usual ``permit_mynetworks, permit_sasl_authenticated,
+        reject_unauth_destination, reject_unverified_recipient``)."""
+        if not self.verify_recipients or authenticated or self.in_mynetworks(client_ip):
+            return False
+        domain = domain_of(address)
+        ace = domain_to_ascii(domain) if domain is not None else None
+        return ace is not None and self.is_relay_domain(ace)
+
+    def unverified_reply(self, address: str, status: str, text: str) -> str | None:
+        """The RCPT reply for a verification outcome (Postfix's words): ``bounce`` -> ``550 5.1.1 <addr>:
+        Recipient address rejected: undeliverable address: TEXT``; ``defer`` -> ``450 4.1.1 ... unverified
+        address: TEXT`` (the codes are ``unverified_recipient_reject_code`` / ``_defer_code``); ``ok`` -> None."""
+        if status == "ok":
+            return None
+        if status == "bounce":
+            code, what = self.unverified_reject_code, "undeliverable address"
+        else:
+            code, what = self.unverified_defer_code, "unverified address"
+        head = f"{code} {code // 100}.1.1 <{address}>: Recipient address rejected: {what}: "
+        # One line of printable ASCII, the whole reply at most 510 characters (RFC 5321 §4.5.3.1.5: 512 with CRLF).
+        flat = "".join(ch if " " <= ch <= "~" else "?" for ch in " ".join(text.split()))
+        return head + flat[: max(0, 510 - len(head))]
 
     def login_owns(self, address: str, login: str) -> bool:
         """Whether ``sender_login_map`` lists ``login`` (compared without regard to case) among the owners of
