@@ -132,6 +132,14 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     destination_concurrency_limit: Annotated[int, msgspec.Meta(ge=1, le=10000)] = 20
     destination_rate_per_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # 0: no limit
     destination_limits: dict[str, DestinationLimit] = msgspec.field(default_factory=dict)
+    # Back-off per next hop (mtaq.delivery.backoff; Postfix's qmgr concurrency scheduler): a destination
+    # whose failed pseudo-cohorts (connections refused or timed out, 421s) since its last success reach
+    # destination_concurrency_failed_cohort_limit (0: never) is dead for smtp_destination_dead_s seconds
+    # (Postfix: minimal_backoff_time, 300), never longer than half the first retry interval: its mail is
+    # deferred without a connection. Its concurrency window drops by one per failure and grows back by
+    # 1/window per success, between 1 and destination_concurrency_limit.
+    smtp_destination_dead_s: Annotated[float, msgspec.Meta(ge=0)] = 300.0
+    destination_concurrency_failed_cohort_limit: Annotated[float, msgspec.Meta(ge=0, le=1000)] = 1.0
     # RFC 4865 FUTURERELEASE (HOLDFOR / HOLDUNTIL): the longest delay a client may ask; longer requests are
     # refused with 501 5.5.4 naming this limit (Pulsar PIP-315). 0: no limit.
     delay_max_s: Annotated[float, msgspec.Meta(ge=0)] = 7 * 86400.0

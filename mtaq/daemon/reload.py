@@ -42,6 +42,7 @@ RELOADABLE: frozenset[str] = frozenset({
     # delivery: new attempts (Router, Throttle, SaslClient, PeerPolicy)
     "relayhost", "transport_map", "sender_dependent_relayhost_maps", "sender_dependent_bind_address_maps",
     "destination_bind_address_maps", "smtp_generic_maps", "destination_concurrency_limit", "destination_rate_per_s",
+    "smtp_destination_dead_s", "destination_concurrency_failed_cohort_limit",
     "destination_limits", "smtp_tls_security_level", "tls_policy_map", "smtp_tls_CAfile", "smtp_tls_wrappermode",
     "smtp_sasl_auth_enable", "smtp_sasl_password_file", "smtp_sender_dependent_authentication",
     "smtp_sasl_allow_plaintext", "smtp_sasl_auth_failure_hold_s", "dns_nameservers", "dns_port", "dns_timeout_s",

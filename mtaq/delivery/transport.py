@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from mtaq.core.errors import CorruptRecord, StorageError
+from mtaq.delivery.backoff import Destinations
 from mtaq.delivery.relay import Content, RelayConnection, Reply, TlsLevel
 from mtaq.delivery.routing import AddressRewriter, Candidate, Route, RouteFailure, Router
 from mtaq.delivery.sasl import SaslClient, nexthop_keys
@@ -174,6 +175,7 @@ async def deliver(
     throttle: Throttle | None = None,
     sasl: SaslClient | None = None,
     peers: PeerPolicy | None = None,
+    dests: Destinations | None = None,
 ) -> None:
     """Deliver ``body`` to ``recipients``; every position gets exactly one final reply through ``record``.
 
@@ -187,6 +189,8 @@ async def deliver(
     ``sasl`` gives the credentials of each destination (by ``sender`` and next hop; RFC 4954); credentials
     held after a 5xx to AUTH defer the group without connecting (:mod:`mtaq.delivery.sasl`). ``peers``
     applies DANE and MTA-STS to each host (:mod:`mtaq.delivery.peers`); without it level ``dane`` is ``may``.
+    ``dests`` (:mod:`mtaq.delivery.backoff`): a group whose next hop is dead is deferred without a connection
+    (``4.4.1 delivery temporarily suspended: …``); each group's outcome is the next hop's feedback.
     """
     params = list(rcpt_params) if rcpt_params is not None else [()] * len(recipients)
     wire = _Wire(sender, list(recipients), body)
@@ -200,13 +204,42 @@ async def deliver(
             assert route.reply is not None
             await record(Batch("none", [(i, route.reply) for i in positions], discarded=route.kind == "discard"))
             continue
+        fb: _Feedback | None = None
+        if dests is not None:
+            suspended = dests.suspended(str(route))
+            if suspended is not None:
+                await record(Batch("none", [(i, suspended) for i in positions]))
+                continue
+            fb = _Feedback()
         if throttle is None:
             await _deliver_group(router, pool, route, positions, sender, wire, params, mail_params,
-                                 record, on_hop_failure, sasl, peers)
-            continue
-        async with throttle.slots(recipients[i].rpartition("@")[2] for i in positions):
-            await _deliver_group(router, pool, route, positions, sender, wire, params, mail_params,
-                                 record, on_hop_failure, sasl, peers)
+                                 record, on_hop_failure, sasl, peers, fb)
+        else:
+            async with throttle.slots(recipients[i].rpartition("@")[2] for i in positions):
+                await _deliver_group(router, pool, route, positions, sender, wire, params, mail_params,
+                                     record, on_hop_failure, sasl, peers, fb)
+        if dests is not None and fb is not None:
+            dests.feedback(str(route), answered=fb.answered, failure=fb.failure,
+                           whole=fb.failure is not None and fb.all_connect)
+
+
+@dataclass(slots=True)
+class _Feedback:
+    """What the hosts of one group did, for the next hop's back-off: ``answered`` (a host talked),
+    ``failure`` (the last site failure: refused, timed out, 421, lost), ``all_connect`` (every failure was
+    a host that could not be talked to at all)."""
+
+    answered: bool = False
+    failure: Reply | None = None
+    all_connect: bool = True
+
+    def note(self, conn: RelayConnection, replies: Sequence[Reply]) -> None:
+        lost = next((r for r in replies if r.code == 421), None)
+        if lost is None and not conn.connect_failed:
+            self.answered = True
+            return
+        self.failure = lost or Reply(421, "4.4.1", f"connect to {conn.name}: failed")
+        self.all_connect = self.all_connect and conn.connect_failed
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,6 +316,7 @@ async def _deliver_group(
     on_hop_failure: Callable[[HopFailure], None],
     sasl: SaslClient | None = None,
     peers: PeerPolicy | None = None,
+    fb: _Feedback | None = None,
 ) -> None:
     pending = list(positions)
     last: dict[int, Reply] = {}
@@ -349,6 +383,8 @@ async def _deliver_group(
                 raise
             finally:
                 await pool.release(conn)
+            if fb is not None:
+                fb.note(conn, replies)
             final = [(i, r) for i, r in zip(pending, replies, strict=True) if not 400 <= r.code < 500]
             retry = [(i, r) for i, r in zip(pending, replies, strict=True) if 400 <= r.code < 500]
             if final:
