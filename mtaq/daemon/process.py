@@ -282,6 +282,7 @@ class Daemon:
                     tls_required=lst.tls_required,
                     implicit_tls=lst.wrappermode,
                     tls_handshake_timeout_s=cfg.tls_handshake_timeout_s,
+                    milters=lst.smtpd_milters,
                 )
                 if j == 0:
                     self.servers.append(server)

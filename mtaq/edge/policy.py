@@ -52,6 +52,7 @@ from mtaq.core.errors import ConfigError
 from mtaq.core.text import ASCII_CONTROL
 from mtaq.edge.auth import PasswordFile
 from mtaq.edge.headerchecks import HeaderChecks
+from mtaq.edge.milter import MilterSettings
 
 if TYPE_CHECKING:
     from mtaq.config import Config
@@ -371,6 +372,7 @@ class EdgePolicy:
     hopcount_limit: int = 50  # Received:/Delivered-To: fields a message may already have (554 5.4.6 beyond)
     received_private: bool = False  # smtpd_received_header_private: no client in authenticated mail's Received:
     header_checks: HeaderChecks | None = field(default=None, repr=False)  # header_checks rules; None: none
+    milter: MilterSettings = field(default_factory=MilterSettings)  # smtpd_milters and milter_* (mtaq.edge.milter)
     error_sleep_s: float = 1.0  # Postfix smtpd_error_sleep_time: the wait before answering a failed AUTH
     auth_failures_per_minute_max: int = 10  # failed AUTH per client IP in any 60 s before 450 4.7.1; 0: none
     # Postfix smtpd_client_ipv6_prefix_length: the bits of an IPv6 client address that every per-client
@@ -408,6 +410,7 @@ class EdgePolicy:
             hopcount_limit=cfg.hopcount_limit,
             received_private=cfg.smtpd_received_header_private,
             header_checks=HeaderChecks.from_config(cfg.header_checks) if cfg.header_checks else None,
+            milter=MilterSettings.from_config(cfg),
             error_sleep_s=cfg.smtpd_error_sleep_time_s,
             auth_failures_per_minute_max=cfg.smtpd_client_auth_failure_rate_limit,
             client_ipv6_prefix_length=cfg.smtpd_client_ipv6_prefix_length,
