@@ -90,6 +90,8 @@ _NO = {SMFIC_CONNECT: SMFIP_NOCONNECT, SMFIC_HELO: SMFIP_NOHELO, SMFIC_MAIL: SMF
 _NR = {SMFIC_CONNECT: SMFIP_NR_CONN, SMFIC_HELO: SMFIP_NR_HELO, SMFIC_MAIL: SMFIP_NR_MAIL,
        SMFIC_RCPT: SMFIP_NR_RCPT, SMFIC_DATA: SMFIP_NR_DATA, SMFIC_HEADER: SMFIP_NR_HDR, SMFIC_EOH: SMFIP_NR_EOH,
        SMFIC_BODY: SMFIP_NR_BODY}
+_STAGES = {0: SMFIC_CONNECT, 1: SMFIC_HELO, 2: SMFIC_MAIL, 3: SMFIC_RCPT, 4: SMFIC_DATA, 5: SMFIC_BODYEOB,
+           6: SMFIC_EOH}  # SMFIM_* macro stages
 _EDITS = {SMFIR_ADDHEADER: SMFIF_ADDHDRS, SMFIR_INSHEADER: SMFIF_ADDHDRS, SMFIR_CHGHEADER: SMFIF_CHGHDRS,
           SMFIR_REPLBODY: SMFIF_CHGBODY, SMFIR_ADDRCPT: SMFIF_ADDRCPT, SMFIR_ADDRCPT_PAR: SMFIF_ADDRCPT_PAR,
           SMFIR_DELRCPT: SMFIF_DELRCPT, SMFIR_CHGFROM: SMFIF_CHGFROM, SMFIR_QUARANTINE: SMFIF_QUARANTINE}
@@ -306,7 +308,10 @@ def edit_head(head: bytes, edits: Iterable[Edit]) -> bytes | None:
 
 
 def _reply_text(data: bytes) -> str:
-    return data.split(b"\0")[0].decode("utf-8", "replace").replace("\r\n", "\n").replace("\n", "\r\n").strip()
+    """SMFIR_REPLYCODE's text: lines joined by CRLF, ``%%`` read as ``%`` (smfi_setreply's escaping, as
+    Postfix's milter8 reads it)."""
+    text = data.split(b"\0")[0].decode("utf-8", "replace").replace("%%", "%")
+    return "\r\n".join(line.strip() for line in text.replace("\r\n", "\n").split("\n") if line.strip())
 
 
 # ------------------------------------------------------------------------------------------------- I/O
@@ -367,6 +372,7 @@ class Filter:
         self.skip_message = False  # accepted or rejected during this message: not asked again for it
         self.skip_body = False  # answered SMFIR_SKIP to a body chunk
         self.in_message = False  # MAIL sent, end of message not yet: SMFIC_ABORT before the next MAIL
+        self.symbols: dict[bytes, set[str]] = {}  # the macros the filter asked for, by command
 
     async def open(self) -> None:
         """Connect (``connect_timeout_s``) and negotiate version 6 (``command_timeout_s``)."""
@@ -388,6 +394,18 @@ class Filter:
             raise FilterFailed(f"negotiation: version {version}, actions {actions:#x}, protocol {protocol:#x} "
                                "not offered")
         self.actions, self.protocol = actions, protocol
+        rest = data[12:]
+        while len(rest) > 4:  # SMFIF_SETSYMLIST: (uint32 stage, "names ...\0")*, the macros wanted per stage
+            (stage,) = struct.unpack_from("!I", rest)
+            names, _, rest = rest[4:].partition(b"\0")
+            stage_command = _STAGES.get(stage)
+            if stage_command is not None:
+                self.symbols[stage_command] = {n.strip("{}") for n in names.decode("ascii", "replace").split()}
+
+    def macros_for(self, command: bytes, macros: dict[str, str]) -> dict[str, str]:
+        """``macros`` less those the filter's symbol list for this stage leaves out (Postfix honours it too)."""
+        wanted = self.symbols.get(command)
+        return macros if wanted is None else {k: v for k, v in macros.items() if k.strip("{}") in wanted}
 
     def sends(self, command: bytes) -> bool:
         """Whether this filter wants ``command`` (it did not negotiate it away)."""
@@ -550,7 +568,8 @@ class MilterSession:
                 continue
             if not f.sends(command):
                 continue
-            pkts = (macro_packet(command, macros) if macros else b"") + packet(command, data)
+            wanted = f.macros_for(command, macros) if macros else None
+            pkts = (macro_packet(command, wanted) if wanted else b"") + packet(command, data)
             try:
                 if not f.answers(command):
                     await f._send(pkts, timeout_s)
@@ -668,7 +687,8 @@ class MilterSession:
             if f.skip_message:
                 f.in_message = False
                 continue
-            pkts = (macro_packet(SMFIC_BODYEOB, macros) if macros else b"") + packet(SMFIC_BODYEOB)
+            wanted = f.macros_for(SMFIC_BODYEOB, macros)
+            pkts = (macro_packet(SMFIC_BODYEOB, wanted) if wanted else b"") + packet(SMFIC_BODYEOB)
             try:
                 r = await f.ask(pkts, SMFIC_BODYEOB, content_s)
             except FilterFailed as exc:

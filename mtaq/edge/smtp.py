@@ -464,7 +464,7 @@ class MtaqSMTP(FastPathMixin, SMTP):
             peer = self.session.peer if self.session is not None else None
             ip = self.client_ip()
             port = int(peer[1]) if isinstance(peer, tuple) and len(peer) > 1 else 0
-            milters.context = {"client": ip}
+            milters.context = {"client": f"{ip}:{port}"}
             await milters.connect(f"[{ip}]" if ip else "unknown", ip, port, self._milter_macros("connect"))
         await super()._handle_client()
 
@@ -675,6 +675,7 @@ class MtaqSMTP(FastPathMixin, SMTP):
             if self.milters is not None:
                 if command == "MAIL":
                     envelope.queue_id = new_queue_id()
+                    self.milters.context["queue_id"] = envelope.queue_id
                     reply = await self.milters.mail(address, [str(o) for o in args[1]],
                                                     self._milter_macros("mail", envelope, address))
                 else:
