@@ -461,3 +461,60 @@ def test_a_filter_that_never_answers_the_negotiation_delays_the_greeting_by_its_
             assert (451, "4.3.5 Server configuration problem - try again later") == _send(
                 s, "a@example.org", ["b@example.net"], "x")
         assert 0.4 < took < 3
+
+
+def test_the_daemon_filters_smtp_and_picked_up_mail_and_lists_a_quarantined_message_held(tmp_path):
+    """A real daemon with smtpd_milters and non_smtpd_milters naming one filter that adds ``X-Scanned`` and
+    quarantines a Subject ``hold``: a message over SMTP and one through ``mtaq sendmail`` (the maildrop's
+    pick-up) reach the sink with the header; the held one is ``held`` in ``mtaq queue list`` (event
+    milter_quarantine with its queue ID) and is not delivered."""
+    import json
+    import subprocess
+    import sys
+
+    from test_sendmail import Host, sendmail
+
+    hold = {"next": False}  # the messages come one after the other
+
+    async def on_header(cmd: ppm.Header) -> ppm.Continue:
+        if cmd.name.lower() == "subject":
+            hold["next"] = cmd.text == "hold"
+        return ppm.Continue()
+
+    async def on_eom(cmd: ppm.EndOfMessage) -> ppm.Continue:
+        edits: list[Any] = [ppm.AppendHeader(headername="X-Scanned", headertext="yes")]
+        if hold["next"]:
+            edits.append(QuarantineEdit(reason="needs a look"))
+        return ppm.Continue(manipulations=edits)
+
+    app = ppm.PurePythonMilter(name="scan", hook_on_header=on_header, hook_on_end_of_message=on_eom,
+                               can_add_headers=True, can_quarantine=True)
+    with serving(app) as spec:
+        h = Host(tmp_path, extra=f'smtpd_milters = ["{spec}"]\nnon_smtpd_milters = ["{spec}"]\n')
+        try:
+            h.start()
+            for subject, mid in (("clean", "<smtp@p>"), ("hold", "<held@p>")):
+                with smtplib.SMTP("127.0.0.1", h.port, timeout=30) as s:
+                    assert {} == s.sendmail("a@example.org", ["b@example.net"], (
+                        f"From: a@example.org\r\nSubject: {subject}\r\nMessage-ID: {mid}\r\n\r\nhi\r\n").encode())
+            r = sendmail(h.cfg, "-f", "root@host.test", "rcpt@example.net",
+                         stdin=b"Subject: local\nMessage-ID: <local@p>\n\nfrom cron\n")
+            assert (0, b"") == (r.returncode, r.stderr)
+            got = h.wait_messages(2)
+            assert {"<smtp@p>": "yes", "<local@p>": "yes"} == {m["Message-ID"]: m["X-Scanned"] for m in got}
+            [quarantined] = wait_for_events(h, "milter_quarantine")
+            assert (spec, "needs a look") == (quarantined["milter"], quarantined["reason"])
+            out = subprocess.run([sys.executable, "-m", "mtaq.cli", "queue", "list", "--json", "--spool",
+                                  str(h.spool)], capture_output=True, text=True, timeout=60)
+            assert 0 == out.returncode, out.stderr
+            assert [(quarantined["queue_id"], "held")] == [(q["queue_id"], q["state"])
+                                                          for q in map(json.loads, out.stdout.splitlines())]
+            assert 2 == len(h.messages())
+        finally:
+            h.close()
+
+
+def wait_for_events(h: Any, name: str) -> list[dict[str, Any]]:
+    from mtaq.testing.procs import wait_for
+
+    return wait_for(lambda: h.events(name), 20, f"the {name} event")

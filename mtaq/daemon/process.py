@@ -377,7 +377,7 @@ class Daemon:
             self.pickup = Pickup(self.queue, cfg.spool_dir, hostname=cfg.hostname(),
                                  body_bytes_max=cfg.message_size_limit_bytes,
                                  recipients_max=cfg.recipients_per_message_max, signer=self.signer, log=self.log,
-                                 myorigin=cfg.myorigin)
+                                 myorigin=cfg.myorigin, milters=self.edge.milter)
             tasks.append(asyncio.create_task(self.pickup.run(res.maildrop)))
         if cfg.stats_interval_s > 0:
             tasks.append(asyncio.create_task(self._stats()))
@@ -488,6 +488,8 @@ class Daemon:
         self.signer = b["signer"]
         if self.handler is not None:
             self.handler.signer = self.signer
+        if self.pickup is not None:  # non_smtpd_milters and milter_*: picked-up messages from now on
+            self.pickup.milters = self.edge.milter
         if getattr(self, "queue", None) is not None:
             self.queue.sign = self.signer.sign_dsn
             self.queue.messages_max = cfg.queue_messages_max

@@ -37,6 +37,8 @@ RELOADABLE: frozenset[str] = frozenset({
     "smtpd_error_sleep_time_s", "smtpd_client_auth_failure_rate_limit", "smtpd_client_ipv6_prefix_length",
     "tls_cert_file", "tls_key_file", "auth_password_file", "delay_max_s", "message_size_limit_bytes",
     "smtp_server_timeout_s", "tls_handshake_timeout_s", "hopcount_limit", "smtpd_received_header_private", "header_checks",
+    "smtpd_milters", "non_smtpd_milters", "milter_default_action", "milter_connect_timeout_s", "milter_command_timeout_s",
+    "milter_content_timeout_s", "milter_protocol",
     # delivery: new attempts (Router, Throttle, SaslClient, PeerPolicy)
     "relayhost", "transport_map", "sender_dependent_relayhost_maps", "destination_concurrency_limit", "destination_rate_per_s",
     "destination_limits", "smtp_tls_security_level", "tls_policy_map", "smtp_tls_CAfile", "smtp_tls_wrappermode",

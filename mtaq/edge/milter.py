@@ -46,10 +46,13 @@ __all__ = [
     "Filter",
     "FilterStats",
     "MessageOutcome",
+    "MilterDiscarded",
     "MilterProtocolError",
+    "MilterRefused",
     "MilterSession",
     "MilterSettings",
     "edit_head",
+    "filter_local",
     "packet",
     "parse_address",
 ]
@@ -108,6 +111,22 @@ DefaultAction = Literal["tempfail", "accept", "reject"]
 
 class MilterProtocolError(Exception):
     """A filter broke the protocol (a bad packet, a reply not allowed at that stage)."""
+
+
+class MilterRefused(Exception):
+    """The filters refused a message that did not come over SMTP (``reply``: the 4xx or 5xx reply)."""
+
+    def __init__(self, reply: str) -> None:
+        super().__init__(reply)
+        self.reply = reply
+
+
+class MilterDiscarded(Exception):
+    """A filter discarded a message that did not come over SMTP (``milter``: which one)."""
+
+    def __init__(self, milter: str) -> None:
+        super().__init__(milter)
+        self.milter = milter
 
 
 @dataclass(frozen=True)
@@ -741,6 +760,68 @@ class MilterSession:
         """SMFIC_QUIT to every filter and close the connections (never waits)."""
         for f in self.filters:
             f.close()
+
+
+def apply_edits(content: bytes, head: bytes, edits: list[Edit]) -> bytes:
+    """``content`` (a whole message whose header section is ``head``) with the header changes and the
+    replaced body among ``edits`` applied."""
+    new_head = edit_head(head, edits)
+    replaced = new_body(edits)
+    if replaced is not None:
+        return (head if new_head is None else new_head) + b"\r\n" + replaced
+    return content if new_head is None else new_head + content[len(head):]
+
+
+async def filter_local(settings: MilterSettings, content: bytes, head: bytes, sender: str, recipients: list[str],
+                       queue_id: str, hostname: str, context: dict[str, str]) -> tuple[bytes, str, list[str], str | None]:
+    """A message that did not come over SMTP (the maildrop's) through ``non_smtpd_milters``, as Postfix
+    sends it: connect from ``localhost`` [127.0.0.1], HELO ``localhost``, MAIL, each RCPT, DATA, the
+    message. Returns (content, sender, recipients, quarantine reason or None) with the modifications
+    applied; a recipient a filter refuses is left out. Raises :class:`MilterRefused` (a 4xx: try again
+    later; a 5xx) or :class:`MilterDiscarded`."""
+    session = MilterSession(settings, settings.non_smtpd_milters)
+    session.context = dict(context, queue_id=queue_id)
+    try:
+        reply = await session.connect("localhost", "127.0.0.1", 0, {
+            "j": hostname, "{daemon_name}": hostname, "v": "mtaq", "_": "localhost [127.0.0.1]",
+            "{client_addr}": "127.0.0.1", "{client_name}": "localhost"})
+        reply = reply or await session.helo("localhost", {})
+        reply = reply or await session.mail(sender, [], {"i": queue_id, "{mail_addr}": sender,
+                                                         "{mail_mailer}": "local"})
+        if reply is not None:
+            raise MilterRefused(reply)
+        kept = []
+        for r in recipients:
+            refused = await session.rcpt(r, [], {"{rcpt_addr}": r, "{rcpt_host}": r.rpartition("@")[2]})
+            if session.refused is not None:
+                raise MilterRefused(session.refused)
+            if refused is None:
+                kept.append(r)
+        if not kept:
+            raise MilterRefused(REJECT_REPLY)
+        reply = await session.data({"i": queue_id})
+        if reply is not None:
+            raise MilterRefused(reply)
+        if session.discard:
+            raise MilterDiscarded(session.discard_by)
+
+        async def body() -> AsyncIterator[bytes]:
+            rest = content[len(head):]
+            yield rest[2:] if rest.startswith(b"\r\n") else rest
+
+        out = await session.message(head, body(), {"i": queue_id})
+    finally:
+        session.close()
+    if out.reply is not None:
+        raise MilterRefused(out.reply)
+    if out.discard:
+        raise MilterDiscarded(out.filter)
+    edits = out.edits
+    rcpt_edits = [e for e in edits if e.kind in (SMFIR_ADDRCPT, SMFIR_ADDRCPT_PAR, SMFIR_DELRCPT)]
+    final = [a for a, _ in apply_recipients([(a, ()) for a in kept], rcpt_edits)]
+    if not final:
+        raise MilterDiscarded(out.filter)
+    return apply_edits(content, head, edits), new_sender(edits) or sender, final, out.quarantine
 
 
 def apply_recipients(recipients: list[tuple[str, tuple[tuple[str, str], ...]]],
