@@ -29,6 +29,7 @@ from purepythonmilter.protocol.payload import Payload
 from purepythonmilter.protocol.responses import AbstractManipulation
 from purepythonmilter.server.milterserver import MilterServer
 
+from mtaq.admin.metrics import Metrics
 from mtaq.core.errors import ConfigError
 from mtaq.edge import milter as m
 from mtaq.edge.policy import EdgePolicy
@@ -311,6 +312,11 @@ def test_each_verdict_is_given_at_its_stage(tmp_path):
     assert [15] * 8 == [len(e.get("queue_id", "")) for e in logs if e["event"].startswith("milter_")]
     ids = [e["queue_id"] for e in logs if e["event"] in ("milter_discard", "milter_quarantine")]
     assert [rcpt_discarded, eom_discarded, held] == ids
+    metrics = Metrics({})
+    metrics.milter_stats = lambda: m.STATS
+    lines = metrics.exposition().decode().splitlines()
+    assert [3.0, 2.0, 2.0] == [float(next(x for x in lines if x.startswith(
+        f'mtaq_milter_replies_total{{milter="{spec}",verdict="{v}"}}')).split()[-1]) for v in ("reject", "tempfail", "discard")]
 
 
 def test_a_spilled_body_goes_to_the_filter_in_chunks_and_its_header_change_is_kept(tmp_path):
@@ -347,7 +353,8 @@ def test_a_spilled_body_goes_to_the_filter_in_chunks_and_its_header_change_is_ke
 def test_a_filter_that_sleeps_past_its_timeout_cannot_hold_the_session(tmp_path):
     """A filter that sleeps 5 s at end of message, with milter_content_timeout_s 0.5: the client gets
     ``451 4.3.5`` (milter_default_action tempfail) well before 5 s, nothing is queued, milter_error names
-    the filter; with milter_default_action accept the message is queued as received."""
+    the filter; with milter_default_action accept the message is queued as received. /metrics counts the
+    filter's errors and replies."""
 
     async def on_eom(cmd: ppm.EndOfMessage) -> ppm.Continue:
         await asyncio.sleep(5)
@@ -366,6 +373,11 @@ def test_a_filter_that_sleeps_past_its_timeout_cannot_hold_the_session(tmp_path)
     errors = [(e["milter"], e["stage"], e["action"]) for e in logs if e["event"] == "milter_error"]
     assert [(spec, "eom", "tempfail"), (spec, "eom", "accept")] == errors
     assert all("timeout" in e["error"] for e in logs if e["event"] == "milter_error")
+    metrics = Metrics({})
+    metrics.milter_stats = lambda: m.STATS
+    text = metrics.exposition().decode()
+    assert f'mtaq_milter_errors_total{{milter="{spec}"}} 2.0' in text.splitlines()
+    assert f'mtaq_milter_wait_seconds_count{{milter="{spec}"}} 2.0' in text.splitlines()
 
 
 @contextlib.contextmanager

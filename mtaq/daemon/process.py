@@ -60,6 +60,7 @@ from mtaq.delivery.throttle import DomainLimit, Throttle
 from mtaq.delivery.transport import Batch, ConnectionPool, HopFailure, deliver
 from mtaq.edge.dkim import Signer
 from mtaq.edge.limits import ConnectionGate, Gate
+from mtaq.edge.milter import STATS as milter_stats
 from mtaq.edge.pickup import Pickup
 from mtaq.edge.policy import EdgePolicy
 from mtaq.edge.server import EdgeSettings, QueueHandler, connection_gate, gate_limits, start_server
@@ -158,6 +159,7 @@ class Daemon:
         self.peers = self._peer_policy(cfg)  # DANE and MTA-STS, when configured
         self.counts = {"delivered": 0, "deferred": 0, "failed": 0}
         self.metrics = Metrics(self.counts, domains_max=cfg.metrics_domains_max)
+        self.metrics.milter_stats = lambda: milter_stats  # per-filter counters (mtaq.edge.milter)
         self.http: AdminHttp | None = None  # the admin API (admin_listen), listening from the start
         self.admin_listen_sockets: list[socket.socket] | None = None  # admin_listen bound before dropping root
         self.policy = RetryPolicy(
