@@ -122,7 +122,8 @@ def test_every_stage_reaches_the_filter_and_every_modification_is_in_the_queued_
     """A filter that sees connect, HELO, MAIL, RCPT, DATA, headers, body and end of message (with Postfix's
     macros: j, {client_addr}, {mail_addr}, {rcpt_addr}, i = the queue ID of the 250) and then adds, inserts,
     changes and deletes headers, replaces the body, adds and deletes recipients and changes the sender: the
-    message in the log is the filtered one, and the 250 came only once it was."""
+    message in the log is the filtered one, and the 250 came only once it was. A recipient mtaq refused
+    reaches the filter that asked for those too (SMFIP_RCPT_REJ, {rcpt_mailer} error), as in Postfix."""
     seen: dict[str, Any] = {"headers": [], "body": b""}
 
     async def on_connect(cmd: ppm.Connect) -> ppm.Continue:
@@ -165,13 +166,14 @@ def test_every_stage_reaches_the_filter_and_every_modification_is_in_the_queued_
     app = ppm.PurePythonMilter(
         name="every-stage", hook_on_connect=on_connect, hook_on_helo=on_helo, hook_on_mail_from=on_mail,
         hook_on_rcpt_to=on_rcpt, hook_on_header=on_header, hook_on_body_chunk=on_body, hook_on_end_of_message=on_eom,
-        restrict_symbols=None, can_add_headers=True, can_change_headers=True, can_change_body=True,
+        on_rcpt_to_include_rejected=True, restrict_symbols=None, can_add_headers=True, can_change_headers=True, can_change_body=True,
         can_add_recipients=True, can_remove_recipients=True, can_change_mail_from=True)
     with serving(app) as spec, run_edge(tmp_path, policy(spec)) as edge, edge.client() as s:
         s.ehlo("client.test")
         s.mail("a@example.org")
         assert 250 == s.rcpt("b@example.net")[0]
         assert 250 == s.rcpt("gone@example.net")[0]
+        assert 553 == s.rcpt("nodomain")[0]  # refused by mtaq: told to a filter that asked (SMFIP_RCPT_REJ)
         code, text = s.data(MESSAGE)
         assert 250 == code
         qid = text.decode().rsplit(" ", 1)[1]
@@ -189,8 +191,8 @@ def test_every_stage_reaches_the_filter_and_every_modification_is_in_the_queued_
     assert "client.test" == seen["helo"]
     assert ("a@example.org", qid, "a@example.org") == (seen["mail"][0], seen["mail"][1]["i"],
                                                         seen["mail"][1]["{mail_addr}"])
-    assert [("b@example.net", "b@example.net"), ("gone@example.net", "gone@example.net")] == [
-        (a, mac["{rcpt_addr}"]) for a, mac in seen["rcpt"]]
+    assert [("b@example.net", "smtp"), ("gone@example.net", "smtp"), ("nodomain", "error")] == [
+        (a, mac["{rcpt_mailer}"]) for a, mac in seen["rcpt"]]
     assert ("X-Secret", "internal\n\tfolded") in seen["headers"]
     assert ("Subject", "hello") in seen["headers"]
     assert b"body line 1\r\nbody line 2\r\n" == seen["body"]
@@ -530,3 +532,37 @@ def wait_for_events(h: Any, name: str) -> list[dict[str, Any]]:
     from mtaq.testing.procs import wait_for
 
     return wait_for(lambda: h.events(name), 20, f"the {name} event")
+
+
+def test_a_refusal_at_connect_or_helo_answers_every_mail_of_the_session(tmp_path):
+    """Postfix's way (smtpd_delay_reject): a filter's reject at HELO, or tempfail at connect, is the reply to
+    every MAIL of that session (EHLO itself is answered, so STARTTLS and QUIT still work); another session
+    whose HELO the filter likes is served."""
+
+    async def on_connect(cmd: ppm.Connect) -> ppm.VerdictOrContinue:
+        if cmd.macros.get("{client_port}") == blocked.get("port"):
+            return ppm.TempFailWithCode(primary_code=(4, 5, 0), enhanced_code=(4, 7, 0), text="come back later")
+        return ppm.Continue()
+
+    async def on_helo(cmd: ppm.Helo) -> ppm.VerdictOrContinue:
+        if cmd.hostname == "bad.test":
+            return ppm.RejectWithCode(primary_code=(5, 5, 0), enhanced_code=(5, 7, 1), text="bad HELO")
+        return ppm.Continue()
+
+    blocked: dict[str, str] = {}
+    app = ppm.PurePythonMilter(name="helo", hook_on_connect=on_connect, hook_on_helo=on_helo, restrict_symbols=None)
+    with serving(app) as spec, run_edge(tmp_path, policy(spec)) as edge:
+        with edge.client() as s:
+            assert 250 == s.ehlo("bad.test")[0]
+            assert (550, "5.7.1 bad HELO") == _send(s, "a@example.org", ["b@example.net"], "x")
+            assert (550, "5.7.1 bad HELO") == _send(s, "a@example.org", ["b@example.net"], "y")
+        with edge.client() as s:
+            assert 250 == s.ehlo("good.test")[0]
+            assert 250 == _send(s, "a@example.org", ["b@example.net"], "x")[0]
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        blocked["port"] = str(sock.getsockname()[1])
+        sock.close()
+        with smtplib.SMTP(timeout=10, source_address=("127.0.0.1", int(blocked["port"]))) as s:
+            s.connect("127.0.0.1", edge.port)
+            assert (450, "4.7.0 come back later") == _send(s, "a@example.org", ["b@example.net"], "x")

@@ -83,9 +83,10 @@ SMFIP_NOBODY, SMFIP_NOHDRS, SMFIP_NOEOH, SMFIP_NR_HDR, SMFIP_NOUNKNOWN, SMFIP_NO
 SMFIP_SKIP, SMFIP_RCPT_REJ = 0x400, 0x800
 SMFIP_NR_CONN, SMFIP_NR_HELO, SMFIP_NR_MAIL, SMFIP_NR_RCPT = 0x1000, 0x2000, 0x4000, 0x8000
 SMFIP_NR_DATA, SMFIP_NR_UNKN, SMFIP_NR_EOH, SMFIP_NR_BODY, SMFIP_HDR_LEADSPC = 0x10000, 0x20000, 0x40000, 0x80000, 0x100000
-# Offered: every step may be left out or go unanswered, SKIP, leading spaces; not RCPT_REJ (rejected
+# Offered: every step may be left out or go unanswered, SKIP, leading spaces, and RCPT_REJ (a filter that
+# asks for it also hears of the recipients mtaq's own policy refused, with {rcpt_mailer} "error").
 # recipients are not sent to filters, as Postfix does by default).
-PROTOCOL_OFFERED = 0x1FFFFF & ~SMFIP_RCPT_REJ
+PROTOCOL_OFFERED = 0x1FFFFF
 
 _NO = {SMFIC_CONNECT: SMFIP_NOCONNECT, SMFIC_HELO: SMFIP_NOHELO, SMFIC_MAIL: SMFIP_NOMAIL,
        SMFIC_RCPT: SMFIP_NORCPT, SMFIC_DATA: SMFIP_NODATA, SMFIC_HEADER: SMFIP_NOHDRS, SMFIC_EOH: SMFIP_NOEOH,
@@ -653,6 +654,25 @@ class MilterSession:
     async def rcpt(self, recipient: str, params: list[str], macros: dict[str, str]) -> str | None:
         return await self._stage(SMFIC_RCPT, "rcpt", _cstrings(_b(f"<{recipient}>"), *map(_b, params)), macros,
                                  self.settings.command_timeout_s, per_message=True)
+
+    async def rcpt_rejected(self, recipient: str, params: list[str], macros: dict[str, str]) -> None:
+        """A recipient mtaq refused (relay control, address checks), for the filters that negotiated
+        SMFIP_RCPT_REJ (Postfix sends them too); their reply changes nothing."""
+        if self.refused is not None:
+            return
+        for f in self.active():
+            if f.skip_message or not f.protocol & SMFIP_RCPT_REJ or not f.sends(SMFIC_RCPT):
+                continue
+            wanted = f.macros_for(SMFIC_RCPT, macros)
+            pkts = (macro_packet(SMFIC_RCPT, wanted) if wanted else b"") + packet(
+                SMFIC_RCPT, _cstrings(_b(f"<{recipient}>"), *map(_b, params)))
+            try:
+                if f.answers(SMFIC_RCPT):
+                    await f.ask(pkts, SMFIC_RCPT, self.settings.command_timeout_s)
+                else:
+                    await f._send(pkts, self.settings.command_timeout_s)
+            except FilterFailed as exc:
+                self._failed(f, "rcpt", str(exc))
 
     async def data(self, macros: dict[str, str]) -> str | None:
         return await self._stage(SMFIC_DATA, "data", b"", macros, self.settings.command_timeout_s, per_message=True)

@@ -671,6 +671,9 @@ class MtaqSMTP(FastPathMixin, SMTP):
                 refusal = self.policy.rcpt_reply(address, client_ip=self.client_ip(),
                                                  authenticated=bool(self.session.authenticated), smtputf8=smtputf8)
                 if refusal is not None:
+                    if self.milters is not None and envelope.mail_from is not None:
+                        await self.milters.rcpt_rejected(address, [str(o) for o in args[1]], dict(
+                            self._milter_macros("rcpt", envelope, address), **{"{rcpt_mailer}": "error"}))
                     return refusal
             if self.milters is not None:
                 if command == "MAIL":
