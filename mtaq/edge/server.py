@@ -5,7 +5,9 @@ only after the DATA and ENVELOPE records are covered by an fsync (group commit).
 message as received with one ``Received:`` header in front (RFC 5321 §4.4, :mod:`mtaq.edge.trace`), and
 above it a ``DKIM-Signature:`` when the From: domain has a key and the client may have it signed
 (authenticated owner or mynetworks, :meth:`mtaq.edge.dkim.Signer.permits`): the log holds
-exactly what is relayed. The ``queued`` event and
+exactly what is relayed. Before that, ``header_checks`` and then the content filters (``smtpd_milters``,
+:mod:`mtaq.edge.milter`) see the message; their verdict comes before the append, and their modifications
+(headers, body, recipients, sender, quarantine = held) are in what is appended. The ``queued`` event and
 the scheduling happen in :meth:`Queue.receive` once the message is durable, whether or not the client is
 still there to hear the 250. A storage failure is
 answered ``451 4.3.0`` (``452 4.3.1`` when the spool is full) and the message is not acknowledged.
@@ -145,7 +147,7 @@ class QueueHandler(FastHandlerMixin):
                 [r for r, _ in recipients],
                 body,
                 mail_params=mail_params,
-                rcpt_params=[list(p) for _, p in recipients] if any(p for _, p in recipients) else None,
+                rcpt_params=[p for _, p in recipients] if any(p for _, p in recipients) else None,
                 client=client,
                 helo=session.host_name or "",
                 not_before_ts=release_ts,
