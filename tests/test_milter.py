@@ -36,19 +36,22 @@ from mtaq.edge.policy import EdgePolicy
 
 
 @contextlib.contextmanager
-def serving(app: ppm.PurePythonMilter) -> Iterator[str]:
-    """Serve ``app`` (a purepythonmilter filter) on 127.0.0.1 in a thread; yields its ``inet:`` address."""
+def serving(app: ppm.PurePythonMilter, unix_path: str = "") -> Iterator[str]:
+    """Serve ``app`` (a purepythonmilter filter) on 127.0.0.1 in a thread; yields its ``inet:`` address
+    (its ``unix:`` address with ``unix_path``)."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
 
     async def start() -> asyncio.Server:
         srv = MilterServer(app_factory=app._get_factory())  # its own start_server sets signal handlers
+        if unix_path:
+            return await asyncio.start_unix_server(srv.handle_connection, unix_path)
         return await asyncio.start_server(srv.handle_connection, "127.0.0.1", 0)
 
     server = asyncio.run_coroutine_threadsafe(start(), loop).result(10)
     try:
-        yield f"inet:127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        yield f"unix:{unix_path}" if unix_path else f"inet:127.0.0.1:{server.sockets[0].getsockname()[1]}"
     finally:
         async def stop() -> None:
             server.close()
@@ -566,3 +569,23 @@ def test_a_refusal_at_connect_or_helo_answers_every_mail_of_the_session(tmp_path
         with smtplib.SMTP(timeout=10, source_address=("127.0.0.1", int(blocked["port"]))) as s:
             s.connect("127.0.0.1", edge.port)
             assert (450, "4.7.0 come back later") == _send(s, "a@example.org", ["b@example.net"], "x")
+
+
+def test_a_listener_with_its_own_smtpd_milters_and_a_filter_on_a_unix_socket(tmp_path):
+    """The policy's smtpd_milters name a filter nobody runs (tempfail for every MAIL); a listener with its
+    own list (a filter on a unix socket) uses that one, and a listener whose own list is empty uses none."""
+
+    async def on_eom(cmd: ppm.EndOfMessage) -> ppm.Continue:
+        return ppm.Continue(manipulations=[ppm.AppendHeader(headername="X-Unix", headertext="seen")])
+
+    app = ppm.PurePythonMilter(name="unix", hook_on_end_of_message=on_eom, can_add_headers=True)
+    down = socket.socket()
+    down.bind(("127.0.0.1", 0))
+    with down, serving(app, str(tmp_path / "milter.sock")) as spec:
+        pol = policy(f"inet:127.0.0.1:{down.getsockname()[1]}")
+        for own, tagged in (((spec,), True), ((), False)):
+            with run_edge(tmp_path, pol, milters=own) as edge, edge.client() as s:
+                assert 250 == _send(s, "a@example.org", ["b@example.net"], "x")[0]
+                [(_, body)] = edge.messages()
+                assert (tagged, b"body\r\n") == (b"\r\nSubject: x\r\nX-Unix: seen\r\n\r\n" in body,
+                                                  body.partition(b"\r\n\r\n")[2])
