@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import smtplib
 import socket
 import struct
@@ -25,6 +26,7 @@ import purepythonmilter as ppm
 import pytest
 import structlog
 from edgekit import run_edge
+from purepythonmilter.api.models import connection_id_context
 from purepythonmilter.protocol.payload import Payload
 from purepythonmilter.protocol.responses import AbstractManipulation
 from purepythonmilter.server.milterserver import MilterServer
@@ -230,15 +232,15 @@ def _verdict_milter() -> ppm.PurePythonMilter:
             return ppm.DiscardMessage()
         return ppm.Continue()
 
-    subject: dict[str, str] = {}
+    subject: dict[object, str] = {}  # by filter connection (the pick-up runs several at once)
 
     async def on_header(cmd: ppm.Header) -> ppm.Continue:
         if cmd.name.lower() == "subject":
-            subject["s"] = cmd.text
+            subject[connection_id_context.get()] = cmd.text
         return ppm.Continue()
 
     async def on_eom(cmd: ppm.EndOfMessage) -> ppm.AbstractResponse:
-        s = subject.pop("s", "")
+        s = subject.pop(connection_id_context.get(), "")
         if s == "reject":
             return ppm.RejectWithCode(primary_code=(5, 5, 4), enhanced_code=(5, 7, 1), text="spam detected")
         if s == "reject-plain":
@@ -589,3 +591,33 @@ def test_a_listener_with_its_own_smtpd_milters_and_a_filter_on_a_unix_socket(tmp
                 [(_, body)] = edge.messages()
                 assert (tagged, b"body\r\n") == (b"\r\nSubject: x\r\nX-Unix: seen\r\n\r\n" in body,
                                                   body.partition(b"\r\n\r\n")[2])
+
+
+def test_picked_up_mail_refused_by_a_filter_stays_or_is_set_aside_and_a_discarded_one_goes(tmp_path):
+    """non_smtpd_milters on the maildrop's pick-up (a filter deciding by Subject): tempfail leaves the file
+    in the maildrop (pickup_deferred, tried again); reject sets it aside in SPOOL/corrupt/maildrop
+    (maildrop_corrupt naming the filter's reply); discard removes it (milter_discard); nothing of the three
+    reaches the sink, while a clean one does."""
+    from test_sendmail import Host, sendmail
+
+    with serving(_verdict_milter()) as spec:
+        h = Host(tmp_path, extra=f'non_smtpd_milters = ["{spec}"]\n')
+        try:
+            h.start()
+            for subject in ("tempfail", "reject", "discard", "clean"):
+                r = sendmail(h.cfg, "-f", "root@host.test", "rcpt@example.net",
+                             stdin=f"Subject: {subject}\nMessage-ID: <{subject}@p>\n\nfrom cron\n".encode())
+                assert (0, b"") == (r.returncode, r.stderr)
+            [clean] = h.wait_messages(1)
+            assert "<clean@p>" == clean["Message-ID"]
+            [corrupt] = wait_for_events(h, "maildrop_corrupt")
+            assert "refused by a milter: 554 5.7.1 spam detected" == corrupt["reason"]
+            [discarded] = wait_for_events(h, "milter_discard")
+            assert spec == discarded["milter"]
+            deferred = wait_for_events(h, "pickup_deferred")
+            assert {"451 4.7.1 try later"} == {e["error"] for e in deferred}
+            assert [deferred[0]["maildrop"]] == h.maildrop()
+            assert [corrupt["maildrop"]] == os.listdir(h.spool / "corrupt" / "maildrop")
+            assert 1 == len(h.messages())
+        finally:
+            h.close()
