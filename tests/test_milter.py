@@ -30,11 +30,13 @@ from purepythonmilter.api.models import connection_id_context
 from purepythonmilter.protocol.payload import Payload
 from purepythonmilter.protocol.responses import AbstractManipulation
 from purepythonmilter.server.milterserver import MilterServer
+from test_edge_tls_auth import PASSWORD, USER, cert, client_context, passwd_file, plain  # noqa: F401  (fixtures)
 
 from mtaq.admin.metrics import Metrics
 from mtaq.core.errors import ConfigError
 from mtaq.edge import milter as m
-from mtaq.edge.policy import EdgePolicy
+from mtaq.edge.auth import PasswordFile
+from mtaq.edge.policy import EdgePolicy, server_tls_context
 
 
 @contextlib.contextmanager
@@ -621,3 +623,35 @@ def test_picked_up_mail_refused_by_a_filter_stays_or_is_set_aside_and_a_discarde
             assert 1 == len(h.messages())
         finally:
             h.close()
+
+
+def test_tls_and_auth_macros_reach_the_filter_at_helo_and_mail(tmp_path, cert, passwd_file):  # noqa: F811
+    """After STARTTLS the filter hears HELO again with {tls_version} and {cipher}; after AUTH PLAIN, MAIL
+    carries {auth_type} PLAIN and {auth_authen} the login (OpenDKIM signs on {auth_type}); the first HELO,
+    in the clear, carries no TLS macro."""
+    helos: list[tuple[str, dict[str, str]]] = []
+    mails: list[dict[str, str]] = []
+
+    async def on_helo(cmd: ppm.Helo) -> ppm.Continue:
+        helos.append((cmd.hostname, dict(cmd.macros)))
+        return ppm.Continue()
+
+    async def on_mail(cmd: ppm.MailFrom) -> ppm.Continue:
+        mails.append(dict(cmd.macros))
+        return ppm.Continue()
+
+    app = ppm.PurePythonMilter(name="tls", hook_on_helo=on_helo, hook_on_mail_from=on_mail, restrict_symbols=None)
+    with serving(app) as spec:
+        pol = EdgePolicy(tls_context=server_tls_context(*cert), passwords=PasswordFile.load(passwd_file),
+                         milter=m.MilterSettings(smtpd_milters=(spec,)))
+        with run_edge(tmp_path, pol) as edge, edge.client() as s:
+            s.ehlo("client.test")
+            s.starttls(context=client_context(cert[0]))
+            s.ehlo("client.test")
+            assert 235 == s.docmd("AUTH", "PLAIN " + plain(USER, PASSWORD))[0]
+            assert {} == s.sendmail("alice@example.org", ["b@example.net"], b"Subject: x\r\n\r\nbody\r\n")
+    [(first, clear), (again, tls)] = helos
+    assert ("client.test", "client.test", None) == (first, again, clear.get("{tls_version}"))
+    assert (tls["{tls_version}"].startswith("TLSv1."), True) == (True, bool(tls["{cipher}"]))
+    assert ("PLAIN", USER, "alice@example.org") == (mails[0]["{auth_type}"], mails[0]["{auth_authen}"],
+                                                    mails[0]["{mail_addr}"])
