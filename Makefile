@@ -48,8 +48,10 @@ install-service:
 # Debian packages used by tests that talk to real tools, as command:package (swaks as an SMTP client,
 # nmap's smtp-open-relay, libfiu's fiu-run/fiu-ctrl for fsync EIO injection, chromium to look at the
 # analytics report.html headless, pflogsumm for bench/analytics.py --pflogsumm, systemd-analyze to check
-# contrib/systemd/mtaq.service).
-DEBS := swaks:swaks nmap:nmap fiu-run:fiu-utils chromium:chromium pflogsumm:pflogsumm systemd-analyze:systemd
+# contrib/systemd/mtaq.service, rspamd and opendkim as the real milters of mtaq.testing.filters; both
+# packages enable a system service, which the tests never use: theirs run on free ports in a temporary directory).
+DEBS := swaks:swaks nmap:nmap fiu-run:fiu-utils chromium:chromium pflogsumm:pflogsumm systemd-analyze:systemd \
+	rspamd:rspamd opendkim:opendkim
 debs:
 	@missing=""; for t in $(DEBS); do command -v $${t%%:*} >/dev/null 2>&1 || missing="$$missing $${t#*:}"; done; \
 	if [ -n "$$missing" ]; then \

@@ -80,7 +80,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import mtaq
-from mtaq.testing.procs import children, peak_rss_kib
+from mtaq.testing.procs import children, mail_owner_ready, peak_rss_kib
 
 # The daemon runs the mtaq this script imported (PYTHONPATH=TREE chooses the tree, for an A/B of two
 # commits), from its work directory: with the working directory inside another tree, ``python -m`` would
@@ -146,9 +146,14 @@ def ensure_postfix_installed() -> None:
         run(cmd, env=env)
 
 
-def configure_postfix(listen_port: int, sink_port: int) -> dict[str, Any]:
-    """Write the relay configuration and start (or reload) Postfix; returns what is worth reporting."""
+def configure_postfix(listen_port: int, sink_port: int, milter: str = "") -> dict[str, Any]:
+    """Write the relay configuration and start (or reload) Postfix; returns what is worth reporting.
+    ``milter``: the ``smtpd_milters`` address of the no-op milter (``--milter``), "" for none (cleared: the
+    setting would stay from an earlier run otherwise)."""
     settings = {
+        "smtpd_milters": milter,
+        "milter_default_action": "tempfail",
+        "milter_protocol": "6",
         "compatibility_level": "3.6",
         "myhostname": "postfix-bench.localdomain",  # not the sink's greeting name: no "loops back to myself"
         "mydomain": "localdomain",
@@ -381,6 +386,8 @@ def run_mtaq(args: argparse.Namespace, sink_port: int, workdir: str, i: int) -> 
         f.write("stats_interval_s = 0.5\n" + "".join(line + "\n" for line in args.mtaq_config))
     port = free_port()
     logf = os.path.join(work, "daemon.log")
+    os.makedirs(os.path.join(work, "spool"), exist_ok=True)
+    mail_owner_ready(os.path.join(work, "spool"), conf)  # run as root: mtaq serve switches to mail_owner
     sink = Sink(sink_port, args.backlog)
     out = open(logf, "ab")
     daemon = subprocess.Popen(
@@ -633,6 +640,9 @@ def main(argv: list[str] | None = None) -> int:
                          "fsync count)")
     ap.add_argument("--probe-interval", type=float, default=0.1,
                     help="seconds between the latency probe's messages (0: no probe)")
+    ap.add_argument("--milter", choices=("full", "eom"),
+                    help="a no-op milter (bench/noop_milter.py) in front of both: Postfix's smtpd_milters and "
+                         "mtaq's; full: it asks for every stage, eom: only the end of message")
     ap.add_argument("--only", choices=("postfix", "mtaq"), help="run one side only (no ratio; for profiling)")
     ap.add_argument("--py-spy", metavar="FILE", help="profile mtaq with py-spy (in PATH) into FILE.<pair>")
     ap.add_argument("--py-spy-format", default="raw", choices=("raw", "flamegraph", "speedscope"))
@@ -647,8 +657,29 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.workdir, exist_ok=True)
     head: dict[str, Any] = {"bench": "compare_postfix", "cpus": os.cpu_count(), "mtaq_tree": MTAQ_TREE,
                             "mtaq_commit": _tree_commit(MTAQ_TREE)}
+    milter_proc = None
+    if args.milter:
+        milter_port = free_port()
+        milter_proc = subprocess.Popen(
+            [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "noop_milter.py"),
+             "--port", str(milter_port), "--mode", args.milter],
+            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+        assert milter_proc.stdout is not None
+        milter_proc.stdout.readline()  # "noop_milter: listening on ..."
+        args.milter_address = f"inet:127.0.0.1:{milter_port}"
+        args.mtaq_config = [*args.mtaq_config, f'smtpd_milters = ["{args.milter_address}"]']
+        head["milter"] = {"mode": args.milter, "address": args.milter_address}
+    try:
+        return _main_runs(args, sink_port, head)
+    finally:
+        if milter_proc is not None:
+            milter_proc.kill()
+            milter_proc.wait()
+
+
+def _main_runs(args: argparse.Namespace, sink_port: int, head: dict[str, Any]) -> int:
     if args.only != "mtaq":
-        head.update(configure_postfix(args.postfix_port, sink_port))
+        head.update(configure_postfix(args.postfix_port, sink_port, getattr(args, "milter_address", "")))
     if not args.suite:
         out = {**head, **compare(args, sink_port)}
         print(json.dumps(out), flush=True)

@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="crash points of runs after a crash: their start only, or every operation (default)")
     ap.add_argument("--deepen", choices=("all", "kill", "kill-unsynced", "unsynced", "holes"), default="all",
                     help="which crashes get a further crash (default all)")
+    ap.add_argument("--later-receive", action="store_true",
+                    help="each run after a crash acknowledges a message between Log.open and its recovery")
     ap.add_argument("--states-max", type=int, default=0,
                     help="stop each workload after this many states (0: no limit)")
     args = ap.parse_args(argv)
@@ -51,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         later_points=args.later_points,
         deepen=args.deepen,
         states_max=args.states_max,
+        later_receive=args.later_receive,
     )
     names = [w for w in args.workloads.split(",") if w]
     unknown = [w for w in names if w not in WORKLOADS]

@@ -34,7 +34,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mtaq.testing.prefill import prefill_deferred
-from mtaq.testing.procs import free_port
+from mtaq.testing.procs import free_port, mail_owner_ready
 
 MSG = b"From: a@example.org\r\nSubject: probe\r\nMessage-ID: <probe@example.org>\r\n\r\n" + (b"x" * 76 + b"\r\n") * 26
 
@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             os.makedirs(spool)
             if q:
                 prefill_deferred(spool, q, lambda i: MSG)
+            mail_owner_ready(spool)  # run as root: the daemon switches to mail_owner and must reach the spool
             times = []
             for _ in range(args.runs):
                 port = free_port()
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                 p.wait()
                 if probe.t_250 is None:
                     ok = False
-                    print(f"start_time: Q={q}: no 250: {probe.errors[:3]}", file=sys.stderr)
+                    print(f"start_time: Q={q}: no 250: {sorted(set(probe.errors))[:6]} ({len(probe.errors)} tries)", file=sys.stderr)
                     continue
                 times.append(round(probe.t_250 - t0, 3))
             results.append({"queued": q, "first_250_s": times,

@@ -182,6 +182,15 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # and an IPv6 address of this host ("" : the kernel's choice). Checked at start (mtaq check).
     smtp_bind_address: str = ""
     smtp_bind_address6: str = ""
+    # Source addresses by envelope sender and by destination (KumoMTA's egress sources; Postfix's per-transport
+    # -o smtp_bind_address with sender_dependent_default_transport_maps). Values: an address of this host, or a
+    # list of one IPv4 and one IPv6 address. Keys of sender_dependent_bind_address_maps: "alice@example.org",
+    # "@example.org", "<>" (the address, then its @domain). Keys of destination_bind_address_maps: as
+    # tls_policy_map (the next hop as written, "[10.0.0.5]:25", then the recipient domain: "example.org" or
+    # "@example.org", ".parent", "*"). For each family: the sender's entry, then the destination's, then
+    # smtp_bind_address / smtp_bind_address6. Checked at start and on reload (mtaq check).
+    sender_dependent_bind_address_maps: dict[str, str | list[str]] = msgspec.field(default_factory=dict)
+    destination_bind_address_maps: dict[str, str | list[str]] = msgspec.field(default_factory=dict)
     myhostname: str = ""  # "" means the host's name
     # The domain mtaq sendmail appends to a bare local name and to the invoking user's login as the default sender
     # (Postfix's myorigin); "" means myhostname.
@@ -250,6 +259,38 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # "@domain VALUE" lines (VALUE is not used; # comments). With it, an unlisted recipient of a relay domain
     # gets 550 5.1.1 at RCPT (no backscatter later); "": every local part is accepted.
     relay_recipient_maps: str = ""
+    # Recipient verification by probing the next hop (Postfix reject_unverified_recipient, verify(8);
+    # mtaq.delivery.verify): a recipient of relay_domains from a client outside mynetworks and not
+    # authenticated is checked at RCPT with a probe (EHLO, MAIL FROM, RCPT TO, RSET, QUIT; never DATA) over
+    # the route its mail would take: refused (5xx) -> unverified_recipient_reject_code 5.1.1, not known yet
+    # or a temporary failure -> unverified_recipient_defer_code 4.1.1, accepted -> accepted. Results are
+    # kept in SPOOL/verify_cache (shared by the workers, kept across restarts, at most
+    # address_verify_cache_max addresses).
+    reject_unverified_recipient: bool = False
+    # Postfix address_verify_sender: the probes' MAIL FROM; "" or "<>": the null sender.
+    address_verify_sender: str = ""
+    # Postfix address_verify_positive_expire_time (31d) / _refresh_time (7d): an accepted address is
+    # believed this long; after the refresh time it is probed again in the background.
+    address_verify_positive_expire_s: Annotated[float, msgspec.Meta(gt=0)] = 31 * 86400.0
+    address_verify_positive_refresh_s: Annotated[float, msgspec.Meta(gt=0)] = 7 * 86400.0
+    # Postfix address_verify_negative_expire_time (3d) / _refresh_time (3h): the same for a refused address.
+    address_verify_negative_expire_s: Annotated[float, msgspec.Meta(gt=0)] = 3 * 86400.0
+    address_verify_negative_refresh_s: Annotated[float, msgspec.Meta(gt=0)] = 3 * 3600.0
+    # A temporary failure (next hop down, 4xx to RCPT) is answered from the cache this long, then probed again.
+    address_verify_tempfail_expire_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0
+    # Addresses kept in the cache; the oldest results are dropped beyond.
+    address_verify_cache_max: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 10_000
+    # Probes in flight at once per worker process (one per address at most, host-wide); beyond, 4.1.1.
+    address_verify_probes_max: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 50
+    # How long RCPT waits for a probe's answer before 4.1.1 "address verification in progress" (the probe
+    # goes on; Postfix address_verify_poll_count x address_verify_poll_delay: 3 x 3 s).
+    address_verify_wait_s: Annotated[float, msgspec.Meta(ge=0, le=300)] = 6.0
+    # A probe (all its hosts) is abandoned after this long: a temporary failure.
+    address_verify_probe_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 120.0
+    # The RCPT replies (Postfix unverified_recipient_reject_code, whose default is 450; and
+    # unverified_recipient_defer_code).
+    unverified_recipient_reject_code: Annotated[int, msgspec.Meta(ge=400, le=599)] = 550
+    unverified_recipient_defer_code: Annotated[int, msgspec.Meta(ge=400, le=499)] = 450
     # RFC 5321 §4.5.3.1.8: at least 100 recipients must be accepted; the excess gets 452 4.5.3.
     recipients_per_message_max: Annotated[int, msgspec.Meta(ge=100, le=100_000)] = 1000
     connections_max: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 500  # concurrent, all clients
@@ -363,6 +404,16 @@ def load_config(path: str | None, overrides: dict[str, object], *, problems: lis
     return cfg
 
 
+def _check_verify_sender(sender: str) -> None:
+    """``address_verify_sender``: "" or "<>" (the null sender), else ``local@domain`` without white space,
+    controls or angle brackets. Raises ValueError naming the key."""
+    if sender in ("", "<>"):
+        return
+    local, at, domain = sender.rpartition("@")
+    if not at or not local or not domain or any(ch.isspace() or ord(ch) < 32 or ch in '<>"\x7f' for ch in sender):
+        raise ValueError(f"address_verify_sender: {sender!r} is not an address (local@domain) nor \"<>\"")
+
+
 def config_problems(cfg: Config) -> list[str]:
     """Every problem of a decoded config that its types do not catch (addresses that do not parse, listeners
     without their files, map entries, DANE without DNSSEC, admin_listen off loopback without a token): one
@@ -396,8 +447,13 @@ def config_problems(cfg: Config) -> list[str]:
         *[lambda k=k, v=v: _check_sender_relayhost(k, v) for k, v in cfg.sender_dependent_relayhost_maps.items()],
         *[lambda i=i, v=v: _check_milter(v, f"smtpd_milters[{i}]") for i, v in enumerate(cfg.smtpd_milters)],
         *[lambda i=i, v=v: _check_milter(v, f"non_smtpd_milters[{i}]") for i, v in enumerate(cfg.non_smtpd_milters)],
+        *[lambda k=k, v=v: _check_bind_entry("sender_dependent_bind_address_maps", k, v)
+          for k, v in cfg.sender_dependent_bind_address_maps.items()],
+        *[lambda k=k, v=v: _check_bind_entry("destination_bind_address_maps", k, v)
+          for k, v in cfg.destination_bind_address_maps.items()],
         dane_needs_dnssec,
         admin,
+        lambda: _check_verify_sender(cfg.address_verify_sender),
     ]
     found = []
     for check in checks:
@@ -517,9 +573,10 @@ def _check_tables(data: dict[str, object], where: str) -> None:
     listeners = data.get("listeners")
     if isinstance(listeners, dict):
         entries += [(f'listeners."{k}"', v, ListenerConfig) for k, v in listeners.items()]
-    logins = data.get("sender_login_map")
-    if isinstance(logins, dict):
-        entries += [(f'sender_login_map."{k}"', v, str | list[str]) for k, v in logins.items()]
+    for table in ("sender_login_map", "sender_dependent_bind_address_maps", "destination_bind_address_maps"):
+        entries_of = data.get(table)
+        if isinstance(entries_of, dict):
+            entries += [(f'{table}."{k}"', v, str | list[str]) for k, v in entries_of.items()]
     for key, value, kind in entries:
         try:
             msgspec.convert(value, kind)
@@ -576,14 +633,63 @@ class Relayhost(msgspec.Struct, frozen=True):
         return f"[{self.host}]:{self.port}" if not self.mx else f"{self.host}:{self.port}"
 
 
+def _check_sender_key(table: str, key: str) -> None:
+    """A key of a sender-dependent table (Postfix sender_dependent_*_maps): an address, ``@domain`` or ``<>``.
+    Raises ValueError naming it."""
+    if key != "<>" and "@" not in key:
+        raise ValueError(f"{table}.{key}: the key is an address, @domain or <>")
+
+
 def _check_sender_relayhost(key: str, value: str) -> None:
     """One ``sender_dependent_relayhost_maps`` entry: a sender address, ``@domain`` or ``<>``, and a next hop
     (relayhost syntax, not empty). Raises ValueError naming it."""
     name = f"sender_dependent_relayhost_maps.{key}"
-    if key != "<>" and "@" not in key:
-        raise ValueError(f"{name}: the key is an address, @domain or <>")
+    _check_sender_key("sender_dependent_relayhost_maps", key)
     if parse_relayhost(value, key=name) is None:
         raise ValueError(f"{name}: a next hop is needed")
+
+
+def destination_key(value: str, *, key: str) -> str:
+    """A ``destination_bind_address_maps`` key, lower case, as looked up: a next hop as written
+    (``[10.0.0.5]:25``, ``[mx.example]``, ``relay.example:587``) or a recipient domain (``example.org``,
+    ``.parent``, ``*``); ``@example.org`` is ``example.org``. Raises ValueError naming ``key``."""
+    v = value.strip().lower()
+    if v.startswith("@"):
+        v = v[1:]
+    if not v or any(c.isspace() or c in "@\"\\" for c in v):
+        raise ValueError(f"{key}: the key is a next hop ([host]:port) or a domain (example.org, @example.org, "
+                         ".parent, *)")
+    return v
+
+
+def _check_bind_entry(table: str, key: str, value: str | list[str]) -> None:
+    """One entry of a source-address map: its key (a sender, or a destination) and its addresses."""
+    if table == "sender_dependent_bind_address_maps":
+        _check_sender_key(table, key)
+    else:
+        destination_key(key, key=f"{table}.{key}")
+    parse_bind_addresses(value, key=f"{table}.{key}")
+
+
+def parse_bind_addresses(value: str | list[str], *, key: str) -> tuple[str, str]:
+    """A source-address map value (``sender_dependent_bind_address_maps``, ``destination_bind_address_maps``):
+    one IP address, or one IPv4 and one IPv6 address (a list, or a string with commas or spaces) ->
+    ``(ipv4, ipv6)``, "" for the family not given. Raises ValueError naming ``key``: not an IP address, none,
+    two of one family. Whether the host has them is :mod:`mtaq.daemon.check`'s (at start and on reload)."""
+    items = value.replace(",", " ").split() if isinstance(value, str) else [v.strip() for v in value]
+    found: dict[int, str] = {}
+    for item in items:
+        try:
+            ip = ipaddress.ip_address(item)
+        except ValueError:
+            raise ValueError(f"{key}: {item!r} is not an IP address") from None
+        if ip.version in found:
+            raise ValueError(f"{key}: two IPv{ip.version} addresses ({found[ip.version]}, {ip}): give at most "
+                             "one of each family")
+        found[ip.version] = str(ip)
+    if not found:
+        raise ValueError(f"{key}: give an IP address of this host")
+    return found.get(4, ""), found.get(6, "")
 
 
 def parse_relayhost(value: str, *, key: str = "relayhost", default_port: int = 25) -> Relayhost | None:

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from mtaq.testing.filters import Filter, OpenDkim, Rspamd, start_opendkim, start_rspamd, start_rspamd_distribution
 from mtaq.testing.procs import Proc, mail_owner_ready, read_events, start_daemon, start_sink
 
 _OWN_TEMPROOT = ""
@@ -123,3 +124,54 @@ def ipv6_port_taken() -> Iterator[int]:
             pytest.skip("no IPv6 loopback")
         taken.listen()
         yield taken.getsockname()[1]
+
+
+class Filters:
+    """Real milters for a test (mtaq.testing.filters): each started in its own directory under the test's
+    tmp_path, all stopped (SIGTERM, then SIGKILL) at the end of the test."""
+
+    def __init__(self, tmp) -> None:
+        self.tmp = tmp
+        self.started: list[Filter] = []
+
+    def rspamd(self, **kw) -> Rspamd:
+        """:func:`mtaq.testing.filters.start_rspamd` (its milter address: ``.address``, inet:127.0.0.1:PORT)."""
+        f = start_rspamd(str(self.tmp / f"rspamd{len(self.started)}"), **kw)
+        self.started.append(f)
+        return f
+
+    def rspamd_distribution(self, local_d, **kw) -> Rspamd:
+        """:func:`mtaq.testing.filters.start_rspamd_distribution`: /etc/rspamd with ``local_d`` as local.d."""
+        f = start_rspamd_distribution(str(self.tmp / f"rspamd{len(self.started)}"), local_d, **kw)
+        self.started.append(f)
+        return f
+
+    def opendkim(self, **kw) -> OpenDkim:
+        """:func:`mtaq.testing.filters.start_opendkim` (``.address``; ``.dns_txt``/``.zone_line``: its public key)."""
+        f = start_opendkim(str(self.tmp / f"opendkim{len(self.started)}"), **kw)
+        self.started.append(f)
+        return f
+
+    def stop(self) -> None:
+        for f in self.started:
+            f.stop()
+
+
+@pytest.fixture
+def filters(tmp_path) -> Iterator[Filters]:
+    """Start real milters with options: ``filters.rspamd(reject=...)``, ``filters.opendkim(internal_hosts=())``."""
+    made = Filters(tmp_path)
+    yield made
+    made.stop()
+
+
+@pytest.fixture
+def rspamd_milter(filters) -> Rspamd:
+    """rspamd's proxy worker in milter mode (self-scan, no network, no Redis) on inet:127.0.0.1:PORT."""
+    return filters.rspamd()
+
+
+@pytest.fixture
+def opendkim_milter(filters) -> OpenDkim:
+    """OpenDKIM signing example.test (selector mtaq) for 127.0.0.1 and authenticated clients."""
+    return filters.opendkim()

@@ -156,15 +156,10 @@ def test_garbage_header_with_nothing_readable_after_it_is_reported_and_recovery_
     assert sent == set(envelopes(spool))
 
 
-@pytest.mark.parametrize("acknowledged", [False, True])
-def test_hole_left_by_a_crash_after_the_checkpoint_is_an_unsynced_hole_not_corruption(tmp_path, acknowledged):
-    """Power loss can keep a later write and lose an earlier one (a hole of zeros in the segment being
-    written). For bytes that were never fsync'd (two messages appended, no 250 sent, the second one's
-    records survived) that is a crash leftover: moved aside as an ``unsynced-hole``, records after it kept,
-    and the log verifies. For bytes that were fsync'd after the last checkpoint (both messages got their
-    250), the same damage is corruption: the second message's envelope carries the durable end when it
-    was appended, which covers the first one (issue 12.4: the checkpoint's head alone called it a hole and
-    the acknowledged message was dropped silently); verify fails. Either way nothing is dropped."""
+def cut_a_hole(tmp_path, acknowledged: bool) -> tuple[str, int, Pos, int, list]:
+    """Three messages acknowledged and a checkpoint, then two more (acknowledged or only appended); the
+    first late one's DATA write zeroed as a power cut that lost it (a later write kept) leaves it. Returns
+    (spool, segment, the DATA's position, the end of the zeroed bytes, the two late envelopes)."""
     spool = str(tmp_path)
     log, q, _ = start(spool, segment_bytes_max=1 << 20)
     receive(q, 3)
@@ -184,8 +179,20 @@ def test_hole_left_by_a_crash_after_the_checkpoint_is_an_unsynced_hole_not_corru
     data_end = next(p.offset for p, _ in scan.records if p > data_pos)
     raw[data_pos.offset:data_end] = bytes(data_end - data_pos.offset)  # that write never reached the disk
     open(path, "wb").write(bytes(raw))
+    return spool, seg, data_pos, data_end, late
 
-    log, q, res = start(spool, segment_bytes_max=1 << 20)
+
+@pytest.mark.parametrize("acknowledged", [False, True])
+def test_hole_left_by_a_crash_after_the_checkpoint_is_an_unsynced_hole_not_corruption(tmp_path, acknowledged):
+    """Power loss can keep a later write and lose an earlier one (a hole of zeros in the segment being
+    written). For bytes that were never fsync'd (two messages appended, no 250 sent, the second one's
+    records survived) that is a crash leftover: moved aside as an ``unsynced-hole``, records after it kept,
+    and the log verifies. For bytes that were fsync'd after the last checkpoint (both messages got their
+    250), the same damage is corruption: the second message's envelope carries the durable end when it
+    was appended, which covers the first one (issue 12.4: the checkpoint's head alone called it a hole and
+    the acknowledged message was dropped silently); verify fails. Either way nothing is dropped."""
+    spool, seg, data_pos, data_end, late = cut_a_hole(tmp_path, acknowledged)
+    log, _q, res = start(spool, segment_bytes_max=1 << 20)
     log.close()
     found = res.corrupt if acknowledged else res.holes
     other = res.holes if acknowledged else res.corrupt
@@ -202,7 +209,7 @@ def test_hole_left_by_a_crash_after_the_checkpoint_is_an_unsynced_hole_not_corru
     # worker bounces it (554 5.3.0, with a DSN). A second start classifies the damage the same way.
     assert not any(isinstance(r, StartRecord) and r.queue_id == late[0].queue_id for r in recs)
     assert not any(isinstance(r, StartRecord) and r.queue_id == late[1].queue_id for r in recs)
-    log, q, res = start(spool, segment_bytes_max=1 << 20)
+    log, _q, res = start(spool, segment_bytes_max=1 << 20)
     log.close()
     assert [data_pos.offset] == [p.offset for p in (res.corrupt if acknowledged else res.holes)]
     assert [] == (res.holes if acknowledged else res.corrupt)
@@ -268,22 +275,7 @@ def test_a_hole_stays_a_hole_when_the_run_after_the_cut_was_killed_before_its_re
     claims the durable end of the new segment, then is killed before its recovery reached the hole; the
     run after that must still call the hole an unsynced hole. The later run's claim vouches for bytes that
     were already lost when its baseline fsync'd them: it is no evidence that the hole was ever fsync'd."""
-    spool = str(tmp_path)
-    log, q, _ = start(spool, segment_bytes_max=1 << 20)
-    receive(q, 3)
-    e = log.durable_end
-    write_checkpoint(OsFileSystem(), spool, Checkpoint(e, e, (e, e), ((), ()), 1.0))
-    late = [q._append_message("s@x", [f"late{i}@y"], b"Subject: late\r\n\r\n" + b"z" * 1500 + b"\r\n")[0]
-            for i in range(2)]
-    seg = log.current_segment
-    log.close()
-    path = segment_path(os.path.join(spool, "log"), seg)
-    raw = bytearray(open(path, "rb").read())
-    scan = scan_segment(seg, bytes(raw))
-    data_pos = next(p for p, r in scan.records if isinstance(r, DataRecord) and r.queue_id == late[0].queue_id)
-    data_end = next(p.offset for p, _ in scan.records if p > data_pos)
-    raw[data_pos.offset:data_end] = bytes(data_end - data_pos.offset)  # that write never reached the disk
-    open(path, "wb").write(bytes(raw))
+    spool, seg, data_pos, data_end, _late = cut_a_hole(tmp_path, acknowledged=False)
 
     # The next run: the baseline, one message accepted (durable, its envelope stamped), killed before recovery.
     log, _report = Log.open(OsFileSystem(), os.path.join(spool, "log"), segment_bytes_max=1 << 20)

@@ -101,6 +101,22 @@ def test_a_violation_replays_deterministically(monkeypatch):
     assert [] == replay("defer", [])
 
 
+def test_negative_control_mail_queued_on_hold_but_not_parked_is_caught(monkeypatch):
+    """A queue that forgets ``held`` at receipt (the message goes to the runner for new mail): the explorer
+    reports the held message delivered before any release."""
+    from mtaq.queue.store import Queue
+
+    real = Queue.receive
+
+    async def forgetful(self, *args, **kwargs):
+        kwargs["held"] = False
+        return await real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Queue, "receive", forgetful)
+    report = explore(["held_at_receipt"], Bounds(crashes=1, kill=False, torn=False))
+    assert report.violations[("held_at_receipt", "delivered-while-held")] > 0
+
+
 def test_negative_control_a_log_that_skips_the_file_fsync_is_caught(monkeypatch):
     """The explorer on a log whose commit rounds fsync the directory but not the segments: acknowledged
     mail is lost in some crash state, and the explorer says so. A checker that cannot fail proves nothing."""
@@ -124,7 +140,7 @@ def test_negative_control_recovery_that_drops_delivery_records_is_caught(monkeyp
     assert report.violations[("dsn", "delivered-twice")] > 0
 
 
-MIRRORED = ["checkpoint", "copy_forward", "hold_release", "delay_flush", "flush_deferred", "delete", "bounce"]
+MIRRORED = ["checkpoint", "copy_forward", "hold_release", "held_at_receipt", "delay_flush", "flush_deferred", "delete", "bounce"]
 
 
 @pytest.mark.parametrize("workload", MIRRORED)

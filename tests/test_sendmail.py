@@ -116,6 +116,13 @@ def test_sendmail_t_delivers_through_the_running_daemon_without_bcc(host) -> Non
     assert [] == h.maildrop()
 
 
+def wait_for_maildrop(h) -> None:
+    """Wait until the daemon has made SPOOL/maildrop with its mode 1733 (set just after the directory is
+    made: waiting for the directory alone races the chmod, seen in a clean-clone run)."""
+    md = h.spool / "maildrop"
+    wait_for(lambda: md.is_dir() and 0o1733 == md.stat().st_mode & 0o7777, 10, "the maildrop made by the daemon, mode 1733")
+
+
 def test_sendmail_with_the_daemon_down_is_delivered_after_its_start(host) -> None:
     """With no daemon the message waits, durably, in SPOOL/maildrop (exit 0); the daemon's start picks it up."""
     h = host()
@@ -176,7 +183,7 @@ def test_a_local_user_submits_through_the_1733_maildrop(host) -> None:
     theirs, and the Received: line and the default sender name that user."""
     h = host()
     h.start()
-    wait_for(lambda: (h.spool / "maildrop").is_dir(), 10, "the maildrop made by the daemon")
+    wait_for_maildrop(h)
     os.chmod(h.spool, 0o755)
     r = sendmail(h.cfg, "x@example.net", stdin=b"Subject: n\n\nfrom nobody\n",
                  prefix=("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"), env={"PYTHONDONTWRITEBYTECODE": "1"})
@@ -193,7 +200,7 @@ def test_a_start_as_root_leaves_waiting_maildrop_files_their_submitters(host) ->
     (nobody) dropped while the daemon was down is picked up after a restart as that user's, not mail_owner's."""
     h = host()
     h.start()
-    wait_for(lambda: (h.spool / "maildrop").is_dir(), 10, "the maildrop made by the daemon")
+    wait_for_maildrop(h)
     os.chmod(h.spool, 0o755)
     h.daemon.kill9()
     r = sendmail(h.cfg, "x@example.net", stdin=b"Subject: n\n\nwhile down\n",
@@ -240,7 +247,7 @@ def test_a_local_user_gets_a_dkim_signature_only_for_their_own_address(host, tmp
         keys += f'[dkim_keys."{domain}"]\nselector = "s1"\nkey_file = "{key_file}"\n'
     h = host(keys)
     h.start()
-    wait_for(lambda: (h.spool / "maildrop").is_dir(), 10, "the maildrop made by the daemon")
+    wait_for_maildrop(h)
     as_nobody = ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups")
     env = {"PYTHONDONTWRITEBYTECODE": "1"}
     r = sendmail(h.cfg, "-f", "ceo@example.org", "x@example.net", stdin=b"From: ceo@example.org\nSubject: a\n\nwire\n",
@@ -507,9 +514,7 @@ def test_a_local_users_directories_in_the_maildrop_are_reported_once(host) -> No
 
     h = host()
     h.start()
-    # Mode 1733 is set just after the directory is made: wait for the mode, not for the directory.
-    wait_for(lambda: (h.spool / "maildrop").is_dir() and 0o1733 == (h.spool / "maildrop").stat().st_mode & 0o7777,
-             10, "the maildrop made by the daemon, mode 1733")
+    wait_for_maildrop(h)
     os.chmod(h.spool, 0o755)
     names = [md.new_name() for _ in range(20)]
     made = subprocess.run([*NOBODY, "mkdir", *[str(h.spool / "maildrop" / n) for n in names]], capture_output=True)

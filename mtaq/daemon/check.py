@@ -7,7 +7,9 @@ when root (mtaq.daemon.privileges), the modes of the spool, ``archive_dir``, ``t
 an ``ssl.SSLContext`` (a key that is not the certificate's: "tls_key_file does not match tls_cert_file"), the
 password files parsed (``auth_password_file``; ``smtp_sasl_password_file`` with its mode), every DKIM key
 loaded and test-signed (mtaq.edge.dkim), the CA files (``smtp_tls_CAfile``, ``mta_sts_ca_file``) loaded as
-trust anchors, and with ``bind`` every SMTP listener and ``admin_listen`` bound once and let go. Each check is
+trust anchors, the outbound source addresses (``smtp_bind_address``/``6`` and every address of
+``sender_dependent_bind_address_maps`` and ``destination_bind_address_maps``: bound once, as a present address
+of this host), and with ``bind`` every SMTP listener and ``admin_listen`` bound once and let go. Each check is
 the loader the daemon itself uses, so ``check`` and ``serve`` cannot disagree. With ``dns`` (``mtaq check``,
 not ``serve``: a start never waits for DNS), each DKIM key's TXT record (``SELECTOR._domainkey.DOMAIN``, asked
 of ``dns_nameservers`` or the system's resolvers) must publish that key (:func:`mtaq.edge.dkim.record_problem`);
@@ -20,7 +22,7 @@ import ssl
 from collections.abc import Callable
 from functools import partial
 
-from mtaq.config import Config, listeners_of, parse_hostport
+from mtaq.config import Config, listeners_of, parse_bind_addresses, parse_hostport
 from mtaq.core.errors import ConfigError
 
 __all__ = ["check_start", "problems"]
@@ -135,6 +137,14 @@ def _other_loaders(cfg: Config) -> list[Callable[[], object]]:
                                   ("smtp_bind_address6", cfg.smtp_bind_address6, 6)):
         if address:
             checks.append(partial(_bind_address, key, address, version))
+    for table in ("sender_dependent_bind_address_maps", "destination_bind_address_maps"):
+        for k, v in getattr(cfg, table).items():
+            try:
+                pair = parse_bind_addresses(v, key=f"{table}.{k}")
+            except ValueError:
+                continue  # the config's own problem, said already
+            checks += [partial(_bind_address, f"{table}.{k}", address, version)
+                       for address, version in zip(pair, (4, 6), strict=True) if address]
     return checks
 
 

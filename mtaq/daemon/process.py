@@ -58,6 +58,7 @@ from mtaq.delivery.sasl import SaslClient
 from mtaq.delivery.security import forget_contexts
 from mtaq.delivery.throttle import DomainLimit, Throttle
 from mtaq.delivery.transport import Batch, ConnectionPool, HopFailure, deliver
+from mtaq.delivery.verify import VERIFY_CACHE_FILE, Verifier, VerifySettings, make_prober
 from mtaq.edge.dkim import Signer
 from mtaq.edge.limits import ConnectionGate, Gate
 from mtaq.edge.milter import STATS as milter_stats
@@ -157,6 +158,9 @@ class Daemon:
         self.sasl = self._sasl_client(cfg)  # outbound AUTH credentials; ConfigError if bad or readable
         self.signer = Signer.from_config(cfg)  # reads the DKIM keys; ConfigError if one is unsafe or bad
         self.peers = self._peer_policy(cfg)  # DANE and MTA-STS, when configured
+        # reject_unverified_recipient: probes of the next hop at RCPT, results in SPOOL/verify_cache (the host's)
+        self.verifier = self._verifier(cfg)
+        self.edge_settings.verifier = self.verifier
         self.counts = {"delivered": 0, "deferred": 0, "failed": 0}
         self.metrics = Metrics(self.counts, domains_max=cfg.metrics_domains_max)
         self.metrics.milter_stats = lambda: milter_stats  # per-filter counters (mtaq.edge.milter)
@@ -187,6 +191,20 @@ class Daemon:
             host_spool = os.path.dirname(cfg.spool_dir.rstrip("/")) if self.shard > 0 else cfg.spool_dir
             sasl.shared = SharedMap(os.path.join(host_spool, SASL_HOLD_FILE))
         return sasl
+
+    def _verifier(self, cfg: Config) -> Verifier:
+        """The recipient verification service (used by the edge only while ``reject_unverified_recipient``
+        is on): probes over this daemon's current routing, credentials and DANE/MTA-STS, its cache in
+        ``SPOOL/verify_cache`` above the shards (every worker's; mtaq.delivery.verify)."""
+        settings = VerifySettings.from_config(cfg)
+        host_spool = os.path.dirname(cfg.spool_dir.rstrip("/")) if self.shard > 0 else cfg.spool_dir
+        shared = SharedMap(os.path.join(host_spool, VERIFY_CACHE_FILE), max_bytes=settings.map_bytes_max())
+
+        def report(event: str, fields: dict[str, object]) -> None:
+            (self.log.info if event == "address_verified" else self.log.warning)(event, **fields)
+
+        return Verifier(settings, shared, make_prober(cfg, lambda: (self.router, self.sasl, self.peers)),
+                        clock=self.clock, report=report)
 
     def _on_durable(self, env: EnvelopeRecord, pos: Pos) -> None:
         self.log.info(

@@ -39,8 +39,10 @@ RELOADABLE: frozenset[str] = frozenset({
     "smtp_server_timeout_s", "tls_handshake_timeout_s", "hopcount_limit", "smtpd_received_header_private", "header_checks",
     "smtpd_milters", "non_smtpd_milters", "milter_default_action", "milter_connect_timeout_s", "milter_command_timeout_s",
     "milter_content_timeout_s", "milter_protocol",
+    "reject_unverified_recipient", "unverified_recipient_reject_code", "unverified_recipient_defer_code",
     # delivery: new attempts (Router, Throttle, SaslClient, PeerPolicy)
-    "relayhost", "transport_map", "sender_dependent_relayhost_maps", "destination_concurrency_limit", "destination_rate_per_s",
+    "relayhost", "transport_map", "sender_dependent_relayhost_maps", "sender_dependent_bind_address_maps",
+    "destination_bind_address_maps", "destination_concurrency_limit", "destination_rate_per_s",
     "destination_limits", "smtp_tls_security_level", "tls_policy_map", "smtp_tls_CAfile", "smtp_tls_wrappermode",
     "smtp_sasl_auth_enable", "smtp_sasl_password_file", "smtp_sender_dependent_authentication",
     "smtp_sasl_allow_plaintext", "smtp_sasl_auth_failure_hold_s", "dns_nameservers", "dns_port", "dns_timeout_s",

@@ -391,7 +391,7 @@ class RelayConnection:
         self,
         sender: str,
         recipients: Sequence[str],
-        body: bytes | Content,
+        body: bytes | Content | None,
         *,
         mail_params: Sequence[tuple[str, str]] = (),
         rcpt_params: Sequence[Sequence[tuple[str, str]]] | None = None,
@@ -417,6 +417,10 @@ class RelayConnection:
         Any failure in the middle of the transaction drops the connection (never reuse one in an unknown
         state) and defers what is left. A reused connection that turns out to be closed at MAIL is reopened
         once.
+
+        ``body`` None is an address probe (Postfix's verify(8) probes, ``reject_unverified_recipient``):
+        MAIL, the RCPTs, then RSET; DATA is never sent. Each recipient gets its RCPT reply (an accepted one
+        its 2xx), or the reply that ended the transaction before it.
         """
         replies: list[Reply | None] = [local_address_refusal(r, sender=False) for r in recipients]
 
@@ -433,7 +437,7 @@ class RelayConnection:
             sender = ""  # aiosmtpd keeps the null reverse-path as "<>"; aiosmtplib sends "" as MAIL FROM:<>
 
         asked = any(k.upper() == "SMTPUTF8" for k, _ in mail_params)
-        utf8_headers = asked and not _header_section(body).isascii()
+        utf8_headers = asked and body is not None and not _header_section(body).isascii()
         for fresh in (False, True):
             reused = not fresh and self._client is not None and self._client.is_connected
             try:
@@ -497,18 +501,20 @@ class RelayConnection:
         pipelining: bool,
         mail: bytes,
         rcpts: list[tuple[int, bytes]],
-        body: bytes | Content,
+        body: bytes | Content | None,
         replies: list[Reply | None],
         reused: bool,
     ) -> Reply:
         """MAIL, RCPT..., DATA and the content on ``conv``; sets each refused recipient's reply in
-        ``replies`` and returns the reply for the rest (the final one, or why there is none). Raises
+        ``replies`` and returns the reply for the rest (the final one, or why there is none). ``body``
+        None: a probe, RSET after the RCPTs instead of DATA (the rest get their RCPT reply). Raises
         _Retry when a reused connection turns out to be closed (or 421) at MAIL, aiosmtplib errors and
         OSError when the connection fails."""
         t = self.timeout_s
+        probe = body is None
         try:
             if pipelining:  # RFC 2920 §3.1: the whole group in one write, the replies read in order
-                conv.write(b"".join([mail, *(line for _, line in rcpts), b"DATA\r\n"]))
+                conv.write(b"".join([mail, *(line for _, line in rcpts), *(() if probe else (b"DATA\r\n",))]))
             else:
                 conv.write(mail)
             resp = await conv.read(t)
@@ -521,7 +527,7 @@ class RelayConnection:
                 raise _Retry  # the server timed the cached connection out (RFC 5321 §4.5.3.2.7)
             if pipelining:
                 try:
-                    for _ in range(len(rcpts) + 1):  # the RCPT and DATA replies (503: no MAIL)
+                    for _ in range(len(rcpts) + (0 if probe else 1)):  # the RCPT and DATA replies (503: no MAIL)
                         if (await conv.read(t)).code == 354:
                             conv.closing = True  # in DATA mode without a transaction: never reuse it
                             break
@@ -530,14 +536,20 @@ class RelayConnection:
             await self._rset(conv)
             return _refusal_of(resp)
         accepted: list[int] = []
+        took: Reply | None = None  # the RCPT reply of the last recipient accepted (a probe's answer)
         for i, line in rcpts:
             if not pipelining:
                 conv.write(line)
             resp = await conv.read(t)
             if 200 <= resp.code < 300:  # every 2xx accepts (RFC 5321 §4.2.1)
                 accepted.append(i)
+                took = split_enhanced(resp.code, resp.message)
             else:
                 replies[i] = _refusal_of(resp)
+        if probe:  # no DATA: the transaction is reset, the connection stays usable
+            await self._rset(conv)
+            return took if took is not None else Reply(450, "4.0.0", "no recipient accepted")
+        assert body is not None
         if not accepted:
             if pipelining:
                 resp = await conv.read(t)  # DATA: 554 5.5.1 no valid recipients (RFC 2920 §3.1), or 503

@@ -26,10 +26,19 @@ The TLS policy of a destination (``none``, ``may``, ``encrypt``, ``verify``, ``s
 ``tls_policy_map`` by the next-hop destination as written (``[10.0.0.5]:25``, ``example.org``), then by the
 recipient domain (exact, ``.parent``, ``*``), else ``smtp_tls_security_level``; :meth:`Route.tls_match` gives
 the names a certificate must carry at ``verify``/``secure``.
+
+The source address of a route (:attr:`Route.source`, one IPv4 and one IPv6 address, "" for none) is looked
+up for each family on its own: ``sender_dependent_bind_address_maps`` by the envelope sender (the address,
+then its ``@domain``; ``<>`` for the null sender), then ``destination_bind_address_maps`` with the keys of
+``tls_policy_map`` (the next hop as written, then the recipient domain); the connection pool falls back to
+``smtp_bind_address`` / ``smtp_bind_address6``. A connection uses the address of its own family only (Postfix
+binds smtp_bind_address for IPv4 connections, smtp_bind_address6 for IPv6 ones): an IPv4-only entry leaves
+an IPv6 connection to the next rule, and to the kernel's choice at the end.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import ipaddress
 import random
@@ -38,7 +47,16 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, TypeVar
 
-from mtaq.config import Config, Relayhost, listeners_of, parse_nameserver, parse_relayhost, parse_transport_spec
+from mtaq.config import (
+    Config,
+    Relayhost,
+    destination_key,
+    listeners_of,
+    parse_bind_addresses,
+    parse_nameserver,
+    parse_relayhost,
+    parse_transport_spec,
+)
 from mtaq.delivery.relay import Reply, TlsLevel
 
 if TYPE_CHECKING:  # dnspython is imported at the first lookup: a relayhost never needs it (issue 15.6)
@@ -100,6 +118,7 @@ class Route:
     ``kind`` smtp: ``host`` and ``port``; ``mx`` True means look up the MX records of ``host``. ``reply`` is
     the fixed reply of discard/error routes. ``tls`` is the TLS policy; ``wrapper`` True means TLS from
     the first byte (RFC 8314 implicit TLS: an ``smtps:`` transport or ``smtp_tls_wrappermode``).
+    ``source`` is the local (IPv4, IPv6) address to connect from, "" where the maps give none (module text).
     """
 
     kind: Literal["smtp", "discard", "error"]
@@ -109,6 +128,7 @@ class Route:
     tls: TlsLevel = "may"
     reply: Reply | None = None
     wrapper: bool = False
+    source: tuple[str, str] = ("", "")
 
     def tls_match(self, hostname: str) -> tuple[str, ...]:
         """The names a certificate must carry (RFC 6125): at ``verify`` the host connected to
@@ -266,6 +286,15 @@ class Router:
             hop = parse_relayhost(v, key=f"sender_dependent_relayhost_maps.{k}", default_port=cfg.smtp_port)
             if hop is not None:
                 self.sender_relayhosts[k.strip().lower()] = hop
+        self.sender_sources = {  # sender_dependent_bind_address_maps: (IPv4, IPv6), keys lower case
+            k.strip().lower(): parse_bind_addresses(v, key=f"sender_dependent_bind_address_maps.{k}")
+            for k, v in cfg.sender_dependent_bind_address_maps.items()
+        }
+        self.destination_sources = {  # destination_bind_address_maps, keys as tls_policy_map's
+            destination_key(k, key=f"destination_bind_address_maps.{k}"):
+                parse_bind_addresses(v, key=f"destination_bind_address_maps.{k}")
+            for k, v in cfg.destination_bind_address_maps.items()
+        }
         self.transports = {
             k.strip().lower(): parse_transport(v, key=f"transport_map.{k}", default_port=cfg.smtp_port)
             for k, v in cfg.transport_map.items()
@@ -306,34 +335,44 @@ class Router:
     def _tls(self, nexthop: Relayhost, domain: str) -> TlsLevel:
         """The policy of the next-hop destination as written (``[host]:port``, ``[host]``, ``host:port``,
         ``host``), else of the recipient domain (exact, ``.parent``, ``*``), else the default."""
-        names = (str(nexthop), f"[{nexthop.host}]") if not nexthop.mx else (str(nexthop), nexthop.host)
-        for key in names:
-            if key in self.tls_policy:
-                return self.tls_policy[key]
-        found = lookup(self.tls_policy, domain)
+        found = _by_destination(self.tls_policy, nexthop, domain)
         return found if found is not None else self.tls_default
+
+    def _source(self, nexthop: Relayhost, domain: str) -> tuple[str, str]:
+        """The (IPv4, IPv6) source addresses ``destination_bind_address_maps`` gives the next hop, else the
+        recipient domain (the lookup of ``tls_policy_map``); ("", "") for none."""
+        if not self.destination_sources:
+            return ("", "")
+        return _by_destination(self.destination_sources, nexthop, domain) or ("", "")
 
     def sender_relayhost(self, sender: str) -> Relayhost | None:
         """The next hop ``sender_dependent_relayhost_maps`` gives mail from ``sender`` (the address, then its
         ``@domain``; ``<>`` for the null sender), or None."""
-        if not self.sender_relayhosts:
-            return None
-        if not sender:
-            return self.sender_relayhosts.get("<>")
-        low = sender.lower()
-        return self.sender_relayhosts.get(low) or self.sender_relayhosts.get("@" + low.rpartition("@")[2])
+        return _by_sender(self.sender_relayhosts, sender)
 
     def route(self, address: str, sender: str | None = None) -> Route:
         """The route of recipient ``address`` (no I/O). A route depends on the recipient's domain alone (and
         on this router's tables, set once), so it is kept per domain (at most ``ROUTES_KEPT``); the error
         route of an address without a domain names the address and is never kept. With ``sender`` (the
         envelope sender; "" for <>), a recipient that ``transport_map`` does not route goes to the next hop
-        of :meth:`sender_relayhost`, if any, before ``relayhost`` (Postfix's order)."""
+        of :meth:`sender_relayhost`, if any, before ``relayhost`` (Postfix's order); and the source address
+        ``sender_dependent_bind_address_maps`` gives the sender wins over the destination's (module text)."""
+        found = self._route_of(address, sender)
+        if sender is None or found.kind != "smtp" or not self.sender_sources:
+            return found
+        mine = _by_sender(self.sender_sources, sender)
+        if mine is None:
+            return found
+        source = (mine[0] or found.source[0], mine[1] or found.source[1])
+        return found if source == found.source else dataclasses.replace(found, source=source)
+
+    def _route_of(self, address: str, sender: str | None) -> Route:
         domain = domain_of(address)
         if sender is not None and self.sender_relayhosts and lookup(self.transports, domain) is None:
             hop = self.sender_relayhost(sender)
             if hop is not None:
-                return Route("smtp", hop.host, hop.port, hop.mx, self._tls(hop, domain), wrapper=self.wrappermode)
+                return Route("smtp", hop.host, hop.port, hop.mx, self._tls(hop, domain), wrapper=self.wrappermode,
+                             source=self._source(hop, domain))
         found = self._routes.get(domain)
         if found is None:
             found = self._route(address, domain)
@@ -357,7 +396,8 @@ class Router:
             else:
                 nexthop = Relayhost(host=domain, port=self.smtp_port, mx=True)
         wrapper = self.wrappermode or (t is not None and t.wrapper)
-        return Route("smtp", nexthop.host, nexthop.port, nexthop.mx, self._tls(nexthop, domain), wrapper=wrapper)
+        return Route("smtp", nexthop.host, nexthop.port, nexthop.mx, self._tls(nexthop, domain), wrapper=wrapper,
+                     source=self._source(nexthop, domain))
 
     async def candidates(self, route: Route) -> AsyncIterator[Candidate | Reply]:
         """The addresses to try for ``route``, best first, at most ``smtp_mx_addresses_max``.
@@ -410,6 +450,29 @@ def _is_ip(host: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _by_sender(table: Mapping[str, V], sender: str) -> V | None:
+    """Postfix's lookup of a sender-dependent table (lower-case keys): the address, then ``@domain``; ``<>``
+    for the null sender (""); None when nothing matches."""
+    if not table:
+        return None
+    if not sender:
+        return table.get("<>")
+    low = sender.lower()
+    found = table.get(low)
+    return found if found is not None else table.get("@" + low.rpartition("@")[2])
+
+
+def _by_destination(table: Mapping[str, V], nexthop: Relayhost, domain: str) -> V | None:
+    """A per-destination table (``tls_policy_map``, ``destination_bind_address_maps``): the next hop as
+    written (``[host]:port``, ``[host]``, ``host:port``, ``host``), then the recipient ``domain`` by
+    :func:`lookup`; None when nothing matches."""
+    names = (str(nexthop), f"[{nexthop.host}]") if not nexthop.mx else (str(nexthop), nexthop.host)
+    for key in names:
+        if key in table:
+            return table[key]
+    return lookup(table, domain)
 
 
 def _address_literal(domain: str) -> str | None:

@@ -14,7 +14,8 @@ Groups are delivered one after the other, within the single START of the attempt
 ``record`` names the relay that gave the replies (``host[address]:port``, ``none`` when no host was asked).
 
 :class:`ConnectionPool` is a worker's small cache of open connections keyed by (address, port, host name,
-TLS policy); connections idle longer than ``idle_s`` are closed by :meth:`ConnectionPool.close_idle`, and
+TLS policy, security, source address): a connection opened from one source address is never reused for mail
+that must leave from another; connections idle longer than ``idle_s`` are closed by :meth:`ConnectionPool.close_idle`, and
 the least recently used idle one is closed when the pool is full.
 """
 
@@ -88,32 +89,35 @@ class ConnectionPool:
     clock: Callable[[], float] = time.monotonic
     bind_address: str = ""  # the local IPv4 address of new connections (smtp_bind_address); "": any
     bind_address6: str = ""  # the same for IPv6 (smtp_bind_address6)
-    _entries: dict[tuple[str, int, str, str, HopSecurity], _Entry] = field(default_factory=dict)
+    _entries: dict[tuple[str, int, str, str, HopSecurity, str], _Entry] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def _bind_for(self, address: str) -> str:
-        """The local address to connect to ``address`` from: ``bind_address6`` for an IPv6 one,
-        ``bind_address`` for an IPv4 one, "" for a name (the system resolver picks the family)."""
+    def _bind_for(self, address: str, source: tuple[str, str] = ("", "")) -> str:
+        """The local address to connect to ``address`` from: for an IPv6 one the route's IPv6 ``source``, else
+        ``bind_address6``; for an IPv4 one the route's IPv4 ``source``, else ``bind_address``; "" for a name
+        (the system resolver picks the family). Never an address of the other family (Postfix's rule)."""
         try:
             version = ipaddress.ip_address(address).version
         except ValueError:
             return ""
-        return self.bind_address6 if version == 6 else self.bind_address
+        return (source[1] or self.bind_address6) if version == 6 else (source[0] or self.bind_address)
 
-    def get(self, cand: Candidate, tls: TlsLevel, security: HopSecurity | None = None) -> RelayConnection:
-        """The cached connection for ``cand`` with policy ``tls`` and ``security`` (implicit TLS, names to
-        verify, credentials: a connection authenticated as one user is never used for another), or a new
-        (not yet open) one; marked busy."""
+    def get(self, cand: Candidate, tls: TlsLevel, security: HopSecurity | None = None,
+            source: tuple[str, str] = ("", "")) -> RelayConnection:
+        """The cached connection for ``cand`` with policy ``tls``, ``security`` (implicit TLS, names to
+        verify, credentials: a connection authenticated as one user is never used for another) and the local
+        address :meth:`_bind_for` picks from the route's (IPv4, IPv6) ``source``, or a new (not yet open) one;
+        marked busy."""
         security = security or HopSecurity()
-        key = (cand.address, cand.port, cand.hostname, tls, security)
+        bind = self._bind_for(cand.address, source)
+        key = (cand.address, cand.port, cand.hostname, tls, security, bind)
         e = self._entries.pop(key, None)
         if e is None:
             e = _Entry(
                 RelayConnection(cand.address, cand.port, hostname=cand.hostname, helo_name=self.helo_name,
-                                timeout_s=self.timeout_s, tls=tls, security=security,
-                                bind_address=self._bind_for(cand.address)),
+                                timeout_s=self.timeout_s, tls=tls, security=security, bind_address=bind),
                 self.clock(),
             )
         e.busy = True
@@ -153,7 +157,7 @@ async def deliver(
     pool: ConnectionPool,
     sender: str,
     recipients: Sequence[str],
-    body: bytes | Content,
+    body: bytes | Content | None,
     *,
     mail_params: Sequence[tuple[str, str]] = (),
     rcpt_params: Sequence[Sequence[tuple[str, str]]] | None = None,
@@ -166,7 +170,8 @@ async def deliver(
     """Deliver ``body`` to ``recipients``; every position gets exactly one final reply through ``record``.
 
     ``body`` is the message as bytes, or :class:`~mtaq.delivery.relay.Content` read in pieces as it is sent
-    (once per transaction; a large message is never held in memory).
+    (once per transaction; a large message is never held in memory); None for an address probe (MAIL and
+    RCPT only, no DATA: :meth:`RelayConnection.send`; :mod:`mtaq.delivery.verify`).
 
     ``record`` is awaited for each batch (the caller makes it durable there). ``on_hop_failure`` hears of
     each host that was given up on for some recipients before the next one was tried. ``throttle`` holds
@@ -201,7 +206,7 @@ async def _deliver_group(
     sender: str,
     recipients: Sequence[str],
     params: Sequence[Sequence[tuple[str, str]]],
-    body: bytes | Content,
+    body: bytes | Content | None,
     mail_params: Sequence[tuple[str, str]],
     record: Callable[[Batch], Awaitable[None]],
     on_hop_failure: Callable[[HopFailure], None],
@@ -259,7 +264,7 @@ async def _deliver_group(
                 allow_plaintext_auth=sasl is not None and sasl.allow_plaintext,
                 tlsa=tlsa,
             )
-            conn = pool.get(cand, level, security)
+            conn = pool.get(cand, level, security, route.source)
             try:
                 replies = await conn.send(
                     sender,

@@ -43,7 +43,7 @@ import re
 import ssl
 import unicodedata
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import idna
 from aiosmtplib.email import quote_address
@@ -62,6 +62,7 @@ __all__ = [
     "MYNETWORKS_SEEN_MAX",
     "EdgePolicy",
     "IPNetwork",
+    "RecipientVerifier",
     "address_problem",
     "domain_of",
     "domain_to_ascii",
@@ -72,6 +73,14 @@ __all__ = [
 ]
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+class RecipientVerifier(Protocol):
+    """Asks the next hop whether it takes a recipient (:class:`mtaq.delivery.verify.Verifier`, which the
+    daemon passes in): ``verify(address)`` gives ``(status, text)``, status ``ok``, ``bounce`` or ``defer``."""
+
+    async def verify(self, address: str) -> tuple[str, str]: ...
+
 
 DEFAULT_MYNETWORKS: tuple[IPNetwork, ...] = (ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("::1/128"))
 """Loopback only: out of the box, only this host may relay."""
@@ -355,6 +364,11 @@ class EdgePolicy:
     # relay_recipient_maps: the valid recipients of relay_domains ("user@domain" and "@domain" keys, lower
     # case, A-labels); None: every recipient of a relay domain is accepted.
     relay_recipients: frozenset[str] | None = field(default=None, repr=False)
+    # reject_unverified_recipient: recipients of relay_domains from outside mynetworks, not authenticated,
+    # are verified with the next hop at RCPT (a RecipientVerifier); the codes of the two refusals.
+    verify_recipients: bool = False
+    unverified_reject_code: int = 550
+    unverified_defer_code: int = 450
     recipients_max: int = 1000
     connections_max: int = 500
     client_connections_per_minute_max: int = 120
@@ -396,6 +410,9 @@ class EdgePolicy:
             mynetworks=parse_networks(cfg.mynetworks),
             relay_domains=parse_domains(cfg.relay_domains),
             relay_recipients=load_recipient_map(cfg.relay_recipient_maps) if cfg.relay_recipient_maps else None,
+            verify_recipients=cfg.reject_unverified_recipient,
+            unverified_reject_code=cfg.unverified_recipient_reject_code,
+            unverified_defer_code=cfg.unverified_recipient_defer_code,
             recipients_max=cfg.recipients_per_message_max,
             connections_max=cfg.connections_max,
             client_connections_per_minute_max=cfg.connections_per_client_per_minute_max,
@@ -467,6 +484,32 @@ class EdgePolicy:
         if authenticated or self.in_mynetworks(client_ip) or self.is_relay_domain(ace):
             return None
         return f"554 5.7.1 <{address}>: Relay access denied"
+
+    def verification_wanted(self, address: str, *, client_ip: str, authenticated: bool) -> bool:
+        """Whether RCPT TO ``address`` (accepted by :meth:`rcpt_reply`) is to be verified with the next hop:
+        ``verify_recipients`` is on, the domain is a relay domain, and the client is neither authenticated
+        nor in mynetworks (Postfix's usual ``permit_mynetworks, permit_sasl_authenticated,
+        reject_unauth_destination, reject_unverified_recipient``)."""
+        if not self.verify_recipients or authenticated or self.in_mynetworks(client_ip):
+            return False
+        domain = domain_of(address)
+        ace = domain_to_ascii(domain) if domain is not None else None
+        return ace is not None and self.is_relay_domain(ace)
+
+    def unverified_reply(self, address: str, status: str, text: str) -> str | None:
+        """The RCPT reply for a verification outcome (Postfix's words): ``bounce`` -> ``550 5.1.1 <addr>:
+        Recipient address rejected: undeliverable address: TEXT``; ``defer`` -> ``450 4.1.1 ... unverified
+        address: TEXT`` (the codes are ``unverified_recipient_reject_code`` / ``_defer_code``); ``ok`` -> None."""
+        if status == "ok":
+            return None
+        if status == "bounce":
+            code, what = self.unverified_reject_code, "undeliverable address"
+        else:
+            code, what = self.unverified_defer_code, "unverified address"
+        head = f"{code} {code // 100}.1.1 <{address}>: Recipient address rejected: {what}: "
+        # One line of printable ASCII, the whole reply at most 510 characters (RFC 5321 §4.5.3.1.5: 512 with CRLF).
+        flat = "".join(ch if " " <= ch <= "~" else "?" for ch in " ".join(text.split()))
+        return head + flat[: max(0, 510 - len(head))]
 
     def login_owns(self, address: str, login: str) -> bool:
         """Whether ``sender_login_map`` lists ``login`` (compared without regard to case) among the owners of

@@ -39,7 +39,7 @@ from mtaq.edge.milter import (
     new_body,
     new_sender,
 )
-from mtaq.edge.policy import EdgePolicy
+from mtaq.edge.policy import EdgePolicy, RecipientVerifier
 from mtaq.edge.smtp import MtaqSMTP
 from mtaq.edge.trace import hop_count, protocol_name, received_header
 from mtaq.logs import get_logger
@@ -405,12 +405,15 @@ class EdgeSettings:
 
     ``policy``: relay control, limits, TLS certificate and AUTH passwords; ``data_size_limit``: bytes
     (``message_size_limit_bytes``); ``timeout_s``: idle seconds before ``421 4.4.2``
-    (``smtp_server_timeout_s``); ``tls_handshake_timeout_s``: seconds an smtps client has for its handshake."""
+    (``smtp_server_timeout_s``); ``tls_handshake_timeout_s``: seconds an smtps client has for its handshake;
+    ``verifier``: recipient verification with the next hop (``reject_unverified_recipient``), None for none."""
 
     policy: EdgePolicy
     data_size_limit: int
     timeout_s: float
     tls_handshake_timeout_s: float = TLS_HANDSHAKE_TIMEOUT_S
+    # Asks the next hop about recipients when policy.verify_recipients (mtaq.delivery.verify); None: never.
+    verifier: RecipientVerifier | None = None
 
 
 async def start_server(
@@ -488,6 +491,7 @@ async def start_server(
             policy=pol,
             gate=gate,
             body_buffer=body_buffer,
+            verifier=live.verifier,
             loop=loop,
             milters=milters,
         )

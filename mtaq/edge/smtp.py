@@ -60,6 +60,11 @@ The same class is where the edge is made safe (the policy is :class:`~mtaq.edge.
   required`` at MAIL, RCPT, DATA) for a submission port; ``implicit_tls`` for an smtps port, where the
   handshake was done after the gate admitted the connection (:func:`mtaq.edge.server.start_server`): no
   STARTTLS, AUTH offered at once, ``session.ssl`` filled in as after STARTTLS.
+* **Recipient verification** (``reject_unverified_recipient``): with a ``verifier``, a recipient of a relay
+  domain from a client outside mynetworks and not authenticated is checked with the next hop after relay
+  control (:meth:`EdgePolicy.verification_wanted`, :mod:`mtaq.delivery.verify`): ``550 5.1.1 ...
+  undeliverable address: ...`` or ``450 4.1.1 ... unverified address: ...``
+  (:meth:`EdgePolicy.unverified_reply`).
 * **Sender login mismatch**: with ``policy.sender_logins``, MAIL FROM of an authenticated client that does
   not own the address gets ``553 5.7.1 <addr>: Sender address rejected: not owned by user USER``
   (Postfix ``reject_authenticated_sender_login_mismatch``; :meth:`EdgePolicy.sender_login_reply`).
@@ -87,7 +92,7 @@ from mtaq.edge.data import DataScanner, read_data_text, refusal
 from mtaq.edge.fastpath import FastPathMixin, parse_address
 from mtaq.edge.limits import Gate
 from mtaq.edge.milter import MilterSession
-from mtaq.edge.policy import EdgePolicy, address_problem, unsendable_character
+from mtaq.edge.policy import EdgePolicy, RecipientVerifier, address_problem, unsendable_character
 from mtaq.edge.replies import enhance, reply_code
 from mtaq.logs import get_logger
 from mtaq.queue.store import new_queue_id
@@ -336,6 +341,7 @@ class MtaqSMTP(FastPathMixin, SMTP):
         body_buffer: Callable[[], BodyBuffer] | None = None,
         implicit_tls: bool = False,
         milters: tuple[str, ...] | None = None,
+        verifier: RecipientVerifier | None = None,
         **kwargs: Any,
     ) -> None:
         # aiosmtpd keeps the per-command line limits in a class attribute, shared by every connection (and
@@ -345,6 +351,8 @@ class MtaqSMTP(FastPathMixin, SMTP):
         self.policy = policy if policy is not None else EdgePolicy()
         self.sasl_enabled = self.policy.passwords is not None  # HELP lists AUTH only then
         self.gate = gate
+        # Recipient verification with the next hop (reject_unverified_recipient), when the policy asks for it.
+        self.verifier = verifier
         self._verb: str | None = None  # the command being answered, for the enhanced status codes
         self._errors = 0  # 5xx replies sent in this connection
         self._closing = False  # a 421 went out: say nothing more
@@ -675,6 +683,12 @@ class MtaqSMTP(FastPathMixin, SMTP):
                         await self.milters.rcpt_rejected(address, [str(o) for o in args[1]], dict(
                             self._milter_macros("rcpt", envelope, address), **{"{rcpt_mailer}": "error"}))
                     return refusal
+                if self.verifier is not None and self.policy.verification_wanted(
+                        address, client_ip=self.client_ip(), authenticated=bool(self.session.authenticated)):
+                    status, text = await self.verifier.verify(address)
+                    refusal = self.policy.unverified_reply(address, status, text)
+                    if refusal is not None:
+                        return refusal
             if self.milters is not None:
                 if command == "MAIL":
                     envelope.queue_id = new_queue_id()

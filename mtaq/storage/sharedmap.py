@@ -24,11 +24,12 @@ _MAX_BYTES = 1024 * 1024  # a larger file is not ours (or damaged): read as empt
 
 class SharedMap:
     """The map in ``path`` (JSON object, string keys). Files are made mode 0600 (the daemon's user only).
-    A missing, unreadable or damaged file reads as an empty map; :meth:`update` raises OSError when it
-    cannot write (callers treat the map as advisory)."""
+    A missing, unreadable or damaged file, or one larger than ``max_bytes`` (default 1 MiB), reads as an
+    empty map; :meth:`update` raises OSError when it cannot write (callers treat the map as advisory)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, max_bytes: int = _MAX_BYTES) -> None:
         self.path = path
+        self.max_bytes = max_bytes
         self._seen: tuple[int, int, int] | None = None  # (inode, size, mtime_ns) of the map last read
         self._data: dict[str, Any] = {}
 
@@ -48,9 +49,9 @@ class SharedMap:
     def _load(self) -> dict[str, Any]:
         try:
             with open(self.path, "rb") as f:
-                raw = f.read(_MAX_BYTES + 1)
-            data = json.loads(raw) if len(raw) <= _MAX_BYTES else {}
-        except (OSError, ValueError):
+                raw = f.read(self.max_bytes + 1)
+            data = json.loads(raw) if len(raw) <= self.max_bytes else {}
+        except (OSError, ValueError, RecursionError):  # RecursionError: deeply nested JSON (a damaged file)
             return {}
         return data if isinstance(data, dict) else {}
 

@@ -55,6 +55,8 @@ next parked due time), until two such rounds pass idle. The next hop is :class:`
   (``bounced-deliverable``: its DATA was fsync'd before the 250, so "unreadable" is wrong); a message never
   acknowledged may be bounced (recovery bounces when it cannot tell, issue 31 finding 3);
 * a delivered body is the body sent, byte for byte (``body-differs``);
+* a message acknowledged on hold (``header_checks`` HOLD) is delivered only after a release
+  (``delivered-while-held``);
 * recovery reports no corruption (only crashes happen here; fsync'd bytes never change:
   ``spurious-corruption``); the start and the finish raise nothing (``run-failed``); the queue drains
   (``stranded``: a live envelope no runner offers);
@@ -229,6 +231,7 @@ class Ack:
     marker: int
     rcpts: tuple[str, ...]
     t: int
+    held: bool = False  # queued on hold (header_checks HOLD, a milter's quarantine)
 
 
 @dataclass(frozen=True, slots=True)
@@ -536,11 +539,13 @@ class Proc:
         if lsn:
             await qlog.commit(lsn)
 
-    async def receive(self, marker: int, rcpts: Sequence[str], *, delay_s: float | None = None) -> str:
-        """A client's message ``marker`` to ``rcpts`` (FUTURERELEASE ``delay_s``); returns after the 250."""
+    async def receive(self, marker: int, rcpts: Sequence[str], *, delay_s: float | None = None,
+                      held: bool = False) -> str:
+        """A client's message ``marker`` to ``rcpts`` (FUTURERELEASE ``delay_s``; ``held``: queued on hold, as
+        a ``header_checks`` HOLD or a milter quarantine does); returns after the 250."""
         env = await self.queue.receive(SENDER, list(rcpts), body_of(marker),
-                                       not_before_ts=None if delay_s is None else self.now + delay_s)
-        self.trace.events.append(Ack(env.queue_id, marker, tuple(rcpts), self.trace.t))
+                                       not_before_ts=None if delay_s is None else self.now + delay_s, held=held)
+        self.trace.events.append(Ack(env.queue_id, marker, tuple(rcpts), self.trace.t, held))
         self.qids[marker] = env.queue_id
         return env.queue_id
 
@@ -653,6 +658,7 @@ class Proc:
         idle = 0
         for _ in range(rounds_max):
             if any(due is None for _q, due in self.queue.parked.entries.values()):
+                self.trace.events.append(Request("release", "*", self.trace.t))
                 await self.act("release", Selector(held=True))
             if await self.deliver_due():
                 idle = 0
@@ -697,6 +703,15 @@ async def w_hold_release(p: Proc) -> Proc:
     """Admin hold, then release (``AdminService.act``: START(admin) and a replacement, each committed)."""
     await p.receive(1, ["ok1@example.net"])
     await p.admin("hold", 1)
+    await p.admin("release", 1)
+    return p
+
+
+async def w_held_at_receipt(p: Proc) -> Proc:
+    """A message queued on hold at receipt (``header_checks`` HOLD: a parked generation-0 envelope), one
+    queued as usual, then the administrator releases the held one."""
+    await p.receive(1, ["ok1@example.net"], held=True)
+    await p.receive(2, ["ok2@example.net"])
     await p.admin("release", 1)
     return p
 
@@ -787,6 +802,7 @@ WORKLOADS: dict[str, WorkloadSpec] = {
     "defer": WorkloadSpec(w_defer),
     "dsn": WorkloadSpec(w_dsn),
     "hold_release": WorkloadSpec(w_hold_release),
+    "held_at_receipt": WorkloadSpec(w_held_at_receipt),
     "delay_flush": WorkloadSpec(w_delay_flush),
     "flush_deferred": WorkloadSpec(w_flush_deferred),
     "delete": WorkloadSpec(w_delete),
@@ -877,14 +893,22 @@ def check(events: Sequence[Event], final: Final) -> list[tuple[str, str]]:
     dsns: dict[tuple[str, str], set[str]] = {}
     bounced_by_admin: set[str] = set()
     deleted: set[str] = set()
+    held: set[str] = set()  # acknowledged on hold: delivered only after a release (of it, or "*": all held)
+    released: set[str] = set()
     for e in events:
         if isinstance(e, Ack):
             acked[e.qid] = e
+            if e.held:
+                held.add(e.qid)
         elif isinstance(e, Request):
+            if e.action == "release":
+                released.add(e.qid)
             (deleted if e.action == "delete" else bounced_by_admin if e.action == "bounce" else set()).add(e.qid)
         elif isinstance(e, Reported):
             out.append(("spurious-corruption", f"recovery reported {e.what}, but only crashes happened"))
         elif isinstance(e, Hop):
+            if e.code // 100 == 2 and e.qid in held and not released & {e.qid, "*"}:
+                out.append(("delivered-while-held", f"{e.qid} to {e.rcpt}: queued on hold, delivered before any release"))
             if e.code // 100 == 2:
                 delivered[(e.qid, e.rcpt)] += 1
                 inflight[(e.qid, e.rcpt)] += e.inflight

@@ -233,9 +233,11 @@ def _mtaq(args: Sequence[str], log_path: str, env: dict[str, str] | None) -> sub
 def start_sink(
     maildir: str, log_path: str, *, port: int | None = None, extra: Sequence[str] = (), host: str = "127.0.0.1"
 ) -> Proc:
-    """Start ``mtaq sink`` on ``host`` writing to ``maildir``; returns once it listens."""
+    """Start ``mtaq sink`` on ``host`` (an IPv6 address too: ``::1``) writing to ``maildir``; returns once it
+    listens."""
     port = port or free_port()
-    p = _mtaq(["--log-format", "json", "sink", "--listen", f"{host}:{port}", "--maildir", maildir, *extra], log_path, None)
+    listen = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    p = _mtaq(["--log-format", "json", "sink", "--listen", listen, "--maildir", maildir, *extra], log_path, None)
     wait_port(port, proc=p, host=host)
     return Proc(p, port, log_path)
 
