@@ -390,9 +390,10 @@ def test_a_filter_that_sleeps_past_its_timeout_cannot_hold_the_session(tmp_path)
 
 
 @contextlib.contextmanager
-def raw_filter(on_command: Any) -> Iterator[str]:
-    """A filter over raw sockets (mtaq's codec): negotiates, then calls ``on_command(conn, cmd)`` for every
-    command; it returns the reply bytes to send, or None to close the connection there."""
+def raw_filter(on_command: Any, optneg: tuple[int, int, int] = (6, 0, 0)) -> Iterator[str]:
+    """A filter over raw sockets (mtaq's codec): answers the negotiation with ``optneg`` (version, actions,
+    protocol), then calls ``on_command(conn, cmd)`` for every command; it returns the reply bytes to send
+    (b"" for none), or None to close the connection there."""
     listener = socket.create_server(("127.0.0.1", 0))
     stop = threading.Event()
 
@@ -416,7 +417,7 @@ def raw_filter(on_command: Any) -> Iterator[str]:
                 while (p := d.next()) is not None:
                     cmd, _ = p
                     if cmd == m.SMFIC_OPTNEG:
-                        conn.sendall(m.packet(b"O", struct.pack("!III", 6, 0, 0)))
+                        conn.sendall(m.packet(b"O", struct.pack("!III", *optneg)))
                         continue
                     if cmd in (m.SMFIC_MACRO, m.SMFIC_ABORT, m.SMFIC_QUIT):
                         continue
@@ -655,3 +656,26 @@ def test_tls_and_auth_macros_reach_the_filter_at_helo_and_mail(tmp_path, cert, p
     assert (True, True) == (tls["{tls_version}"].startswith("TLSv1."), bool(tls["{cipher}"]))
     assert ("PLAIN", USER, "alice@example.org") == (mails[0]["{auth_type}"], mails[0]["{auth_authen}"],
                                                     mails[0]["{mail_addr}"])
+
+
+def test_a_filter_that_asks_for_bits_not_offered_is_served_with_the_rest(tmp_path):
+    """A filter whose negotiation answer holds bits mtaq did not offer (libmilter's SMFIP_MDS_256K
+    0x10000000, an unknown action 0x8000) besides SMFIP_NR_HDR and SMFIF_ADDHDRS: the unknown bits are left
+    out (as Postfix does) instead of failing the filter, headers go unanswered as it asked, and its header
+    is added at the end of the message."""
+    seen: list[bytes] = []
+
+    def on_command(conn: socket.socket, cmd: bytes) -> bytes | None:
+        seen.append(cmd)
+        if cmd == m.SMFIC_HEADER:
+            return b""  # SMFIP_NR_HDR: no reply
+        if cmd == m.SMFIC_BODYEOB:
+            return m.packet(m.SMFIR_ADDHEADER, b"X-Raw\0yes\0") + m.packet(m.SMFIR_CONTINUE)
+        return m.packet(m.SMFIR_CONTINUE)
+
+    optneg = (6, m.SMFIF_ADDHDRS | 0x8000, m.SMFIP_NR_HDR | 0x10000000)
+    with raw_filter(on_command, optneg) as spec, run_edge(tmp_path, policy(spec)) as edge, edge.client() as s:
+        assert 250 == _send(s, "a@example.org", ["b@example.net"], "x")[0]
+        [(_, body)] = edge.messages()
+    assert b"\r\nSubject: x\r\nX-Raw: yes\r\n\r\nbody\r\n" in body
+    assert [m.SMFIC_HEADER, m.SMFIC_HEADER] == [c for c in seen if c == m.SMFIC_HEADER]

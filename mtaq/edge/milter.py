@@ -410,10 +410,12 @@ class Filter:
         if command != SMFIC_OPTNEG or len(data) < 12:
             raise FilterFailed(f"negotiation: unexpected reply {command!r}")
         version, actions, protocol = struct.unpack_from("!III", data)
-        if version < 2 or actions & ~ACTIONS_OFFERED or protocol & ~PROTOCOL_OFFERED:
-            raise FilterFailed(f"negotiation: version {version}, actions {actions:#x}, protocol {protocol:#x} "
-                               "not offered")
-        self.actions, self.protocol = actions, protocol
+        if version < 2:
+            raise FilterFailed(f"negotiation: version {version}")
+        # Bits that were not offered (libmilter's SMFIP_MDS_* data sizes, later extensions) are left out, as
+        # Postfix's milter8 does; every step and no-reply bit of mfdef.h is offered, so a filter that asks for
+        # them regardless (rspamd 3.4 answers NR_* whatever it is offered) is served as it asked.
+        self.actions, self.protocol = actions & ACTIONS_OFFERED, protocol & PROTOCOL_OFFERED
         rest = data[12:]
         while len(rest) > 4:  # SMFIF_SETSYMLIST: (uint32 stage, "names ...\0")*, the macros wanted per stage
             (stage,) = struct.unpack_from("!I", rest)
