@@ -59,9 +59,10 @@ def serving(app: ppm.PurePythonMilter, unix_path: str = "") -> Iterator[str]:
     finally:
         async def stop() -> None:
             server.close()
-            for task in asyncio.all_tasks():
-                if task is not asyncio.current_task():
-                    task.cancel()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.wait(tasks, timeout=5) if tasks else None
 
         asyncio.run_coroutine_threadsafe(stop(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
