@@ -62,7 +62,10 @@ kills the daemon and runs ``mtaq log verify`` on the spool. Checks:
   envelope that survived a power cut without its data is bounced, issue 31), ``dsns_for_delivered`` those
   about acknowledged messages that were also delivered, ``dsns_delayed`` delay warnings.
 * ``truncated``: delivered copies whose content does not end with the exact bytes the client sent (a
-  cut-off or altered body). Must be 0.
+  cut-off or altered body; with ``--header-checks`` / ``--canonical-maps``: the message as the daemon's
+  rules rewrite it). Must be 0.
+* ``envelope_not_rewritten`` (``--canonical-maps``): delivered copies whose envelope (the sink's Return-Path
+  and Delivered-To lines) is not the canonical sender and recipient. Must be 0 (counted as broken).
 * ``duplicated``: IDs delivered more than once. Allowed (in flight at a kill, or resent by the client).
 * ``unacked_delivered``: delivered IDs that were never acknowledged. Allowed.
 * ``verify_ok``: ``mtaq log verify`` exited 0 (with ``--media-damage`` it names the damage and exits 1).
@@ -297,6 +300,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--milter", choices=("full", "eom"), default=None,
                     help="a no-op milter (bench/noop_milter.py, its --mode) in the path: smtpd_milters (issue 34: "
                          "the verdict comes before the append, a crash loses nothing acknowledged)")
+    ap.add_argument("--canonical-maps", action="store_true",
+                    help="run the daemon with canonical_maps rewriting every message's envelope sender and recipient "
+                         "and its From:/To: (issue 35.3); every delivered copy must be the rewritten message, "
+                         "delivered to the rewritten recipient from the rewritten sender")
     ap.add_argument("--concurrency", type=int, default=20)
     ap.add_argument("--seed", type=int, default=None, help="default: random (printed)")
     ap.add_argument("--keep", metavar="DIR", help="work in DIR (must not hold a spool yet) and keep it")
@@ -410,6 +417,12 @@ def main(argv: list[str] | None = None) -> int:
                 lines.append("header_checks = [" + ", ".join(f"'{r}'" for r in HEADER_CHECKS) + "]")
             if milter_address:
                 lines.append(f'smtpd_milters = ["{milter_address}"]')
+            if args.canonical_maps:
+                table = os.path.join(work_dir, "canonical")
+                with open(table, "w") as f:
+                    f.write(CANONICAL_TABLE)
+                os.chmod(table, 0o644)
+                lines.append(f"canonical_maps = {json.dumps(table)}")
             if not lines:
                 return None
             configs_used[" ".join(lines)] += 1
@@ -659,8 +672,12 @@ def main(argv: list[str] | None = None) -> int:
         silently_ended = [m for m in lost_ids if queue_id_of(tally.acked[m]) not in bounced_qids]
         damaged_no_dsn = [m for m in lost_damaged if queue_id_of(tally.acked[m]) not in bounced_qids]
         dsn_ids = dsn_message_ids(maildir)
-        truncated = truncated_copies(maildir, {mid: rewritten(data) if args.header_checks else data
+        truncated = truncated_copies(maildir, {mid: rewritten(data, args.header_checks, args.canonical_maps)
                                                for mid, data, _r in work})
+        envelope_wrong = (envelope_not_rewritten(maildir, {mid: canonical_rcpt(r) for mid, _d, r in work})
+                          if args.canonical_maps else [])
+        if envelope_wrong:
+            broken.append(f"{len(envelope_wrong)} copies without the canonical envelope, e.g. {envelope_wrong[:3]}")
         dup_ids = sorted(m for m, c in delivered.items() if c > 1)
         unknown_qids = {e.get("queue_id") for e in events if e.get("event") == "outcome_unknown"}
         dup_unexplained = [m for m in dup_ids if tally.submissions[m] == 1 and m in tally.acked
@@ -688,6 +705,8 @@ def main(argv: list[str] | None = None) -> int:
             "media_damage": [f"{d.kind} {os.path.basename(d.path)}:{d.start}" for d in damages],
             "media_damage_unreported": len(unreported),
             "truncated": len(truncated),
+            "canonical_maps": bool(args.canonical_maps),
+            "envelope_not_rewritten": len(envelope_wrong),
             "duplicated": len(dup_ids),
             "duplicated_resubmitted": sum(1 for m in dup_ids if tally.submissions[m] > 1),
             "duplicated_unexplained": len(dup_unexplained),
@@ -807,13 +826,60 @@ def dsn_message_ids(maildir: str) -> set[str]:
 HEADER_CHECKS = ("/^Subject:/ PREPEND X-Checked: crash", "/^Date:/ IGNORE", "/^To:/ REPLACE To: <rewritten@example.net>")
 
 
-def rewritten(data: bytes) -> bytes:
-    """``data`` as the daemon's header_checks (:data:`HEADER_CHECKS`) rewrite it: what a faithful copy ends with."""
+# --canonical-maps: the sender, the recipients' domain and header_checks' To: domain are rewritten (a defer-N
+# local part is kept, so that the sink still defers it once)
+CANONICAL_TABLE = (f"{SENDER}  crash-canonical-sender@client.test\n"
+                   "@sink.test  @canonical.sink.test\n"
+                   "@example.net  @canonical.example.net\n")
+
+
+def canonical_rcpt(rcpt: str) -> str:
+    """A recipient as :data:`CANONICAL_TABLE` rewrites it."""
+    return rcpt.rpartition("@")[0] + "@canonical.sink.test"
+
+
+def rewritten(data: bytes, header_checks: bool = True, canonical: bool = False) -> bytes:
+    """``data`` as the daemon's header_checks (:data:`HEADER_CHECKS`) and then canonical_maps
+    (:data:`CANONICAL_TABLE`) rewrite it, each when on: what a faithful copy ends with."""
+    import tempfile
+
+    from mtaq.edge.canonical import CLASSES, Canonical
     from mtaq.edge.headerchecks import HeaderChecks
 
     head, _sep, rest = data.partition(b"\r\n\r\n")
-    out = HeaderChecks.from_config(list(HEADER_CHECKS)).apply(head + b"\r\n")
-    return (out.head if out.head is not None else head + b"\r\n") + b"\r\n" + rest
+    head += b"\r\n"
+    if header_checks:
+        out = HeaderChecks.from_config(list(HEADER_CHECKS)).apply(head)
+        head = out.head if out.head is not None else head
+    if canonical:
+        with tempfile.NamedTemporaryFile("w", suffix=".canonical") as f:
+            f.write(CANONICAL_TABLE)
+            f.flush()
+            c = Canonical.from_config(canonical_maps=f.name, sender_canonical_maps="", recipient_canonical_maps="",
+                                      canonical_classes=list(CLASSES), myhostname="localhost", myorigin="")
+        assert c is not None
+        head = c.head(head) or head
+    return head + b"\r\n" + rest
+
+
+def envelope_not_rewritten(maildir: str, rcpt_of: dict[str, str]) -> list[str]:
+    """Message-IDs of delivered copies (DSNs aside) whose envelope, as the sink wrote it (Return-Path,
+    Delivered-To), is not the canonical sender and ``rcpt_of[Message-ID]``."""
+    want_from = b"return-path: <crash-canonical-sender@client.test>"
+    bad = []
+    for sub in ("new", "cur"):
+        d = os.path.join(maildir, sub)
+        for name in os.listdir(d) if os.path.isdir(d) else []:
+            with open(os.path.join(d, name), "rb") as f:
+                head = f.read(8192).split(b"\r\n\r\n", 1)[0].split(b"\r\n")
+            if any(line.lower() in (b"return-path: <>", b"return-path: <<>>") for line in head):
+                continue
+            mid = next((line.split(b":", 1)[1].strip().decode(errors="replace") for line in head
+                        if line.lower().startswith(b"message-id:")), name)
+            rcpts = [line.split(b":", 1)[1].strip().decode() for line in head if line.startswith(b"Delivered-To:")]
+            if head[0].lower() != want_from or rcpts != [rcpt_of.get(mid, "?")]:
+                bad.append(mid)
+    return bad
 
 
 def truncated_copies(maildir: str, sent: dict[str, bytes]) -> list[str]:

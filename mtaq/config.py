@@ -137,6 +137,14 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     destination_concurrency_limit: Annotated[int, msgspec.Meta(ge=1, le=10000)] = 20
     destination_rate_per_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # 0: no limit
     destination_limits: dict[str, DestinationLimit] = msgspec.field(default_factory=dict)
+    # Back-off per next hop (mtaq.delivery.backoff; Postfix's qmgr concurrency scheduler): a destination
+    # whose failed pseudo-cohorts (connections refused or timed out, 421s) since its last success reach
+    # destination_concurrency_failed_cohort_limit (0: never) is dead for smtp_destination_dead_s seconds
+    # (Postfix: minimal_backoff_time, 300), never longer than half the first retry interval: its mail is
+    # deferred without a connection. Its concurrency window drops by one per failure and grows back by
+    # 1/window per success, between 1 and destination_concurrency_limit.
+    smtp_destination_dead_s: Annotated[float, msgspec.Meta(ge=0)] = 300.0
+    destination_concurrency_failed_cohort_limit: Annotated[float, msgspec.Meta(ge=0, le=1000)] = 1.0
     # RFC 4865 FUTURERELEASE (HOLDFOR / HOLDUNTIL): the longest delay a client may ask; longer requests are
     # refused with 501 5.5.4 naming this limit (Pulsar PIP-315). 0: no limit.
     delay_max_s: Annotated[float, msgspec.Meta(ge=0)] = 7 * 86400.0
@@ -327,6 +335,22 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     milter_command_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 30.0
     milter_content_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 300.0
     milter_protocol: Annotated[int, msgspec.Meta(ge=2, le=6)] = 6
+    # Address rewriting at receipt (Postfix canonical(5); mtaq.edge.canonical): files of "KEY VALUE" lines in
+    # Postfix's table syntax, KEY user@domain, user or @domain, VALUE an address or @domain (keeps the local
+    # part). The envelope sender and sender headers go through sender_canonical_maps then canonical_maps;
+    # recipients and recipient headers through recipient_canonical_maps then canonical_maps. Headers only in
+    # mail from mynetworks or authenticated clients. "": none.
+    canonical_maps: str = ""
+    sender_canonical_maps: str = ""
+    recipient_canonical_maps: str = ""
+    # What canonical maps rewrite (Postfix canonical_classes).
+    canonical_classes: list[Literal["envelope_sender", "envelope_recipient", "header_sender", "header_recipient"]] = (
+        msgspec.field(default_factory=lambda: ["envelope_sender", "envelope_recipient", "header_sender",
+                                               "header_recipient"]))
+    # Address rewriting of mail leaving (Postfix smtp_generic_maps, generic(5)): the same file syntax, applied
+    # when a message is sent to the envelope and the header addresses (not to fields a DKIM/ARC signature of
+    # the message covers); the queued message is unchanged. "": none.
+    smtp_generic_maps: str = ""
     # Postfix smtpd_error_sleep_time: seconds before a failed AUTH is answered.
     smtpd_error_sleep_time_s: Annotated[float, msgspec.Meta(ge=0, le=300)] = 1.0
     # Failed AUTH attempts per client IP in any 60 s before AUTH gets 450 4.7.1 (mynetworks too); 0: no limit.

@@ -27,7 +27,11 @@ Exposed (units in names; seconds, UTC-free durations):
   filter's verdicts, failures and latency (issue 34; the filter named by its address as configured);
 * ``mtaq_delivery_latency_seconds{domain}`` histogram: arrival to delivery (the remote's 2xx, made
   durable), by recipient domain;
-* ``mtaq_recovery_seconds`` gauge (absent until recovery is done), ``mtaq_ready`` gauge (1 after it).
+* ``mtaq_recovery_seconds`` gauge (absent until recovery is done), ``mtaq_ready`` gauge (1 after it);
+* ``mtaq_destinations_dead`` gauge: next hops now dead (mtaq.delivery.backoff; their mail is deferred
+  without a connection), and ``mtaq_destination_concurrency{destination}`` gauge: deliveries allowed at once
+  to each next hop that is dead or backed off below its limit (at most ``metrics_domains_max`` of them;
+  summed over the shards, as each worker process has its own window).
 
 With several workers ``/metrics`` is worker 0's, summed over every shard by :mod:`mtaq.admin.shards`
 (which adds ``mtaq_shards``); this module is one daemon's, one shard's.
@@ -105,6 +109,8 @@ class Metrics:
         # The content filters' counters by filter name (mtaq.edge.milter.STATS, set by the daemon): objects
         # with ``verdicts`` (verdict -> count), ``errors``, ``seconds`` and ``waits``.
         self.milter_stats: Callable[[], Mapping[str, Any]] | None = None
+        # The daemon's next hops (mtaq.delivery.backoff): {destination: (window, active, dead)}; None: none yet.
+        self.destinations: Callable[[], dict[str, tuple[int, int, bool]]] | None = None
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_DaemonCollector(self))
 
@@ -168,6 +174,16 @@ class _DaemonCollector(Collector):
         for action, n in sorted(m.admin_actions.items()):
             actions.add_metric([action], float(n))
         yield actions
+        if m.destinations is not None:
+            dests = m.destinations()
+            yield GaugeMetricFamily("mtaq_destinations_dead", "Next hops now dead: their mail is deferred without "
+                                    "a connection (smtp_destination_dead_s)", value=float(sum(d for _, _, d in dests.values())))
+            window = GaugeMetricFamily("mtaq_destination_concurrency", "Deliveries allowed at once to a next hop that "
+                                       "is dead or backed off below its limit (concurrency feedback)",
+                                       labels=["destination"])
+            for name, (w, _active, _dead) in sorted(dests.items())[: m.domains_max]:
+                window.add_metric([name], float(w))
+            yield window
         commit = HistogramMetricFamily("mtaq_commit_latency_seconds",
                                        "Seconds a commit waited for the fsync round covering it")
         commit.add_metric([], m.commit_latency.cumulative(), sum_value=m.commit_latency.sum)

@@ -117,6 +117,8 @@ class AdminService:
         self.clock = clock
         self.spool = spool
         self._lock = asyncio.Lock()  # one admin action at a time (listings run freely)
+        # Called at each flush (the daemon's dead destinations are forgotten: Postfix postqueue -f).
+        self.on_flush: Callable[[], None] = lambda: None
 
     async def view(self) -> QueueView:
         """The queue as of now: read in a thread up to the durable end, then caught up in the loop."""
@@ -174,6 +176,8 @@ class AdminService:
                 raise AdminError(f"requested delay of {delay_s:.0f} seconds exceeds the maximum of "
                                  f"{self.delay_max_s:.0f} seconds (delay_max_s)")
             release_ts = self.clock() + delay_s
+        if action == "flush":
+            self.on_flush()
         async with self._lock:
             with self.queue.log.segments_kept():  # no reclamation under the reading thread (issue 31.7)
                 view = await asyncio.to_thread(_view_of_segments, self.queue.log, self.queue.log.durable_end)
@@ -225,7 +229,9 @@ class AdminService:
             r.poke()  # it may be waiting for exactly this envelope to come due
 
     def flush_all(self) -> None:
-        """``postqueue -f``: every runner offers all its envelopes now (the parked ones are not touched)."""
+        """``postqueue -f``: every runner offers all its envelopes now (the parked ones are not touched);
+        dead destinations are tried again."""
+        self.on_flush()
         for r in self.runners:
             r.flush()
 

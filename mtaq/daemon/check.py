@@ -130,6 +130,11 @@ def _other_loaders(cfg: Config) -> list[Callable[[], object]]:
 
     checks: list[Callable[[], object]] = [lambda: SaslClient.from_config(cfg)]
     checks += [partial(load_key, d, k.selector, k.key_file) for d, k in cfg.dkim_keys.items()]
+    if cfg.smtp_generic_maps:
+        from mtaq.edge.canonical import Generic
+
+        checks.append(partial(Generic.from_config, cfg.smtp_generic_maps, myhostname=cfg.hostname(),
+                              myorigin=cfg.myorigin))
     for key, path in (("smtp_tls_CAfile", cfg.smtp_tls_CAfile), ("mta_sts_ca_file", cfg.mta_sts_ca_file)):
         if path:
             checks.append(partial(_ca_file, key, path))

@@ -17,6 +17,7 @@ checkpoint; only the archived prefix is deleted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import gc
 import importlib
@@ -26,8 +27,10 @@ import signal
 import socket
 import sys
 import time
+from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
@@ -52,13 +55,15 @@ from mtaq.daemon.workers import (
     worker_anvil_socket,
     workers_wanted,
 )
+from mtaq.delivery.backoff import Destinations
 from mtaq.delivery.relay import Reply, classify
 from mtaq.delivery.routing import Router
 from mtaq.delivery.sasl import SaslClient
 from mtaq.delivery.security import forget_contexts
-from mtaq.delivery.throttle import DomainLimit, Throttle
+from mtaq.delivery.throttle import DomainLimit, Slots, Throttle
 from mtaq.delivery.transport import Batch, ConnectionPool, HopFailure, deliver
 from mtaq.delivery.verify import VERIFY_CACHE_FILE, Verifier, VerifySettings, make_prober
+from mtaq.edge.canonical import Generic
 from mtaq.edge.dkim import Signer
 from mtaq.edge.limits import ConnectionGate, Gate
 from mtaq.edge.milter import STATS as milter_stats
@@ -67,7 +72,7 @@ from mtaq.edge.policy import EdgePolicy
 from mtaq.edge.server import EdgeSettings, QueueHandler, connection_gate, gate_limits, start_server
 from mtaq.logs import configure_logging, get_logger
 from mtaq.queue.recovery import move_aside, recover
-from mtaq.queue.runners import RUNNER_READ_RETRY_S, Declined, Dispatcher, Runner
+from mtaq.queue.runners import RUNNER_READ_RETRY_S, Declined, Dispatcher, Offer, Runner
 from mtaq.queue.store import Queue, StoredBody, set_queue_id_shard
 from mtaq.storage.archive import ArchiveError, SegmentArchive
 from mtaq.storage.checkpoint import write_checkpoint
@@ -105,8 +110,39 @@ SASL_HOLD_FILE = "sasl_hold"  # in the spool: the host's outbound SASL holds (mt
 sockets, the log's files being written, the admin API, the anvil, pidfds, DNS, temporary files of messages."""
 EXIT_FSYNC_FAILED = 75
 EXIT_SOFTWARE = 70  # an unexpected exception in a daemon task: crash, recovery will pick up
+BACKLOG_PER_WORKER = 50
+"""Started attempts held back per delivery worker while their destination is full (a slow or backed-off
+next hop, a domain at its concurrency limit) before the workers stop taking new mail: they wait instead,
+as Postfix's qmgr stops reading the queue when its active queue is full (qmgr_message_active_limit)."""
 _EVENT_OF = {"delivered": "delivered", "deferred": "deferred", "failed": "bounced"}
 _STATUS_OF = {"delivered": "sent", "deferred": "deferred", "failed": "bounced"}
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A started attempt waiting for its destinations: the recipient ``domains`` (Throttle) and next hops
+    ``dests`` (Destinations) of its SMTP recipients."""
+
+    attempt: Attempt
+    body: bytes | StoredBody | None
+    problem: str
+    domains: list[str]
+    dests: list[str]
+
+
+def dead_time_s(cfg: Config) -> float:
+    """How long a dead destination is suspended: ``smtp_destination_dead_s``, never longer than half the
+    first retry interval (the mail it defers is then tried for real at its next retry; Postfix's dead time,
+    minimal_backoff_time, is never longer than its shortest retry either)."""
+    return min(cfg.smtp_destination_dead_s, cfg.retry_intervals_s[0] / 2)
+
+
+def _destinations(cfg: Config, report: Callable[[str, dict[str, Any]], None],
+                  monotonic: Callable[[], float]) -> Destinations:
+    return Destinations(cfg.destination_concurrency_limit,
+                        {d: v.concurrency for d, v in cfg.destination_limits.items()},
+                        dead_s=dead_time_s(cfg), failed_cohort_limit=cfg.destination_concurrency_failed_cohort_limit,
+                        clock=monotonic, report=report)
 
 
 class Daemon:
@@ -143,12 +179,17 @@ class Daemon:
         self.listen_sockets = listen_sockets
         self._copy_failed: set[Pos] = set()  # parked envelopes whose DATA could not be copied forward
         self.log = get_logger()
-        self.router = Router(cfg)
+        self.router = _router(cfg)
         self.throttle = Throttle(
             DomainLimit(cfg.destination_concurrency_limit, cfg.destination_rate_per_s),
             {d: DomainLimit(v.concurrency, v.rate_per_s) for d, v in cfg.destination_limits.items()},
         )
         self.pools: list[ConnectionPool] = []
+        # Back-off per next hop: dead destinations, concurrency windows (mtaq.delivery.backoff).
+        self.dests = _destinations(cfg, self._on_destination, monotonic)
+        self.backlog: deque[_Pending] = deque()  # started attempts waiting for a full destination
+        self._backlog_changed = asyncio.Event()
+        self._rate_timer: asyncio.TimerHandle | None = None
         self.edge = EdgePolicy.from_config(cfg)  # reads the TLS and password files; ConfigError if bad
         # What each new SMTP session starts with (a reload replaces it; sessions keep theirs).
         self.edge_settings = EdgeSettings(self.edge, cfg.message_size_limit_bytes, cfg.smtp_server_timeout_s,
@@ -164,6 +205,7 @@ class Daemon:
         self.counts = {"delivered": 0, "deferred": 0, "failed": 0}
         self.metrics = Metrics(self.counts, domains_max=cfg.metrics_domains_max)
         self.metrics.milter_stats = lambda: milter_stats  # per-filter counters (mtaq.edge.milter)
+        self.metrics.destinations = self.dests.backed_off
         self.http: AdminHttp | None = None  # the admin API (admin_listen), listening from the start
         self.admin_listen_sockets: list[socket.socket] | None = None  # admin_listen bound before dropping root
         self.policy = RetryPolicy(
@@ -383,6 +425,7 @@ class Daemon:
         from mtaq.admin.service import AdminService
 
         self.admin = AdminService(self.queue, self.runners, self.clock, cfg.spool_dir, delay_max_s=cfg.delay_max_s)
+        self.admin.on_flush = self._flushed
         if self.http is not None:
             self.http.state.admin = self.admin
         # A checkpoint now bounds the next recovery to what comes after this start, even if the next crash
@@ -397,7 +440,8 @@ class Daemon:
             self.pickup = Pickup(self.queue, cfg.spool_dir, hostname=cfg.hostname(),
                                  body_bytes_max=cfg.message_size_limit_bytes,
                                  recipients_max=cfg.recipients_per_message_max, signer=self.signer, log=self.log,
-                                 myorigin=cfg.myorigin, milters=self.edge.milter)
+                                 myorigin=cfg.myorigin, milters=self.edge.milter,
+                                 canonical=self.edge.canonical)
             tasks.append(asyncio.create_task(self.pickup.run(res.maildrop)))
         if cfg.stats_interval_s > 0:
             tasks.append(asyncio.create_task(self._stats()))
@@ -471,7 +515,7 @@ class Daemon:
             ("edge", lambda: EdgePolicy.from_config(cfg)),
             ("sasl", lambda: self._sasl_client(cfg)),
             ("signer", lambda: Signer.from_config(cfg)),
-            ("router", lambda: Router(cfg)),
+            ("router", lambda: _router(cfg)),
             ("peers", lambda: self._peer_policy(cfg)),
         ]
         for name, make in steps:
@@ -518,6 +562,7 @@ class Daemon:
             self.queue.minfree_bytes = max(cfg.queue_minfree_bytes, cfg.message_size_limit_bytes * 3 // 2)
         if self.pickup is not None:
             self.pickup.signer = self.signer
+            self.pickup.canonical = self.edge.canonical
             self.pickup.body_bytes_max = cfg.message_size_limit_bytes
             self.pickup.recipients_max = cfg.recipients_per_message_max
         admin = getattr(self, "admin", None)
@@ -535,6 +580,11 @@ class Daemon:
             DomainLimit(cfg.destination_concurrency_limit, cfg.destination_rate_per_s),
             {d: DomainLimit(v.concurrency, v.rate_per_s) for d, v in cfg.destination_limits.items()},
         )
+        self.dests.configure(cfg.destination_concurrency_limit,
+                             {d: v.concurrency for d, v in cfg.destination_limits.items()},
+                             dead_s=dead_time_s(cfg), failed_cohort_limit=cfg.destination_concurrency_failed_cohort_limit)
+        if getattr(self, "dispatcher", None) is not None:
+            self._kick()
 
     # ------------------------------------------------------------------------------------------ delivery
     async def _close_idle_connections(self) -> None:
@@ -544,62 +594,167 @@ class Daemon:
                 await pool.close_idle()
 
     async def _worker(self) -> None:
+        """One delivery worker: takes started attempts that can go now (held back ones first, then new
+        offers), and never waits for one destination while other mail could go: an attempt whose
+        destination (a recipient domain's slots, a next hop's concurrency window) is full waits in
+        :attr:`backlog` (started, in memory: a crash leaves it to recovery like any attempt in progress)
+        and the worker takes the next offer. Only a full backlog (``BACKLOG_PER_WORKER`` per worker) makes
+        a worker wait, as Postfix's queue manager stops reading the queue when its active queue is full."""
         cfg = self.cfg
         pool = ConnectionPool(helo_name=cfg.hostname(), timeout_s=cfg.smtp_timeout_s,
                               idle_s=cfg.smtp_connection_idle_s, max_conns=cfg.smtp_connection_cache_max,
                               bind_address=cfg.smtp_bind_address, bind_address6=cfg.smtp_bind_address6)
         self.pools.append(pool)
-        q = self.queue
         me = asyncio.current_task()
         while True:
             if me is not None and me.cancelling():
                 # Python 3.11's wait_for (inside aiosmtplib) can swallow a cancellation; honour it here.
                 raise asyncio.CancelledError
-            offer = await self.dispatcher.take()
-            env = offer.envelope
-            if offer.pos in q.revoked or (offer.runner == self.policy.runners and offer.pos not in q.parked):
-                # An administrator deleted, held, ... this envelope after it was found: it is not ours.
-                q.revoked.discard(offer.pos)
-                offer.accept()
-                continue
-            body: bytes | StoredBody | None
-            try:
-                # Checked now; a large one (sent from the log in pieces) just after START, yielding between pieces.
-                body = q.body_for_delivery(env, check=False)
-                problem = ""
-            except CorruptRecord as exc:
-                body, problem = None, str(exc)  # damaged for good: bounced (554 5.3.0) with a DSN
-            except StorageError as exc:
-                body, problem = None, f"temporary: {exc}"  # EIO, EMFILE, ENOMEM: deferred, tried again
-            try:
-                attempt = q.start(offer.pos, env)  # same step as take(): the runner position stays truthful
-            except StorageFatal:
-                offer.decline()
-                return
-            except StorageError as exc:
-                self.log.error("start_failed", queue_id=env.queue_id, error=str(exc), action="offered again")
-                offer.decline()
-                continue
-            offer.accept()
-            try:
-                if isinstance(body, StoredBody):
+            ready = self._next_ready()
+            if ready is None:
+                if len(self.backlog) >= BACKLOG_PER_WORKER * self.cfg.delivery_concurrency:
+                    self._backlog_changed.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._backlog_changed.wait(), 1.0)
+                    continue
+                offer = await self.dispatcher.take_or_nudge()
+                if offer is None:
+                    continue  # nudged: held-back work may go now
+                started = self._start_offer(offer)
+                if started is False:
+                    return  # StorageFatal: the process is exiting
+                if started is None:
+                    continue
+                p = started
+                if isinstance(p.body, StoredBody):
                     try:
-                        await body.verify_yielding()  # the other sessions go on while a large body is checked
+                        await p.body.verify_yielding()  # the other sessions go on while a large body is checked
                     except CorruptRecord as exc:
-                        body, problem = None, str(exc)  # damaged for good: bounced (554 5.3.0) with a DSN
+                        p.body, p.problem = None, str(exc)  # damaged for good: bounced (554 5.3.0) with a DSN
                     except StorageError as exc:
-                        body, problem = None, f"temporary: {exc}"  # deferred, tried again
-                await self._attempt(attempt, body, problem, pool)
-            except StorageFatal:
-                return  # the process is exiting
-            except Exception as exc:
-                # A full disk, or a bug: never leave the attempt open and forgotten while we run.
-                self.log.exception("delivery_attempt_failed", queue_id=env.queue_id, error=str(exc))
-                try:
-                    q.conclude(attempt, body if isinstance(body, bytes) else None)
-                except Exception as exc2:
-                    # Stays in the working set (so reclamation keeps its envelope); the next recovery ends it.
-                    self.log.error("attempt_left_open", queue_id=env.queue_id, error=str(exc2))
+                        p.body, p.problem = None, f"temporary: {exc}"  # deferred, tried again
+                    except StorageFatal:
+                        return
+                ready = self._claim(p)
+                if ready is None:
+                    self.backlog.append(p)
+                    continue
+            p, slots, held = ready
+            self._kick()  # another held-back attempt may go too: wake an idle worker for it
+            try:
+                async with slots:  # free (checked by _claim, nothing awaited since): never waits
+                    if not await self._run_attempt(p, pool):
+                        return
+            finally:
+                self.dests.release(held)
+                self._backlog_changed.set()
+
+    def _start_offer(self, offer: Offer) -> _Pending | Literal[False] | None:
+        """Start the offered envelope (its START appended, the offer accepted): the attempt to run; None
+        when there is nothing to deliver (revoked, or declined to be offered again); False after a
+        StorageFatal (the process is exiting)."""
+        q = self.queue
+        env = offer.envelope
+        if offer.pos in q.revoked or (offer.runner == self.policy.runners and offer.pos not in q.parked):
+            # An administrator deleted, held, ... this envelope after it was found: it is not ours.
+            q.revoked.discard(offer.pos)
+            offer.accept()
+            return None
+        body: bytes | StoredBody | None
+        try:
+            # Checked now; a large one (sent from the log in pieces) just after START, yielding between pieces.
+            body = q.body_for_delivery(env, check=False)
+            problem = ""
+        except CorruptRecord as exc:
+            body, problem = None, str(exc)  # damaged for good: bounced (554 5.3.0) with a DSN
+        except StorageError as exc:
+            body, problem = None, f"temporary: {exc}"  # EIO, EMFILE, ENOMEM: deferred, tried again
+        try:
+            attempt = q.start(offer.pos, env)  # same step as take(): the runner position stays truthful
+        except StorageFatal:
+            offer.decline()
+            return False
+        except StorageError as exc:
+            self.log.error("start_failed", queue_id=env.queue_id, error=str(exc), action="offered again")
+            offer.decline()
+            return None
+        offer.accept()
+        domains: set[str] = set()
+        dests: set[str] = set()
+        if body is not None:
+            for r in env.recipients:
+                route = self.router.route(r.address, env.sender)
+                if route.kind == "smtp":
+                    domains.add(r.address.rpartition("@")[2].lower())
+                    dests.add(str(route))
+        return _Pending(attempt, body, problem, sorted(domains), sorted(dests))
+
+    def _claim(self, p: _Pending) -> tuple[_Pending, Slots, list[str]] | None:
+        """``p`` with its slots (entered right after, with no await between) and its next hops counted in
+        their windows, when every destination of it has room now; else None (with a wake-up armed when
+        only a rate is in the way)."""
+        wait = self.throttle.wait_s(p.domains)
+        if wait is None or not self.dests.free(p.dests):
+            return None
+        if wait > 0:
+            if self._rate_timer is None or self._rate_timer.cancelled():
+                self._rate_timer = asyncio.get_running_loop().call_later(wait, self._rate_due)
+            return None
+        return p, self.throttle.slots(p.domains), self.dests.hold(p.dests)
+
+    def _rate_due(self) -> None:
+        self._rate_timer = None
+        self._kick()
+
+    def _next_ready(self) -> tuple[_Pending, Slots, list[str]] | None:
+        """The first held-back attempt (oldest first) that can go now, taken out of the backlog."""
+        for i, p in enumerate(self.backlog):
+            ready = self._claim(p)
+            if ready is not None:
+                del self.backlog[i]
+                self._backlog_changed.set()
+                return ready
+        return None
+
+    def _kick(self) -> None:
+        """Wake an idle worker when a held-back attempt can go now (a slot came free, a window grew, a
+        destination died or was flushed, a rate allows the next start)."""
+        if self.backlog and any(self.throttle.wait_s(p.domains) == 0.0 and self.dests.free(p.dests)
+                                for p in self.backlog):
+            self.dispatcher.nudge()
+            self._backlog_changed.set()
+
+    def _on_destination(self, event: str, fields: dict[str, Any]) -> None:
+        """A next hop died, came back, or its window changed (mtaq.delivery.backoff): log it; held-back
+        attempts may go now."""
+        (self.log.warning if event == "destination_dead" else self.log.info)(event, **fields)
+        if getattr(self, "dispatcher", None) is not None:
+            self._kick()
+
+    def _flushed(self) -> None:
+        """``mtaq queue flush`` (Postfix ``postqueue -f``): dead destinations are tried again at once."""
+        dead = self.dests.clear()
+        if dead:
+            self.log.info("destinations_flushed", dead=dead, action="tried again now")
+
+    async def _run_attempt(self, p: _Pending, pool: ConnectionPool) -> bool:
+        """Deliver ``p`` and conclude it; False after a StorageFatal (the process is exiting)."""
+        q = self.queue
+        attempt, body = p.attempt, p.body
+        env = attempt.envelope
+        try:
+            await self._attempt(attempt, body, p.problem, pool)
+        except StorageFatal:
+            return False
+        except Exception as exc:
+            # A full disk, or a bug: never leave the attempt open and forgotten while we run.
+            self.log.exception("delivery_attempt_failed", queue_id=env.queue_id, error=str(exc))
+            try:
+                q.conclude(attempt, body if isinstance(body, bytes) else None)
+            except Exception as exc2:
+                # Stays in the working set (so reclamation keeps its envelope); the next recovery ends it.
+                self.log.error("attempt_left_open", queue_id=env.queue_id, error=str(exc2))
+        return True
 
     async def _attempt(self, attempt: Attempt, body: bytes | StoredBody | None, problem: str,
                        pool: ConnectionPool) -> None:
@@ -670,9 +825,9 @@ class Daemon:
                         rcpt_params=[r.params for r in rcpts],
                         record=record,
                         on_hop_failure=hop_failed,
-                        throttle=self.throttle,
                         sasl=self.sasl,
                         peers=self.peers,
+                        dests=self.dests,  # the domains' slots are held by the worker (_claim)
                     )
             except TimeoutError:
                 # The visibility timeout (CassieQ): the attempt is abandoned; recipients without a durable
@@ -941,6 +1096,14 @@ async def _run_or_crash(daemon: Daemon) -> None:
     except BaseException:
         daemon.log.exception("daemon_crashed", exit_status=EXIT_SOFTWARE)
         os._exit(EXIT_SOFTWARE)
+
+
+def _router(cfg: Config) -> Router:
+    """The delivery router of ``cfg``, with its ``smtp_generic_maps`` (:class:`mtaq.edge.canonical.Generic`)
+    read: the delivery package does not read edge modules. Raises ConfigError."""
+    router = Router(cfg)
+    router.generic = Generic.from_config(cfg.smtp_generic_maps, myhostname=cfg.hostname(), myorigin=cfg.myorigin)
+    return router
 
 
 def _run_loop(daemon: Daemon) -> None:

@@ -40,9 +40,11 @@ RELOADABLE: frozenset[str] = frozenset({
     "smtpd_milters", "non_smtpd_milters", "milter_default_action", "milter_connect_timeout_s", "milter_command_timeout_s",
     "milter_content_timeout_s", "milter_protocol",
     "reject_unverified_recipient", "unverified_recipient_reject_code", "unverified_recipient_defer_code",
+    "canonical_maps", "sender_canonical_maps", "recipient_canonical_maps", "canonical_classes",
     # delivery: new attempts (Router, Throttle, SaslClient, PeerPolicy)
     "relayhost", "transport_map", "sender_dependent_relayhost_maps", "sender_dependent_bind_address_maps",
-    "destination_bind_address_maps", "destination_concurrency_limit", "destination_rate_per_s",
+    "destination_bind_address_maps", "smtp_generic_maps", "destination_concurrency_limit", "destination_rate_per_s",
+    "smtp_destination_dead_s", "destination_concurrency_failed_cohort_limit",
     "destination_limits", "smtp_tls_security_level", "tls_policy_map", "smtp_tls_CAfile", "smtp_tls_wrappermode",
     "smtp_sasl_auth_enable", "smtp_sasl_password_file", "smtp_sender_dependent_authentication",
     "smtp_sasl_allow_plaintext", "smtp_sasl_auth_failure_hold_s", "dns_nameservers", "dns_port", "dns_timeout_s",
@@ -86,7 +88,8 @@ def changed_keys(old: Config, new: Config) -> tuple[list[str], list[str]]:
 def _files(cfg: Config) -> list[tuple[str, str]]:
     """``(key, path)`` of every file the reloadable keys of ``cfg`` make the daemon read."""
     out = [(k, getattr(cfg, k)) for k in ("tls_cert_file", "tls_key_file", "auth_password_file", "smtp_tls_CAfile",
-                                          "mta_sts_ca_file") if getattr(cfg, k)]
+                                          "mta_sts_ca_file", "canonical_maps", "sender_canonical_maps",
+                                          "recipient_canonical_maps", "smtp_generic_maps") if getattr(cfg, k)]
     if cfg.smtp_sasl_auth_enable and cfg.smtp_sasl_password_file:
         out.append(("smtp_sasl_password_file", cfg.smtp_sasl_password_file))
     out += [(f"dkim_keys.{d}.key_file", k.key_file) for d, k in cfg.dkim_keys.items()]

@@ -201,6 +201,9 @@ class RelayConnection:
         self.tls: TlsLevel = tls
         self.security = security or HopSecurity()
         self.auth_failure = 0  # the server's reply code when AUTH was refused in the last send, else 0
+        # The last send could not talk to the host at all (refused, timed out, a greeting other than 2xx):
+        # a whole failed cohort for the destination's back-off (mtaq.delivery.backoff).
+        self.connect_failed = False
         self._client: aiosmtplib.SMTP | None = None
         self.remote_dsn = False  # whether the next hop offered DSN in the last transaction
         self.tls_version = ""  # e.g. "TLSv1.3" while the connection is encrypted, "" in plaintext
@@ -428,6 +431,7 @@ class RelayConnection:
             return [r if r is not None else reply for r in replies]
 
         self.auth_failure = 0
+        self.connect_failed = False
         refused_sender = local_address_refusal(sender, sender=True)
         if refused_sender is not None:
             return fill(refused_sender)
@@ -449,6 +453,7 @@ class RelayConnection:
                 return fill(exc.reply)
             except (aiosmtplib.SMTPException, OSError, ssl.SSLError) as exc:
                 self._drop()
+                self.connect_failed = True
                 return fill(Reply(421, "4.4.1", f"connect to {self.name}: {_why(exc)}"))
             self.remote_dsn = c.supports_extension("dsn")
             mopts = _dsn_options(mail_params, ("RET", "ENVID")) if self.remote_dsn else []

@@ -45,7 +45,7 @@ import random
 import socket
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, TypeVar
+from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
 
 from mtaq.config import (
     Config,
@@ -63,7 +63,7 @@ if TYPE_CHECKING:  # dnspython is imported at the first lookup: a relayhost neve
     import dns.asyncresolver
     import dns.resolver
 
-__all__ = ["Candidate", "Dns", "Route", "RouteFailure", "Router", "domain_of", "lookup", "parse_transport"]
+__all__ = ["AddressRewriter", "Candidate", "Dns", "Route", "RouteFailure", "Router", "domain_of", "lookup", "parse_transport"]
 
 V = TypeVar("V")
 
@@ -275,6 +275,18 @@ def _is_local_address(address: str) -> bool:
         return False
 
 
+class AddressRewriter(Protocol):
+    """Address rewriting of mail leaving (``smtp_generic_maps``; :class:`mtaq.edge.canonical.Generic`)."""
+
+    def address(self, address: str) -> str:
+        """An envelope address as it leaves."""
+        ...
+
+    def head(self, head: bytes) -> bytes | None:
+        """A header section (without its empty line) as it leaves, or None when unchanged."""
+        ...
+
+
 class Router:
     """Routes recipients (pure) and turns a route into the addresses to try (DNS). See the module text."""
 
@@ -302,6 +314,8 @@ class Router:
         self.tls_default: TlsLevel = cfg.smtp_tls_security_level
         self.tls_policy: dict[str, TlsLevel] = {k.strip().lower(): v for k, v in cfg.tls_policy_map.items()}
         self.tls_ca_file = cfg.smtp_tls_CAfile
+        # smtp_generic_maps, applied as mail leaves (mtaq.edge.canonical.Generic, set by the daemon); None: none
+        self.generic: AddressRewriter | None = None
         self.wrappermode = cfg.smtp_tls_wrappermode
         self.addresses_max = cfg.smtp_mx_addresses_max
         self.rng = rng or random.Random()

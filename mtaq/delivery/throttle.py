@@ -3,8 +3,10 @@
 
 A delivery of a message to the recipients of one domain holds one of that domain's *slots* while it
 talks to the next hop, and takes one token of the domain's rate (a token bucket of one: deliveries to the
-domain start at least ``1 / rate_per_s`` seconds apart). A worker that finds the domain saturated waits,
-like mail in Postfix's active queue waits for its destination; it never defers the mail for it.
+domain start at least ``1 / rate_per_s`` seconds apart). Mail for a saturated domain waits, like mail in
+Postfix's active queue waits for its destination; it is never deferred for it. The daemon's workers ask
+:meth:`Throttle.wait_s` first and hold such mail back rather than wait themselves (mtaq.daemon.process:
+other destinations' mail goes on); :meth:`Throttle.slots` entered directly waits.
 
 What must always hold: at no moment do more deliveries to a domain hold a slot than its limit (after a
 reload that lowered it, :meth:`Throttle.update`: no new one starts until the deliveries begun before it are
@@ -89,6 +91,21 @@ class Throttle:
         """The highest number of simultaneous deliveries to ``domain`` seen so far."""
         d = self._domains.get(domain.lower())
         return d.peak if d is not None else 0
+
+    def wait_s(self, domains: Iterable[str]) -> float | None:
+        """Whether a delivery to ``domains`` could start now without waiting: 0.0 when a slot of each is free
+        and its rate allows a start now, the seconds until the rate allows one when only the rate is in the
+        way, None when a domain has no free slot (a slot comes free when a delivery ends). Entering
+        :meth:`slots` right after a 0.0, with no await in between, never waits."""
+        wait = 0.0
+        now = self.clock()
+        for name in {d.lower() for d in domains}:
+            d = self._domain(name)
+            if d.sem.locked():
+                return None
+            if d.limit.rate_per_s > 0:
+                wait = max(wait, d.next_start - now)
+        return wait
 
     def slots(self, domains: Iterable[str]) -> Slots:
         """Hold one slot (and one rate token) of each domain for the body of the ``async with``."""

@@ -23,13 +23,16 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import re
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from mtaq.core.errors import CorruptRecord, StorageError
+from mtaq.delivery.backoff import Destinations
 from mtaq.delivery.relay import Content, RelayConnection, Reply, TlsLevel
-from mtaq.delivery.routing import Candidate, Route, RouteFailure, Router
+from mtaq.delivery.routing import AddressRewriter, Candidate, Route, RouteFailure, Router
 from mtaq.delivery.sasl import SaslClient, nexthop_keys
 from mtaq.delivery.security import Credentials, HopSecurity
 from mtaq.delivery.throttle import Throttle
@@ -38,7 +41,13 @@ if TYPE_CHECKING:  # DANE and MTA-STS pull in dnspython, aiohttp and cryptograph
     from mtaq.delivery.dane import Tlsa
     from mtaq.delivery.peers import PeerPolicy
 
-__all__ = ["Batch", "ConnectionPool", "HopFailure", "deliver"]
+__all__ = ["GENERIC_HEAD_BYTES_MAX", "Batch", "ConnectionPool", "HopFailure", "deliver"]
+
+GENERIC_HEAD_BYTES_MAX = 1024 * 1024
+"""The most of a queued message read to find its header section for smtp_generic_maps (bytes)."""
+_BLANK_LINE = re.compile(rb"(?:\A|\n)\r?\n")  # the empty line that ends the header section (as mtaq.edge.dkim)
+HEAD_INLINE_BYTES_MAX = 64 * 1024
+"""A header section up to this long is rewritten by smtp_generic_maps in the event loop; a longer one in a thread."""
 
 
 @dataclass(slots=True)
@@ -166,6 +175,7 @@ async def deliver(
     throttle: Throttle | None = None,
     sasl: SaslClient | None = None,
     peers: PeerPolicy | None = None,
+    dests: Destinations | None = None,
 ) -> None:
     """Deliver ``body`` to ``recipients``; every position gets exactly one final reply through ``record``.
 
@@ -179,8 +189,13 @@ async def deliver(
     ``sasl`` gives the credentials of each destination (by ``sender`` and next hop; RFC 4954); credentials
     held after a 5xx to AUTH defer the group without connecting (:mod:`mtaq.delivery.sasl`). ``peers``
     applies DANE and MTA-STS to each host (:mod:`mtaq.delivery.peers`); without it level ``dane`` is ``may``.
+    ``dests`` (:mod:`mtaq.delivery.backoff`): a group whose next hop is dead is deferred without a connection
+    (``4.4.1 delivery temporarily suspended: …``); each group's outcome is the next hop's feedback.
     """
     params = list(rcpt_params) if rcpt_params is not None else [()] * len(recipients)
+    wire = _Wire(sender, list(recipients), body)
+    if router.generic is not None:  # smtp_generic_maps: what leaves, not what is routed, logged or queued
+        wire = await _generic_wire(router.generic, wire)
     groups: dict[Route, list[int]] = {}
     for i, rcpt in enumerate(recipients):
         groups.setdefault(router.route(rcpt, sender), []).append(i)
@@ -189,13 +204,103 @@ async def deliver(
             assert route.reply is not None
             await record(Batch("none", [(i, route.reply) for i in positions], discarded=route.kind == "discard"))
             continue
+        fb: _Feedback | None = None
+        if dests is not None:
+            suspended = dests.suspended(str(route))
+            if suspended is not None:
+                await record(Batch("none", [(i, suspended) for i in positions]))
+                continue
+            fb = _Feedback()
         if throttle is None:
-            await _deliver_group(router, pool, route, positions, sender, recipients, params, body, mail_params,
-                                 record, on_hop_failure, sasl, peers)
-            continue
-        async with throttle.slots(recipients[i].rpartition("@")[2] for i in positions):
-            await _deliver_group(router, pool, route, positions, sender, recipients, params, body, mail_params,
-                                 record, on_hop_failure, sasl, peers)
+            await _deliver_group(router, pool, route, positions, sender, wire, params, mail_params,
+                                 record, on_hop_failure, sasl, peers, fb)
+        else:
+            async with throttle.slots(recipients[i].rpartition("@")[2] for i in positions):
+                await _deliver_group(router, pool, route, positions, sender, wire, params, mail_params,
+                                     record, on_hop_failure, sasl, peers, fb)
+        if dests is not None and fb is not None:
+            dests.feedback(str(route), answered=fb.answered, failure=fb.failure,
+                           whole=fb.failure is not None and fb.all_connect)
+
+
+@dataclass(slots=True)
+class _Feedback:
+    """What the hosts of one group did, for the next hop's back-off: ``answered`` (a host talked),
+    ``failure`` (the last site failure: refused, timed out, 421, lost), ``all_connect`` (every failure was
+    a host that could not be talked to at all)."""
+
+    answered: bool = False
+    failure: Reply | None = None
+    all_connect: bool = True
+
+    def note(self, conn: RelayConnection, replies: Sequence[Reply]) -> None:
+        lost = next((r for r in replies if r.code == 421), None)
+        if lost is None and not conn.connect_failed:
+            self.answered = True
+            return
+        self.failure = lost or Reply(421, "4.4.1", f"connect to {conn.name}: failed")
+        self.all_connect = self.all_connect and conn.connect_failed
+
+
+@dataclass(frozen=True, slots=True)
+class _Wire:
+    """What goes on the MAIL and RCPT lines and after DATA (after smtp_generic_maps)."""
+
+    sender: str
+    recipients: list[str]
+    body: bytes | Content | None  # None: an address probe (no DATA)
+
+
+class _Spliced:
+    """``inner`` with its first ``old_len`` octets read as ``head`` (a :class:`Content`): the rest is read
+    through, so the inner iterator's checks (the record checksum at its end) still run."""
+
+    def __init__(self, inner: Content, old_len: int, head: bytes) -> None:
+        self.inner, self.old_len, self.head = inner, old_len, head
+
+    @property
+    def size(self) -> int:
+        return self.inner.size - self.old_len + len(self.head)
+
+    def pieces(self) -> Iterator[bytes]:
+        yield self.head
+        skip = self.old_len
+        for piece in self.inner.pieces():
+            if skip >= len(piece):
+                skip -= len(piece)
+                continue
+            yield piece[skip:] if skip else piece
+            skip = 0
+
+
+async def _generic_wire(generic: AddressRewriter, wire: _Wire) -> _Wire:
+    """``wire`` with smtp_generic_maps applied (:class:`mtaq.edge.canonical.Generic`): the envelope
+    addresses, and the header addresses the message's DKIM/ARC signatures do not cover. A header section
+    longer than :data:`GENERIC_HEAD_BYTES_MAX`, or one that cannot be read (found again when the content is
+    sent), is sent as it is."""
+    body = wire.body
+    if body is None:  # an address probe: the envelope only
+        head = b""
+    elif isinstance(body, bytes):
+        m = _BLANK_LINE.search(body)
+        head = body if m is None else body[: m.start() + 1] if m.start() else b""
+    else:
+        buf = b""
+        try:
+            for piece in body.pieces():
+                buf += piece
+                if _BLANK_LINE.search(buf) is not None or len(buf) > GENERIC_HEAD_BYTES_MAX:
+                    break
+        except (CorruptRecord, StorageError):
+            buf = b""
+        m = _BLANK_LINE.search(buf)
+        head = b"" if m is None else buf[: m.start() + 1] if m.start() else b""
+    # A large header section is rewritten in a thread (the RFC 5322 parser is slow on long address lists).
+    new_head = (None if not head else generic.head(head) if len(head) <= HEAD_INLINE_BYTES_MAX
+                else await asyncio.to_thread(generic.head, head))
+    if new_head is not None and body is not None:
+        body = new_head + body[len(head):] if isinstance(body, bytes) else _Spliced(body, len(head), new_head)
+    return _Wire(generic.address(wire.sender), [generic.address(r) for r in wire.recipients], body)
 
 
 async def _deliver_group(
@@ -204,14 +309,14 @@ async def _deliver_group(
     route: Route,
     positions: list[int],
     sender: str,
-    recipients: Sequence[str],
+    wire: _Wire,
     params: Sequence[Sequence[tuple[str, str]]],
-    body: bytes | Content | None,
     mail_params: Sequence[tuple[str, str]],
     record: Callable[[Batch], Awaitable[None]],
     on_hop_failure: Callable[[HopFailure], None],
     sasl: SaslClient | None = None,
     peers: PeerPolicy | None = None,
+    fb: _Feedback | None = None,
 ) -> None:
     pending = list(positions)
     last: dict[int, Reply] = {}
@@ -267,9 +372,9 @@ async def _deliver_group(
             conn = pool.get(cand, level, security, route.source)
             try:
                 replies = await conn.send(
-                    sender,
-                    [recipients[i] for i in pending],
-                    body,
+                    wire.sender,
+                    [wire.recipients[i] for i in pending],
+                    wire.body,
                     mail_params=mail_params,
                     rcpt_params=[params[i] for i in pending],
                 )
@@ -278,6 +383,8 @@ async def _deliver_group(
                 raise
             finally:
                 await pool.release(conn)
+            if fb is not None:
+                fb.note(conn, replies)
             final = [(i, r) for i, r in zip(pending, replies, strict=True) if not 400 <= r.code < 500]
             retry = [(i, r) for i, r in zip(pending, replies, strict=True) if 400 <= r.code < 500]
             if final:

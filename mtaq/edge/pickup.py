@@ -35,6 +35,7 @@ from typing import Any
 
 from mtaq.core.errors import StorageError, StorageFatal
 from mtaq.core.records import EnvelopeRecord
+from mtaq.edge.canonical import Canonical
 from mtaq.edge.data import text_problem
 from mtaq.edge.dkim import Origin, Signer, header_section
 from mtaq.edge.milter import MilterDiscarded, MilterRefused, MilterSettings, filter_local
@@ -87,7 +88,8 @@ class Pickup:
     """Picks up ``SPOOL/maildrop`` into ``queue`` (see the module docstring)."""
 
     def __init__(self, queue: Queue, spool: str, *, hostname: str, body_bytes_max: int, recipients_max: int,
-                 signer: Signer | None, log: Any, myorigin: str = "", milters: MilterSettings | None = None) -> None:
+                 signer: Signer | None, log: Any, myorigin: str = "", canonical: Canonical | None = None,
+                 milters: MilterSettings | None = None) -> None:
         self.queue = queue
         self.spool = spool
         self.dir = os.path.join(spool, md.MAILDROP_DIR)
@@ -96,6 +98,7 @@ class Pickup:
         self.body_bytes_max = body_bytes_max
         self.recipients_max = recipients_max
         self.signer = signer
+        self.canonical = canonical  # canonical_maps (mtaq.edge.canonical): local mail's envelope and headers
         self.log = log
         self.milters = milters  # non_smtpd_milters (mtaq.edge.milter) and the milter_* settings
         # Held from before a batch's envelopes are appended until their files' unlinks are fsync'd; the
@@ -300,7 +303,16 @@ class Pickup:
         qid = new_queue_id(self.queue.clock())
         user = _login_of(msg.uid)
         content = _NEWLINE.sub(b"\r\n", msg.body)
-        sender, recipients, quarantine = msg.sender, list(msg.recipients), None
+        sender, recipients = msg.sender, list(msg.recipients)
+        if self.canonical is not None:  # before signing and queueing, as for SMTP (a local client: headers too)
+            # MapNesting (a loop in a table) sets the file aside with the reason, like any other exception here.
+            sender = self.canonical.sender(sender)
+            recipients = [self.canonical.recipient(r) for r in recipients]
+            head = header_section(content)
+            new_head = self.canonical.head(head) if head else None
+            if new_head is not None:
+                content = new_head + content[len(head):]
+        quarantine = None
         if self.milters is not None and self.milters.non_smtpd_milters:
             content, sender, recipients, quarantine = await filter_local(
                 self.milters, content, header_section(content), sender, recipients, qid, self.hostname,

@@ -51,6 +51,7 @@ from aiosmtplib.email import quote_address
 from mtaq.core.errors import ConfigError
 from mtaq.core.text import ASCII_CONTROL
 from mtaq.edge.auth import PasswordFile
+from mtaq.edge.canonical import Canonical
 from mtaq.edge.headerchecks import HeaderChecks
 from mtaq.edge.milter import MilterSettings
 
@@ -387,6 +388,8 @@ class EdgePolicy:
     received_private: bool = False  # smtpd_received_header_private: no client in authenticated mail's Received:
     header_checks: HeaderChecks | None = field(default=None, repr=False)  # header_checks rules; None: none
     milter: MilterSettings = field(default_factory=MilterSettings)  # smtpd_milters and milter_* (mtaq.edge.milter)
+    # canonical_maps, sender_canonical_maps, recipient_canonical_maps (mtaq.edge.canonical); None: none
+    canonical: Canonical | None = field(default=None, repr=False)
     error_sleep_s: float = 1.0  # Postfix smtpd_error_sleep_time: the wait before answering a failed AUTH
     auth_failures_per_minute_max: int = 10  # failed AUTH per client IP in any 60 s before 450 4.7.1; 0: none
     # Postfix smtpd_client_ipv6_prefix_length: the bits of an IPv6 client address that every per-client
@@ -400,7 +403,8 @@ class EdgePolicy:
 
     @classmethod
     def from_config(cls, cfg: Config) -> EdgePolicy:
-        """Build the policy from ``cfg``: reads the TLS files and the password file. Raises ConfigError."""
+        """Build the policy from ``cfg``: reads the TLS files, the password file and the canonical maps.
+        Raises ConfigError."""
         tls = server_tls_context(cfg.tls_cert_file, cfg.tls_key_file) if cfg.tls_cert_file or cfg.tls_key_file else None
         passwords = PasswordFile.load(cfg.auth_password_file) if cfg.auth_password_file else None
         if passwords is not None and tls is None:
@@ -428,6 +432,10 @@ class EdgePolicy:
             received_private=cfg.smtpd_received_header_private,
             header_checks=HeaderChecks.from_config(cfg.header_checks) if cfg.header_checks else None,
             milter=MilterSettings.from_config(cfg),
+            canonical=Canonical.from_config(
+                canonical_maps=cfg.canonical_maps, sender_canonical_maps=cfg.sender_canonical_maps,
+                recipient_canonical_maps=cfg.recipient_canonical_maps, canonical_classes=list(cfg.canonical_classes),
+                myhostname=cfg.hostname(), myorigin=cfg.myorigin),
             error_sleep_s=cfg.smtpd_error_sleep_time_s,
             auth_failures_per_minute_max=cfg.smtpd_client_auth_failure_rate_limit,
             client_ipv6_prefix_length=cfg.smtpd_client_ipv6_prefix_length,

@@ -26,6 +26,7 @@ from typing import Any, cast
 from aiosmtpd.smtp import SMTP, Envelope, Session
 
 from mtaq.core.errors import StorageError
+from mtaq.edge.canonical import MapNesting
 from mtaq.edge.dkim import HEAD_BYTES_MAX, Origin, Signer, header_section, split_head
 from mtaq.edge.fastpath import FastHandlerMixin
 from mtaq.edge.limits import ConnectionGate, Gate
@@ -75,59 +76,84 @@ class QueueHandler(FastHandlerMixin):
                                  limit=limit, action="refused")
                 return f"554 5.4.6 Error: too many hops ({hops} Received:/Delivered-To: fields; hopcount_limit {limit})"
         checks = policy.header_checks if isinstance(policy, EdgePolicy) else None
+        canon = policy.canonical if isinstance(policy, EdgePolicy) else None
         held: tuple[str, str] | None = None  # a header_checks HOLD: (its text, the header)
-        if checks:
+        mail_from, rcpt_tos = envelope.mail_from or "", list(envelope.rcpt_tos)
+        rcpt_dsn = getattr(envelope, "rcpt_dsn", None)
+        rcpt_params = list(rcpt_dsn) if rcpt_dsn and len(rcpt_dsn) == len(rcpt_tos) else None
+        if checks or canon:
             head, whole = await _head_read(content)
-            outcome = checks.apply(head)
-            for text, header in outcome.warnings:
-                self.log.warning("header_checks_warn", client=client, sender=envelope.mail_from or "",
-                                 header=header[:200], text=text)
-            held = outcome.hold
-            if outcome.reject is not None:
-                self.log.info("header_checks_reject", client=client, sender=envelope.mail_from or "",
-                              reply=outcome.reject)
-                return outcome.reject
-            if outcome.head is not None:
+            new_head: bytes | None = None
+            if checks:
+                outcome = checks.apply(head)
+                for text, header in outcome.warnings:
+                    self.log.warning("header_checks_warn", client=client, sender=envelope.mail_from or "",
+                                     header=header[:200], text=text)
+                held = outcome.hold
+                if outcome.reject is not None:
+                    self.log.info("header_checks_reject", client=client, sender=envelope.mail_from or "",
+                                  reply=outcome.reject)
+                    return outcome.reject
+                new_head = outcome.head
+            if canon:  # canonical_maps (mtaq.edge.canonical): the envelope, and the headers of our own clients
+                try:
+                    mail_from = canon.sender(mail_from)
+                    rcpt_tos = [canon.recipient(r) for r in rcpt_tos]
+                    if isinstance(policy, EdgePolicy) and _rewrites_headers(session, policy):
+                        base = new_head if new_head is not None else head
+                        # a long header section in a thread: the RFC 5322 parser is slow on long address lists
+                        new_head = (canon.head(base) if len(base) <= 64 * 1024
+                                    else await asyncio.to_thread(canon.head, base)) or new_head
+                except MapNesting as exc:
+                    self.log.warning("canonical_maps_nesting", client=client, sender=envelope.mail_from or "",
+                                     error=str(exc), action="refused")
+                    return "451 4.3.0 Error: unreasonable canonical map nesting"
+                if rcpt_tos != envelope.rcpt_tos or mail_from != (envelope.mail_from or ""):
+                    rcpt_params = _keep_original(envelope.rcpt_tos, rcpt_tos, rcpt_params)
+                    self.log.info("canonical_rewrite", client=client, sender=envelope.mail_from or "",
+                                  new_sender=mail_from, recipients=[f"{a} -> {b}" for a, b in
+                                                                    zip(envelope.rcpt_tos, rcpt_tos, strict=True)
+                                                                    if a != b])
+            if new_head is not None:
                 if not whole:  # a header section past HEAD_BYTES_MAX: not rewritten in part
                     return "552 5.3.4 Error: message header section too large to filter"
                 if isinstance(content, bytes):
-                    content = outcome.head + content[len(head):]
+                    content = new_head + content[len(head):]
                 else:
                     try:
-                        content.replace_start(len(head), outcome.head)
+                        content.replace_start(len(head), new_head)
                     except ValueError:  # a header section longer than what the temporary file holds yet
                         return "552 5.3.4 Error: message header section too large to filter"
-        sender = envelope.mail_from or ""
-        rcpt_dsn = getattr(envelope, "rcpt_dsn", None)
-        recipients: list[tuple[str, tuple[tuple[str, str], ...]]] = [
-            (r, tuple(rcpt_dsn[i]) if rcpt_dsn and len(rcpt_dsn) == len(envelope.rcpt_tos) else ())
-            for i, r in enumerate(envelope.rcpt_tos)]
         queue_id = str(getattr(envelope, "queue_id", "") or "")
         quarantine: tuple[str, str] | None = None  # a milter's quarantine: (its reason, the filter)
         milters = getattr(server, "milters", None)
         if isinstance(milters, MilterSession) and not (isinstance(content, BodyBuffer) and content.failure):
+            # the content filters (smtpd_milters): after header_checks and canonical_maps, before signing
+            recipients = [(r, tuple(rcpt_params[i]) if rcpt_params else ()) for i, r in enumerate(rcpt_tos)]
             filtered = await self._filter(milters, content, queue_id, client, recipients)
             if isinstance(filtered, str):
                 return filtered
-            content, sender, recipients, quarantine = (filtered[0], filtered[1] if filtered[1] is not None else sender,
-                                                       filtered[2] if filtered[2] is not None else recipients,
-                                                       filtered[3])
-            if not recipients:  # every recipient deleted: nothing to deliver (Postfix discards it too)
-                self.log.warning("milter_discard", queue_id=queue_id, client=client, milter="",
-                                 reason="no recipients left")
-                return f"250 2.0.0 Ok: queued as {queue_id}"
+            content, new_from, new_rcpts, quarantine = filtered
+            mail_from = new_from if new_from is not None else mail_from
+            if new_rcpts is not None:
+                if not new_rcpts:  # every recipient deleted: nothing to deliver (Postfix discards it too)
+                    self.log.warning("milter_discard", queue_id=queue_id, client=client, milter="",
+                                     reason="no recipients left")
+                    return f"250 2.0.0 Ok: queued as {queue_id}"
+                rcpt_tos = [r for r, _ in new_rcpts]
+                rcpt_params = [p for _, p in new_rcpts] if any(p for _, p in new_rcpts) else None
         trace = received_header(
             helo=session.host_name or "",
             client_ip=str(peer[0]) if isinstance(peer, tuple) else "",
             hostname=server.hostname,
             protocol=protocol_name(extended=bool(session.extended_smtp), tls=session.ssl is not None,
                                    authenticated=bool(session.authenticated), smtputf8=bool(envelope.smtp_utf8)),
-            recipients=[r for r, _ in recipients],
+            recipients=envelope.rcpt_tos,  # as the client gave them (Postfix's smtpd writes it before any rewriting)
             when_ts=self.queue.clock(),
             private=bool(session.authenticated) and isinstance(policy, EdgePolicy) and policy.received_private,
         )
         if self.signer:  # RFC 6376: the DKIM-Signature field on top, the (unsigned) Received field below it
-            trace = await self.signer.signature_of(content, _origin(server, session, envelope, client)) + trace
+            trace = await self.signer.signature_of(content, _origin(server, session, envelope, client, mail_from)) + trace
         body: bytes | BodyBuffer
         if isinstance(content, BodyBuffer):  # a large message, partly in a temporary file (issue 13.4)
             content.head = trace
@@ -143,11 +169,11 @@ class QueueHandler(FastHandlerMixin):
         release_ts = getattr(envelope, "release_ts", None)
         try:
             env = await self.queue.receive(
-                sender,
-                [r for r, _ in recipients],
+                mail_from,
+                rcpt_tos,
                 body,
                 mail_params=mail_params,
-                rcpt_params=[p for _, p in recipients] if any(p for _, p in recipients) else None,
+                rcpt_params=rcpt_params,
                 client=client,
                 helo=session.host_name or "",
                 not_before_ts=release_ts,
@@ -265,9 +291,32 @@ async def _head_of(content: bytes | BodyBuffer) -> bytes:
     return await asyncio.to_thread(read)
 
 
-def _origin(server: SMTP, session: Session, envelope: Envelope, client: str) -> Origin:
+def _rewrites_headers(session: Session, policy: EdgePolicy) -> bool:
+    """Whether canonical_maps rewrite the headers of this session's mail: a client in mynetworks or an
+    authenticated one (Postfix local_header_rewrite_clients = permit_mynetworks, permit_sasl_authenticated)."""
+    if session.authenticated:
+        return True
+    peer = session.peer
+    return isinstance(peer, tuple) and bool(peer) and policy.in_mynetworks(str(peer[0]))
+
+
+def _keep_original(old: list[str], new: list[str], params: list[Any] | None) -> list[Any] | None:
+    """The DSN parameters of each recipient with ``ORCPT=rfc822;ORIGINAL`` added to one that canonical_maps
+    rewrote and that came without ORCPT (Postfix keeps the original recipient for DSNs; RFC 3461 §4.2). Only
+    for an ASCII original (a UTF-8 one would need the utf-8 address type of RFC 6533)."""
+    if old == new:
+        return params
+    out = list(params) if params is not None else [() for _ in new]
+    for i, (a, b) in enumerate(zip(old, new, strict=True)):
+        if a != b and a.isascii() and not any(k == "ORCPT" for k, _ in out[i]):
+            out[i] = (*out[i], ("ORCPT", f"rfc822;{a}"))
+    return out
+
+
+def _origin(server: SMTP, session: Session, envelope: Envelope, client: str, mail_from: str | None = None) -> Origin:
     """Who handed this message in, as DKIM signing asks (:meth:`Signer.permits`): mynetworks, the login,
-    the envelope sender, and the ``sender_login_map`` lookup for that login."""
+    the envelope sender (``mail_from``, after canonical_maps; default the one given), and the
+    ``sender_login_map`` lookup for that login."""
     policy = getattr(server, "policy", None)
     pol = policy if isinstance(policy, EdgePolicy) else EdgePolicy()
     peer = session.peer
@@ -281,7 +330,7 @@ def _origin(server: SMTP, session: Session, envelope: Envelope, client: str) -> 
         def owns(address: str) -> bool:
             return pol.login_owns(address, login)
     return Origin(client=client, mynetworks=bool(ip) and pol.in_mynetworks(ip), login=login,
-                  mail_from=envelope.mail_from or "", owns=owns)
+                  mail_from=envelope.mail_from or "" if mail_from is None else mail_from, owns=owns)
 
 
 def _param(option: str) -> tuple[str, str]:

@@ -79,6 +79,7 @@ class Dispatcher:
         self._idle: deque[asyncio.Future[None]] = deque()
         self._prefer_deferred = False
         self._next_deferred = 1
+        self._nudges = 0  # idle workers woken by nudge() that take_or_nudge() has not answered yet
 
     async def offer(self, runner: int, pos: Pos, env: EnvelopeRecord) -> None:
         """Offer one envelope; return when a worker has started it (raises Declined if it could not)."""
@@ -119,14 +120,32 @@ class Dispatcher:
             self._prefer_deferred = True
         return new
 
+    def nudge(self) -> None:
+        """Wake one worker waiting in :meth:`take_or_nudge` without an offer (it returns None): work it
+        holds back (a started attempt waiting for its destination, mtaq.daemon.process) can go on. Nothing
+        when no worker waits: a busy one looks at that work when its delivery ends."""
+        if any(not w.done() for w in self._idle):
+            self._nudges += 1
+            self._wake_one()
+
     async def take(self) -> Offer:
         """Wait for the next envelope and claim it. The caller appends its START, then calls
         :meth:`Offer.accept` (or :meth:`Offer.decline`), before awaiting anything."""
+        while True:
+            o = await self.take_or_nudge()
+            if o is not None:
+                return o
+
+    async def take_or_nudge(self) -> Offer | None:
+        """As :meth:`take`, but None when :meth:`nudge` woke this worker and no offer was there."""
         while True:
             o = self._pick()
             if o is not None:
                 o.claimed = True
                 return o
+            if self._nudges:
+                self._nudges -= 1
+                return None
             w: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._idle.append(w)
             try:
