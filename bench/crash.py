@@ -104,6 +104,7 @@ import random
 import re
 import shutil
 import smtplib
+import socket
 import subprocess
 import sys
 import tempfile
@@ -296,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--header-checks", action="store_true",
                     help="run the daemon with header_checks rewriting every message (issue 35: PREPEND before "
                          "Subject, IGNORE Date, REPLACE To); the Message-ID that tells messages apart is kept")
+    ap.add_argument("--milter", choices=("full", "eom"), default=None,
+                    help="a no-op milter (bench/noop_milter.py, its --mode) in the path: smtpd_milters (issue 34: "
+                         "the verdict comes before the append, a crash loses nothing acknowledged)")
     ap.add_argument("--canonical-maps", action="store_true",
                     help="run the daemon with canonical_maps rewriting every message's envelope sender and recipient "
                          "and its From:/To: (issue 35.3); every delivered copy must be the rewritten message, "
@@ -376,9 +380,21 @@ def main(argv: list[str] | None = None) -> int:
     broken: list[str] = []
     configs_used: Counter[str] = Counter()
     damages: list[media.Damage] = []
+    milter: subprocess.Popen[str] | None = None
     try:
         sink = start_sink(maildir, sink_log,
                           extra=["--defer-rcpt", "^defer-", "--defer-count", "1"] if args.defer_fraction else ())
+        milter_address = ""
+        if args.milter:
+            with socket.socket() as free:
+                free.bind(("127.0.0.1", 0))
+                milter_port = free.getsockname()[1]
+            milter = subprocess.Popen(
+                [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "noop_milter.py"),
+                 "--port", str(milter_port), "--mode", args.milter], stdout=subprocess.PIPE, text=True)
+            assert milter.stdout is not None
+            milter.stdout.readline()  # "noop_milter: listening on ..."
+            milter_address = f"inet:127.0.0.1:{milter_port}"
 
         def write_config() -> str | None:
             """The daemon's config for its next start; with --vary-config, picked anew at every restart."""
@@ -399,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
                 lines.append(f"receive_buffer_bytes = {args.receive_buffer_bytes}")
             if args.header_checks:
                 lines.append("header_checks = [" + ", ".join(f"'{r}'" for r in HEADER_CHECKS) + "]")
+            if milter_address:
+                lines.append(f'smtpd_milters = ["{milter_address}"]')
             if args.canonical_maps:
                 table = os.path.join(work_dir, "canonical")
                 with open(table, "w") as f:
@@ -741,6 +759,9 @@ def main(argv: list[str] | None = None) -> int:
         for p in (daemon, sink):
             if p is not None:
                 p.kill9()
+        if milter is not None:
+            milter.kill()
+            milter.wait()
         if not args.keep:
             shutil.rmtree(work_dir, ignore_errors=True)
     print(json.dumps(result), flush=True)

@@ -28,6 +28,7 @@ __all__ = [
     "listeners_of",
     "load_config",
     "parse_hostport",
+    "parse_milter_address",
     "parse_nameserver",
     "parse_relayhost",
     "parse_transport_spec",
@@ -76,6 +77,9 @@ class ListenerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # MAIL, RCPT, DATA, VRFY and HELP need AUTH first: 530 5.7.0 Authentication required (Postfix
     # smtpd_*_restrictions = permit_sasl_authenticated, reject); nobody relays unauthenticated, mynetworks too.
     auth_required: bool | msgspec.UnsetType = msgspec.UNSET
+    # This listener's content filters instead of the top-level smtpd_milters (Postfix master.cf
+    # "-o smtpd_milters=..."; [] for none).
+    smtpd_milters: list[str] | msgspec.UnsetType = msgspec.UNSET
 
 
 class Listener(msgspec.Struct, frozen=True, kw_only=True):
@@ -88,6 +92,7 @@ class Listener(msgspec.Struct, frozen=True, kw_only=True):
     tls_required: bool = False  # STARTTLS before anything else
     wrappermode: bool = False  # implicit TLS
     auth_required: bool = False  # AUTH before MAIL
+    smtpd_milters: tuple[str, ...] | None = None  # the listener's own filters; None: the top-level smtpd_milters
 
     def describe(self) -> dict[str, object]:
         """The listener for the ``listening`` event: address, mode, tls (may/encrypt/wrapper), auth."""
@@ -322,6 +327,18 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # before the shipped ones (mtaq/core/bounce_rules.toml; the format in mtaq.core.bounce_class). "": the
     # shipped rules alone. Read at the start (a bad file stops it with one line) and by ``mtaq check``.
     bounce_classification_file: str = ""
+    # Content filters over the Sendmail milter protocol (Postfix smtpd_milters, MILTER_README): each
+    # "inet:host:port" or "unix:/path", asked in order at each SMTP stage before the 250 (mtaq.edge.milter).
+    # A listeners table may set its own smtpd_milters. non_smtpd_milters: for mail picked up from the maildrop.
+    smtpd_milters: list[str] = msgspec.field(default_factory=list)
+    non_smtpd_milters: list[str] = msgspec.field(default_factory=list)
+    # When a filter cannot be reached, times out or fails: "tempfail" (451 4.3.5), "accept" (as if it were
+    # not configured) or "reject" (550 5.5.0), for the rest of the SMTP session.
+    milter_default_action: Literal["tempfail", "accept", "reject"] = "tempfail"
+    milter_connect_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 30.0
+    milter_command_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 30.0
+    milter_content_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 300.0
+    milter_protocol: Annotated[int, msgspec.Meta(ge=2, le=6)] = 6
     # Address rewriting at receipt (Postfix canonical(5); mtaq.edge.canonical): files of "KEY VALUE" lines in
     # Postfix's table syntax, KEY user@domain, user or @domain, VALUE an address or @domain (keeps the local
     # part). The envelope sender and sender headers go through sender_canonical_maps then canonical_maps;
@@ -456,6 +473,8 @@ def config_problems(cfg: Config) -> list[str]:
           for ns in cfg.dnssec_trusted_resolvers],
         *[lambda d=d, v=v: parse_transport_spec(v, key=f"transport_map.{d}") for d, v in cfg.transport_map.items()],
         *[lambda k=k, v=v: _check_sender_relayhost(k, v) for k, v in cfg.sender_dependent_relayhost_maps.items()],
+        *[lambda i=i, v=v: _check_milter(v, f"smtpd_milters[{i}]") for i, v in enumerate(cfg.smtpd_milters)],
+        *[lambda i=i, v=v: _check_milter(v, f"non_smtpd_milters[{i}]") for i, v in enumerate(cfg.non_smtpd_milters)],
         *[lambda k=k, v=v: _check_bind_entry("sender_dependent_bind_address_maps", k, v)
           for k, v in cfg.sender_dependent_bind_address_maps.items()],
         *[lambda k=k, v=v: _check_bind_entry("destination_bind_address_maps", k, v)
@@ -525,9 +544,42 @@ def listeners_of(cfg: Config) -> list[Listener]:
                              "needs tls_cert_file and tls_key_file")
         if auth_required and not cfg.auth_password_file:
             raise ValueError(f"{key}: mode {table.mode!r} (AUTH required) needs auth_password_file")
+        milters = None if isinstance(table.smtpd_milters, msgspec.UnsetType) else tuple(table.smtpd_milters)
+        for i, spec in enumerate(milters or ()):
+            _check_milter(spec, f"{key}.smtpd_milters[{i}]")
         out.append(Listener(address=address, host=host, port=port, mode=table.mode, tls_required=tls_required,
-                            wrappermode=wrappermode, auth_required=auth_required))
+                            wrappermode=wrappermode, auth_required=auth_required, smtpd_milters=milters))
     return out
+
+
+def parse_milter_address(spec: str) -> tuple[str, str, int]:
+    """A milter address (Postfix smtpd_milters): ``inet:host:port`` (``inet:[::1]:port`` for IPv6, sendmail's
+    ``inet:port@host`` too) or ``unix:/path`` (``local:/path``) -> ``("inet", host, port)`` /
+    ``("unix", path, 0)``. Raises ValueError."""
+    kind, sep, rest = spec.partition(":")
+    if not sep or not rest:
+        raise ValueError(f"{spec!r}: expected inet:host:port or unix:/path")
+    kind = kind.lower()
+    if kind in ("unix", "local"):
+        return "unix", rest, 0
+    if kind in ("inet", "inet6"):
+        if "@" in rest:
+            port_s, _, host = rest.partition("@")
+        else:
+            host, _, port_s = rest.rpartition(":")
+        host = host.strip("[]")
+        if not host or not port_s.isdigit() or not 0 < int(port_s) < 65536:
+            raise ValueError(f"{spec!r}: expected inet:host:port with a port 1-65535")
+        return "inet", host, int(port_s)
+    raise ValueError(f"{spec!r}: unknown socket type {kind!r} (inet or unix)")
+
+
+def _check_milter(spec: str, key: str) -> None:
+    """A milter address: inet:host:port or unix:/path (ValueError naming ``key``)."""
+    try:
+        parse_milter_address(spec)
+    except ValueError as exc:
+        raise ValueError(f"{key}: {exc}") from None
 
 
 def _check_sender_login_map(table: dict[str, str | list[str]]) -> None:

@@ -56,8 +56,10 @@ class Edge:
 
 @contextlib.contextmanager
 def run_edge(tmp_path: Any, policy: EdgePolicy | None = None, *, data_size_limit: int = 1 << 20,
-             timeout_s: float = 30, clock_ts: float | None = None) -> Iterator[Edge]:
-    """Serve the edge with ``policy`` on 127.0.0.1 (a free port) until the block ends."""
+             timeout_s: float = 30, clock_ts: float | None = None,
+             milters: tuple[str, ...] | None = None) -> Iterator[Edge]:
+    """Serve the edge with ``policy`` on 127.0.0.1 (a free port) until the block ends (``milters``: the
+    listener's own smtpd_milters, as start_server takes them)."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -68,7 +70,8 @@ def run_edge(tmp_path: Any, policy: EdgePolicy | None = None, *, data_size_limit
         kwargs: dict[str, Any] = {} if clock_ts is None else {"clock": lambda: clock_ts}
         queue = Queue(log, policy=RetryPolicy(), **kwargs)
         server = await start_server(QueueHandler(queue), "127.0.0.1", 0, hostname=HOST,
-                                    data_size_limit=data_size_limit, timeout_s=timeout_s, policy=policy)
+                                    data_size_limit=data_size_limit, timeout_s=timeout_s, policy=policy,
+                                    milters=milters)
         return server, queue
 
     server, queue = asyncio.run_coroutine_threadsafe(start(), loop).result(10)

@@ -22,6 +22,9 @@ Exposed (units in names; seconds, UTC-free durations):
   ``mtaq_fsync_round_seconds`` (summary: count = commit rounds, sum = seconds spent in fsync);
 * ``mtaq_commit_latency_seconds`` histogram: how long a caller of ``Log.commit`` waited for the fsync round
   covering its record (the wait behind every 250);
+* ``mtaq_milter_replies_total{milter,verdict}``, ``mtaq_milter_errors_total{milter}`` and
+  ``mtaq_milter_wait_seconds{milter}`` (summary: count = replies waited for, sum = seconds): each content
+  filter's verdicts, failures and latency (issue 34; the filter named by its address as configured);
 * ``mtaq_delivery_latency_seconds{domain}`` histogram: arrival to delivery (the remote's 2xx, made
   durable), by recipient domain;
 * ``mtaq_recovery_seconds`` gauge (absent until recovery is done), ``mtaq_ready`` gauge (1 after it);
@@ -38,8 +41,8 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -103,6 +106,9 @@ class Metrics:
         self.commit_latency = Buckets(COMMIT_BUCKETS_S)
         self.delivery_latency: dict[str, Buckets] = {}
         self.admin_actions: Counter[str] = Counter()
+        # The content filters' counters by filter name (mtaq.edge.milter.STATS, set by the daemon): objects
+        # with ``verdicts`` (verdict -> count), ``errors``, ``seconds`` and ``waits``.
+        self.milter_stats: Callable[[], Mapping[str, Any]] | None = None
         # The daemon's next hops (mtaq.delivery.backoff): {destination: (window, active, dead)}; None: none yet.
         self.destinations: Callable[[], dict[str, tuple[int, int, bool]]] | None = None
         self.registry = CollectorRegistry(auto_describe=False)
@@ -182,6 +188,22 @@ class _DaemonCollector(Collector):
                                        "Seconds a commit waited for the fsync round covering it")
         commit.add_metric([], m.commit_latency.cumulative(), sum_value=m.commit_latency.sum)
         yield commit
+        if m.milter_stats is not None:
+            stats = sorted(m.milter_stats().items())
+            replies = CounterMetricFamily("mtaq_milter_replies", "Final replies of each content filter (milter), "
+                                          "by verdict", labels=["milter", "verdict"])
+            errors = CounterMetricFamily("mtaq_milter_errors", "Content filter failures (unreachable, timeout, "
+                                         "protocol error, connection closed)", labels=["milter"])
+            waits = SummaryMetricFamily("mtaq_milter_wait_seconds", "Seconds waited for each filter's replies",
+                                        labels=["milter"])
+            for name, st in stats:
+                for verdict, n in sorted(st.verdicts.items()):
+                    replies.add_metric([name, verdict], float(n))
+                errors.add_metric([name], float(st.errors))
+                waits.add_metric([name], count_value=st.waits, sum_value=st.seconds)
+            yield replies
+            yield errors
+            yield waits
         delivery = HistogramMetricFamily("mtaq_delivery_latency_seconds",
                                          "Seconds from arrival to delivery, by recipient domain", labels=["domain"])
         for domain, b in sorted(m.delivery_latency.items()):

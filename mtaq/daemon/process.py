@@ -68,6 +68,7 @@ from mtaq.delivery.verify import VERIFY_CACHE_FILE, Verifier, VerifySettings, ma
 from mtaq.edge.canonical import Generic
 from mtaq.edge.dkim import Signer
 from mtaq.edge.limits import ConnectionGate, Gate
+from mtaq.edge.milter import STATS as milter_stats
 from mtaq.edge.pickup import Pickup
 from mtaq.edge.policy import EdgePolicy
 from mtaq.edge.server import EdgeSettings, QueueHandler, connection_gate, gate_limits, start_server
@@ -207,6 +208,7 @@ class Daemon:
         self.bounce_rules = load_rules(cfg)
         self.counts = {"delivered": 0, "deferred": 0, "failed": 0}
         self.metrics = Metrics(self.counts, domains_max=cfg.metrics_domains_max)
+        self.metrics.milter_stats = lambda: milter_stats  # per-filter counters (mtaq.edge.milter)
         self.metrics.destinations = self.dests.backed_off
         self.http: AdminHttp | None = None  # the admin API (admin_listen), listening from the start
         self.admin_listen_sockets: list[socket.socket] | None = None  # admin_listen bound before dropping root
@@ -363,6 +365,7 @@ class Daemon:
                     tls_required=lst.tls_required,
                     implicit_tls=lst.wrappermode,
                     tls_handshake_timeout_s=cfg.tls_handshake_timeout_s,
+                    milters=lst.smtpd_milters,
                 )
                 if j == 0:
                     self.servers.append(server)
@@ -458,7 +461,8 @@ class Daemon:
             self.pickup = Pickup(self.queue, cfg.spool_dir, hostname=cfg.hostname(),
                                  body_bytes_max=cfg.message_size_limit_bytes,
                                  recipients_max=cfg.recipients_per_message_max, signer=self.signer, log=self.log,
-                                 myorigin=cfg.myorigin, canonical=self.edge.canonical)
+                                 myorigin=cfg.myorigin, milters=self.edge.milter,
+                                 canonical=self.edge.canonical)
             tasks.append(asyncio.create_task(self.pickup.run(res.maildrop)))
         if cfg.stats_interval_s > 0:
             tasks.append(asyncio.create_task(self._stats()))
@@ -569,6 +573,8 @@ class Daemon:
         self.signer = b["signer"]
         if self.handler is not None:
             self.handler.signer = self.signer
+        if self.pickup is not None:  # non_smtpd_milters and milter_*: picked-up messages from now on
+            self.pickup.milters = self.edge.milter
         if getattr(self, "queue", None) is not None:
             self.queue.sign = self.signer.sign_dsn
             self.queue.messages_max = cfg.queue_messages_max

@@ -37,6 +37,8 @@ RELOADABLE: frozenset[str] = frozenset({
     "smtpd_error_sleep_time_s", "smtpd_client_auth_failure_rate_limit", "smtpd_client_ipv6_prefix_length",
     "tls_cert_file", "tls_key_file", "auth_password_file", "delay_max_s", "message_size_limit_bytes",
     "smtp_server_timeout_s", "tls_handshake_timeout_s", "hopcount_limit", "smtpd_received_header_private", "header_checks",
+    "smtpd_milters", "non_smtpd_milters", "milter_default_action", "milter_connect_timeout_s", "milter_command_timeout_s",
+    "milter_content_timeout_s", "milter_protocol",
     "reject_unverified_recipient", "unverified_recipient_reject_code", "unverified_recipient_defer_code",
     "canonical_maps", "sender_canonical_maps", "recipient_canonical_maps", "canonical_classes",
     # delivery: new attempts (Router, Throttle, SaslClient, PeerPolicy)

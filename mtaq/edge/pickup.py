@@ -38,6 +38,7 @@ from mtaq.core.records import EnvelopeRecord
 from mtaq.edge.canonical import Canonical
 from mtaq.edge.data import text_problem
 from mtaq.edge.dkim import Origin, Signer, header_section
+from mtaq.edge.milter import MilterDiscarded, MilterRefused, MilterSettings, filter_local
 from mtaq.edge.policy import address_problem
 from mtaq.queue.store import Queue, new_queue_id
 from mtaq.storage import maildrop as md
@@ -87,7 +88,8 @@ class Pickup:
     """Picks up ``SPOOL/maildrop`` into ``queue`` (see the module docstring)."""
 
     def __init__(self, queue: Queue, spool: str, *, hostname: str, body_bytes_max: int, recipients_max: int,
-                 signer: Signer | None, log: Any, myorigin: str = "", canonical: Canonical | None = None) -> None:
+                 signer: Signer | None, log: Any, myorigin: str = "", canonical: Canonical | None = None,
+                 milters: MilterSettings | None = None) -> None:
         self.queue = queue
         self.spool = spool
         self.dir = os.path.join(spool, md.MAILDROP_DIR)
@@ -98,6 +100,7 @@ class Pickup:
         self.signer = signer
         self.canonical = canonical  # canonical_maps (mtaq.edge.canonical): local mail's envelope and headers
         self.log = log
+        self.milters = milters  # non_smtpd_milters (mtaq.edge.milter) and the milter_* settings
         # Held from before a batch's envelopes are appended until their files' unlinks are fsync'd; the
         # daemon's checkpoint reads its positions under it (module docstring).
         self.lock = asyncio.Lock()
@@ -261,7 +264,8 @@ class Pickup:
         async with self.lock:
             killpoints.hit("pickup.before_receive")
             results = await asyncio.gather(*(self._receive(m) for m in batch), return_exceptions=True)
-            done = [m for m, r in zip(batch, results, strict=True) if isinstance(r, EnvelopeRecord)]
+            # queued, or discarded by a milter (nothing to queue): either way the file goes
+            done = [m for m, r in zip(batch, results, strict=True) if isinstance(r, EnvelopeRecord | MilterDiscarded)]
             if done:
                 killpoints.hit("pickup.after_receive")  # durable, not yet unlinked
                 for m in done:
@@ -273,6 +277,15 @@ class Pickup:
         for m, r in zip(batch, results, strict=True):
             if isinstance(r, StorageFatal):
                 raise r
+            if isinstance(r, MilterDiscarded):
+                self.log.warning("milter_discard", maildrop=m.name, milter=r.milter, uid=m.uid)
+                continue
+            if isinstance(r, MilterRefused):
+                if r.reply.startswith("4"):  # tempfail or the default action: the file stays, tried again
+                    self.log.warning("pickup_deferred", maildrop=m.name, error=r.reply, action="tried again later")
+                else:  # Postfix bounces it; here it is set aside, nothing lost (issue 34)
+                    await self._aside(m.name, f"refused by a milter: {r.reply}", m.uid)
+                continue
             if isinstance(r, BaseException):
                 if not isinstance(r, Exception):
                     raise r
@@ -299,6 +312,11 @@ class Pickup:
             new_head = self.canonical.head(head) if head else None
             if new_head is not None:
                 content = new_head + content[len(head):]
+        quarantine = None
+        if self.milters is not None and self.milters.non_smtpd_milters:
+            content, sender, recipients, quarantine = await filter_local(
+                self.milters, content, header_section(content), sender, recipients, qid, self.hostname,
+                {"maildrop": msg.name})
         trace = local_received_header(user, self.hostname, qid, self.queue.clock())
         if self.signer:
             # Who may get a signature (issue 32.1): root's mail (cron, the system) as mynetworks mail; any other
@@ -311,7 +329,11 @@ class Pickup:
         addresses = (sender, *recipients)
         params = [] if all(a.isascii() for a in addresses) else [("SMTPUTF8", "")]
         env = await self.queue.receive(sender, recipients, trace + content, mail_params=params,
-                                       client="local", helo="", queue_id=qid, maildrop=msg.name)
+                                       client="local", helo="", queue_id=qid, maildrop=msg.name,
+                                       held=quarantine is not None)
+        if quarantine is not None:
+            self.log.warning("milter_quarantine", queue_id=qid, maildrop=msg.name, reason=quarantine,
+                             action="held until released (mtaq queue release)")
         self.picked_up += 1
         self.log.info("picked_up", queue_id=qid, maildrop=msg.name, uid=msg.uid, user=user, sender=msg.sender,
                       nrcpt=len(msg.recipients), size=env.size)

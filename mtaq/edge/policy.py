@@ -53,6 +53,7 @@ from mtaq.core.text import ASCII_CONTROL
 from mtaq.edge.auth import PasswordFile
 from mtaq.edge.canonical import Canonical
 from mtaq.edge.headerchecks import HeaderChecks
+from mtaq.edge.milter import MilterSettings
 
 if TYPE_CHECKING:
     from mtaq.config import Config
@@ -386,6 +387,7 @@ class EdgePolicy:
     hopcount_limit: int = 50  # Received:/Delivered-To: fields a message may already have (554 5.4.6 beyond)
     received_private: bool = False  # smtpd_received_header_private: no client in authenticated mail's Received:
     header_checks: HeaderChecks | None = field(default=None, repr=False)  # header_checks rules; None: none
+    milter: MilterSettings = field(default_factory=MilterSettings)  # smtpd_milters and milter_* (mtaq.edge.milter)
     # canonical_maps, sender_canonical_maps, recipient_canonical_maps (mtaq.edge.canonical); None: none
     canonical: Canonical | None = field(default=None, repr=False)
     error_sleep_s: float = 1.0  # Postfix smtpd_error_sleep_time: the wait before answering a failed AUTH
@@ -429,6 +431,7 @@ class EdgePolicy:
             hopcount_limit=cfg.hopcount_limit,
             received_private=cfg.smtpd_received_header_private,
             header_checks=HeaderChecks.from_config(cfg.header_checks) if cfg.header_checks else None,
+            milter=MilterSettings.from_config(cfg),
             canonical=Canonical.from_config(
                 canonical_maps=cfg.canonical_maps, sender_canonical_maps=cfg.sender_canonical_maps,
                 recipient_canonical_maps=cfg.recipient_canonical_maps, canonical_classes=list(cfg.canonical_classes),

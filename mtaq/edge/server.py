@@ -5,7 +5,9 @@ only after the DATA and ENVELOPE records are covered by an fsync (group commit).
 message as received with one ``Received:`` header in front (RFC 5321 §4.4, :mod:`mtaq.edge.trace`), and
 above it a ``DKIM-Signature:`` when the From: domain has a key and the client may have it signed
 (authenticated owner or mynetworks, :meth:`mtaq.edge.dkim.Signer.permits`): the log holds
-exactly what is relayed. The ``queued`` event and
+exactly what is relayed. Before that, ``header_checks`` and then the content filters (``smtpd_milters``,
+:mod:`mtaq.edge.milter`) see the message; their verdict comes before the append, and their modifications
+(headers, body, recipients, sender, quarantine = held) are in what is appended. The ``queued`` event and
 the scheduling happen in :meth:`Queue.receive` once the message is durable, whether or not the client is
 still there to hear the 250. A storage failure is
 answered ``451 4.3.0`` (``452 4.3.1`` when the spool is full) and the message is not acknowledged.
@@ -17,7 +19,7 @@ import asyncio
 import socket
 import ssl
 from asyncio import sslproto
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -28,6 +30,16 @@ from mtaq.edge.canonical import MapNesting
 from mtaq.edge.dkim import HEAD_BYTES_MAX, Origin, Signer, header_section, split_head
 from mtaq.edge.fastpath import FastHandlerMixin
 from mtaq.edge.limits import ConnectionGate, Gate
+from mtaq.edge.milter import (
+    SMFIR_ADDRCPT,
+    SMFIR_ADDRCPT_PAR,
+    SMFIR_DELRCPT,
+    MilterSession,
+    apply_recipients,
+    edit_head,
+    new_body,
+    new_sender,
+)
 from mtaq.edge.policy import EdgePolicy, RecipientVerifier
 from mtaq.edge.smtp import MtaqSMTP
 from mtaq.edge.trace import hop_count, protocol_name, received_header
@@ -54,7 +66,7 @@ class QueueHandler(FastHandlerMixin):
     async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
         peer = session.peer
         client = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer or "")
-        content = envelope.original_content or b""
+        content: bytes | BodyBuffer = envelope.original_content or b""
         policy = getattr(server, "policy", None)  # MtaqSMTP's (the one in force when the session began)
         limit = policy.hopcount_limit if isinstance(policy, EdgePolicy) else 0
         if limit:
@@ -112,13 +124,31 @@ class QueueHandler(FastHandlerMixin):
                         content.replace_start(len(head), new_head)
                     except ValueError:  # a header section longer than what the temporary file holds yet
                         return "552 5.3.4 Error: message header section too large to filter"
+        queue_id = str(getattr(envelope, "queue_id", "") or "")
+        quarantine: tuple[str, str] | None = None  # a milter's quarantine: (its reason, the filter)
+        milters = getattr(server, "milters", None)
+        if isinstance(milters, MilterSession) and not (isinstance(content, BodyBuffer) and content.failure):
+            # the content filters (smtpd_milters): after header_checks and canonical_maps, before signing
+            recipients = [(r, tuple(rcpt_params[i]) if rcpt_params else ()) for i, r in enumerate(rcpt_tos)]
+            filtered = await self._filter(milters, content, queue_id, client, recipients)
+            if isinstance(filtered, str):
+                return filtered
+            content, new_from, new_rcpts, quarantine = filtered
+            mail_from = new_from if new_from is not None else mail_from
+            if new_rcpts is not None:
+                if not new_rcpts:  # every recipient deleted: nothing to deliver (Postfix discards it too)
+                    self.log.warning("milter_discard", queue_id=queue_id, client=client, milter="",
+                                     reason="no recipients left")
+                    return f"250 2.0.0 Ok: queued as {queue_id}"
+                rcpt_tos = [r for r, _ in new_rcpts]
+                rcpt_params = [p for _, p in new_rcpts] if any(p for _, p in new_rcpts) else None
         trace = received_header(
             helo=session.host_name or "",
             client_ip=str(peer[0]) if isinstance(peer, tuple) else "",
             hostname=server.hostname,
             protocol=protocol_name(extended=bool(session.extended_smtp), tls=session.ssl is not None,
                                    authenticated=bool(session.authenticated), smtputf8=bool(envelope.smtp_utf8)),
-            recipients=envelope.rcpt_tos,
+            recipients=envelope.rcpt_tos,  # as the client gave them (Postfix's smtpd writes it before any rewriting)
             when_ts=self.queue.clock(),
             private=bool(session.authenticated) and isinstance(policy, EdgePolicy) and policy.received_private,
         )
@@ -147,7 +177,8 @@ class QueueHandler(FastHandlerMixin):
                 client=client,
                 helo=session.host_name or "",
                 not_before_ts=release_ts,
-                held=held is not None,
+                queue_id=queue_id,
+                held=held is not None or quarantine is not None,
             )
         except StorageError as exc:
             self.log.error("queue_write_failed", error=str(exc), client=client, reply=exc.smtp_reply)
@@ -155,8 +186,79 @@ class QueueHandler(FastHandlerMixin):
         if held is not None:
             self.log.warning("header_checks_hold", queue_id=env.queue_id, client=client, text=held[0],
                              header=held[1][:200], action="held until released (mtaq queue release)")
+        if quarantine is not None:
+            self.log.warning("milter_quarantine", queue_id=env.queue_id, client=client, milter=quarantine[1],
+                             reason=quarantine[0], action="held until released (mtaq queue release)")
         killpoints.hit("edge.after_commit")
         return f"250 2.0.0 Ok: queued as {env.queue_id}"
+
+    async def _filter(
+        self, milters: MilterSession, content: bytes | BodyBuffer, queue_id: str, client: str,
+        recipients: list[tuple[str, tuple[tuple[str, str], ...]]],
+    ) -> str | tuple[bytes | BodyBuffer, str | None, list[tuple[str, tuple[tuple[str, str], ...]]] | None,
+                     tuple[str, str] | None]:
+        """The message through the milters (:meth:`MilterSession.message`): a reply (refused, discarded), or
+        (content with the header and body changes applied, the new sender or None, the recipients
+        (address, DSN parameters) or None when unchanged, the quarantine (reason, filter) or None). A spilled
+        body is streamed to the filters from its temporary file, piece by piece, in a thread."""
+        milters.context = {"queue_id": queue_id, "client": client}
+        if milters.discard:  # discarded at MAIL, RCPT or DATA
+            self.log.warning("milter_discard", queue_id=queue_id, client=client, milter=milters.discard_by)
+            return f"250 2.0.0 Ok: queued as {queue_id}"
+        head, whole = await _head_read(content)
+        if not whole:
+            return "552 5.3.4 Error: message header section too large to filter"
+        outcome = await milters.message(head, _body_after(content, len(head)), {"i": queue_id})
+        if outcome.reply is not None:
+            return outcome.reply
+        if outcome.discard:
+            self.log.warning("milter_discard", queue_id=queue_id, client=client, milter=outcome.filter)
+            return f"250 2.0.0 Ok: queued as {queue_id}"
+        edits = outcome.edits
+        quarantine = (outcome.quarantine, outcome.filter) if outcome.quarantine is not None else None
+        new_head = edit_head(head, edits)
+        replaced = new_body(edits)
+        if replaced is not None:
+            content = (head if new_head is None else new_head) + b"\r\n" + replaced
+        elif new_head is not None:
+            if isinstance(content, bytes):
+                content = new_head + content[len(head):]
+            else:
+                try:
+                    content.replace_prefix(len(head), new_head)
+                except ValueError:
+                    return "552 5.3.4 Error: message header section too large to filter"
+        rcpt_edits = [e for e in edits if e.kind in (SMFIR_ADDRCPT, SMFIR_ADDRCPT_PAR, SMFIR_DELRCPT)]
+        return content, new_sender(edits), apply_recipients(recipients, rcpt_edits) if rcpt_edits else None, quarantine
+
+
+async def _body_after(content: bytes | BodyBuffer, head_len: int) -> AsyncIterator[bytes]:
+    """The body of ``content`` (after its ``head_len`` octets of header section and the empty line), in
+    pieces: a spilled body read back from its temporary file one piece (64 KiB) at a time, in a thread."""
+    if isinstance(content, bytes):
+        rest = content[head_len:]
+        yield rest[2:] if rest.startswith(b"\r\n") else rest
+        return
+    pieces = content.pieces()
+    skip = head_len
+    blank: bytes | None = b""  # the first octets after the header section, until the empty line is known
+    while True:
+        piece = await asyncio.to_thread(next, pieces, None)
+        if piece is None:
+            break
+        if skip:
+            cut = min(skip, len(piece))
+            piece, skip = piece[cut:], skip - cut
+        if blank is not None:
+            blank += piece
+            if len(blank) < 2:
+                continue
+            piece = blank[2:] if blank.startswith(b"\r\n") else blank
+            blank = None
+        if piece:
+            yield piece
+    if blank and blank != b"\r":
+        yield blank
 
 
 async def _head_read(content: bytes | BodyBuffer) -> tuple[bytes, bool]:
@@ -379,6 +481,7 @@ async def start_server(
     implicit_tls: bool = False,
     tls_handshake_timeout_s: float = TLS_HANDSHAKE_TIMEOUT_S,
     settings: EdgeSettings | None = None,
+    milters: tuple[str, ...] | None = None,
 ) -> asyncio.Server:
     """Listen on ``host:port`` with :class:`MtaqSMTP`; returns the asyncio server.
 
@@ -401,6 +504,9 @@ async def start_server(
     ``settings``: an :class:`EdgeSettings` read at every accepted connection instead of ``policy``,
     ``data_size_limit``, ``timeout_s`` and ``tls_handshake_timeout_s`` (which are then ignored): the
     daemon's, which a reload changes for the sessions that start after it.
+
+    ``milters``: this listener's content filters (its ``smtpd_milters``) instead of the policy's
+    (:class:`mtaq.edge.milter.MilterSettings`); None: the policy's.
     """
     loop = asyncio.get_running_loop()
     if settings is None:
@@ -436,6 +542,7 @@ async def start_server(
             body_buffer=body_buffer,
             verifier=live.verifier,
             loop=loop,
+            milters=milters,
         )
 
     where: dict[str, Any] = {"sock": sock} if sock is not None else {"host": host, "port": port, "reuse_address": True}

@@ -91,9 +91,11 @@ from mtaq.core.text import escape_text
 from mtaq.edge.data import DataScanner, read_data_text, refusal
 from mtaq.edge.fastpath import FastPathMixin, parse_address
 from mtaq.edge.limits import Gate
+from mtaq.edge.milter import MilterSession
 from mtaq.edge.policy import EdgePolicy, RecipientVerifier, address_problem, unsendable_character
 from mtaq.edge.replies import enhance, reply_code
 from mtaq.logs import get_logger
+from mtaq.queue.store import new_queue_id
 from mtaq.storage.spill import BodyBuffer
 
 __all__ = ["DsnEnvelope", "DsnParams", "DsnSyntaxError", "MtaqSMTP", "decode_xtext", "encode_xtext",
@@ -158,6 +160,7 @@ class DsnEnvelope(Envelope):
         self.dsn_envid: str | None = None
         self.rcpt_dsn: list[DsnParams] = []
         self.release_ts: float | None = None  # RFC 4865 HOLDFOR/HOLDUNTIL: first attempt not before (UTC s)
+        self.queue_id = ""  # given at MAIL when milters are asked (their macro i); "" : made when queued
 
 
 def decode_xtext(value: str) -> str:
@@ -337,6 +340,7 @@ class MtaqSMTP(FastPathMixin, SMTP):
         gate: Gate | None = None,
         body_buffer: Callable[[], BodyBuffer] | None = None,
         implicit_tls: bool = False,
+        milters: tuple[str, ...] | None = None,
         verifier: RecipientVerifier | None = None,
         **kwargs: Any,
     ) -> None:
@@ -367,6 +371,11 @@ class MtaqSMTP(FastPathMixin, SMTP):
         self._idle_deadline = 0.0  # loop time at which the client is idle too long (see _reset_timeout)
         self._idle_when = 0.0  # loop time the idle timer was set for (uvloop's handles may not tell)
         self._idle_armed = False  # the idle timer is set and has not fired
+        # Content filters (mtaq.edge.milter): the listener's own smtpd_milters, else the policy's; the session
+        # with them is opened at connect (None: no filter).
+        self._milter_specs = milters
+        self.milters: MilterSession | None = None
+        self._auth_mechanism = ""
         self._building = True  # FastPathMixin: the command and AUTH tables are made after aiosmtpd's __init__
         exclude = kwargs.get("auth_exclude_mechanism")
         if exclude is not None:  # read twice (aiosmtpd's __init__, then _fast_tables): a one-shot iterable would not do
@@ -426,8 +435,10 @@ class MtaqSMTP(FastPathMixin, SMTP):
         return self._tls_protocol is not None or self.implicit_tls
 
     def connection_lost(self, error: Exception | None) -> None:
-        """aiosmtpd's, and the connection's place in the gate is given back."""
+        """aiosmtpd's, and the connection's place in the gate is given back (and the filters told SMFIC_QUIT)."""
         self.release_admission()
+        if self.milters is not None:
+            self.milters.close()
         if self.session is None:  # an smtps connection whose TLS handshake failed: never made
             return
         super().connection_lost(error)
@@ -453,7 +464,52 @@ class MtaqSMTP(FastPathMixin, SMTP):
         if self._refusal is not None:
             await self.push(f"421 4.7.0 {self.hostname} Error: {self._refusal}")
             return
+        specs = self._milter_specs if self._milter_specs is not None else self.policy.milter.smtpd_milters
+        if specs:
+            # Postfix: the filters hear of the connection before the greeting; a refusal (or the default
+            # action of a filter that failed) is the answer to every MAIL of the session (MilterSession.refused).
+            milters = self.milters = MilterSession(self.policy.milter, specs)
+            peer = self.session.peer if self.session is not None else None
+            ip = self.client_ip()
+            port = int(peer[1]) if isinstance(peer, tuple) and len(peer) > 1 else 0
+            milters.context = {"client": f"{ip}:{port}"}
+            await milters.connect(f"[{ip}]" if ip else "unknown", ip, port, self._milter_macros("connect"))
         await super()._handle_client()
+
+    def _milter_macros(self, stage: str, envelope: DsnEnvelope | None = None, address: str = "") -> dict[str, str]:
+        """The macros Postfix sends at ``stage`` (its milter_*_macros defaults, MILTER_README "Sendmail
+        macro emulation"): j, {daemon_name}, v, _, {client_*} at connect; {tls_version}, {cipher},
+        {cipher_bits} at HELO; i, {auth_type}, {auth_authen}, {mail_addr}, {mail_host} at MAIL;
+        {rcpt_addr}, {rcpt_host} at RCPT; i at DATA, end of headers and end of message."""
+        if stage == "connect":
+            peer = self.session.peer if self.session is not None else None
+            ip = self.client_ip()
+            port = str(peer[1]) if isinstance(peer, tuple) and len(peer) > 1 else ""
+            local = self.transport.get_extra_info("sockname") if self.transport is not None else None
+            return {"j": self.hostname, "{daemon_name}": self.hostname, "v": "mtaq",
+                    "_": f"unknown [{ip}]", "{client_addr}": ip, "{client_name}": "unknown",
+                    "{client_port}": port, "{client_ptr}": "unknown",
+                    "{daemon_addr}": str(local[0]) if isinstance(local, tuple) else "",
+                    "{daemon_port}": str(local[1]) if isinstance(local, tuple) and len(local) > 1 else ""}
+        if stage == "helo":
+            tls = self.session.ssl if self.session is not None else None
+            if not isinstance(tls, dict):
+                return {}
+            ssl_object, cipher = tls.get("ssl_object"), tls.get("cipher")
+            out = {"{tls_version}": str(ssl_object.version()) if ssl_object is not None else ""}
+            if isinstance(cipher, tuple) and len(cipher) >= 3:
+                out |= {"{cipher}": str(cipher[0]), "{cipher_bits}": str(cipher[2])}
+            return out
+        qid = envelope.queue_id if envelope is not None else ""
+        if stage == "mail":
+            authenticated = self.session is not None and self.session.authenticated
+            return {"i": qid, "{auth_type}": self._auth_mechanism if authenticated else "",
+                    "{auth_authen}": self.login_name() if authenticated else "",
+                    "{mail_addr}": address, "{mail_host}": address.rpartition("@")[2] if "@" in address else "",
+                    "{mail_mailer}": "smtp"}
+        if stage == "rcpt":
+            return {"{rcpt_addr}": address, "{rcpt_host}": address.rpartition("@")[2], "{rcpt_mailer}": "smtp"}
+        return {"i": qid}
 
     def _reset_timeout(self, duration: float | None = None) -> None:
         """aiosmtpd's idle timer, moved without a new timer per command: the deadline moves on, and a timer
@@ -623,6 +679,9 @@ class MtaqSMTP(FastPathMixin, SMTP):
                 refusal = self.policy.rcpt_reply(address, client_ip=self.client_ip(),
                                                  authenticated=bool(self.session.authenticated), smtputf8=smtputf8)
                 if refusal is not None:
+                    if self.milters is not None and envelope.mail_from is not None:
+                        await self.milters.rcpt_rejected(address, [str(o) for o in args[1]], dict(
+                            self._milter_macros("rcpt", envelope, address), **{"{rcpt_mailer}": "error"}))
                     return refusal
                 if self.verifier is not None and self.policy.verification_wanted(
                         address, client_ip=self.client_ip(), authenticated=bool(self.session.authenticated)):
@@ -630,7 +689,24 @@ class MtaqSMTP(FastPathMixin, SMTP):
                     refusal = self.policy.unverified_reply(address, status, text)
                     if refusal is not None:
                         return refusal
+            if self.milters is not None:
+                if command == "MAIL":
+                    envelope.queue_id = new_queue_id()
+                    self.milters.context["queue_id"] = envelope.queue_id
+                    reply = await self.milters.mail(address, [str(o) for o in args[1]],
+                                                    self._milter_macros("mail", envelope, address))
+                else:
+                    reply = await self.milters.rcpt(address, [str(o) for o in args[1]],
+                                                    self._milter_macros("rcpt", envelope, address))
+                if reply is not None:
+                    return reply
         return await super()._call_handler_hook(command, *args)
+
+    async def _milter_helo(self, hostname: str) -> None:
+        """SMFIC_HELO after a HELO/EHLO that was accepted; a refusal is remembered and answers every MAIL
+        (MilterSession.refused), as Postfix's smtpd_delay_reject does."""
+        if self.milters is not None and hostname and self.session is not None and self.session.host_name == hostname:
+            await self.milters.helo(hostname, self._milter_macros("helo"))
 
     def login_name(self) -> str:
         """The user name this session authenticated as ("" if none)."""
@@ -645,6 +721,7 @@ class MtaqSMTP(FastPathMixin, SMTP):
         self._verb = "HELO"
         try:
             await super().smtp_HELO(hostname)
+            await self._milter_helo(hostname)
         finally:
             self._verb = None
 
@@ -668,6 +745,7 @@ class MtaqSMTP(FastPathMixin, SMTP):
                 self.command_size_limits["MAIL"] += _MAIL_EXTRA
                 self.command_size_limits["RCPT"] += _RCPT_EXTRA
             await self.push(reply)
+            await self._milter_helo(hostname)
         finally:
             self._verb = None
 
@@ -790,6 +868,7 @@ class MtaqSMTP(FastPathMixin, SMTP):
             if self.gate is not None:
                 self.gate.auth_end(ip)
         if ok:
+            self._auth_mechanism = mechanism
             return AuthResult(success=True, auth_data=LoginPassword(user, b""))
         await self._auth_failed(user, mechanism, counted=True)
         return AuthResult(success=False, handled=False)
@@ -895,6 +974,11 @@ class MtaqSMTP(FastPathMixin, SMTP):
         if arg:
             await self.push("501 Syntax: DATA")
             return
+        if self.milters is not None:
+            refused = await self.milters.data(self._milter_macros("data", envelope))
+            if refused is not None:
+                await self.push(refused)
+                return
         await self.push("354 End data with <CR><LF>.<CR><LF>")
         content, refusal, hang_up = await self._read_data()
         if refusal is not None:

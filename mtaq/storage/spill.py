@@ -158,6 +158,18 @@ class BodyBuffer:
             raise ValueError("replace_start: the octets to replace are not all in the temporary file")
         self._skip, self._start = old_len, new
 
+    def replace_prefix(self, length: int, new: bytes) -> None:
+        """Read the first ``length`` octets of the body as it reads now (after an earlier
+        :meth:`replace_start`; ``head`` not counted) as ``new`` from now on: the milter's header changes
+        after header_checks' (:mod:`mtaq.edge.milter`). Only for a spilled body; ValueError as
+        :meth:`replace_start`."""
+        if length <= len(self._start):
+            if self._file is None:
+                raise ValueError("replace_prefix: the body was not spilled")
+            self._start = new + self._start[length:]
+            return
+        self.replace_start(self._skip + length - len(self._start), new)
+
     def pieces(self) -> Iterator[bytes]:
         """The body in order, ``head`` first, in pieces of at most ``chunk_bytes`` (plus the memory tail).
 
