@@ -672,9 +672,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _main_runs(args, sink_port, head)
     finally:
-        if milter_proc is not None:
-            milter_proc.kill()
-            milter_proc.wait()
+        if milter_proc is not None:  # its count goes to stderr: the JSON line is printed already
+            milter_proc.terminate()
+            tail, _ = milter_proc.communicate(timeout=30)
+            log(tail.strip())
 
 
 def _main_runs(args: argparse.Namespace, sink_port: int, head: dict[str, Any]) -> int:

@@ -15,13 +15,15 @@ starts the next message on the same connection.
 
     .venv/bin/python bench/noop_milter.py --port 8891 [--mode full|eom]
 
-Prints one line ``noop_milter: listening on 127.0.0.1:PORT`` when ready; runs until killed.
+Prints one line ``noop_milter: listening on 127.0.0.1:PORT`` when ready; on SIGTERM, one line
+``noop_milter: connections=N messages=M`` (M: end-of-message commands answered), and exits.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import struct
 
 SMFI_VERSION = 6
@@ -29,6 +31,7 @@ SKIP_ALL_BUT_EOM = (0x1 | 0x2 | 0x4 | 0x8 | 0x10 | 0x20 | 0x40 | 0x100 | 0x200) 
 REPLY_CONTINUE = b"c"
 REPLY_ACCEPT = b"a"
 NO_REPLY = {b"D", b"A"}
+COUNTS = {"connections": 0, "messages": 0}  # messages: end-of-message commands answered
 
 
 def packet(cmd: bytes, data: bytes = b"") -> bytes:
@@ -37,6 +40,7 @@ def packet(cmd: bytes, data: bytes = b"") -> bytes:
 
 
 async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, mode: str) -> None:
+    COUNTS["connections"] += 1
     try:
         while True:
             head = await reader.readexactly(4)
@@ -52,6 +56,7 @@ async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, mode
             elif cmd in NO_REPLY or cmd == b"K":
                 continue
             elif cmd == b"E":
+                COUNTS["messages"] += 1
                 writer.write(packet(REPLY_ACCEPT))
             else:
                 writer.write(packet(REPLY_CONTINUE))
@@ -64,9 +69,12 @@ async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, mode
 
 async def main_async(host: str, port: int, mode: str) -> None:
     server = await asyncio.start_server(lambda r, w: serve(r, w, mode), host, port)
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     print(f"noop_milter: listening on {host}:{port}", flush=True)
     async with server:
-        await server.serve_forever()
+        await stop.wait()
+    print(f"noop_milter: connections={COUNTS['connections']} messages={COUNTS['messages']}", flush=True)
 
 
 def main() -> None:
