@@ -13,6 +13,7 @@ What must hold: a listing names the log position it is consistent as of; errors 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -271,6 +272,8 @@ def run_queue(args: argparse.Namespace, out: TextIO | None = None) -> int:
         except ValueError as exc:
             raise QueueCommandError(f"--older-than: {exc}") from None
     cmd = args.queue_command
+    if cmd == "list":  # a process that ends after it: a listing makes a few objects per message, no garbage
+        gc.disable()  # to collect (a third of the time of 100,000 messages, walking them again and again)
     if cmd in ADMIN_ACTIONS:
         body = _action_body(args, older)
         try:

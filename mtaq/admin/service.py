@@ -26,8 +26,10 @@ import contextlib
 import datetime as dt
 import email.parser
 import email.policy
+import gc
 import os
-from collections.abc import AsyncIterator, Callable, Collection, Iterable
+import threading
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,6 +93,31 @@ class ActionResult:
 VIEW_KEPT_S = 60.0  # a daemon keeps its listing view this long after the last use, then frees it
 
 
+_gc_lock = threading.Lock()
+_gc_pauses = 0
+_gc_was_enabled = False
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection while a view is built: the fold makes a few objects per message, none
+    of them garbage, and each collection of the old generation would walk them all again (about a third of
+    the time of a 100,000-message listing). Nestable, from any thread; collection resumes afterwards."""
+    global _gc_pauses, _gc_was_enabled
+    with _gc_lock:
+        if _gc_pauses == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_pauses += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_pauses -= 1
+            if _gc_pauses == 0 and _gc_was_enabled:
+                gc.enable()
+
+
 class _Stale(Exception):
     """A segment the view would go on from is gone (reclaimed): the view is read again from the start."""
 
@@ -106,6 +133,11 @@ def _view_of_segments(log: Log, end: Pos, view: QueueView | None = None) -> Queu
     checksummed, not decoded): from the start of the log into a new view, or, given ``view``, from
     ``view.end`` on (the segments it read are not read again). Damage met (a frame that does not check out,
     not a torn tail) is noted in ``view.damage``. Raises _Stale when a segment ``view`` goes on from is gone."""
+    with gc_paused():
+        return _fold_segments(log, end, view)
+
+
+def _fold_segments(log: Log, end: Pos, view: QueueView | None) -> QueueView:
     if view is None:
         view = QueueView(end=Pos(0, 0))
         start = Pos(0, 0)
@@ -198,7 +230,8 @@ def page_of(entries: list[Entry], view: QueueView, *, limit: int | None, after: 
     more = limit is not None and len(entries) > limit
     if limit is not None:
         entries = entries[:limit]
-    mails = [e.as_json(view.reasons(e.queue_id)) for e in entries]
+    with gc_paused():
+        mails = [e.as_json(view.reasons(e.queue_id)) for e in entries]
     return Listing(position, mails, cursor_of(mails[-1]) if more and mails else None)
 
 
@@ -417,6 +450,11 @@ def _details(view: QueueView, queue_id: str, read_body: Callable[[EnvelopeRecord
 # --------------------------------------------------------------------------------------- daemon is down
 def offline_view(spool: str) -> QueueView:
     """The queue as of the end of the log in ``spool``, read from disk (the daemon is not running)."""
+    with gc_paused():
+        return _offline_fold(spool)
+
+
+def _offline_fold(spool: str) -> QueueView:
     fs = OsFileSystem()
     log_dir = os.path.join(spool, "log")
     view = QueueView()
