@@ -163,3 +163,25 @@ def test_the_view_kept_between_listings_equals_one_read_afresh_across_deliveries
         assert [] == await fresh(h)
 
     run(tmp_path, body, retry_intervals_s=[3600.0], segment_bytes_max=65536)
+
+
+def test_a_segment_read_on_from_an_offset_gives_what_a_whole_read_gives_there(tmp_path):
+    """``scan_frames`` (how the kept view reads on from where it stopped) from any frame boundary of a
+    damaged segment: the records and problems at or after it, as ``scan_segment`` of the whole file finds
+    them."""
+    from mtaq.core.frame import SEGMENT_HEADER_BYTES, decode_segment_header, scan_frames
+
+    spool = str(tmp_path / "spool")
+    prefill_deferred(spool, 40, lambda i: BODY, segment_bytes_max=65536)
+    _damage_a_body(spool)
+    with open(os.path.join(spool, "log", "000000000001.seg"), "rb") as f:
+        buf = f.read()
+    whole = scan_segment(1, buf, skip_data=True)
+    assert 1 == len(whole.corruption)
+    salt = decode_segment_header(buf).salt
+    starts = sorted({SEGMENT_HEADER_BYTES, *(p.offset for p, _ in whole.records), whole.problems[0].end})
+    for base in starts:
+        part = scan_frames(1, buf[base:], base, salt, skip_data=True)
+        assert [(p, r) for p, r in whole.records if p.offset >= base] == part.records
+        assert [p for p in whole.problems if p.offset >= base] == part.problems
+        assert whole.valid_end == part.valid_end

@@ -197,6 +197,13 @@ def _catch_up(view: QueueView, log: Log) -> None:
     view.end = end
 
 
+def _candidates(view: QueueView, selector: Selector) -> Iterable[Entry]:
+    """The entries ``selector`` may choose: those of its queue IDs (looked up, not searched for), else all."""
+    if selector.ids:
+        return [view.entries[q] for q in dict.fromkeys(selector.ids) if q in view.entries]
+    return view.entries.values()
+
+
 @dataclass
 class Listing:
     """A page of a listing: ``mails`` (``postqueue -j`` objects, in :func:`listing_key` order), the log
@@ -313,7 +320,7 @@ class AdminService:
         message queued for the whole paging is listed exactly once (the key of a message never changes, and
         new mail arrives later than any cursor), whatever is added or removed meanwhile."""
         async with self._current_view() as view:
-            entries = selector.select(view.entries.values(), self.clock())
+            entries = selector.select(_candidates(view, selector), self.clock())
             if states is not None:
                 entries = [e for e in entries if e.state in states]
             listing = page_of(entries, view, limit=limit, after=after, position=str(view.end))
@@ -370,7 +377,7 @@ class AdminService:
         async with self._current_view() as view:
             # From the view's catch-up to the return nothing awaits: no worker can start a selected message.
             res = ActionResult(action, str(view.end))
-            chosen = selector.select(view.entries.values(), self.clock())
+            chosen = selector.select(_candidates(view, selector), self.clock())
             if states is not None:
                 for e in chosen:
                     if e.state not in states and e.queue_id in selector.ids:
