@@ -214,6 +214,11 @@ class Listing:
     mails: list[dict[str, Any]]
     next: str | None = None
     damage: list[str] = field(default_factory=list)
+    raw: list[bytes] | None = None  # with page(raw=True): each mail as JSON bytes, and ``mails`` empty
+
+    @property
+    def count(self) -> int:
+        return len(self.raw) if self.raw is not None else len(self.mails)
 
 
 def cursor_of(mail: dict[str, Any]) -> str:
@@ -230,16 +235,22 @@ def parse_cursor(cursor: str) -> tuple[int, str]:
 
 
 def page_of(entries: list[Entry], view: QueueView, *, limit: int | None, after: tuple[int, str] | None,
-            position: str) -> Listing:
-    """The page of sorted ``entries`` after ``after`` (a listing key), at most ``limit`` of them."""
+            position: str, raw: bool = False) -> Listing:
+    """The page of sorted ``entries`` after ``after`` (a listing key), at most ``limit`` of them; with
+    ``raw`` as JSON bytes (kept in the view until the message changes) in ``raw`` instead of ``mails``."""
     if after is not None:
         entries = entries[bisect.bisect_right(entries, after, key=listing_key):]
     more = limit is not None and len(entries) > limit
     if limit is not None:
         entries = entries[:limit]
+    nxt = None
+    if more and entries:
+        ts, qid = listing_key(entries[-1])
+        nxt = f"{ts}:{qid}"
     with gc_paused():
-        mails = [e.as_json(view.reasons(e.queue_id)) for e in entries]
-    return Listing(position, mails, cursor_of(mails[-1]) if more and mails else None)
+        if raw:
+            return Listing(position, [], nxt, raw=[view.rendered(e) for e in entries])
+        return Listing(position, [e.as_json(view.reasons(e.queue_id)) for e in entries], nxt)
 
 
 class AdminService:
@@ -311,19 +322,19 @@ class AdminService:
 
     async def page(
         self, selector: Selector, *, limit: int | None = None, states: Collection[str] | None = None,
-        after: tuple[int, str] | None = None,
+        after: tuple[int, str] | None = None, raw: bool = False,
     ) -> Listing:
         """Messages matching ``selector`` (all if it is empty) in listing order (arrival, then queue ID), as
         ``postqueue -j`` objects: those after the cursor key ``after`` (:func:`parse_cursor`), at most
         ``limit``; with the log position the page is consistent as of, the next page's cursor, and the
-        damage met in the log. ``states`` (when given) keeps only messages in those states. Across pages a
+        damage met in the log (``raw``: the messages as JSON bytes in ``raw``, ``mails`` empty). ``states`` (when given) keeps only messages in those states. Across pages a
         message queued for the whole paging is listed exactly once (the key of a message never changes, and
         new mail arrives later than any cursor), whatever is added or removed meanwhile."""
         async with self._current_view() as view:
             entries = selector.select(_candidates(view, selector), self.clock())
             if states is not None:
                 entries = [e for e in entries if e.state in states]
-            listing = page_of(entries, view, limit=limit, after=after, position=str(view.end))
+            listing = page_of(entries, view, limit=limit, after=after, position=str(view.end), raw=raw)
             listing.damage = self._damage(view)
             return listing
 

@@ -17,6 +17,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from mtaq.core.parking import state_of
 from mtaq.core.records import DeliveryRecord, EnvelopeRecord, FinishRecord, Pos, Record, StartRecord
 
@@ -85,10 +87,14 @@ class QueueView:
     # Damage met while reading the log into this view: segment -> problems (``Problem`` text), so that a
     # listing reports it (a listing never passes over damage silently). Kept while the segment exists.
     damage: dict[int, list[str]] = field(default_factory=dict)
+    # queue_id -> its listing object as JSON bytes, made at a listing and dropped by any record of the message
+    _rendered: dict[str, bytes] = field(default_factory=dict)
 
     def apply(self, pos: Pos, rec: Record, end: Pos) -> None:
         """Fold the record at ``pos`` (which ends at ``end``) into the view."""
         self.end = end
+        if self._rendered and not isinstance(rec, FinishRecord):
+            self._rendered.pop(getattr(rec, "queue_id", ""), None)
         if isinstance(rec, EnvelopeRecord):
             if rec.replaces is not None:
                 self._by_start.pop(rec.replaces, None)
@@ -116,6 +122,7 @@ class QueueView:
         elif isinstance(rec, FinishRecord):
             qid = self._by_start.pop(rec.start, None)
             if qid is not None:
+                self._rendered.pop(qid, None)
                 left = self._unstarted.get(qid)
                 if left:  # an older envelope of the message no START named: it is the live one again
                     lpos = max(left)
@@ -123,6 +130,13 @@ class QueueView:
                 else:
                     self.entries.pop(qid, None)
                     self._reasons.pop(qid, None)
+
+    def rendered(self, e: Entry) -> bytes:
+        """``e.as_json(...)`` encoded as JSON (msgspec), kept until a record of the message changes it."""
+        b = self._rendered.get(e.queue_id)
+        if b is None:
+            b = self._rendered[e.queue_id] = msgspec.json.encode(e.as_json(self.reasons(e.queue_id)))
+        return b
 
     def reasons(self, queue_id: str) -> dict[int, str]:
         """The last reply per recipient index (deferrals and failures; ``delay_reason`` in listings)."""
