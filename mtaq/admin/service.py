@@ -284,6 +284,8 @@ class AdminService:
                     if any(k not in segs for k in range(view.end.segment, end.segment + 1)):
                         view = None  # reclaimed since: its conclusions would be missed
                     else:
+                        # Not kept while the thread changes it: a cancelled request must not leave it half-read
+                        self._view = None
                         try:
                             view = await asyncio.to_thread(_view_of_segments, log, end, view)
                         except _Stale:
