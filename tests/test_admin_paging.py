@@ -190,3 +190,25 @@ def test_a_segment_read_on_from_an_offset_gives_what_a_whole_read_gives_there(tm
         assert [(p, r) for p, r in whole.records if p.offset >= base] == part.records
         assert [p for p in whole.problems if p.offset >= base] == part.problems
         assert whole.valid_end == part.valid_end
+
+
+def test_queue_list_pages_with_limit_and_after_on_the_spool(tmp_path):
+    """``mtaq queue list --json --limit 15`` (no daemon: the spool read directly) prints 15 messages and
+    ``mtaq: more: --after CURSOR``; ``--after CURSOR`` prints the other 25 and no ``more``: together every
+    message once, in listing order. A cursor that is not one is exit 1 naming --after."""
+    spool = str(tmp_path / "spool")
+    prefill_deferred(spool, 40, lambda i: BODY)
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "mtaq.cli", "queue", "list", "--json", "--spool", spool, *args],
+                              capture_output=True, text=True, timeout=60)
+
+    every = [json.loads(line)["queue_id"] for line in cli().stdout.splitlines()]
+    first = cli("--limit", "15")
+    [cursor] = re.findall(r"^mtaq: more: --after (\S+)$", first.stderr, re.M)
+    rest = cli("--after", cursor, "--limit", "100")
+    assert (0, []) == (rest.returncode, re.findall(r"more:", rest.stderr))
+    pages = [json.loads(line)["queue_id"] for out in (first, rest) for line in out.stdout.splitlines()]
+    assert (40, every) == (len(every), pages)
+    bad = cli("--after", "nonsense")
+    assert (1, True) == (bad.returncode, "--after" in bad.stderr)
