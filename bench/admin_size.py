@@ -7,12 +7,19 @@ the whole queue) with N deferred messages queued (default 100,000).
 2. Start ``mtaq serve`` (``mtaq.testing.procs.start_daemon``; admin API on a free port, the next hop a
    closed port: nothing comes due during the run) and wait for ``recovery_complete``.
 3. Time, each ``--repeat`` times (median and min reported, seconds, wall clock):
-   * ``http_size_s``: ``GET /mailQueues/spool``;  ``http_list_s``: ``GET /mailQueues/spool/mails`` (all N);
+   * ``http_list_first_s``: the first ``GET /mailQueues/spool/mails`` (all N; the daemon reads the whole
+     log: once, not repeated); then ``http_list_s``, the same again (the daemon's kept view, read forward);
+     ``http_page_s``: ``?limit=1000`` (one page);
+   * ``http_size_s``: ``GET /mailQueues/spool``;
    * ``cli_size_s``: ``mtaq queue size --json``; ``cli_list_s``: ``mtaq queue list --json`` (a new Python
      process each time, so these include interpreter start-up, about 0.2 s);
 4. ``kill -9`` the daemon and time the offline forms (``offline_cli_size_s``, ``offline_cli_list_s``), which
    read the spool: size from the last checkpoint's counts plus the records after it; list from every
    segment.
+5. With ``--actions``: start the daemon again on the spool and time each of ``mtaq queue hold ALL``,
+   ``release ALL``, ``flush ALL``, ``delete ALL`` once (``action_hold_s``... and the messages each did,
+   ``action_done``); ``flush`` makes every message due at a next hop that refuses connections, so ``delete``
+   skips the ones under an attempt.
 
 It checks that every answer counts N messages, and prints ONE JSON line::
 
@@ -22,7 +29,8 @@ Run from the project root::
 
     .venv/bin/python bench/admin_size.py --messages 100000
 
-Options: --messages N (100000), --size BYTES (1024), --repeat R (3), --keep DIR (work under DIR and keep it).
+Options: --messages N (100000), --size BYTES (1024), --repeat R (3), --keep DIR (work under DIR and keep it),
+--actions (step 5).
 """
 
 from __future__ import annotations
@@ -68,6 +76,7 @@ def main() -> int:
     ap.add_argument("--size", type=int, default=1024)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--keep", metavar="DIR")
+    ap.add_argument("--actions", action="store_true", help="also time hold/release/flush/delete ALL")
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="mtaq-admin-", dir=args.keep)
     spool = os.path.join(work, "spool")
@@ -79,14 +88,18 @@ def main() -> int:
     out["prefill_s"] = round(prefill(spool, n, args.size), 3)
     log_dir = os.path.join(spool, "log")
     out["log_bytes"] = sum(os.path.getsize(os.path.join(log_dir, x)) for x in os.listdir(log_dir) if x.endswith(".seg"))
-    daemon = start_daemon(spool, free_port(), os.path.join(work, "daemon.log"), config=conf)
-    ok = True
-    try:
+    def started(name: str) -> Any:
+        d = start_daemon(spool, free_port(), os.path.join(work, name), config=conf)
         deadline = time.monotonic() + 600
-        while not [e for e in read_events(daemon.log_path) if e.get("event") == "recovery_complete"]:
-            if time.monotonic() > deadline or not daemon.alive():
+        while not [e for e in read_events(d.log_path) if e.get("event") == "recovery_complete"]:
+            if time.monotonic() > deadline or not d.alive():
                 raise RuntimeError("no recovery_complete")
             time.sleep(0.1)
+        return d
+
+    daemon = started("daemon.log")
+    ok = True
+    try:
         rec = next(e for e in read_events(daemon.log_path) if e.get("event") == "recovery_complete")
         out["recovery_seconds"] = rec["seconds"]
         url = admin_url(spool)
@@ -104,11 +117,13 @@ def main() -> int:
             return res.stdout
 
         get("/mailQueues/spool")  # wait until the queue routes answer (recovery done)
+        out["http_list_first_s"], first = timed(lambda: get("/mailQueues/spool/mails"), 1)
         out["http_size_s"], size = timed(lambda: get("/mailQueues/spool"), args.repeat)
         out["http_list_s"], listing = timed(lambda: get("/mailQueues/spool/mails"), args.repeat)
+        out["http_page_s"], page = timed(lambda: get("/mailQueues/spool/mails?limit=1000"), args.repeat)
         out["cli_size_s"], cli_size = timed(lambda: cli("size", "--json"), args.repeat)
         out["cli_list_s"], cli_list = timed(lambda: cli("list", "--json"), args.repeat)
-        counted = {"http_size": size["size"], "http_list": listing["count"], "cli_size": json.loads(cli_size)["total"],
+        counted = {"http_size": size["size"], "http_list_first": first["count"], "http_list": listing["count"], "cli_size": json.loads(cli_size)["total"],
                    "cli_list": len(cli_list.splitlines())}
         time.sleep(2.5)  # let a checkpoint carry the counts (for the offline size)
         daemon.kill9()
@@ -116,8 +131,16 @@ def main() -> int:
         out["offline_cli_list_s"], off_list = timed(lambda: cli("list", "--json"), args.repeat)
         counted |= {"offline_cli_size": json.loads(off_size)["total"], "offline_cli_list": len(off_list.splitlines())}
         out["offline_size_source"] = json.loads(off_size).get("source")
+        ok = page["count"] == min(n, 1000)
+        if args.actions:
+            daemon = started("daemon2.log")
+            done: dict[str, int] = {}
+            for action in ("hold", "release", "flush", "delete"):
+                out[f"action_{action}_s"], res = timed(lambda a=action: cli(a, "ALL", "--json"), 1)
+                done[action] = len(json.loads(res)["done"])
+            out["action_done"] = done
         out["counted"] = counted
-        ok = all(v == n for v in counted.values())
+        ok = ok and all(v == n for v in counted.values())
         out["ratio_http_list_to_size"] = round(out["http_list_s"]["median"] / max(out["http_size_s"]["median"], 1e-6), 1)
         out["ratio_cli_list_to_size"] = round(out["cli_list_s"]["median"] / max(out["cli_size_s"]["median"], 1e-6), 1)
         out["ok"] = ok

@@ -50,7 +50,7 @@ from aiohttp import web
 from multidict import MultiMapping
 
 from mtaq.admin.metrics import CONTENT_TYPE, Metrics
-from mtaq.admin.service import AdminError, AdminService
+from mtaq.admin.service import AdminError, AdminService, parse_cursor
 from mtaq.admin.shards import PeerError, ShardedAdmin, ShardPeer
 from mtaq.admin.token import ADMIN_TOKEN, read_spool_token, spool_token
 from mtaq.core.duration import parse_duration
@@ -69,7 +69,7 @@ _JSON = "application/json"
 BODY_BYTES_MAX = 1024 * 1024  # about 50,000 queue IDs in an action body; `mtaq queue` sends more in several
 CONNECTIONS_MAX = 64
 REQUEST_TIMEOUT_S = 10.0
-_LIST_PARAMS = {"sender", "recipient", "domain", "held", "deferred", "olderThan", "limit"}
+_LIST_PARAMS = {"sender", "recipient", "domain", "held", "deferred", "olderThan", "limit", "after"}
 _DELETE_PARAMS = {"sender", "recipient", "domain", "held", "deferred", "olderThan", "name"}
 # James: PATCH /mailQueues/{name}?delayed=true {"delayed": false} makes mail that waits for a later time
 # deliverable now; here: deferred (waiting for a retry) and delayed (FUTURERELEASE) mail.
@@ -193,6 +193,16 @@ def _limit(params: MultiMapping[str]) -> int | None:
     return int(v)
 
 
+def _after(params: MultiMapping[str]) -> tuple[int, str] | None:
+    v = params.get("after")
+    if v is None:
+        return None
+    try:
+        return parse_cursor(v)
+    except ValueError as exc:
+        raise ApiError(400, "InvalidArgument", f"after: {exc}") from None
+
+
 # ------------------------------------------------------------------------------------------------ handlers
 def _state(request: web.Request) -> ApiState:
     return request.app[_STATE]
@@ -237,12 +247,23 @@ async def queue_size(request: web.Request) -> web.Response:
 
 
 async def list_mails(request: web.Request) -> web.Response:
-    """``GET /mailQueues/{name}/mails``: the messages (filters, limit), consistent as of ``position``."""
+    """``GET /mailQueues/{name}/mails``: the messages (filters, ``limit``, ``after`` a cursor), consistent as
+    of ``position``; ``next``: the cursor of the next page (null after the last); ``damage``: problems met in
+    the log while reading it."""
     name = _queue_name(request)
     selector = selector_from_query(request.query, _LIST_PARAMS)
     limit = _limit(request.query)
-    position, mails = await _admin(request).list(selector, limit=limit)
-    return _json({"name": name, "position": position, "count": len(mails), "mails": mails})
+    admin = _admin(request)
+    if admin.peers:
+        listing = await admin.page(selector, limit=limit, after=_after(request.query))
+        return _json({"name": name, "position": listing.position, "count": listing.count, "next": listing.next,
+                      "damage": listing.damage, "mails": listing.mails})
+    # One shard: each message's JSON as the view keeps it, joined (no object made or encoded again)
+    listing = await admin.local.page(selector, limit=limit, after=_after(request.query), raw=True)
+    head = msgspec.json.encode({"name": name, "position": listing.position, "count": listing.count,
+                                "next": listing.next, "damage": listing.damage})
+    body = b"".join((head[:-1], b',"mails":[', b",".join(listing.raw or ()), b"]}"))
+    return web.Response(body=body, status=200, content_type=_JSON)
 
 
 async def delete_mails(request: web.Request) -> web.Response:
@@ -388,6 +409,7 @@ class _ListBody(msgspec.Struct, forbid_unknown_fields=True):
     selector: Selector
     limit: int | None = None
     states: list[str] | None = None
+    after: tuple[int, str] | None = None
 
 
 class _ActBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -403,10 +425,11 @@ async def shard_size(request: web.Request) -> web.Response:
 
 
 async def shard_list(request: web.Request) -> web.Response:
-    """``POST /_shard/list`` ``{"selector", "limit", "states"}``: this shard's listing (internal)."""
+    """``POST /_shard/list`` ``{"selector", "limit", "states", "after"}``: this shard's page (internal)."""
     b = _decode(await request.read(), _ListBody)
-    position, mails = await _local_admin(request).list(b.selector, limit=b.limit, states=b.states)
-    return _json({"position": position, "mails": mails})
+    listing = await _local_admin(request).page(b.selector, limit=b.limit, states=b.states, after=b.after)
+    return _json({"position": listing.position, "mails": listing.mails, "next": listing.next,
+                  "damage": listing.damage})
 
 
 async def shard_show(request: web.Request) -> web.Response:

@@ -125,7 +125,11 @@ SPEC: dict[str, Any] = {
                 "parameters": [
                     _QUEUE,
                     *_FILTERS,
-                    _q("limit", "At most this many messages", {"type": "integer", "minimum": 1}),
+                    _q("limit", "At most this many messages (a page; next names the page after it)",
+                       {"type": "integer", "minimum": 1}),
+                    _q("after", "The page after this cursor (the next of the page before): ARRIVAL_TIME:QUEUE_ID. "
+                       "Pages are in listing order (arrival time, then queue ID); a message queued for the whole "
+                       "paging is on exactly one page, whatever is added or removed meanwhile", _STR),
                 ],
                 "responses": {
                     "200": {"description": "The listing", "content": _json_content(_ref("Listing"))},
@@ -286,9 +290,14 @@ SPEC: dict[str, Any] = {
                     "name": _STR,
                     "position": {"type": "string", "description": "The listing is consistent as of this log position"},
                     "count": {"type": "integer"},
+                    "next": {"type": ["string", "null"],
+                             "description": "Cursor of the next page (give it as after); null after the last page"},
+                    "damage": {"type": "array", "items": _STR,
+                               "description": "Damage met in the log while reading it (a frame that does not "
+                                              "check out: segment, offset, reason), one line each; empty when none"},
                     "mails": {"type": "array", "items": _ref("Mail")},
                 },
-                "required": ["name", "position", "count", "mails"],
+                "required": ["name", "position", "count", "next", "damage", "mails"],
             },
             "ActionRequest": {
                 "type": "object",

@@ -21,20 +21,32 @@ When the daemon is down, :func:`offline_view` and :func:`offline_size` read the 
 from __future__ import annotations
 
 import asyncio
+import bisect
+import contextlib
 import datetime as dt
 import email.parser
 import email.policy
+import gc
 import os
-from collections.abc import Callable, Collection
+import threading
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from mtaq.core.checkpoint import Checkpoint
 from mtaq.core.errors import CorruptRecord, MtaqError, StorageError
-from mtaq.core.frame import scan_segment
+from mtaq.core.frame import (
+    SEGMENT_HEADER_BYTES,
+    HeaderError,
+    Problem,
+    SegmentScan,
+    decode_segment_header,
+    scan_frames,
+    scan_segment,
+)
 from mtaq.core.parking import ADMIN_ACTIONS, QueueCounts
 from mtaq.core.records import PARKED, DataRecord, EnvelopeRecord, Pos, RecordType
-from mtaq.core.view import Entry, QueueView, Selector
+from mtaq.core.view import Entry, QueueView, Selector, listing_key
 from mtaq.queue.runners import Runner
 from mtaq.queue.store import Queue
 from mtaq.storage.checkpoint import read_checkpoint
@@ -42,7 +54,8 @@ from mtaq.storage.cursor import LogCursor
 from mtaq.storage.fs import OsFileSystem
 from mtaq.storage.log import Log, list_segments, segment_path
 
-__all__ = ["ActionResult", "AdminError", "AdminService", "format_time", "offline_show", "offline_size", "offline_view"]
+__all__ = ["VIEW_KEPT_S", "ActionResult", "AdminError", "AdminService", "Listing", "cursor_of", "format_time",
+           "offline_show", "offline_size", "offline_view", "page_of", "parse_cursor"]
 
 # Which states each action applies to (others are skipped with a reason).
 _APPLIES = {
@@ -77,34 +90,167 @@ class ActionResult:
         return {"action": self.action, "position": self.position, "done": self.done, "skipped": self.skipped}
 
 
-def _view_of_segments(log: Log, end: Pos) -> QueueView:
-    """Fold every record of the log before ``end`` (runs in a thread; DATA frames are not decoded)."""
-    view = QueueView(end=end)
+VIEW_KEPT_S = 60.0  # a daemon keeps its listing view this long after the last use, then frees it
+
+
+_gc_lock = threading.Lock()
+_gc_pauses = 0
+_gc_was_enabled = False
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection while a view is built: the fold makes a few objects per message, none
+    of them garbage, and each collection of the old generation would walk them all again (about a third of
+    the time of a 100,000-message listing). Nestable, from any thread; collection resumes afterwards."""
+    global _gc_pauses, _gc_was_enabled
+    with _gc_lock:
+        if _gc_pauses == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_pauses += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_pauses -= 1
+            if _gc_pauses == 0 and _gc_was_enabled:
+                gc.enable()
+
+
+class _Stale(Exception):
+    """A segment the view would go on from is gone (reclaimed): the view is read again from the start."""
+
+
+def _note_damage(view: QueueView, problems: Iterable[Problem]) -> None:
+    for p in problems:
+        if p.kind != "torn-tail":
+            view.damage.setdefault(p.segment, []).append(str(p))
+
+
+def _view_of_segments(log: Log, end: Pos, view: QueueView | None = None) -> QueueView:
+    """Fold every record of the log before ``end`` into ``view`` (runs in a thread; DATA frames are
+    checksummed, not decoded): from the start of the log into a new view, or, given ``view``, from
+    ``view.end`` on (the segments it read are not read again). Damage met (a frame that does not check out,
+    not a torn tail) is noted in ``view.damage``. Raises _Stale when a segment ``view`` goes on from is gone."""
+    with gc_paused():
+        return _fold_segments(log, end, view)
+
+
+def _fold_segments(log: Log, end: Pos, view: QueueView | None) -> QueueView:
+    if view is None:
+        view = QueueView(end=Pos(0, 0))
+        start = Pos(0, 0)
+    else:
+        start = view.end
     for n in log.segments():
+        if n < start.segment:
+            continue
         if n > end.segment:
             break
-        try:
-            buf = log.read_segment(n)
-        except FileNotFoundError:  # reclaimed before the caller took Log.segments_kept: it held nothing live
-            continue
-        if n == end.segment:
-            buf = buf[: end.offset]
-        for pos, rec in scan_segment(n, buf, skip_data=True).records:
-            view.apply(pos, rec, pos)
+        if n == start.segment and start.offset > SEGMENT_HEADER_BYTES:
+            scan = _scan_rest(log, n, start.offset, end.offset if n == end.segment else None)
+        else:
+            try:
+                buf = log.read_segment(n)
+            except FileNotFoundError:  # reclaimed before the caller took Log.segments_kept: it held nothing live
+                if start.segment:
+                    raise _Stale(f"segment {n}") from None
+                continue
+            if n == end.segment:
+                buf = buf[: end.offset]
+            scan = scan_segment(n, buf, skip_data=True)
+        apply = view.apply
+        for pos, rec in scan.records:
+            apply(pos, rec, pos)
+        _note_damage(view, scan.problems)
     view.end = end
     return view
+
+
+def _scan_rest(log: Log, n: int, offset: int, stop: int | None) -> SegmentScan:
+    """The frames of segment ``n`` from ``offset`` (a frame boundary) to ``stop`` (or its end)."""
+    try:
+        f = log.fs.open(segment_path(log.directory, n))
+    except FileNotFoundError:
+        raise _Stale(f"segment {n}") from None
+    try:
+        header = decode_segment_header(f.pread(0, SEGMENT_HEADER_BYTES))
+        size = f.size() if stop is None else stop
+        buf = f.pread(offset, size - offset)
+    except HeaderError:
+        raise _Stale(f"segment {n}: header") from None  # read whole again (salvaged, reported)
+    finally:
+        f.close()
+    return scan_frames(n, buf, offset, header.salt, skip_data=True)
 
 
 def _catch_up(view: QueueView, log: Log) -> None:
     """Bring ``view`` forward to the log's current end (synchronous: call it in the loop, then act)."""
     end = log.end
-    cur = LogCursor(log, view.end)
+    cur = LogCursor(log, view.end, on_corrupt=lambda p: _note_damage(view, [p]))
     while (found := cur.peek(end, lambda t: t != RecordType.DATA)) is not None:
         assert found is not False  # only with max_frames
         pos, rec = found
         cur.skip()
         view.apply(pos, rec, cur.pos)
     view.end = end
+
+
+def _candidates(view: QueueView, selector: Selector) -> Iterable[Entry]:
+    """The entries ``selector`` may choose: those of its queue IDs (looked up, not searched for), else all."""
+    if selector.ids:
+        return [view.entries[q] for q in dict.fromkeys(selector.ids) if q in view.entries]
+    return view.entries.values()
+
+
+@dataclass
+class Listing:
+    """A page of a listing: ``mails`` (``postqueue -j`` objects, in :func:`listing_key` order), the log
+    ``position`` it is consistent as of, ``next`` (the cursor of the next page, None after the last), and
+    ``damage`` (problems met in the log while reading it, one line each; empty when none)."""
+
+    position: str
+    mails: list[dict[str, Any]]
+    next: str | None = None
+    damage: list[str] = field(default_factory=list)
+    raw: list[bytes] | None = None  # with page(raw=True): each mail as JSON bytes, and ``mails`` empty
+
+    @property
+    def count(self) -> int:
+        return len(self.raw) if self.raw is not None else len(self.mails)
+
+
+def cursor_of(mail: dict[str, Any]) -> str:
+    """The paging cursor after ``mail`` (a listing object): ``ARRIVAL_TIME:QUEUE_ID``."""
+    return f"{int(mail['arrival_time'])}:{mail['queue_id']}"
+
+
+def parse_cursor(cursor: str) -> tuple[int, str]:
+    """``ARRIVAL_TIME:QUEUE_ID`` as a listing key; raises ValueError naming what is wrong."""
+    ts, sep, qid = cursor.partition(":")
+    if not sep or not ts.isdigit() or not qid or len(qid) > 64:
+        raise ValueError(f"expected a cursor ARRIVAL_TIME:QUEUE_ID (the next of a listing), got {cursor!r}")
+    return int(ts), qid
+
+
+def page_of(entries: list[Entry], view: QueueView, *, limit: int | None, after: tuple[int, str] | None,
+            position: str, raw: bool = False) -> Listing:
+    """The page of sorted ``entries`` after ``after`` (a listing key), at most ``limit`` of them; with
+    ``raw`` as JSON bytes (kept in the view until the message changes) in ``raw`` instead of ``mails``."""
+    if after is not None:
+        entries = entries[bisect.bisect_right(entries, after, key=listing_key):]
+    more = limit is not None and len(entries) > limit
+    if limit is not None:
+        entries = entries[:limit]
+    nxt = None
+    if more and entries:
+        ts, qid = listing_key(entries[-1])
+        nxt = f"{ts}:{qid}"
+    with gc_paused():
+        if raw:
+            return Listing(position, [], nxt, raw=[view.rendered(e) for e in entries])
+        return Listing(position, [e.as_json(view.reasons(e.queue_id)) for e in entries], nxt)
 
 
 class AdminService:
@@ -119,31 +265,89 @@ class AdminService:
         self._lock = asyncio.Lock()  # one admin action at a time (listings run freely)
         # Called at each flush (the daemon's dead destinations are forgotten: Postfix postqueue -f).
         self.on_flush: Callable[[], None] = lambda: None
+        # The view of the last listing or action, brought forward from the log at the next one (read in
+        # full only the first time, or when a segment it would go on from was reclaimed); freed VIEW_KEPT_S
+        # after its last use. Changed and read only under _view_lock, so no reader sees it half-way.
+        self._view: QueueView | None = None
+        self._view_lock = asyncio.Lock()
+        self._view_timer: asyncio.TimerHandle | None = None
+
+    @contextlib.asynccontextmanager
+    async def _current_view(self) -> AsyncIterator[QueueView]:
+        """The queue as of now, held (no other reader or refresh) while the caller uses it without awaiting:
+        the cached view read forward in a thread up to the durable end, then caught up in the loop."""
+        log = self.queue.log
+        async with self._view_lock:
+            view = self._view
+            with log.segments_kept():  # no reclamation under the reading thread (issue 31.7)
+                end = log.durable_end
+                if view is not None and end > view.end:
+                    segs = set(log.segments())
+                    if any(k not in segs for k in range(view.end.segment, end.segment + 1)):
+                        view = None  # reclaimed since: its conclusions would be missed
+                    else:
+                        # Not kept while the thread changes it: a cancelled request must not leave it half-read
+                        self._view = None
+                        try:
+                            view = await asyncio.to_thread(_view_of_segments, log, end, view)
+                        except _Stale:
+                            view = None
+                if view is None:
+                    self._view = None
+                    view = await asyncio.to_thread(_view_of_segments, log, end)
+            _catch_up(view, log)
+            self._view = view
+            self._keep_view()
+            yield view
+
+    def _keep_view(self) -> None:
+        if self._view_timer is not None:
+            self._view_timer.cancel()
+        self._view_timer = asyncio.get_running_loop().call_later(VIEW_KEPT_S, self._drop_view)
+
+    def _drop_view(self) -> None:
+        self._view_timer = None
+        if self._view_lock.locked():
+            self._keep_view()
+        else:
+            self._view = None
 
     async def view(self) -> QueueView:
-        """The queue as of now: read in a thread up to the durable end, then caught up in the loop."""
-        log = self.queue.log
-        with log.segments_kept():  # no reclamation under the reading thread (issue 31.7)
-            view = await asyncio.to_thread(_view_of_segments, log, log.durable_end)
-        _catch_up(view, log)
-        return view
+        """A copy-free snapshot of the queue as of now (the cached view: read it without awaiting)."""
+        async with self._current_view() as view:
+            return view
+
+    def _damage(self, view: QueueView) -> list[str]:
+        """The damage noted in ``view``, in segments that still exist."""
+        if not view.damage:
+            return []
+        segs = set(self.queue.log.segments())
+        return [p for n, ps in sorted(view.damage.items()) if n in segs for p in ps]
+
+    async def page(
+        self, selector: Selector, *, limit: int | None = None, states: Collection[str] | None = None,
+        after: tuple[int, str] | None = None, raw: bool = False,
+    ) -> Listing:
+        """Messages matching ``selector`` (all if it is empty) in listing order (arrival, then queue ID), as
+        ``postqueue -j`` objects: those after the cursor key ``after`` (:func:`parse_cursor`), at most
+        ``limit``; with the log position the page is consistent as of, the next page's cursor, and the
+        damage met in the log (``raw``: the messages as JSON bytes in ``raw``, ``mails`` empty). ``states`` (when given) keeps only messages in those states. Across pages a
+        message queued for the whole paging is listed exactly once (the key of a message never changes, and
+        new mail arrives later than any cursor), whatever is added or removed meanwhile."""
+        async with self._current_view() as view:
+            entries = selector.select(_candidates(view, selector), self.clock())
+            if states is not None:
+                entries = [e for e in entries if e.state in states]
+            listing = page_of(entries, view, limit=limit, after=after, position=str(view.end), raw=raw)
+            listing.damage = self._damage(view)
+            return listing
 
     async def list(
         self, selector: Selector, *, limit: int | None = None, states: Collection[str] | None = None
     ) -> tuple[str, list[dict[str, Any]]]:
-        """Messages matching ``selector`` (all if it is empty), oldest first, as ``postqueue -j`` objects,
-        with the log position the listing is consistent as of. ``states`` (when given) keeps only messages
-        in those states."""
-        view = await self.view()
-        now = self.clock()
-        entries = list(view.entries.values()) if selector.is_empty() else selector.select(view.entries.values(), now)
-        if selector.is_empty():
-            entries.sort(key=lambda e: (e.envelope.arrival_ts, e.queue_id))
-        if states is not None:
-            entries = [e for e in entries if e.state in states]
-        if limit is not None:
-            entries = entries[:limit]
-        return str(view.end), [e.as_json(view.reasons(e.queue_id)) for e in entries]
+        """:meth:`page` from the first message: (position, mails)."""
+        listing = await self.page(selector, limit=limit, states=states)
+        return listing.position, listing.mails
 
     def size(self) -> dict[str, Any]:
         """Messages by state from the daemon's counters (no scan), and the log position they are as of."""
@@ -152,8 +356,8 @@ class AdminService:
     async def show(self, queue_id: str) -> dict[str, Any]:
         """One message: its listing entry, envelope details and the header section of its content
         (``postcat -q``). Raises AdminError if the queue ID is not in the queue."""
-        view = await self.view()
-        return _details(view, queue_id, self.queue.read_body)
+        async with self._current_view() as view:
+            return _details(view, queue_id, self.queue.read_body)
 
     async def act(
         self, action: str, selector: Selector, *, delay_s: float | None = None, states: Collection[str] | None = None
@@ -179,12 +383,18 @@ class AdminService:
         if action == "flush":
             self.on_flush()
         async with self._lock:
-            with self.queue.log.segments_kept():  # no reclamation under the reading thread (issue 31.7)
-                view = await asyncio.to_thread(_view_of_segments, self.queue.log, self.queue.log.durable_end)
-            # From here to the commit below nothing awaits: no worker can start a selected message.
-            _catch_up(view, self.queue.log)
+            res, lsn = await self._act_on_view(action, selector, release_ts, states)
+            if lsn:
+                await self.queue.log.commit(lsn)
+            return res
+
+    async def _act_on_view(self, action: str, selector: Selector, release_ts: float | None,
+                           states: Collection[str] | None) -> tuple[ActionResult, int]:
+        """Append the action's records for the selected messages; (what was done, the LSN to commit)."""
+        async with self._current_view() as view:
+            # From the view's catch-up to the return nothing awaits: no worker can start a selected message.
             res = ActionResult(action, str(view.end))
-            chosen = selector.select(view.entries.values(), self.clock())
+            chosen = selector.select(_candidates(view, selector), self.clock())
             if states is not None:
                 for e in chosen:
                     if e.state not in states and e.queue_id in selector.ids:
@@ -206,9 +416,7 @@ class AdminService:
                     continue
                 self._out_of_runners_way(e)
                 res.done.append(e.queue_id)
-            if lsn:
-                await self.queue.log.commit(lsn)
-            return res
+            return res, lsn
 
     @staticmethod
     def _why_not(action: str, e: Entry) -> str:
@@ -268,6 +476,11 @@ def _details(view: QueueView, queue_id: str, read_body: Callable[[EnvelopeRecord
 # --------------------------------------------------------------------------------------- daemon is down
 def offline_view(spool: str) -> QueueView:
     """The queue as of the end of the log in ``spool``, read from disk (the daemon is not running)."""
+    with gc_paused():
+        return _offline_fold(spool)
+
+
+def _offline_fold(spool: str) -> QueueView:
     fs = OsFileSystem()
     log_dir = os.path.join(spool, "log")
     view = QueueView()
@@ -275,6 +488,7 @@ def offline_view(spool: str) -> QueueView:
         scan = scan_segment(n, fs.read_file(segment_path(log_dir, n)), skip_data=True)
         for pos, rec in scan.records:
             view.apply(pos, rec, pos)
+        _note_damage(view, scan.problems)
         view.end = Pos(n, scan.valid_end)
     return view
 

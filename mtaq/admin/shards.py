@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from mtaq.admin.service import ActionResult, AdminError, AdminService
+from mtaq.admin.service import ActionResult, AdminError, AdminService, Listing, cursor_of
 from mtaq.core.view import Selector
 from mtaq.queue.store import queue_id_shard
 
@@ -123,8 +123,8 @@ def join_positions(parts: Iterable[tuple[int, str]]) -> str:
     return " ".join(f"{k}/{p}" for k, p in parts)
 
 
-def _listing_key(m: Mapping[str, Any]) -> tuple[float, str]:
-    return (float(m["arrival_time"]), str(m["queue_id"]))
+def _listing_key(m: Mapping[str, Any]) -> tuple[int, str]:
+    return (int(m["arrival_time"]), str(m["queue_id"]))
 
 
 class ShardedAdmin:
@@ -152,27 +152,42 @@ class ShardedAdmin:
         out["position"] = join_positions(positions)
         return out
 
-    async def list(
-        self, selector: Selector, *, limit: int | None = None, states: Collection[str] | None = None
-    ) -> tuple[str, list[dict[str, Any]]]:
-        """:meth:`AdminService.list` of every shard, merged oldest first (then by queue ID), cut at ``limit``."""
+    async def page(
+        self, selector: Selector, *, limit: int | None = None, states: Collection[str] | None = None,
+        after: tuple[int, str] | None = None,
+    ) -> Listing:
+        """:meth:`AdminService.page` of every shard, merged in listing order (arrival, then queue ID), cut
+        at ``limit``: each shard's page after ``after`` has at most ``limit`` messages, so the merged page is
+        the one a single log would give, and the next page goes on after its last message in every shard."""
         if not self.peers:
-            return await self.local.list(selector, limit=limit, states=states)
+            return await self.local.page(selector, limit=limit, states=states, after=after)
         body = {"selector": msgspec.to_builtins(selector), "limit": limit,
-                "states": None if states is None else sorted(states)}
+                "states": None if states is None else sorted(states), "after": after}
         local, *remote = await asyncio.gather(
-            self.local.list(selector, limit=limit, states=states),
+            self.local.page(selector, limit=limit, states=states, after=after),
             *(p.call("POST", "/_shard/list", body) for p in self.peers.values()),
         )
-        positions = [(0, local[0])]
-        mails = list(local[1])
+        positions = [(0, local.position)]
+        mails = list(local.mails)
+        more = local.next is not None
+        damage = [f"shard 0: {d}" for d in local.damage]
         for k, r in zip(self.peers, remote, strict=True):
             positions.append((k, str(r["position"])))
             mails += r["mails"]
+            more = more or r.get("next") is not None
+            damage += [f"shard {k}: {d}" for d in r.get("damage", [])]
         mails.sort(key=_listing_key)
         if limit is not None:
+            more = more or len(mails) > limit
             mails = mails[:limit]
-        return join_positions(positions), mails
+        return Listing(join_positions(positions), mails, cursor_of(mails[-1]) if more and mails else None, damage)
+
+    async def list(
+        self, selector: Selector, *, limit: int | None = None, states: Collection[str] | None = None
+    ) -> tuple[str, list[dict[str, Any]]]:
+        """:meth:`page` from the first message: (position, mails)."""
+        listing = await self.page(selector, limit=limit, states=states)
+        return listing.position, listing.mails
 
     async def show(self, queue_id: str) -> dict[str, Any]:
         """One message, from the shard its ID names (then shard 0). Raises AdminError if no shard has it."""

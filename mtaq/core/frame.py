@@ -34,7 +34,6 @@ from mtaq.core.records import (
     Pos,
     Record,
     RecordType,
-    SealRecord,
     decode_payload,
     encode_payload,
 )
@@ -62,6 +61,7 @@ __all__ = [
     "frame_crc",
     "frame_head",
     "salvage_segment_header",
+    "scan_frames",
     "scan_segment",
 ]
 
@@ -349,44 +349,75 @@ def scan_segment(segment: int, buf: bytes, *, decode: bool = True, skip_data: bo
         scan.problems.append(Problem("corrupt", segment, 0, len(buf), f"header names segment {header.segment}"))
         return scan
     scan.header = header
-    salt = header.salt
+    scan.valid_end = SEGMENT_HEADER_BYTES
+    _scan_frames(scan, buf, SEGMENT_HEADER_BYTES, 0, header.salt, decode=decode, skip_data=skip_data)
+    return scan
+
+
+def scan_frames(segment: int, buf: bytes, base: int, salt: int, *, skip_data: bool = False) -> SegmentScan:
+    """Read the frames of ``buf``, the bytes of segment ``segment`` from offset ``base`` (a frame boundary,
+    past the header) to some end, with the segment's checksum ``salt``: :func:`scan_segment` without the
+    header, for a reader that goes on from where it stopped (``mtaq.admin.service``: a view caught up
+    incrementally). The same tail rules; positions and problem offsets are offsets in the segment file.
+    ``header`` is None in the result."""
+    scan = SegmentScan(segment=segment, header=None, valid_end=base)
+    _scan_frames(scan, buf, 0, base, salt, decode=True, skip_data=skip_data)
+    return scan
+
+
+def _scan_frames(scan: SegmentScan, buf: bytes, off: int, base: int, salt: int, *, decode: bool,
+                 skip_data: bool) -> None:
+    """The frame loop of :func:`scan_segment` from ``off`` in ``buf``, whose byte 0 is offset ``base`` of the
+    segment file. A frame that checks out is taken in line (one header unpack, one CRC pass); anything else
+    goes through :func:`decode_frame`, which names what is wrong, so the outcome is decode_frame's."""
+    segment = scan.segment
     mv = memoryview(buf)
-    off = SEGMENT_HEADER_BYTES
-    scan.valid_end = off
-    while off < len(buf):
+    n = len(buf)
+    unpack = _FRAME_HDR.unpack_from
+    crc32 = zlib.crc32
+    valid = _VALID_TYPES
+    data_t, seal_t = int(RecordType.DATA), int(RecordType.SEAL)
+    records = scan.records
+    while off < n:
         if scan.sealed:
             nxt = _resync(buf, off, salt)
             if nxt is None:
-                scan.problems.append(Problem("torn-tail", segment, off, len(buf), "bytes after seal"))
+                scan.problems.append(Problem("torn-tail", segment, base + off, base + n, "bytes after seal"))
                 break
-            scan.problems.append(Problem("after-seal", segment, off, nxt, "records after seal"))
+            scan.problems.append(Problem("after-seal", segment, base + off, base + nxt, "records after seal"))
             scan.sealed = False
             off = nxt
             continue
-        res = decode_frame(mv, off, salt)
-        if isinstance(res, Frame):
-            if res.rtype != RecordType.SEAL:
+        end = -1
+        if off + FRAME_HEADER_BYTES <= n:
+            magic, rtype, flags, length, crc = unpack(mv, off)
+            end = off + FRAME_HEADER_BYTES + length
+            if not (magic == FRAME_MAGIC and flags == 0 and rtype in valid and length <= RECORD_BYTES_MAX
+                    and end <= n and crc32(mv[off + FRAME_HEADER_BYTES : end], crc32(mv[off : off + 8], salt)) == crc):
+                end = -1
+        if end >= 0:
+            if rtype != seal_t:
                 scan.frames += 1
-            if (decode and not (skip_data and res.rtype == RecordType.DATA)) or res.rtype == RecordType.SEAL:
+            if (decode and not (skip_data and rtype == data_t)) or rtype == seal_t:
                 try:
-                    rec = decode_payload(res.rtype, res.payload)
+                    rec = decode_payload(rtype, mv[off + FRAME_HEADER_BYTES : end])
                 except PayloadError as exc:
-                    scan.problems.append(Problem("corrupt", segment, off, res.end, str(exc)))
-                    off = res.end
-                    scan.valid_end = off
+                    scan.problems.append(Problem("corrupt", segment, base + off, base + end, str(exc)))
+                    off = end
+                    scan.valid_end = base + off
                     continue
                 if decode:
-                    scan.records.append((Pos(segment, off), rec))
-                if isinstance(rec, SealRecord):
+                    records.append((Pos(segment, base + off), rec))
+                if rtype == seal_t:
                     scan.sealed = True
-            off = res.end
-            scan.valid_end = off
+            off = end
+            scan.valid_end = base + off
             continue
-        reason = "cut off" if isinstance(res, NeedMore) else res.reason
+        res = decode_frame(mv, off, salt)  # not a good frame (the same checks): why not
+        reason = "cut off" if isinstance(res, NeedMore) else getattr(res, "reason", "bad frame")
         nxt = _resync(buf, off + 1, salt)
         if nxt is None:
-            scan.problems.append(Problem("torn-tail", segment, off, len(buf), reason))
+            scan.problems.append(Problem("torn-tail", segment, base + off, base + n, reason))
             break
-        scan.problems.append(Problem("corrupt", segment, off, nxt, reason))
+        scan.problems.append(Problem("corrupt", segment, base + off, base + nxt, reason))
         off = nxt
-    return scan

@@ -42,6 +42,10 @@ _UNSAFE = _char_class(UNSAFE_RANGES)
 _UNSAFE_BUT_LAYOUT = _char_class(((0x0, 0x8), (0xB, 0x1F), *UNSAFE_RANGES[1:]))  # TAB and LF kept
 
 
+_ASCII_SAFE = bytes(range(0x20, 0x7F))  # printable ASCII: nothing to escape
+_ASCII_SAFE_LAYOUT = _ASCII_SAFE + b"\t\n"
+
+
 def _escape(m: re.Match[str]) -> str:
     cp = ord(m.group())
     return f"\\x{cp:02x}" if cp < 0x100 else f"\\u{cp:04x}" if cp < 0x10000 else f"\\U{cp:08x}"
@@ -52,6 +56,8 @@ def escape_text(text: str, *, keep_layout: bool = False) -> str:
     with ``keep_layout`` LF and TAB are kept, for multi-line output that is ours (folded header lines
     start with a TAB). The same object is returned when nothing needs escaping (the common case costs one
     regex search)."""
+    if text.isascii() and not text.encode("ascii").translate(None, _ASCII_SAFE_LAYOUT if keep_layout else _ASCII_SAFE):
+        return text  # printable ASCII (and LF, TAB): two passes in C, much faster than the search below
     pattern = _UNSAFE_BUT_LAYOUT if keep_layout else _UNSAFE
     if pattern.search(text) is None:
         return text

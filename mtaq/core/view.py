@@ -17,10 +17,20 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from mtaq.core.parking import state_of
 from mtaq.core.records import DeliveryRecord, EnvelopeRecord, FinishRecord, Pos, Record, StartRecord
 
-__all__ = ["Entry", "QueueView", "Selector"]
+__all__ = ["Entry", "QueueView", "Selector", "listing_key"]
+
+
+def listing_key(e: Entry) -> tuple[int, str]:
+    """The order of a listing: arrival time (whole UTC seconds, as ``arrival_time`` shows it), then queue ID
+    (which starts with its microseconds, so within a second it is the arrival order). Every shard's listing
+    has this order, and a paging cursor names the key of the last message of a page."""
+    env = e.envelope
+    return (int(env.arrival_ts), env.queue_id)
 
 
 @dataclass(slots=True)
@@ -40,22 +50,26 @@ class Entry:
         """One object like ``postqueue -j``: queue_name, queue_id, arrival_time (UTC s), message_size,
         sender, recipients [{address, delay_reason}], plus state, release_time (delayed), position."""
         env = self.envelope
+        state = self.state
+        if reasons:
+            rcpts = [{"address": r.address, "delay_reason": reasons[r.index]} if r.index in reasons
+                     else {"address": r.address} for r in env.recipients]
+        else:
+            rcpts = [{"address": r.address} for r in env.recipients]
+        pos = self.pos
         out: dict[str, Any] = {
-            "queue_name": self.state,
+            "queue_name": state,
             "queue_id": env.queue_id,
             "arrival_time": int(env.arrival_ts),
             "message_size": env.size,
             "sender": env.sender,
-            "recipients": [
-                {"address": r.address, **({"delay_reason": reasons[r.index]} if r.index in reasons else {})}
-                for r in env.recipients
-            ],
-            "state": self.state,
+            "recipients": rcpts,
+            "state": state,
             "attempts": env.attempts,
-            "position": str(self.pos),
+            "position": f"{pos.segment}:{pos.offset}",
         }
-        if self.state == "delayed" or (self.state == "deferred" and env.not_before_ts > 0):
-            out["release_time" if self.state == "delayed" else "next_attempt_time"] = round(env.not_before_ts, 3)
+        if state == "delayed" or (state == "deferred" and env.not_before_ts > 0):
+            out["release_time" if state == "delayed" else "next_attempt_time"] = round(env.not_before_ts, 3)
         return out
 
 
@@ -70,19 +84,27 @@ class QueueView:
     # whose START was lost (issue 31.2): the older one is live again once the newer one is ended.
     _unstarted: dict[str, dict[Pos, EnvelopeRecord]] = field(default_factory=dict)
     _reasons: dict[str, dict[int, str]] = field(default_factory=dict)  # queue_id -> index -> last reply
+    # Damage met while reading the log into this view: segment -> problems (``Problem`` text), so that a
+    # listing reports it (a listing never passes over damage silently). Kept while the segment exists.
+    damage: dict[int, list[str]] = field(default_factory=dict)
+    # queue_id -> its listing object as JSON bytes, made at a listing and dropped by any record of the message
+    _rendered: dict[str, bytes] = field(default_factory=dict)
 
     def apply(self, pos: Pos, rec: Record, end: Pos) -> None:
         """Fold the record at ``pos`` (which ends at ``end``) into the view."""
         self.end = end
+        if self._rendered and not isinstance(rec, FinishRecord):
+            self._rendered.pop(getattr(rec, "queue_id", ""), None)
         if isinstance(rec, EnvelopeRecord):
             if rec.replaces is not None:
                 self._by_start.pop(rec.replaces, None)
             self.entries[rec.queue_id] = Entry(pos, rec, state_of(rec))
             self._unstarted.setdefault(rec.queue_id, {})[pos] = rec
-            reasons = self._reasons.setdefault(rec.queue_id, {})
             for r in rec.recipients:
-                if r.last_reply and r.index not in reasons:
-                    reasons[r.index] = r.last_reply
+                if r.last_reply:
+                    reasons = self._reasons.setdefault(rec.queue_id, {})
+                    if r.index not in reasons:
+                        reasons[r.index] = r.last_reply
         elif isinstance(rec, StartRecord):
             waiting = self._unstarted.get(rec.queue_id)
             if waiting is not None:
@@ -100,6 +122,7 @@ class QueueView:
         elif isinstance(rec, FinishRecord):
             qid = self._by_start.pop(rec.start, None)
             if qid is not None:
+                self._rendered.pop(qid, None)
                 left = self._unstarted.get(qid)
                 if left:  # an older envelope of the message no START named: it is the live one again
                     lpos = max(left)
@@ -107,6 +130,13 @@ class QueueView:
                 else:
                     self.entries.pop(qid, None)
                     self._reasons.pop(qid, None)
+
+    def rendered(self, e: Entry) -> bytes:
+        """``e.as_json(...)`` encoded as JSON (msgspec), kept until a record of the message changes it."""
+        b = self._rendered.get(e.queue_id)
+        if b is None:
+            b = self._rendered[e.queue_id] = msgspec.json.encode(e.as_json(self.reasons(e.queue_id)))
+        return b
 
     def reasons(self, queue_id: str) -> dict[int, str]:
         """The last reply per recipient index (deferrals and failures; ``delay_reason`` in listings)."""
@@ -163,7 +193,14 @@ class Selector:
             return False
         return not (self.older_than_s is not None and env.arrival_ts > now_ts - self.older_than_s)
 
+    def filters(self) -> bool:
+        """True when something narrows the candidates (IDs or a filter): :meth:`matches` must be asked."""
+        return bool(self.ids or self.sender or self.recipient or self.domain or self.held or self.deferred
+                    or self.older_than_s is not None)
+
     def select(self, entries: Iterable[Entry], now_ts: float) -> list[Entry]:
-        """Matching entries in arrival order."""
-        return sorted((e for e in entries if self.matches(e, now_ts)), key=lambda e: (e.envelope.arrival_ts, e.queue_id))
+        """Matching entries in listing order (:func:`listing_key`: arrival, then queue ID)."""
+        if not self.filters():
+            return sorted(entries, key=listing_key)
+        return sorted((e for e in entries if self.matches(e, now_ts)), key=listing_key)
 
