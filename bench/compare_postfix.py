@@ -393,6 +393,7 @@ def run_mtaq(args: argparse.Namespace, sink_port: int, workdir: str, i: int) -> 
     daemon = subprocess.Popen(
         [*args.mtaq, "--log-format", args.log_format, "serve", "--spool", os.path.join(work, "spool"),
          "--listen", f"127.0.0.1:{port}", "--relayhost", f"[127.0.0.1]:{sink_port}", "--config", conf,
+         "--admin-listen", f"127.0.0.1:{free_port()}",  # not the default 2580: another daemon may hold it
          *(["--workers", str(args.workers)] if args.workers is not None else [])],
         stdout=out, stderr=out, stdin=subprocess.DEVNULL, cwd=work,
         env={**os.environ, "PYTHONPATH": os.pathsep.join([MTAQ_TREE, *filter(None, [os.environ.get("PYTHONPATH")])])},
