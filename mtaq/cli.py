@@ -229,9 +229,11 @@ def _sendmail_queue(command: str, cfg: Config, config_path: str | None) -> int:
     one line and 75 (EX_TEMPFAIL: the daemon may be starting)."""
     from mtaq.admin.cli import run_queue
 
-    ns = argparse.Namespace(queue_command=command, spool=cfg.spool_dir, config=config_path, url=None, token=None,
-                            timeout=300.0, sender=None, recipient=None, domain=None, held=False, deferred=False,
-                            older_than=None, json=False, targets=["ALL"])
+    # Parsed by the real parser, so every option `mtaq queue` gains has its default here too (a Namespace
+    # written by hand lacked --limit/--after once they were added, and -bp failed).
+    argv = ["queue", command, "--spool", cfg.spool_dir, *(["--config", config_path] if config_path else []),
+            *(["ALL"] if command == "flush" else [])]
+    ns = build_parser().parse_args(argv)
     try:
         return run_queue(ns)
     except MtaqError as exc:
