@@ -55,6 +55,7 @@ import idna
 from aiosmtplib.email import quote_address
 
 from mtaq.core.errors import ConfigError
+from mtaq.edge.headerchecks import _logical_headers
 
 __all__ = [
     "CLASSES",
@@ -105,9 +106,14 @@ _LOCAL = re.compile(r'[^\x00-\x20\x7f"(),:;<>@\[\\\]]+(?:\.[^\x00-\x20\x7f"(),:;
 
 @functools.lru_cache(maxsize=4096)  # domains repeat; a pure function of the domain
 def domain_to_ascii(domain: str) -> str | None:
-    """``domain`` as IDNA2008 A-labels in ASCII lower case, or None if it has none: the rule of
-    :func:`mtaq.edge.policy.domain_to_ascii` (which imports this module, so it cannot be imported here);
-    an address literal ``[...]`` lower-cased."""
+    """``domain`` as IDNA2008 A-labels (RFC 5890 §2.3.2.1, RFC 5891 §4), ASCII lower case; None if it has none
+    (also :func:`mtaq.edge.policy.domain_to_ascii`, the edge's name for it).
+
+    ASCII labels are lower-cased (ASCII letters only); an ``xn--`` label must decode to a valid U-label;
+    any other label is converted by ``idna.alabel`` without UTS 46 mapping, so a label that is not already
+    in its IDNA2008 form (upper-case non-ASCII letters, U+212A KELVIN SIGN, symbols) has none. An address
+    literal (``[...]``) is returned lower-cased, unchecked.
+    """
     if domain.startswith("["):
         return domain.translate(_ASCII_LOWER)
     out: list[str] = []
@@ -344,14 +350,6 @@ class Generic:
         return rewrite_headers(head, pick)
 
 
-def _logical_headers(head: bytes) -> list[bytes]:
-    out: list[bytes] = []
-    for line in head.splitlines(keepends=True):
-        if line[:1] in (b" ", b"\t") and out:
-            out[-1] += line
-        else:
-            out.append(line)
-    return out
 
 
 def signed_headers(head: bytes) -> frozenset[str]:

@@ -45,13 +45,13 @@ import unicodedata
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol
 
-import idna
 from aiosmtplib.email import quote_address
 
 from mtaq.core.errors import ConfigError
 from mtaq.core.text import ASCII_CONTROL
 from mtaq.edge.auth import PasswordFile
 from mtaq.edge.canonical import Canonical
+from mtaq.edge.canonical import domain_to_ascii as _canonical_domain_to_ascii
 from mtaq.edge.headerchecks import HeaderChecks
 from mtaq.edge.milter import MilterSettings
 
@@ -158,30 +158,9 @@ def _valid_domain(domain: str, *, utf8: bool) -> bool:
     return True
 
 
-@functools.lru_cache(maxsize=4096)  # domains repeat (each RCPT asks twice); a pure function of the domain
-def domain_to_ascii(domain: str) -> str | None:
-    """``domain`` as IDNA2008 A-labels (RFC 5890 §2.3.2.1, RFC 5891 §4), ASCII lower case; None if it has none.
-
-    ASCII labels are lower-cased (ASCII letters only); an ``xn--`` label must decode to a valid U-label;
-    any other label is converted by ``idna.alabel`` without UTS 46 mapping, so a label that is not already
-    in its IDNA2008 form (upper-case non-ASCII letters, U+212A KELVIN SIGN, symbols) has none. An address
-    literal (``[...]``) is returned lower-cased, unchecked.
-    """
-    if domain.startswith("["):
-        return domain.translate(_ASCII_LOWER)
-    out: list[str] = []
-    for label in domain.split("."):
-        low = label.translate(_ASCII_LOWER)
-        try:
-            if low.isascii():
-                if low.startswith("xn--"):
-                    idna.ulabel(low)
-                out.append(low)
-            else:
-                out.append(idna.alabel(low).decode("ascii"))
-        except (UnicodeError, ValueError):  # idna.IDNAError is a UnicodeError
-            return None
-    return ".".join(out)
+# domain_to_ascii (IDNA2008 A-labels, RFC 5891 §4) lives in mtaq.edge.canonical, which this module
+# imports; it is re-exported here, where the rest of the edge looks for it (one rule, one place).
+domain_to_ascii = _canonical_domain_to_ascii
 
 
 def unsendable_character(address: str) -> str | None:
