@@ -44,22 +44,26 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-    SummaryMetricFamily,
-)
-from prometheus_client.registry import Collector
-
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.core import Metric
+
     from mtaq.queue.store import Queue
 
-__all__ = ["COMMIT_BUCKETS_S", "CONTENT_TYPE", "DELIVERY_BUCKETS_S", "Buckets", "Metrics"]
+# prometheus_client (and http.server, which it imports: 50 ms) is imported at the first scrape, not when the
+# daemon starts: the first 250 after a start waits for nothing it does not use (issue 36.3).
 
-CONTENT_TYPE = CONTENT_TYPE_LATEST
+__all__ = ["COMMIT_BUCKETS_S", "DELIVERY_BUCKETS_S", "Buckets", "Metrics"]
+
+
+def __getattr__(name: str) -> str:
+    """``CONTENT_TYPE``: prometheus_client's ``CONTENT_TYPE_LATEST`` (imported when first asked for)."""
+    if name == "CONTENT_TYPE":
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return CONTENT_TYPE_LATEST
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 COMMIT_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 DELIVERY_BUCKETS_S = (0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 1800.0, 3600.0, 7200.0, 21600.0,
                       86400.0, 432000.0)
@@ -111,8 +115,25 @@ class Metrics:
         self.milter_stats: Callable[[], Mapping[str, Any]] | None = None
         # The daemon's next hops (mtaq.delivery.backoff): {destination: (window, active, dead)}; None: none yet.
         self.destinations: Callable[[], dict[str, tuple[int, int, bool]]] | None = None
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_DaemonCollector(self))
+        self._registry: CollectorRegistry | None = None
+
+    @property
+    def registry(self) -> CollectorRegistry:
+        """The daemon's own registry (never the global one), made at the first scrape."""
+        if self._registry is None:
+            from prometheus_client import CollectorRegistry
+            from prometheus_client.registry import Collector
+
+            class _DaemonCollector(Collector):
+                def __init__(self, m: Metrics) -> None:
+                    self.m = m
+
+                def collect(self) -> Iterable[Metric]:
+                    return _collect(self.m)
+
+            self._registry = CollectorRegistry(auto_describe=False)
+            self._registry.register(_DaemonCollector(self))
+        return self._registry
 
     def delivered(self, address: str, seconds: float) -> None:
         """A recipient was delivered ``seconds`` after its message arrived (labelled by its domain)."""
@@ -132,80 +153,84 @@ class Metrics:
 
     def exposition(self) -> bytes:
         """The Prometheus text format (version 0.0.4) of every metric, as of now."""
+        from prometheus_client import generate_latest
+
         return generate_latest(self.registry)
 
 
-class _DaemonCollector(Collector):
-    def __init__(self, m: Metrics) -> None:
-        self.m = m
+def _collect(m: Metrics) -> Iterable[Metric]:
+    from prometheus_client.core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
+        SummaryMetricFamily,
+    )
 
-    def collect(self) -> Iterable[Metric]:
-        m = self.m
-        q = m.queue
-        ready = q is not None and m.recovery_seconds is not None
-        yield GaugeMetricFamily("mtaq_ready", "1 once recovery is done and the queue is being run, else 0",
-                                value=1.0 if ready else 0.0)
-        if q is not None and m.recovery_seconds is not None:
-            sizes = GaugeMetricFamily("mtaq_queue_messages", "Messages in the queue by state (daemon counters)",
-                                      labels=["state"])
-            for state, n in q.counts.as_dict().items():
-                if state != "total":
-                    sizes.add_metric([state], float(n))
-            yield sizes
-            yield GaugeMetricFamily("mtaq_recovery_seconds", "Seconds the last recovery took",
-                                    value=m.recovery_seconds)
-        if q is not None:
-            yield CounterMetricFamily("mtaq_messages_accepted", "Messages answered 250 after DATA (durable)",
-                                      value=float(q.received))
-            st = q.log.stats
-            yield CounterMetricFamily("mtaq_log_records", "Records appended to the log", value=float(st.records_appended))
-            yield CounterMetricFamily("mtaq_fsyncs", "fsync calls (files and directory)", value=float(st.fsync_calls))
-            yield CounterMetricFamily("mtaq_commit_rounds", "Group-commit rounds", value=float(st.commit_rounds))
-            yield GaugeMetricFamily("mtaq_log_records_per_fsync", "Records appended per fsync call since start",
-                                    value=st.records_appended / st.fsync_calls if st.fsync_calls else 0.0)
-            yield SummaryMetricFamily("mtaq_fsync_round_seconds", "Seconds spent in fsync per group-commit round",
-                                      count_value=st.commit_rounds, sum_value=st.fsync_seconds)
-        outcomes = CounterMetricFamily("mtaq_deliveries", "Recipient outcomes (bounced includes expiry)",
-                                       labels=["outcome"])
-        for outcome, key in (("delivered", "delivered"), ("deferred", "deferred"), ("bounced", "failed")):
-            outcomes.add_metric([outcome], float(m.counts.get(key, 0)))
-        yield outcomes
-        actions = CounterMetricFamily("mtaq_admin_actions", "Messages acted on by an administrator", labels=["action"])
-        for action, n in sorted(m.admin_actions.items()):
-            actions.add_metric([action], float(n))
-        yield actions
-        if m.destinations is not None:
-            dests = m.destinations()
-            yield GaugeMetricFamily("mtaq_destinations_dead", "Next hops now dead: their mail is deferred without "
-                                    "a connection (smtp_destination_dead_s)", value=float(sum(d for _, _, d in dests.values())))
-            window = GaugeMetricFamily("mtaq_destination_concurrency", "Deliveries allowed at once to a next hop that "
-                                       "is dead or backed off below its limit (concurrency feedback)",
-                                       labels=["destination"])
-            for name, (w, _active, _dead) in sorted(dests.items())[: m.domains_max]:
-                window.add_metric([name], float(w))
-            yield window
-        commit = HistogramMetricFamily("mtaq_commit_latency_seconds",
-                                       "Seconds a commit waited for the fsync round covering it")
-        commit.add_metric([], m.commit_latency.cumulative(), sum_value=m.commit_latency.sum)
-        yield commit
-        if m.milter_stats is not None:
-            stats = sorted(m.milter_stats().items())
-            replies = CounterMetricFamily("mtaq_milter_replies", "Final replies of each content filter (milter), "
-                                          "by verdict", labels=["milter", "verdict"])
-            errors = CounterMetricFamily("mtaq_milter_errors", "Content filter failures (unreachable, timeout, "
-                                         "protocol error, connection closed)", labels=["milter"])
-            waits = SummaryMetricFamily("mtaq_milter_wait_seconds", "Seconds waited for each filter's replies",
-                                        labels=["milter"])
-            for name, st in stats:
-                for verdict, n in sorted(st.verdicts.items()):
-                    replies.add_metric([name, verdict], float(n))
-                errors.add_metric([name], float(st.errors))
-                waits.add_metric([name], count_value=st.waits, sum_value=st.seconds)
-            yield replies
-            yield errors
-            yield waits
-        delivery = HistogramMetricFamily("mtaq_delivery_latency_seconds",
-                                         "Seconds from arrival to delivery, by recipient domain", labels=["domain"])
-        for domain, b in sorted(m.delivery_latency.items()):
-            delivery.add_metric([domain], b.cumulative(), sum_value=b.sum)
-        yield delivery
+    q = m.queue
+    ready = q is not None and m.recovery_seconds is not None
+    yield GaugeMetricFamily("mtaq_ready", "1 once recovery is done and the queue is being run, else 0",
+                            value=1.0 if ready else 0.0)
+    if q is not None and m.recovery_seconds is not None:
+        sizes = GaugeMetricFamily("mtaq_queue_messages", "Messages in the queue by state (daemon counters)",
+                                  labels=["state"])
+        for state, n in q.counts.as_dict().items():
+            if state != "total":
+                sizes.add_metric([state], float(n))
+        yield sizes
+        yield GaugeMetricFamily("mtaq_recovery_seconds", "Seconds the last recovery took",
+                                value=m.recovery_seconds)
+    if q is not None:
+        yield CounterMetricFamily("mtaq_messages_accepted", "Messages answered 250 after DATA (durable)",
+                                  value=float(q.received))
+        st = q.log.stats
+        yield CounterMetricFamily("mtaq_log_records", "Records appended to the log", value=float(st.records_appended))
+        yield CounterMetricFamily("mtaq_fsyncs", "fsync calls (files and directory)", value=float(st.fsync_calls))
+        yield CounterMetricFamily("mtaq_commit_rounds", "Group-commit rounds", value=float(st.commit_rounds))
+        yield GaugeMetricFamily("mtaq_log_records_per_fsync", "Records appended per fsync call since start",
+                                value=st.records_appended / st.fsync_calls if st.fsync_calls else 0.0)
+        yield SummaryMetricFamily("mtaq_fsync_round_seconds", "Seconds spent in fsync per group-commit round",
+                                  count_value=st.commit_rounds, sum_value=st.fsync_seconds)
+    outcomes = CounterMetricFamily("mtaq_deliveries", "Recipient outcomes (bounced includes expiry)",
+                                   labels=["outcome"])
+    for outcome, key in (("delivered", "delivered"), ("deferred", "deferred"), ("bounced", "failed")):
+        outcomes.add_metric([outcome], float(m.counts.get(key, 0)))
+    yield outcomes
+    actions = CounterMetricFamily("mtaq_admin_actions", "Messages acted on by an administrator", labels=["action"])
+    for action, n in sorted(m.admin_actions.items()):
+        actions.add_metric([action], float(n))
+    yield actions
+    if m.destinations is not None:
+        dests = m.destinations()
+        yield GaugeMetricFamily("mtaq_destinations_dead", "Next hops now dead: their mail is deferred without "
+                                "a connection (smtp_destination_dead_s)", value=float(sum(d for _, _, d in dests.values())))
+        window = GaugeMetricFamily("mtaq_destination_concurrency", "Deliveries allowed at once to a next hop that "
+                                   "is dead or backed off below its limit (concurrency feedback)",
+                                   labels=["destination"])
+        for name, (w, _active, _dead) in sorted(dests.items())[: m.domains_max]:
+            window.add_metric([name], float(w))
+        yield window
+    commit = HistogramMetricFamily("mtaq_commit_latency_seconds",
+                                   "Seconds a commit waited for the fsync round covering it")
+    commit.add_metric([], m.commit_latency.cumulative(), sum_value=m.commit_latency.sum)
+    yield commit
+    if m.milter_stats is not None:
+        stats = sorted(m.milter_stats().items())
+        replies = CounterMetricFamily("mtaq_milter_replies", "Final replies of each content filter (milter), "
+                                      "by verdict", labels=["milter", "verdict"])
+        errors = CounterMetricFamily("mtaq_milter_errors", "Content filter failures (unreachable, timeout, "
+                                     "protocol error, connection closed)", labels=["milter"])
+        waits = SummaryMetricFamily("mtaq_milter_wait_seconds", "Seconds waited for each filter's replies",
+                                    labels=["milter"])
+        for name, st in stats:
+            for verdict, n in sorted(st.verdicts.items()):
+                replies.add_metric([name, verdict], float(n))
+            errors.add_metric([name], float(st.errors))
+            waits.add_metric([name], count_value=st.waits, sum_value=st.seconds)
+        yield replies
+        yield errors
+        yield waits
+    delivery = HistogramMetricFamily("mtaq_delivery_latency_seconds",
+                                     "Seconds from arrival to delivery, by recipient domain", labels=["domain"])
+    for domain, b in sorted(m.delivery_latency.items()):
+        delivery.add_metric([domain], b.cumulative(), sum_value=b.sum)
+    yield delivery

@@ -130,7 +130,9 @@ def _other_loaders(cfg: Config) -> list[Callable[[], object]]:
     from mtaq.delivery.sasl import SaslClient
     from mtaq.edge.dkim import load_key
 
-    checks: list[Callable[[], object]] = [lambda: SaslClient.from_config(cfg), lambda: load_rules(cfg)]
+    checks: list[Callable[[], object]] = [lambda: SaslClient.from_config(cfg)]
+    if cfg.bounce_classification_file:  # the shipped rules alone are the package's, parsed at first use
+        checks.append(lambda: load_rules(cfg))
     checks += [partial(load_key, d, k.selector, k.key_file) for d, k in cfg.dkim_keys.items()]
     if cfg.smtp_generic_maps:
         from mtaq.edge.canonical import Generic
