@@ -53,7 +53,9 @@ from mtaq.storage.log import OpenReport
 from mtaq.storage.quarantine import list_quarantine, quarantine
 from mtaq.testing import killpoints
 
-__all__ = ["RecoveryResult", "move_aside", "recover"]
+__all__ = ["RECORDS_KEPT_MAX", "RecoveryResult", "move_aside", "recover"]
+
+RECORDS_KEPT_MAX = 100_000  # decoded records recovery keeps between its passes (about 100 MiB); past it, read again
 
 
 @dataclass
@@ -194,6 +196,12 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
     # ENVELOPE and START carries the durable end when it was appended, and a START names an envelope that
     # was durable (runners offer nothing else); the checkpoint's head was fsync'd before it was written.
     scans: list[tuple[int, Any, bool]] = []
+    # Decoded records are kept from pass 1 for pass 2 up to RECORDS_KEPT_MAX; past it a segment's records are
+    # dropped after pass 1 and the segment is read again in pass 2 (the same bytes: only pass 2's repair writes
+    # to an old segment, after the read). Memory then stays flat however long the scan (a start without a
+    # checkpoint over a million deferred messages held 1 GiB of records; issue 36.3).
+    kept = 0
+    reread: set[int] = set()
     # The claims are kept per segment: a run's claims vouch only for the bytes of its own run and earlier
     # ones, never for the unsynced tail of an earlier run that its start's baseline fsync made durable as it
     # was (holes and all). Runs end at the segment before one a start opened (its header's start flag), at
@@ -224,6 +232,11 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
                 claim = started_claim if claim is None or started_claim > claim else claim
             if claim is not None and claim > claims.get(seg, Pos(0, 0)):
                 claims[seg] = claim
+        kept += len(scan.records)
+        if kept > RECORDS_KEPT_MAX and seg != report.segments[-1]:
+            kept -= len(scan.records)
+            scan.records = []
+            reread.add(seg)
         await asyncio.sleep(0)  # let SMTP clients in between segments
 
     checkpoint_head = cp.head if cp is not None else Pos(0, 0)
@@ -278,9 +291,14 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
             else:
                 res.corrupt.append(p)
             await move_aside(log, spool, p, logger, epoch_segment=report.new_segment)
+        records = scan.records
+        if _seg in reread:  # before the repair below, which may append a SEAL: the bytes pass 1 read
+            buf = await asyncio.to_thread(log.read_segment, _seg)
+            res.bytes += len(buf)
+            records = (await asyncio.to_thread(scan_segment, _seg, buf, skip_data=True)).records
         if scan.header is not None and (scan.torn_tail is not None or not scan.sealed):
             await asyncio.to_thread(log.repair_segment, scan)
-        for pos, rec in scan.records:
+        for pos, rec in records:
             if pos < scan_from:
                 continue
             res.records += 1
