@@ -20,7 +20,7 @@ def _bench(*args: str, timeout_s: float = 120) -> dict:
 
 
 def test_start_time_gets_its_first_250(tmp_path):
-    out = _bench("bench/start_time.py", "--queued", "0", "--runs", "1")
+    out = _bench("bench/start_time.py", "--queued", "0", "--runs", "1", "--no-cold")
     [res] = out["results"]
     assert 1 == len(res["first_250_s"])
 
@@ -30,3 +30,12 @@ def test_compare_postfix_runs_mtaq_and_the_sink_gets_every_message(tmp_path):
                  "--workdir", str(tmp_path))
     [run] = out["mtaq"]["runs"]
     assert (True, run["messages"]) == (out["ok"], run["sink_count"])
+
+
+def test_deferred_idle_measures_a_restart_that_reads_no_queue(tmp_path):
+    """The second start finds the checkpoint the first left: its recovery reads none of the 300 deferred."""
+    out = _bench("bench/deferred_idle.py", "--queued", "300", "--idle-s", "1", "--restart", "--workers", "1")
+    [res] = out["results"]
+    assert [300] == [r["records"] for r in res["first"]["recovery"]]
+    assert [0] == [r["records"] for r in res["restart"]["recovery"]]
+    assert res["restart"]["rss_mib"] > 0
