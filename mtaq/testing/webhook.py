@@ -46,6 +46,7 @@ class Receiver:
     status: int = 200  # answered to each POST
     statuses: list[int] = field(default_factory=list)  # answered first, one per POST, before ``status``
     hang: bool = False  # when True, POSTs wait until it is False again (then answer)
+    delay_s: float = 0.0  # each POST is answered this long after its body arrived
     posts: list[Post] = field(default_factory=list)
     port: int = 0
     _loop: asyncio.AbstractEventLoop | None = None
@@ -60,6 +61,8 @@ class Receiver:
         body = await request.read()
         while self.hang:
             await asyncio.sleep(0.02)
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
         with self._lock:
             status = self.statuses.pop(0) if self.statuses else self.status
             self.posts.append(Post(body, dict(request.headers), status))
