@@ -8,6 +8,7 @@ import os
 import smtplib
 import ssl
 import urllib.request
+import zlib
 from collections import defaultdict
 
 import msgspec
@@ -15,7 +16,7 @@ import pytest
 import trustme
 
 from mtaq.config import load_config
-from mtaq.core.checkpoint import Checkpoint, decode_checkpoint, encode_checkpoint
+from mtaq.core.checkpoint import _HDR, CHECKPOINT_MAGIC, Checkpoint, decode_checkpoint, encode_checkpoint
 from mtaq.core.errors import ConfigError
 from mtaq.core.records import Pos
 from mtaq.testing.procs import admin_token, admin_url, read_events, start_daemon, wait_for
@@ -159,7 +160,9 @@ def test_a_receiver_down_gets_the_backlog_in_order_per_message(relay_factory, re
     ids = send(r.daemon.port, ["a@example.net"], n=12)
     r.wait_for(lambda: len(r.events("delivered")) == 12, what="12 deliveries")
     r.wait_for(lambda: len(r.events("event_batch_failed")) >= 2, what="failed tries")
-    assert 'mtaq_event_exporter_lag_records{endpoint="%s"} 0.0' % url not in metrics(r.spool)
+    lag = [line for line in metrics(r.spool).splitlines()
+           if line.startswith(f'mtaq_event_exporter_lag_records{{endpoint="{url}"}}')]
+    assert (1, True) == (len(lag), float(lag[0].rsplit(" ", 1)[1]) >= 24)  # 12 messages: 2 records or more each
     rx.start()
     wait_for(lambda: all(by_message(rx.events()).get(q) == ["received", "delivered"] for q in ids), 15,
              "the backlog")
@@ -255,13 +258,88 @@ def test_an_older_checkpoint_without_exporter_fields_is_read():
         counts: tuple[tuple[str, int], ...] = ()
         pins: tuple[tuple[Pos, Pos], ...] = ()
 
-    import zlib
-
-    from mtaq.core.checkpoint import CHECKPOINT_MAGIC, _HDR
-
     payload = msgspec.msgpack.encode(Old(Pos(1, 16), Pos(1, 16), (Pos(1, 16),), ((),), 1.0))
     cp = decode_checkpoint(_HDR.pack(CHECKPOINT_MAGIC, len(payload), zlib.crc32(payload)) + payload)
     assert ((), None) == (cp.exporters, cp.exporter_pin)
     new = Checkpoint(Pos(1, 16), Pos(1, 16), (), (), 1.0, exporters=(("http://h/e", Pos(1, 16), Pos(2, 16)),),
                      exporter_pin=Pos(1, 20))
     assert new == decode_checkpoint(encode_checkpoint(new))
+
+
+def send_big(port: int, n: int, size: int) -> list[str]:
+    body = b"Subject: big\r\n\r\n" + (b"x" * 998 + b"\r\n") * (size // 1000)
+    out = []
+    with smtplib.SMTP("127.0.0.1", port, timeout=30) as s:
+        for _ in range(n):
+            s.ehlo("client.test")
+            s.mail("sender@example.org")
+            s.rcpt("a@example.net")
+            _, text = s.data(body)
+            out.append(text.decode().rsplit(" ", 1)[1])
+    return out
+
+
+SMALL_LOG = "segment_bytes_max = 65536\ncheckpoint_interval_s = 0.2\n"
+
+
+def test_segments_are_kept_until_the_endpoint_has_the_events(relay_factory, receivers):
+    """With the receiver down, delivered mail's segments are not reclaimed (the endpoint has not read them);
+    once it is up it gets the events of the first message too, and the segments are reclaimed after."""
+    rx = receivers()
+    url = rx.url
+    rx.stop()
+    r = relay_factory(config=SMALL_LOG + hooks(f'url = "{url}"\nbatch_wait_s = 0.01\nretry_min_s = 0.1\n'
+                                               'retry_max_s = 0.2'))
+    ids = send_big(r.daemon.port, 12, 20_000)
+    r.wait_for(lambda: len(r.events("delivered")) == 12, what="12 deliveries")
+    r.wait_for(lambda: len(r.events("event_batch_failed")) >= 3, what="a few failed tries (checkpoints between)")
+    assert [] == r.events("segments_reclaimed")
+    rx.start()
+    wait_for(lambda: all(by_message(rx.events()).get(q) == ["received", "delivered"] for q in ids), 15, "the backlog")
+    r.wait_for(lambda: r.events("segments_reclaimed"), what="reclamation once acknowledged")
+
+
+def test_an_endpoint_too_far_behind_skips_ahead(relay_factory, receivers):
+    """More than ``event_backlog_max_bytes`` of log behind (the receiver down): the endpoint skips to the end
+    (``event_backlog_skipped``, counted in /metrics), segments are reclaimed, and later events still come."""
+    rx = receivers()
+    url = rx.url
+    rx.stop()
+    r = relay_factory(config=SMALL_LOG + "event_backlog_max_bytes = 1048576\n" + hooks(
+        f'url = "{url}"\nbatch_wait_s = 0.01\nretry_min_s = 0.1\nretry_max_s = 0.2'))
+    early = send_big(r.daemon.port, 24, 60_000)
+    [skip] = r.wait_for(lambda: r.events("event_backlog_skipped"), what="the skip")
+    r.wait_for(lambda: r.events("segments_reclaimed"), what="reclamation")
+    rx.start()
+    [late] = send(r.daemon.port, ["a@example.net"])
+    wait_for(lambda: by_message(rx.events()).get(late) == ["received", "delivered"], 15, "the later events")
+    assert (url, True) == (skip["endpoint"], skip["bytes"] > 1048576)
+    assert f'mtaq_event_backlog_skips_total{{endpoint="{url}"}} 1.0' in metrics(r.spool)
+    assert set() == set(by_message(rx.events())) & set(early[:10])
+
+
+def test_expired_event(relay_factory, receivers):
+    """A recipient deferred past ``maximal_queue_lifetime_s`` gives ``expired`` (4.4.7), its last reply kept."""
+    rx = receivers()
+    r = relay_factory(sink_args=SINK, config="maximal_queue_lifetime_s = 1.0\nretry_intervals_s = [0.6]\n" + hooks(
+        f'url = "{rx.url}"\nbatch_wait_s = 0.01'))
+    [qid] = send(r.daemon.port, ["full@example.net"])
+    wait_for(lambda: "expired" in by_message(rx.events()).get(qid, []), 15, "expired")
+    [exp] = [e for e in rx.events() if e["event"] == "expired"]
+    assert ("full@example.net", "4.4.7", "message_expired", "452 4.2.2 mailbox full") == (
+        exp["recipient"], exp["dsn"], exp["category"], exp["reply"])
+
+
+def test_outcome_unknown_event(relay_factory, receivers):
+    """A kill -9 after the next hop's 250 and before the DELIVERY record gives ``outcome_unknown`` after the
+    restart, then the retry's ``delivered``."""
+    rx = receivers()
+    r = relay_factory(config=hooks(f'url = "{rx.url}"\nbatch_wait_s = 0.01'))
+    r.daemon.kill9()
+    r.daemon = start_daemon(r.spool, r.sink.port, str(r.tmp / "daemon.log"), config=r.config,
+                            env={"MTAQ_KILL_POINT": "delivery.after_remote_reply"})
+    [q2] = send(r.daemon.port, ["ok@example.net"])
+    wait_for(lambda: not r.daemon.alive(), 15, "the kill point")
+    r.start(port=r.daemon.port)
+    wait_for(lambda: "delivered" in by_message(rx.events()).get(q2, []), 15, "the retry")
+    assert ["received", "outcome_unknown", "delivered"] == by_message(rx.events())[q2]
