@@ -9,6 +9,7 @@ from __future__ import annotations
 import ipaddress
 import re
 import socket
+import ssl
 import tomllib
 from collections.abc import Callable
 from typing import Annotated, Literal
@@ -654,7 +655,8 @@ def _check_tables(data: dict[str, object], where: str) -> None:
 
 def _check_webhook(i: int, hook: EventWebhook, before: list[EventWebhook]) -> None:
     """An ``event_webhooks`` entry: an http(s) URL with a host, each URL once (it names the endpoint's position
-    in the checkpoint), ``retry_min_s`` <= ``retry_max_s``. Raises ValueError naming the entry."""
+    in the checkpoint), ``retry_min_s`` <= ``retry_max_s``, a ``ca_file`` that loads as PEM CA certificates.
+    Raises ValueError naming the entry."""
     m = re.fullmatch(r"https?://[^/\s?#]+(?:[/?#]\S*)?", hook.url)
     if m is None:
         raise ValueError(f"event_webhooks[{i}].url: expected http://HOST[:PORT]/PATH or https://..., got {hook.url!r}")
@@ -664,6 +666,11 @@ def _check_webhook(i: int, hook: EventWebhook, before: list[EventWebhook]) -> No
         raise ValueError(f"event_webhooks[{i}].retry_min_s: {hook.retry_min_s} is more than retry_max_s {hook.retry_max_s}")
     if not hook.events:
         raise ValueError(f"event_webhooks[{i}].events: empty (leave it out for every event)")
+    if hook.ca_file:
+        try:
+            ssl.create_default_context(cafile=hook.ca_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"event_webhooks[{i}].ca_file: {hook.ca_file}: {getattr(exc, 'strerror', None) or exc}") from exc
 
 
 def is_loopback(host: str) -> bool:

@@ -19,7 +19,7 @@ from mtaq.config import load_config
 from mtaq.core.checkpoint import _HDR, CHECKPOINT_MAGIC, Checkpoint, decode_checkpoint, encode_checkpoint
 from mtaq.core.errors import ConfigError
 from mtaq.core.records import Pos
-from mtaq.testing.procs import admin_token, admin_url, read_events, start_daemon, wait_for
+from mtaq.testing.procs import admin_token, admin_url, read_events, start_daemon, start_sink, wait_for
 from mtaq.testing.webhook import Receiver
 
 SINK = ["--rcpt-reply", "^nouser@=550 5.1.1 no such user", "--rcpt-reply", "^full@=452 4.2.2 mailbox full"]
@@ -330,16 +330,21 @@ def test_expired_event(relay_factory, receivers):
         exp["recipient"], exp["dsn"], exp["category"], exp["reply"])
 
 
-def test_outcome_unknown_event(relay_factory, receivers):
+def test_outcome_unknown_event(tmp_path, receivers):
     """A kill -9 after the next hop's 250 and before the DELIVERY record gives ``outcome_unknown`` after the
     restart, then the retry's ``delivered``."""
     rx = receivers()
-    r = relay_factory(config=hooks(f'url = "{rx.url}"\nbatch_wait_s = 0.01'))
-    r.daemon.kill9()
-    r.daemon = start_daemon(r.spool, r.sink.port, str(r.tmp / "daemon.log"), config=r.config,
-                            env={"MTAQ_KILL_POINT": "delivery.after_remote_reply"})
-    [q2] = send(r.daemon.port, ["ok@example.net"])
-    wait_for(lambda: not r.daemon.alive(), 15, "the kill point")
-    r.start(port=r.daemon.port)
-    wait_for(lambda: "delivered" in by_message(rx.events()).get(q2, []), 15, "the retry")
-    assert ["received", "outcome_unknown", "delivered"] == by_message(rx.events())[q2]
+    cfg = tmp_path / "mtaq.toml"
+    cfg.write_text(hooks(f'url = "{rx.url}"\nbatch_wait_s = 0.01'))
+    sink = start_sink(str(tmp_path / "maildir"), str(tmp_path / "sink.log"))
+    spool, log = str(tmp_path / "spool"), str(tmp_path / "daemon.log")
+    d = start_daemon(spool, sink.port, log, config=str(cfg), env={"MTAQ_KILL_POINT": "delivery.after_remote_reply"})
+    try:
+        [q2] = send(d.port, ["ok@example.net"])
+        wait_for(lambda: not d.alive(), 15, "the kill point")
+        d = start_daemon(spool, sink.port, log, config=str(cfg), port=d.port)
+        wait_for(lambda: "delivered" in by_message(rx.events()).get(q2, []), 15, "the retry")
+        assert ["received", "outcome_unknown", "delivered"] == by_message(rx.events())[q2]
+    finally:
+        d.kill9()
+        sink.kill9()

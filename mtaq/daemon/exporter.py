@@ -157,7 +157,7 @@ class Endpoint:
 
     async def run(self) -> None:
         """Read, batch, POST, forever (cancelled with the daemon). A read error (EIO) is logged and retried."""
-        ctx = ssl.create_default_context(cafile=self.spec.ca_file or None)
+        ctx = self.hub.tls.get(self.name) or ssl.create_default_context(cafile=self.spec.ca_file or None)
         connector = aiohttp.TCPConnector(ssl=ctx, limit=1)
         async with aiohttp.ClientSession(connector=connector) as session:
             while True:
@@ -240,16 +240,19 @@ class Exporter:
 
     ``positions``: URL -> (restart, acknowledged) from the checkpoint; endpoints it does not name start at
     ``new_at``. ``pin``: the checkpoint's ``exporter_pin``, held until every restart position passes
-    ``pin_head`` (the checkpoint's head). ``category``: a reply's bounce category.
+    ``pin_head`` (the checkpoint's head). ``category``: a reply's bounce category. ``tls``: URL -> the SSL
+    context for it (default: one made from its ``ca_file``).
     """
 
     def __init__(self, log: Log, specs: list[EventWebhook], positions: dict[str, tuple[Pos, Pos]], new_at: Pos,
                  *, backlog_max_bytes: int, category: Callable[[int, str, str], str], logger: Any,
-                 pin: Pos | None = None, pin_head: Pos | None = None) -> None:
+                 pin: Pos | None = None, pin_head: Pos | None = None,
+                 tls: dict[str, ssl.SSLContext] | None = None) -> None:
         self.log = log
         self.category = category
         self.logger = logger
         self.backlog_max_bytes = backlog_max_bytes
+        self.tls = tls or {}  # URL -> the context verifying its certificate (made before privileges drop)
         self.endpoints = [Endpoint(self, s, *positions.get(s.url, (new_at, new_at))) for s in specs]
         # (START, its envelope) for STARTs not yet passed by every restart position, envelopes increasing
         # (a sliding-window minimum): the first envelope is the oldest any reader may still have to read.

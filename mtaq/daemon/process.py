@@ -25,6 +25,7 @@ import os
 import resource
 import signal
 import socket
+import ssl
 import sys
 import time
 from collections import deque
@@ -222,6 +223,9 @@ class Daemon:
         self._background: set[asyncio.Task[None]] = set()
         self.checkpoints = 0
         self.exporter: Any = None  # mtaq.daemon.exporter.Exporter when event_webhooks are configured
+        # The webhooks' TLS contexts, made here: before a start as root switches to mail_owner (ca_file may be
+        # root's alone, like the other keys read at the start).
+        self.webhook_tls = {h.url: ssl.create_default_context(cafile=h.ca_file or None) for h in cfg.event_webhooks}
         self.reclaimed = 0
         self.archived = 0
         self.archive: SegmentArchive | None = None
@@ -455,7 +459,7 @@ class Daemon:
             self.exporter = exporter_mod.Exporter(
                 qlog, list(cfg.event_webhooks), res.exporters, res.exporter_new,
                 backlog_max_bytes=cfg.event_backlog_max_bytes, category=self._category, logger=self.log,
-                pin=res.exporter_pin, pin_head=res.exporter_new)
+                pin=res.exporter_pin, pin_head=res.exporter_new, tls=self.webhook_tls)
             self.queue.on_start = self.exporter.on_start
             self.metrics.exporter = self.exporter
         # A checkpoint now bounds the next recovery to what comes after this start, even if the next crash

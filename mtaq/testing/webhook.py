@@ -11,6 +11,7 @@ import asyncio
 import hashlib
 import hmac
 import json
+import socket
 import ssl
 import threading
 from dataclasses import dataclass, field
@@ -77,11 +78,12 @@ class Receiver:
             app.router.add_post("/events", self._handle)
             self._runner = web.AppRunner(app, access_log=None)
             loop.run_until_complete(self._runner.setup())
-            site = web.TCPSite(self._runner, "127.0.0.1", self.port, ssl_context=self.ssl_context)
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("127.0.0.1", self.port))
+            self.port = int(sock.getsockname()[1])
+            site = web.SockSite(self._runner, sock, ssl_context=self.ssl_context)
             loop.run_until_complete(site.start())
-            server = site._server
-            assert server is not None and server.sockets
-            self.port = int(server.sockets[0].getsockname()[1])
             ready.set()
             loop.run_forever()
             loop.run_until_complete(self._runner.cleanup())
