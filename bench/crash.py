@@ -385,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     configs_used: Counter[str] = Counter()
     damages: list[media.Damage] = []
     milter: subprocess.Popen[str] | None = None
-    receiver: Receiver | None = Receiver(delay_s=0.01).start() if args.exporter else None
+    receiver: Receiver | None = Receiver(delay_s=0.3).start() if args.exporter else None  # slow: kills land while posting
     try:
         sink = start_sink(maildir, sink_log,
                           extra=["--defer-rcpt", "^defer-", "--defer-count", "1"] if args.defer_fraction else ())
@@ -429,7 +429,9 @@ def main(argv: list[str] | None = None) -> int:
                 os.chmod(table, 0o644)
                 lines.append(f"canonical_maps = {json.dumps(table)}")
             if receiver is not None:
-                lines += ["[[event_webhooks]]", f'url = "{receiver.url}"', "batch_max = 50", "batch_wait_s = 0.05",
+                if not args.vary_config:  # positions checkpointed often: kills land between checkpoints with
+                    lines.insert(0, "checkpoint_interval_s = 0.5")  # batches in flight, which must be re-sent
+                lines += ["[[event_webhooks]]", f'url = "{receiver.url}"', "batch_max = 20", "batch_wait_s = 0.05",
                           "retry_min_s = 0.2", "retry_max_s = 1.0", 'secret = "crash"']
             if not lines:
                 return None
@@ -705,7 +707,7 @@ def main(argv: list[str] | None = None) -> int:
                 return sorted(q for q in acked_q
                               if "received" not in seen.get(q, set()) or not seen.get(q, set()) & set(outcomes))
 
-            wait_end = max(deadline, time.monotonic() + 30)
+            wait_end = max(deadline, time.monotonic() + 90)
             gone = missing()
             while gone and time.monotonic() < wait_end:
                 time.sleep(0.25)
