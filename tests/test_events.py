@@ -348,3 +348,27 @@ def test_outcome_unknown_event(tmp_path, receivers):
     finally:
         d.kill9()
         sink.kill9()
+
+
+def test_a_retry_whose_envelope_lies_behind_the_endpoint_keeps_it(relay_factory, receivers):
+    """The endpoint has acknowledged past a deferred message's replacement envelope (two segments on), then
+    goes down while the retry starts, delivers and ends, checkpoints reclaim what they may, and the daemon is
+    killed (-9) and started again: the START it has yet to read names that envelope, whose segment is kept
+    (``exporter_pin``, across the restart), so the delivered event still names the recipient."""
+    rx = receivers()
+    r = relay_factory(sink_args=["--defer-rcpt", "^defer-", "--defer-count", "1"],
+                      config=SMALL_LOG + "retry_intervals_s = [6.0]\n" + hooks(
+                          f'url = "{rx.url}"\nbatch_wait_s = 0.01\nretry_min_s = 0.1\nretry_max_s = 0.2'))
+    [qid] = send(r.daemon.port, ["defer-x@example.net"])
+    wait_for(lambda: "deferred" in by_message(rx.events()).get(qid, []), 15, "the deferral")
+    fillers = send_big(r.daemon.port, 4, 60_000)  # the log moves on by several segments
+    wait_for(lambda: all("delivered" in by_message(rx.events()).get(q, []) for q in fillers), 15, "the fillers")
+    rx.stop()
+    assert [] == [e for e in r.events("delivered") if e["queue_id"] == qid]  # the retry comes after the stop
+    r.wait_for(lambda: [e for e in r.events("delivered") if e["queue_id"] == qid], what="the retry's delivery")
+    r.wait_for(lambda: len(r.events("event_batch_failed")) >= 3, what="a few failed tries (checkpoints between)")
+    r.restart()  # kill -9: nothing of the log is left in memory
+    rx.start()
+    wait_for(lambda: "delivered" in by_message(rx.events()).get(qid, []), 15, "the retry's event")
+    [ev] = [e for e in rx.events() if e["queue_id"] == qid and e["event"] == "delivered"]
+    assert ("defer-x@example.net", 2) == (ev["recipient"], ev.get("attempt"))
