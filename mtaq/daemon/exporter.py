@@ -163,9 +163,18 @@ class Endpoint:
             while True:
                 try:
                     await self._once(session)
-                except StorageError as exc:
+                except (StorageError, FileNotFoundError) as exc:
                     self.hub.logger.error("event_read_failed", endpoint=self.name, position=str(self.cursor.pos),
                                           error=str(exc), action="tried again in 1 s")
+                    await asyncio.sleep(1.0)
+                except Exception as exc:
+                    # Never the mail's problem: this endpoint starts again from its positions, as after a restart.
+                    self.hub.logger.exception("event_exporter_failed", endpoint=self.name, error=str(exc),
+                                              action="read again from the last acknowledged position in 1 s")
+                    self.pending.clear()
+                    self.deriver.open.clear()
+                    self.cursor = LogCursor(self.hub.log, self.restart)
+                    self._resume = self.acked
                     await asyncio.sleep(1.0)
 
     async def _once(self, session: aiohttp.ClientSession) -> None:
