@@ -213,15 +213,24 @@ def test_admin_actions_are_events(tmp_path, receivers):
     try:
         [qid] = send(d.port, ["a@example.net"])
         wait_for(lambda: [e for e in read_events(d.log_path) if e.get("event") == "deferred_until"], 15, "deferral")
-        for action in ("hold", "release", "delete"):
+        def act(action: str) -> None:
             req = urllib.request.Request(f"{admin_url(str(tmp_path / 'spool'))}/mails/actions/{action}",
                                          method="POST", data=b'{"ids": ["%s"]}' % qid.encode(), headers={
                                              "Authorization": f"Bearer {admin_token(str(tmp_path / 'spool'))}",
                                              "Content-Type": "application/json"})
             urllib.request.urlopen(req, timeout=10).read()
+
+        def deferrals() -> int:
+            return len([e for e in read_events(d.log_path) if e.get("event") == "deferred_until"])
+
+        act("hold")
+        act("release")  # due at once: tried again (refused again), then held and deleted
+        wait_for(lambda: deferrals() == 2, 15, "the second deferral")
+        act("hold")
+        act("delete")
         wait_for(lambda: "deleted" in by_message(rx.events()).get(qid, []), 15, "deleted")
         got = [n for n in by_message(rx.events())[qid] if n in ("held", "released", "deleted")]
-        assert ["held", "released", "deleted"] == got
+        assert ["held", "released", "held", "deleted"] == got
     finally:
         d.kill9()
 
