@@ -124,6 +124,7 @@ from mtaq.testing.procs import (
     start_daemon,
     start_sink,
 )
+from mtaq.testing.webhook import Receiver
 
 RECOVERY_KILLS_MAX = 3  # starts in a row crashed before their recovery completed, then one is let finish
 RECOVERY_WAIT_S = 120.0
@@ -318,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
                          "and are written into the log in pieces)")
     ap.add_argument("--segment-bytes", type=int, default=None, metavar="N",
                     help="segment_bytes_max for the daemon (small values make kills land across roll-overs)")
+    ap.add_argument("--exporter", action="store_true",
+                    help="attach an event webhook (issue 37): a real aiohttp receiver in this process; every "
+                         "acknowledged message's received event and its outcome must reach it (events_lost: 0)")
     args = ap.parse_args(argv)
     if args.workers == "auto":
         from mtaq.daemon.workers import auto_workers
@@ -381,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     configs_used: Counter[str] = Counter()
     damages: list[media.Damage] = []
     milter: subprocess.Popen[str] | None = None
+    receiver: Receiver | None = Receiver(delay_s=0.3).start() if args.exporter else None  # slow: kills land while posting
     try:
         sink = start_sink(maildir, sink_log,
                           extra=["--defer-rcpt", "^defer-", "--defer-count", "1"] if args.defer_fraction else ())
@@ -423,6 +428,11 @@ def main(argv: list[str] | None = None) -> int:
                     f.write(CANONICAL_TABLE)
                 os.chmod(table, 0o644)
                 lines.append(f"canonical_maps = {json.dumps(table)}")
+            if receiver is not None:
+                if not args.vary_config:  # positions checkpointed often: kills land between checkpoints with
+                    lines.insert(0, "checkpoint_interval_s = 0.5")  # batches in flight, which must be re-sent
+                lines += ["[[event_webhooks]]", f'url = "{receiver.url}"', "batch_max = 20", "batch_wait_s = 0.05",
+                          "retry_min_s = 0.2", "retry_max_s = 1.0", 'secret = "crash"']
             if not lines:
                 return None
             configs_used[" ".join(lines)] += 1
@@ -683,6 +693,31 @@ def main(argv: list[str] | None = None) -> int:
         dup_unexplained = [m for m in dup_ids if tally.submissions[m] == 1 and m in tally.acked
                            and queue_id_of(tally.acked[m]) not in unknown_qids]
         unacked_delivered = sorted(m for m in delivered if m not in acked and m not in dsn_message_ids(maildir))
+        exporter: dict[str, object] = {}
+        if receiver is not None:
+            # Every acknowledged message: its received event and an outcome (delivered, bounced, expired) at
+            # the receiver, at least once, within the drain time left (the exporter may lag the deliveries).
+            acked_q = {queue_id_of(tally.acked[m]) for m in acked} - {""}
+            outcomes = ("delivered", "bounced", "expired")
+
+            def missing() -> list[str]:
+                seen: dict[str, set[str]] = {}
+                for e in receiver.events():
+                    seen.setdefault(e["queue_id"], set()).add(e["event"])
+                return sorted(q for q in acked_q
+                              if "received" not in seen.get(q, set()) or not seen.get(q, set()) & set(outcomes))
+
+            wait_end = max(deadline, time.monotonic() + 90)
+            gone = missing()
+            while gone and time.monotonic() < wait_end:
+                time.sleep(0.25)
+                gone = missing()
+            ids = [e["id"] for e in receiver.events()]
+            exporter = {"events_lost": len(gone), "events_received": len(ids), "events_unique": len(set(ids)),
+                        "events_duplicated": len(ids) - len(set(ids)), "posts": len(receiver.posts),
+                        "posts_unsigned_or_bad": sum(1 for p in receiver.posts if not p.signed_by("crash"))}
+            if gone:
+                broken.append(f"{len(gone)} acknowledged messages without their events, e.g. {gone[:3]}")
         sent_ids = {w[0] for w in work}
         stray = [m for m in delivered if m not in sent_ids and m not in dsn_ids]
         if stray:
@@ -735,6 +770,7 @@ def main(argv: list[str] | None = None) -> int:
             "restart_to_recovered_s_max": round(max(wall), 4) if wall else None,
             "outcome_unknown": sum(1 for e in events if e.get("event") == "outcome_unknown"),
             "drain_s": round(drain_s, 2),
+            **exporter,
             "elapsed_s": round(time.monotonic() - t0, 2),
         }
         if broken:
@@ -762,6 +798,8 @@ def main(argv: list[str] | None = None) -> int:
         if milter is not None:
             milter.kill()
             milter.wait()
+        if receiver is not None:
+            receiver.stop()
         if not args.keep:
             shutil.rmtree(work_dir, ignore_errors=True)
     print(json.dumps(result), flush=True)

@@ -32,7 +32,8 @@ Run from the project root (the machine's cores are shared by the client, the dae
 
 Options: --messages N (10000), --concurrency C (20), --size BYTES (2048), --recipients R (1),
 --keep DIR (create the work dir under DIR and keep it: spool, Maildir, logs), --timeout S (600, for the
-load and the drain together).
+load and the drain together), --webhook none|ok|hanging (none: an event webhook to a receiver in this
+process answering 200, or never answering: `webhook_events` counts the events it acknowledged).
 """
 
 from __future__ import annotations
@@ -218,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=1, metavar="N", help="mtaq worker processes (spool shards)")
     ap.add_argument("--keep", metavar="DIR", help="create the work dir under DIR and keep it")
     ap.add_argument("--timeout", type=float, default=600.0, metavar="S", help="for load + drain (seconds)")
+    ap.add_argument("--webhook", choices=("none", "ok", "hanging"), default="none",
+                    help="an event webhook (issue 37) to a receiver in this process that answers 200 (ok) or "
+                         "never answers (hanging): the 250s and the deliveries must not wait for it")
     args = ap.parse_args(argv)
     n, conc, size, nrcpt = args.messages, args.concurrency, args.size, args.recipients
     if n < 1 or conc < 1 or nrcpt < 1:
@@ -240,6 +244,13 @@ def main(argv: list[str] | None = None) -> int:
     conf = os.path.join(work, "mtaq.toml")
     with open(conf, "w", encoding="utf-8") as f:
         f.write(f"stats_interval_s = {STATS_INTERVAL_S}\nworkers = {args.workers}\n")
+    receiver = None
+    if args.webhook != "none":
+        from mtaq.testing.webhook import Receiver
+
+        receiver = Receiver(hang=args.webhook == "hanging").start()
+        with open(conf, "a", encoding="utf-8") as f:
+            f.write(f'[[event_webhooks]]\nurl = "{receiver.url}"\ntimeout_s = 3600\n')
 
     run_id = uuid.uuid4().hex[:12]
     rcpts = [f"rcpt{j}@example.org" for j in range(nrcpt)]
@@ -254,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         "workers": args.workers,
         "client_loop": loop_name,
         "latency_measures": "data_end_to_250",
+        "webhook": args.webhook,
     }
     ok = False
     sink: Proc | None = None
@@ -338,6 +350,10 @@ def main(argv: list[str] | None = None) -> int:
         for p in (daemon, sink):
             if p is not None:
                 p.kill9()
+    if receiver is not None:
+        result["webhook_events"] = len(receiver.events())
+        receiver.hang = False
+        receiver.stop()
     if daemon is not None:
         # Read after the SIGKILL: everything the daemon wrote is in the file.
         bad, other = log_problems(daemon.log_path)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ipaddress
 import re
 import socket
+import ssl
 import tomllib
 from collections.abc import Callable
 from typing import Annotated, Literal
@@ -20,6 +21,7 @@ from mtaq.core.errors import ConfigError
 __all__ = [
     "Config",
     "DkimKeyConfig",
+    "EventWebhook",
     "Listener",
     "ListenerConfig",
     "Relayhost",
@@ -49,6 +51,32 @@ class DkimKeyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     selector: str  # s=: the key's DNS record is SELECTOR._domainkey.DOMAIN (RFC 6376 §3.6.2.1)
     key_file: str  # PEM private key, RSA >= 2048 bits or Ed25519, mode 0600 (checked at start)
+
+
+EventName = Literal["received", "delivered", "deferred", "bounced", "expired", "dsn_queued", "held", "released",
+                    "deleted", "outcome_unknown"]
+
+
+class EventWebhook(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """One HTTP endpoint that delivery events are POSTed to (``[[event_webhooks]]``; mtaq.daemon.exporter).
+
+    Events (docs/events.md) go out in batches of at most ``batch_max``, a batch waiting at most
+    ``batch_wait_s`` for more; each POST is signed with HMAC-SHA256 over its body under ``secret`` (header
+    ``X-Mtaq-Signature: sha256=HEX``; "" : unsigned). A 2xx acknowledges the batch; a 5xx, 408, 429, a
+    timeout (``timeout_s``) or a connection error is retried after ``retry_min_s``, doubling up to
+    ``retry_max_s``; any other 4xx is logged and the batch skipped. https URLs are verified against
+    ``ca_file`` (PEM; "" : the system's CA store).
+    """
+
+    url: str
+    events: list[EventName] = msgspec.field(default_factory=lambda: list(EventName.__args__))  # type: ignore[attr-defined]
+    batch_max: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 100
+    batch_wait_s: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 1.0
+    secret: str = ""
+    ca_file: str = ""
+    timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 10.0
+    retry_min_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 1.0
+    retry_max_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] = 300.0
 
 
 ListenerMode = Literal["smtp", "submission", "smtps"]
@@ -327,6 +355,12 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # before the shipped ones (mtaq/core/bounce_rules.toml; the format in mtaq.core.bounce_class). "": the
     # shipped rules alone. Read at the start (a bad file stops it with one line) and by ``mtaq check``.
     bounce_classification_file: str = ""
+    # Delivery events pushed to HTTP endpoints (issue 37; mtaq.daemon.exporter, docs/events.md): each endpoint
+    # reads the log with its own position, kept in the checkpoint; segments are kept until its events are
+    # acknowledged, unless it lags by more than event_backlog_max_bytes of log: then it skips ahead to the
+    # end (logged as event_backlog_skipped, counted in /metrics).
+    event_webhooks: list[EventWebhook] = msgspec.field(default_factory=list)
+    event_backlog_max_bytes: Annotated[int, msgspec.Meta(ge=MiB)] = 1024 * MiB
     # Content filters over the Sendmail milter protocol (Postfix smtpd_milters, MILTER_README): each
     # "inet:host:port" or "unix:/path", asked in order at each SMTP stage before the 250 (mtaq.edge.milter).
     # A listeners table may set its own smtpd_milters. non_smtpd_milters: for mail picked up from the maildrop.
@@ -466,6 +500,7 @@ def config_problems(cfg: Config) -> list[str]:
 
     checks: list[Callable[[], object]] = [
         lambda: listeners_of(cfg),
+        *[lambda i=i, h=h: _check_webhook(i, h, cfg.event_webhooks[:i]) for i, h in enumerate(cfg.event_webhooks)],
         lambda: _check_sender_login_map(cfg.sender_login_map) if cfg.sender_login_map else None,
         lambda: parse_relayhost(cfg.relayhost),
         *[lambda ns=ns: parse_nameserver(ns, cfg.dns_port) for ns in cfg.dns_nameservers],
@@ -605,6 +640,9 @@ def _check_tables(data: dict[str, object], where: str) -> None:
         entries_of = data.get(table)
         if isinstance(entries_of, dict):
             entries += [(f'{table}."{k}"', v, str | list[str]) for k, v in entries_of.items()]
+    hooks = data.get("event_webhooks")
+    if isinstance(hooks, list):
+        entries += [(f"event_webhooks[{i}]", v, EventWebhook) for i, v in enumerate(hooks)]
     for key, value, kind in entries:
         try:
             msgspec.convert(value, kind)
@@ -613,6 +651,26 @@ def _check_tables(data: dict[str, object], where: str) -> None:
             text = str(exc)[: m.start()] if m else str(exc)
             field = f".{m.group(1)}" if m and m.group(1) else ""
             raise ConfigError(f"{where}{key}{field}: {text}") from exc
+
+
+def _check_webhook(i: int, hook: EventWebhook, before: list[EventWebhook]) -> None:
+    """An ``event_webhooks`` entry: an http(s) URL with a host, each URL once (it names the endpoint's position
+    in the checkpoint), ``retry_min_s`` <= ``retry_max_s``, a ``ca_file`` that loads as PEM CA certificates.
+    Raises ValueError naming the entry."""
+    m = re.fullmatch(r"https?://[^/\s?#]+(?:[/?#]\S*)?", hook.url)
+    if m is None:
+        raise ValueError(f"event_webhooks[{i}].url: expected http://HOST[:PORT]/PATH or https://..., got {hook.url!r}")
+    if any(b.url == hook.url for b in before):
+        raise ValueError(f"event_webhooks[{i}].url: {hook.url} is listed twice")
+    if hook.retry_min_s > hook.retry_max_s:
+        raise ValueError(f"event_webhooks[{i}].retry_min_s: {hook.retry_min_s} is more than retry_max_s {hook.retry_max_s}")
+    if not hook.events:
+        raise ValueError(f"event_webhooks[{i}].events: empty (leave it out for every event)")
+    if hook.ca_file:
+        try:
+            ssl.create_default_context(cafile=hook.ca_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"event_webhooks[{i}].ca_file: {hook.ca_file}: {getattr(exc, 'strerror', None) or exc}") from exc
 
 
 def is_loopback(host: str) -> bool:

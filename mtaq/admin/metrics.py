@@ -31,7 +31,11 @@ Exposed (units in names; seconds, UTC-free durations):
 * ``mtaq_destinations_dead`` gauge: next hops now dead (mtaq.delivery.backoff; their mail is deferred
   without a connection), and ``mtaq_destination_concurrency{destination}`` gauge: deliveries allowed at once
   to each next hop that is dead or backed off below its limit (at most ``metrics_domains_max`` of them;
-  summed over the shards, as each worker process has its own window).
+  summed over the shards, as each worker process has its own window);
+* with ``event_webhooks`` (issue 37.4): ``mtaq_event_exporter_lag_records{endpoint}`` and
+  ``mtaq_event_exporter_lag_seconds{endpoint}`` gauges (how far the endpoint's acknowledged position is behind
+  the log's durable end), ``mtaq_event_batches_total{endpoint,result}`` (delivered, failed, retried),
+  ``mtaq_events_sent_total{endpoint}``, ``mtaq_event_backlog_skips_total{endpoint}``.
 
 With several workers ``/metrics`` is worker 0's, summed over every shard by :mod:`mtaq.admin.shards`
 (which adds ``mtaq_shards``); this module is one daemon's, one shard's.
@@ -115,6 +119,9 @@ class Metrics:
         self.milter_stats: Callable[[], Mapping[str, Any]] | None = None
         # The daemon's next hops (mtaq.delivery.backoff): {destination: (window, active, dead)}; None: none yet.
         self.destinations: Callable[[], dict[str, tuple[int, int, bool]]] | None = None
+        # The event exporter (mtaq.daemon.exporter.Exporter; None: no event_webhooks): its ``metrics()`` gives
+        # (endpoint, lag records, lag seconds, counters with batches_delivered/_failed/_retried, ...).
+        self.exporter: Any = None
         self._registry: CollectorRegistry | None = None
 
     @property
@@ -209,6 +216,8 @@ def _collect(m: Metrics) -> Iterable[Metric]:
         for name, (w, _active, _dead) in sorted(dests.items())[: m.domains_max]:
             window.add_metric([name], float(w))
         yield window
+    if m.exporter is not None:
+        yield from _exporter_metrics(m.exporter.metrics())
     commit = HistogramMetricFamily("mtaq_commit_latency_seconds",
                                    "Seconds a commit waited for the fsync round covering it")
     commit.add_metric([], m.commit_latency.cumulative(), sum_value=m.commit_latency.sum)
@@ -234,3 +243,26 @@ def _collect(m: Metrics) -> Iterable[Metric]:
     for domain, b in sorted(m.delivery_latency.items()):
         delivery.add_metric([domain], b.cumulative(), sum_value=b.sum)
     yield delivery
+
+
+def _exporter_metrics(rows: list[tuple[str, int, float, Any]]) -> Iterable[Metric]:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    lag_r = GaugeMetricFamily("mtaq_event_exporter_lag_records", "Log records appended since the endpoint's "
+                              "acknowledged position (records of this run)", labels=["endpoint"])
+    lag_s = GaugeMetricFamily("mtaq_event_exporter_lag_seconds", "Seconds since the oldest record not yet "
+                              "acknowledged by the endpoint became durable (0: caught up)", labels=["endpoint"])
+    batches = CounterMetricFamily("mtaq_event_batches", "Event batches POSTed: delivered (2xx), failed (4xx, "
+                                  "skipped), retried (5xx, timeout, connection error)", labels=["endpoint", "result"])
+    events = CounterMetricFamily("mtaq_events_sent", "Events acknowledged by the endpoint", labels=["endpoint"])
+    skips = CounterMetricFamily("mtaq_event_backlog_skips", "Times the endpoint lagged beyond "
+                                "event_backlog_max_bytes and skipped to the end of the log", labels=["endpoint"])
+    for name, records, seconds, st in rows:
+        lag_r.add_metric([name], float(records))
+        lag_s.add_metric([name], seconds)
+        for result, n in (("delivered", st.batches_delivered), ("failed", st.batches_failed),
+                          ("retried", st.batches_retried)):
+            batches.add_metric([name, result], float(n))
+        events.add_metric([name], float(st.events_sent))
+        skips.add_metric([name], float(st.backlog_skips))
+    yield from (lag_r, lag_s, batches, events, skips)

@@ -11,7 +11,9 @@ positions to disk." A checkpoint holds:
   recovery or an administrator), which it must skip;
 * ``parked``: the live envelopes no runner reads (held, or delayed by FUTURERELEASE) as of ``head``;
   reclamation never deletes a segment holding one;
-* ``counts``: messages by state as of ``head``, so that ``mtaq queue size`` never scans the queue.
+* ``counts``: messages by state as of ``head``, so that ``mtaq queue size`` never scans the queue;
+* ``exporters``, ``exporter_pin``: each event exporter's restart and acknowledged positions, and the oldest
+  envelope it may still have to read (issue 37). Absent in checkpoints written before: decoded as none.
 
 Recovery reads the log from ``min(suffix, head)`` to the end, and no more (GUIDE I5). A checkpoint is
 advisory. A torn, stale or missing one only makes the scan longer. Positions in segments that have been
@@ -53,6 +55,13 @@ class Checkpoint(msgspec.Struct, frozen=True, array_like=True):
     # (envelope, DATA) of live envelopes naming DATA more than a segment before them (a failed copy
     # forward): those segments are kept (mtaq.queue.store.Queue.data_pins)
     pins: tuple[tuple[Pos, Pos], ...] = ()
+    # Event exporters (issue 37; mtaq.daemon.exporter): per endpoint (its URL), where its reader starts again
+    # (the START of the oldest attempt it saw open, or its acknowledged position) and the position up to which
+    # its events were acknowledged (events of records before it are not sent again).
+    exporters: tuple[tuple[str, Pos, Pos], ...] = ()
+    # The oldest envelope named by a START at or after the earliest exporter restart position (None: none):
+    # reclamation keeps its segment, so that an exporter reading that START can still read the envelope.
+    exporter_pin: Pos | None = None
 
 
 _ENC = msgspec.msgpack.Encoder()

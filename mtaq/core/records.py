@@ -171,7 +171,9 @@ class DeliveryRecord(msgspec.Struct, frozen=True, array_like=True, tag=int(Recor
     """Final replies for a set of recipients of the attempt started at ``start``; ``relay`` names the next hop.
 
     ``remote_dsn`` is True when the next hop offered the DSN extension (RFC 3461), so that it, not we,
-    reports success to the sender. ``durable``: as in :class:`EnvelopeRecord` (stamped by the log).
+    reports success to the sender. ``durable``: as in :class:`EnvelopeRecord` (stamped by the log). ``tls``:
+    the connection's TLS label as in the ``delivered`` log event (``TLSv1.3``, ``TLSv1.3 verified``; "" in
+    plaintext or in records written before it was added), for the delivery events (issue 37).
     """
 
     queue_id: str
@@ -181,6 +183,7 @@ class DeliveryRecord(msgspec.Struct, frozen=True, array_like=True, tag=int(Recor
     outcomes: tuple[Outcome, ...]
     remote_dsn: bool = False
     durable: Pos | None = None
+    tls: str = ""
 
 
 class FinishRecord(msgspec.Struct, frozen=True, array_like=True, tag=int(RecordType.FINISH)):

@@ -25,6 +25,7 @@ import os
 import resource
 import signal
 import socket
+import ssl
 import sys
 import time
 from collections import deque
@@ -225,6 +226,10 @@ class Daemon:
         self.runners: list[Runner] = []
         self._background: set[asyncio.Task[None]] = set()
         self.checkpoints = 0
+        self.exporter: Any = None  # mtaq.daemon.exporter.Exporter when event_webhooks are configured
+        # The webhooks' TLS contexts, made here: before a start as root switches to mail_owner (ca_file may be
+        # root's alone, like the other keys read at the start).
+        self.webhook_tls = {h.url: ssl.create_default_context(cafile=h.ca_file or None) for h in cfg.event_webhooks}
         self.reclaimed = 0
         self.archived = 0
         self.archive: SegmentArchive | None = None
@@ -462,6 +467,14 @@ class Daemon:
         self.admin.on_flush = self._flushed
         if self.http is not None:
             self.http.state.admin = self.admin
+        if cfg.event_webhooks:  # imported here: aiohttp's client costs a daemon without webhooks nothing
+            exporter_mod = await asyncio.to_thread(importlib.import_module, "mtaq.daemon.exporter")
+            self.exporter = exporter_mod.Exporter(
+                qlog, list(cfg.event_webhooks), res.exporters, res.exporter_new,
+                backlog_max_bytes=cfg.event_backlog_max_bytes, category=self._category, logger=self.log,
+                pin=res.exporter_pin, pin_head=res.exporter_new, tls=self.webhook_tls)
+            self.queue.on_start = self.exporter.on_start
+            self.metrics.exporter = self.exporter
         # A checkpoint now bounds the next recovery to what comes after this start, even if the next crash
         # comes before the first periodic one.
         await self.checkpoint()
@@ -470,6 +483,8 @@ class Daemon:
         tasks.append(asyncio.create_task(self._checkpointer()))
         tasks.append(asyncio.create_task(self._parked_runner()))
         tasks.append(asyncio.create_task(self._close_idle_connections()))
+        if self.exporter is not None:
+            tasks.append(asyncio.create_task(self.exporter.run()))
         if self.pickup_wanted:  # after recovery: it knows which maildrop files are queued already
             self.pickup = Pickup(self.queue, cfg.spool_dir, hostname=cfg.hostname(),
                                  body_bytes_max=cfg.message_size_limit_bytes,
@@ -809,7 +824,7 @@ class Daemon:
             # Durable before they count. An abandoned attempt (delivery_timeout_s) still writes the replies it
             # already has: record_outcomes appends before its first await, and the commit round covering the
             # record fsyncs it whether or not anyone still waits (no shield, no task a batch).
-            await q.record_outcomes(attempt, b.relay, outcomes, remote_dsn=b.remote_dsn)
+            await q.record_outcomes(attempt, b.relay, outcomes, remote_dsn=b.remote_dsn, tls=b.tls or "")
             for (i, _), o in zip(b.items, outcomes, strict=True):
                 self.counts[o.status] += 1
                 if o.status == "delivered":
@@ -947,15 +962,18 @@ class Daemon:
         suffix = working.earliest_start() or head
         parked = self.queue.parked
         pins = self.queue.data_pins  # replacements naming DATA far behind them (a failed copy forward)
+        exporter_pin = self.exporter.pin() if self.exporter is not None else None
         true_garbage_end = min((*positions, working.earliest_envelope() or head, parked.earliest() or head, head,
-                                *pins.values()))
+                                *pins.values(), exporter_pin or head))
         if pickup_lock is not None:
             pickup_lock.release()
         # Revoked envelopes that every runner has passed can no longer be offered by a runner.
         self.queue.revoked = {p for p in self.queue.revoked if p >= min(positions, default=head)}
         cp = Checkpoint(head=head, suffix=suffix, runners=positions, garbage=garbage, written_ts=self.clock(),
                         parked=tuple(sorted(parked.entries)), counts=self.queue.counts.snapshot(),
-                        pins=tuple(sorted(pins.items())))
+                        pins=tuple(sorted(pins.items())),
+                        exporters=self.exporter.positions() if self.exporter is not None else (),
+                        exporter_pin=self.exporter.window_pin() if self.exporter is not None else None)
         await qlog.sync()  # every START behind the positions is durable before the checkpoint says so
         try:
             await asyncio.to_thread(self._write_checkpoint, cp)

@@ -78,6 +78,13 @@ class RecoveryResult:
     # The maildrop files named by the envelopes of the working suffix (EnvelopeRecord.maildrop): already queued,
     # whatever became of them since; the pick-up at start removes such a file instead of queueing it again.
     maildrop: set[str] = field(default_factory=set)
+    # Event exporters (issue 37): endpoint URL -> (restart, acknowledged) positions from the checkpoint, clamped
+    # to the oldest segment left; ``exporter_new``: where an endpoint the checkpoint does not name starts (the
+    # checkpoint's head: events from then on; the oldest segment without a checkpoint); ``exporter_pin``: the
+    # checkpoint's, clamped (None: none).
+    exporters: dict[str, tuple[Pos, Pos]] = field(default_factory=dict)
+    exporter_new: Pos = field(default_factory=lambda: Pos(0, 0))
+    exporter_pin: Pos | None = None
 
 
 def _read_envelope(log: Any, pos: Pos) -> EnvelopeRecord | None:
@@ -168,9 +175,13 @@ async def recover(queue: Queue, report: OpenReport, spool: str, logger: Any) -> 
         queue.counts = QueueCounts.restore(cp.counts)
         parked_before = [p for p in cp.parked if p >= first]
         pins: dict[Pos, Pos] = {e: d for e, d in cp.pins if e >= first}
+        res.exporters = {url: (clamp(r), clamp(a)) for url, r, a in cp.exporters}
+        res.exporter_new = clamp(cp.head)
+        res.exporter_pin = clamp(cp.exporter_pin) if cp.exporter_pin is not None else None
     else:
         logger.info("checkpoint_unused", reason=why, action="scanning every segment")
         scan_from = first
+        res.exporter_new = first
         runners = [first] * n
         garbage = [set() for _ in range(n)]
         replay_from = first

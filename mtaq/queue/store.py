@@ -205,6 +205,9 @@ class Queue:
         self._open_copies: dict[Pos, tuple[Attempt, Pos]] = {}
         # Called with each new envelope and its position once it is durable (the daemon logs `queued`).
         self.on_durable: Callable[[EnvelopeRecord, Pos], None] = lambda env, pos: None
+        # Called with (START position, the envelope it names) for each START appended here: the event exporter
+        # keeps that envelope's segment until it has read the START (mtaq.daemon.exporter; None: no exporter).
+        self.on_start: Callable[[Pos, Pos], None] | None = None
         # Called for each DSN queued: (dsn envelope, original queue ID, kind).
         # (the DSN's envelope, the original's queue ID, its action, the recipients it reports) once queued
         self.on_dsn: Callable[[EnvelopeRecord, str, str, tuple[DsnItem, ...]], None] = lambda env, qid, kind, items: None
@@ -361,6 +364,8 @@ class Queue:
         from now the envelope is garbage."""
         rec = StartRecord(queue_id=env.queue_id, envelope=envelope_pos, ts=self.clock(), runner=env.runner, admin=admin)
         pos, _ = self.log.append(rec)
+        if self.on_start is not None:
+            self.on_start(pos, envelope_pos)
         self.counts.started(env)
         self.parked.remove(envelope_pos)
         return self.working.start(pos, envelope_pos, env)
@@ -532,7 +537,7 @@ class Queue:
         return rec.body
 
     async def record_outcomes(
-        self, attempt: Attempt, relay: str, outcomes: Sequence[Outcome], *, remote_dsn: bool = False
+        self, attempt: Attempt, relay: str, outcomes: Sequence[Outcome], *, remote_dsn: bool = False, tls: str = ""
     ) -> None:
         """Append a DELIVERY record for ``outcomes`` and wait until it is durable (GUIDE I2); its fsync waits up
         to ``delivery_linger_s`` for a client's commit to share. The record is appended before the first
@@ -545,6 +550,7 @@ class Queue:
             relay=relay,
             outcomes=tuple(outcomes),
             remote_dsn=remote_dsn,
+            tls=tls,
         )
         _pos, lsn = self.log.append(rec)
         self.working.delivery(rec)
