@@ -125,10 +125,10 @@ def test_incremental_equals_full_at_every_split(spark, logs, reference, tmp_path
     spool, state = str(tmp_path / "spool"), str(tmp_path / "state")
     _put(logs[split], spool)
     first, _ = _run(spark, [spool], str(tmp_path / "out1"), state=state, tables=False)
-    assert None == first["note"]
+    assert first["note"] is None
     _put(logs["full"], spool)
     got, progress = _run(spark, [spool], str(tmp_path / "out2"), state=state)
-    assert None == got["note"]
+    assert got["note"] is None
     _same(reference, got)
     if split >= len(_ops()) // 2:
         assert _reused(progress) > 0  # the sealed segments of the first run were not read again
@@ -167,7 +167,7 @@ def test_a_damaged_or_mismatched_state_is_said_and_rebuilt(spark, logs, referenc
         _same(reference, got)
     # rebuilt: the next run uses it
     again, progress = _run(spark, [spool], str(tmp_path / "out3"), state=state, since=since)
-    assert None == again["note"]
+    assert again["note"] is None
     assert len([n for n in os.listdir(os.path.join(spool, "log"))]) == _reused(progress)
 
 
@@ -201,7 +201,7 @@ def test_segments_archived_and_reclaimed_between_runs(spark, logs, tmp_path):
         shutil.move(src, os.path.join(archive, f"{h.segment:012d}-{h.salt:08x}.seg"))
     os.unlink(os.path.join(spool, "log", names[4]))  # reclaimed, not archived
     got, progress = _run(spark, [spool, archive], str(tmp_path / "out2"), state=state)
-    assert None == got["note"]
+    assert got["note"] is None
     assert _reused(progress) > 0
     full, _ = _run(spark, [spool, archive], str(tmp_path / "out3"))
     _same(full, got)

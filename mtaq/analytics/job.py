@@ -125,6 +125,8 @@ class Options:
     progress: Callable[[str], None] = field(default=lambda msg: None)
     # A local directory: keep this run's staged facts there, and reuse the last run's (mtaq/analytics/state.py)
     state: str | None = None
+    # The daemon's JSON event logs (rotated, .gz): the rejections table and report section (rejections.py)
+    events: Sequence[str] = ()
 
 
 def spark_session(master: str | None = None, conf: Sequence[tuple[str, str]] = (), app: str = "mtaq analyze",
@@ -799,6 +801,20 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
                        for r in _sorted(got["qshape_now"], "-recipients", "domain")],
         "segments": _sorted(got["segments"], "segment", "file"),
     }
+    if opts.events:
+        from mtaq.analytics.rejections import SCHEMA as REJECTION_SCHEMA
+        from mtaq.analytics.rejections import read_events, summarize
+
+        rej = read_events(opts.events, since, until)
+        totals["rejected"] = rej.table.num_rows
+        totals["rejected_note"] = (
+            f"rejected counts the refusals in the daemon's event log ({len(opts.events)} files: smtp_reject and "
+            f"connection_refused events; {rej.skipped} lines not events skipped); the queue log holds only "
+            "accepted mail.")
+        tables |= summarize(rej.table)
+        say(f"rejections: {rej.table.num_rows} from {len(opts.events)} event files")
+        os.makedirs(tables_dir, exist_ok=True)
+        _write_table(os.path.join(tables_dir, "rejections"), rej.table.cast(REJECTION_SCHEMA))
     say("writing the tables (Parquet)")
     os.makedirs(tables_dir, exist_ok=True)
     schemas = _small_schemas()
