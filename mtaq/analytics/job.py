@@ -15,8 +15,9 @@ Definitions (each fact is counted in the ``--since``/``--until`` window by its o
   A recipient whose last reply was 4xx in a message that then FINISHed ran out of queue lifetime: it
   counts as bounced (``expired``, 4.4.7) at the FINISH. ``deferred`` is the number of distinct recipients
   deferred at least once. Bytes delivered is the message size summed over delivered recipients.
-* rejected: always 0 here. Mail refused at the SMTP door never reaches the queue log (the edge answers
-  4xx/5xx before anything is appended), so the log cannot count it; the report says so.
+* rejected: 0 without ``--events``. Mail refused at the SMTP door never reaches the queue log (the edge answers
+  4xx/5xx before anything is appended); with ``--events``, the refusals in the daemon's event log
+  (:mod:`mtaq.analytics.rejections`).
 * time to deliver: delivered outcome time minus arrival, in seconds; percentiles are nearest-rank, exact
   (the value at rank ceil(p * N) of the sorted delays; before, ``percentile_approx`` with accuracy 10000,
   within 0.01 % of rank above 10,000 values): counted in delay buckets by the tasks, and only the values of
@@ -101,7 +102,7 @@ TOP_ROWS_COLLECTED = 1000  # rows of the senders and recipients tables the drive
 
 REJECTED_NOTE = (
     "rejected is 0: mail refused at the SMTP door (4xx/5xx before DATA is queued) never reaches the queue "
-    "log, which holds only accepted mail; count rejections from the daemon's SMTP logs instead."
+    "log, which holds only accepted mail; give the daemon's JSON event log with --events to count them."
 )
 
 
