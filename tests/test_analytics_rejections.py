@@ -109,3 +109,15 @@ def test_refusals_are_events_and_analyze_reads_them_into_the_rejections_table(sp
         report = f.read()
     assert "## Rejections: top 20 reasons (from the event log)" in report
     assert "Relay access denied" in report
+
+
+def test_analyze_refuses_a_missing_events_file_and_a_remote_state_in_one_line(tmp_path, capsys):
+    from mtaq.analytics.command import main
+    from tests.test_analytics_incremental import write_log
+
+    spool = str(tmp_path / "spool")
+    write_log(spool, {})
+    assert 2 == main(["--segments", spool, "--out", str(tmp_path / "out"), "--events", str(tmp_path / "nope.log")])
+    assert f"mtaq: --events {tmp_path / 'nope.log'}: no such file\n" == capsys.readouterr().err
+    assert 2 == main(["--segments", spool, "--out", str(tmp_path / "out"), "--state", "s3://bucket/state"])
+    assert "mtaq: --state: the state directory and --parquet-out must be local paths with --state\n" == capsys.readouterr().err

@@ -12,7 +12,8 @@ the rest (new segments, and the partition of a segment that grew: its tail rules
 is read again whole). Then the job goes on as a full run does, over all the staged rows: same tables, same
 report.
 
-Layout of DIR: ``manifest.json`` (written last, by rename) and ``files/`` (the staged Parquet files, hard
+Layout of DIR: ``manifest.json`` (written last, by rename; not fsync'd: only ``mtaq.storage.fs`` syncs, and a
+manifest cut by a crash does not parse, so it is rebuilt) and ``files/`` (the staged Parquet files, hard
 links where the file system allows, else copies). Manifest::
 
     {"format": 1, "config": {...}, "files": {NAME: [size, crc32]},
@@ -41,7 +42,6 @@ from typing import Any
 
 import pyarrow as pa
 
-from mtaq import __version__
 from mtaq.analytics.partials import decode, encode
 from mtaq.analytics.source import SegmentFile, plan_partitions, read_segment_bytes
 from mtaq.core.frame import SEGMENT_HEADER_BYTES, HeaderError, decode_segment_header
@@ -122,8 +122,18 @@ class StatePlan:
     read_from_state: int = 0  # segments whose partitions were reused
 
 
+def _version() -> str:
+    """mtaq's version (the installed distribution's; "unknown" when it is not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("mtaq")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def _config(since_us: int | None, until_us: int | None, close: bool) -> dict[str, Any]:
-    return {"format": STATE_FORMAT, "mtaq": __version__, "since_us": since_us, "until_us": until_us, "close": close}
+    return {"format": STATE_FORMAT, "mtaq": _version(), "since_us": since_us, "until_us": until_us, "close": close}
 
 
 def _load(state: str, config: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
@@ -273,9 +283,7 @@ def save(state: str, sp: StatePlan, computed: Sequence[tuple[int, StagedRow]], g
     manifest = {"format": STATE_FORMAT, "config": _config(since_us, until_us, close), "files": names, "partitions": parts}
     tmp = os.path.join(state, f"manifest.json.{os.getpid()}")
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(manifest, f)
-        f.flush()
-        os.fsync(f.fileno())
+        json.dump(manifest, f)  # not fsync'd: a manifest lost or cut by a crash is said and rebuilt, never used
     os.replace(tmp, os.path.join(state, "manifest.json"))
     for name in os.listdir(files_dir):
         if name not in names:
