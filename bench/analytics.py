@@ -46,20 +46,22 @@ from mtaq.storage.fs import OsFileSystem
 from mtaq.storage.log import Log
 
 
-def generate(spool: str, records: int, *, days: int = 3, body_bytes: int = 300, seed: int = 7) -> int:
-    """Write about ``records`` records into ``spool/log``; return the number written (seals excluded)."""
+def generate(spool: str, records: int, *, days: int = 3, body_bytes: int = 300, seed: int = 7, prefix: str = "B",
+             t0: float = 1_740_787_200.0) -> int:
+    """Write about ``records`` records into ``spool/log`` (appended after what is there, as a restarted daemon
+    does: its last segment sealed, a new one opened); queue IDs ``PREFIX`` + number, arrivals from ``t0``
+    (default 2025-03-01T00:00:00Z) over ``days``; return the number written (seals excluded)."""
     rnd = random.Random(seed)
     log, _ = Log.open(OsFileSystem(), os.path.join(spool, "log"), segment_bytes_max=64 << 20)
     body = b"Subject: bench\r\n\r\n" + b"x" * (body_bytes - 20) + b"\r\n"
     domains = [f"d{i}.example" for i in range(200)]
     senders = [f"s{i}@src{i % 50}.example" for i in range(1000)]
-    t0 = 1_740_787_200.0  # 2025-03-01T00:00:00Z
     span = days * 86400.0
     n = 0
     i = 0
     while n < records:
         i += 1
-        qid = f"B{i:014d}"
+        qid = f"{prefix}{i:014d}"
         now = t0 + span * (i * 0.6180339887 % 1.0)
         rcpts = tuple(Recipient(k, f"u{rnd.randrange(5000)}@{rnd.choice(domains)}") for k in range(rnd.randint(1, 3)))
         sender = rnd.choice(senders)
@@ -196,7 +198,13 @@ def main() -> int:
                          "(mtaq/analytics/jvm.py)")
     ap.add_argument("--without-archive", action="store_true",
                     help=f"also time a fresh-process job with the class archive off ({'MTAQ_SPARK_CLASS_ARCHIVE'}=off)")
+    ap.add_argument("--incremental", metavar="M", type=int,
+                    help="only the incremental cost: --records N analysed with --state, M new records appended, "
+                         "then `mtaq analyze --state` (fresh process) against a fresh run over M records alone, "
+                         "--pairs of each, alternating; medians")
     args = ap.parse_args()
+    if args.incremental:
+        return incremental(args)
     spool = os.path.join(args.dir, "spool")
     t = time.monotonic()
     if not (args.keep and os.path.isdir(os.path.join(spool, "log"))):
@@ -305,6 +313,67 @@ def main() -> int:
         "pairs_ratios": [round(a / b, 2) for a, b in zip(pfl_runs, cold_runs, strict=False)],
         "totals_agree": all(a == b for a, b in same.values()),
         "totals": same,
+    }))
+    return 0
+
+
+def incremental(args: argparse.Namespace) -> int:
+    """``--incremental M``: the cost of a daily run with ``--state`` (issue 38.1). N = ``--records`` analysed
+    once with ``--state``; M new records appended to the same log (a restart: the last segment sealed, later
+    arrivals, other queue IDs); then, ``--pairs`` times, alternating: ``mtaq analyze --segments NEW`` on a
+    log of the M records alone (fresh process), and ``mtaq analyze --state`` on the N + M log (fresh process,
+    the state as the first run left it, copied back before each). Prints one JSON object; the incremental
+    run's totals are checked against a run without state over N + M."""
+    base, new = os.path.join(args.dir, "inc-base"), os.path.join(args.dir, "inc-new")
+    state, pristine = os.path.join(args.dir, "inc-state"), os.path.join(args.dir, "inc-state-pristine")
+    days = 3
+    later = 1_740_787_200.0 + days * 86400.0
+    t = time.monotonic()
+    if not (args.keep and os.path.isdir(pristine)):
+        shutil.rmtree(args.dir, ignore_errors=True)
+        n = generate(base, args.records, days=days)
+        generate(new, args.incremental, days=1, seed=11, prefix="C", t0=later)
+        print(f"generated {n} + {args.incremental} records in {time.monotonic() - t:.1f} s", file=sys.stderr)
+
+    def job(segments: str, out: str, with_state: bool) -> tuple[float, dict[str, object]]:
+        t = time.monotonic()
+        subprocess.run([sys.executable, "-m", "mtaq.cli", "analyze", "--segments", segments, "--out", out,
+                        "--master", args.master, "--quiet", "--json", "--no-plots",
+                        "--conf", f"spark.driver.memory={args.driver_memory}",
+                        *(["--state", state] if with_state else []),
+                        *(x for c in args.conf for x in ("--conf", c))], check=True, stdout=open(out + ".json", "w"))
+        seconds = time.monotonic() - t
+        with open(out + ".json") as f:
+            return seconds, json.loads(f.read())
+
+    if not (args.keep and os.path.isdir(pristine)):
+        first_s, _ = job(base, os.path.join(args.dir, "inc-out-first"), True)
+        shutil.copytree(state, pristine)
+        generate(base, args.incremental, days=1, seed=11, prefix="C", t0=later)  # the same M records, appended
+    else:
+        first_s = None
+    fresh_runs, inc_runs = [], []
+    inc_totals: dict[str, object] = {}
+    load = []
+    for _ in range(args.pairs):
+        load.append(os.getloadavg()[0])
+        s, _ = job(new, os.path.join(args.dir, "inc-out-fresh"), False)
+        fresh_runs.append(s)
+        shutil.rmtree(state, ignore_errors=True)
+        shutil.copytree(pristine, state)
+        s, inc_totals = job(base, os.path.join(args.dir, "inc-out-inc"), True)
+        inc_runs.append(s)
+    _, full_totals = job(base, os.path.join(args.dir, "inc-out-full"), False)
+    fresh_s, inc_s = statistics.median(fresh_runs), statistics.median(inc_runs)
+    print(json.dumps({
+        "analysed_records": args.records, "new_records": args.incremental, "master": args.master,
+        "load_average_before_each_pair": load, "load_average": os.getloadavg(),
+        "first_run_with_state_s": None if first_s is None else round(first_s, 2),
+        "fresh_new_only_s": round(fresh_s, 2), "fresh_runs_s": [round(x, 2) for x in fresh_runs],
+        "incremental_s": round(inc_s, 2), "incremental_runs_s": [round(x, 2) for x in inc_runs],
+        "incremental_vs_fresh": round(inc_s / fresh_s, 2),
+        "pairs_ratios": [round(a / b, 2) for a, b in zip(inc_runs, fresh_runs, strict=True)],
+        "totals_equal_full_run": inc_totals == full_totals,
     }))
     return 0
 

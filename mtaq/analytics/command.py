@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -41,6 +42,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="extra Spark configuration, e.g. spark.driver.memory=4g (repeatable)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument("--events", metavar="FILE", nargs="+", action="extend", default=[],
+                   help="the daemon's JSON event log files (rotated ones too, .gz): refusals into the rejections "
+                        "table and the report")
+    p.add_argument("--state", metavar="DIR",
+                   help="keep what this run read in DIR (local) and read only new segments next time (incremental)")
 
 
 def parse_time(value: str | None, flag: str) -> dt.datetime | None:
@@ -66,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--top: expected an integer >= 1, got {args.top}")
     if args.partition_bytes < 1:
         raise ConfigError(f"--partition-bytes: expected an integer >= 1, got {args.partition_bytes}")
+    if args.state is not None and "://" in (args.parquet_out or "") + args.state:
+        raise ConfigError("--state: the state directory and --parquet-out must be local paths with --state")
     conf = []
     for item in args.conf:
         key, sep, value = item.partition("=")
@@ -79,6 +87,9 @@ def run(args: argparse.Namespace) -> int:
         from mtaq.analytics.source import SourceError, discover
     except ImportError as exc:
         raise ConfigError(f"analyze needs the spark extra (pip install 'mtaq[spark]'): {exc}") from exc
+    for path in args.events:
+        if not os.path.isfile(path):
+            raise ConfigError(f"--events {path}: no such file")
     try:
         discover(args.segments)  # fail fast, before Spark starts, on a path that names nothing
     except SourceError as exc:
@@ -99,7 +110,8 @@ def run(args: argparse.Namespace) -> int:
     say(f"Spark started (class archive: {class_archive(spark)})")
     opts = Options(paths=args.segments, out=args.out, since=since, until=until, top=args.top,
                    partition_bytes=args.partition_bytes, plots=not args.no_plots, progress=say,
-                   parquet_out=args.parquet_out)
+                   parquet_out=args.parquet_out, state=args.state,
+                   events=args.events)
     try:
         result = analyze(spark, opts)
     finally:

@@ -129,6 +129,15 @@ def stage_partitions(groups: Iterable[Sequence[SegmentFile]], stage: str, until_
         yield from stage_facts(files, stage, until_us, close, since_us)
 
 
+def stage_indexed(groups: Iterable[tuple[int, Sequence[SegmentFile]]], stage: str, until_us: int | None, close: bool,
+                  since_us: int | None = None) -> Iterator[tuple[Any, ...]]:
+    """:func:`stage_partitions` of numbered groups ``(number, files)``, each row led by its group's number (the
+    job with ``--state`` keeps each partition's rows apart: :mod:`mtaq.analytics.state`)."""
+    for g, files in groups:
+        for row in stage_facts(files, stage, until_us, close, since_us):
+            yield (g, *row)
+
+
 def write_staged(table: pa.Table, stage: str, name: str, since_us: int | None, until_us: int | None,
                  rest: pa.Table | None = None,
                  parts: Mapping[str, pa.Table] | None = None) -> Iterator[tuple[str, str, int, None, None]]:

@@ -15,8 +15,9 @@ Definitions (each fact is counted in the ``--since``/``--until`` window by its o
   A recipient whose last reply was 4xx in a message that then FINISHed ran out of queue lifetime: it
   counts as bounced (``expired``, 4.4.7) at the FINISH. ``deferred`` is the number of distinct recipients
   deferred at least once. Bytes delivered is the message size summed over delivered recipients.
-* rejected: always 0 here. Mail refused at the SMTP door never reaches the queue log (the edge answers
-  4xx/5xx before anything is appended), so the log cannot count it; the report says so.
+* rejected: 0 without ``--events``. Mail refused at the SMTP door never reaches the queue log (the edge answers
+  4xx/5xx before anything is appended); with ``--events``, the refusals in the daemon's event log
+  (:mod:`mtaq.analytics.rejections`).
 * time to deliver: delivered outcome time minus arrival, in seconds; percentiles are nearest-rank, exact
   (the value at rank ceil(p * N) of the sorted delays; before, ``percentile_approx`` with accuracy 10000,
   within 0.01 % of rank above 10,000 values): counted in delay buckets by the tasks, and only the values of
@@ -56,7 +57,8 @@ from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
 from mtaq.analytics import jvm
-from mtaq.analytics.datasource import PARTITION_BYTES_DEFAULT, stage_partitions, write_staged
+from mtaq.analytics import state as state_mod
+from mtaq.analytics.datasource import PARTITION_BYTES_DEFAULT, stage_indexed, write_staged
 from mtaq.analytics.facts import (
     FACT_COLUMNS,
     FACT_SCHEMA,
@@ -100,7 +102,7 @@ TOP_ROWS_COLLECTED = 1000  # rows of the senders and recipients tables the drive
 
 REJECTED_NOTE = (
     "rejected is 0: mail refused at the SMTP door (4xx/5xx before DATA is queued) never reaches the queue "
-    "log, which holds only accepted mail; count rejections from the daemon's SMTP logs instead."
+    "log, which holds only accepted mail; give the daemon's JSON event log with --events to count them."
 )
 
 
@@ -122,6 +124,10 @@ class Options:
     # Partial rows of the senders and recipients tables up to which the driver adds them up; 0: always Spark
     driver_table_rows: int = DRIVER_TABLE_ROWS_MAX
     progress: Callable[[str], None] = field(default=lambda msg: None)
+    # A local directory: keep this run's staged facts there, and reuse the last run's (mtaq/analytics/state.py)
+    state: str | None = None
+    # The daemon's JSON event logs (rotated, .gz): the rejections table and report section (rejections.py)
+    events: Sequence[str] = ()
 
 
 def spark_session(master: str | None = None, conf: Sequence[tuple[str, str]] = (), app: str = "mtaq analyze",
@@ -563,13 +569,32 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
     # queries below read only the columns and row groups they need, vectorised. Spark's own cache of the
     # same rows cost more JVM CPU than the decoding (docs/performance.md, "Fourth round (issue 17)").
     segment_files = discover(opts.paths)  # a path that names no segments: SourceError here, not from inside Spark
-    groups = plan_partitions(segment_files, opts.partition_bytes)
+    w_since = None if since is None else _micros(since)
+    w_until = None if until is None else _micros(until)
+    plan: state_mod.StatePlan | None = None
+    if opts.state is not None:
+        # The last run's partitions whose segments are unchanged are reused (their staged files linked into this
+        # run's stage); the tasks compute the rest (mtaq/analytics/state.py).
+        plan = state_mod.plan(opts.state, segment_files, opts.partition_bytes, stage, w_since, w_until,
+                              opts.close_messages, say)
+        if plan.note is not None:
+            print(f"mtaq analyze: state {opts.state}: {plan.note}; rebuilt from the segments", file=sys.stderr,
+                  flush=True)
+        groups = plan.groups
+    else:
+        groups = plan_partitions(segment_files, opts.partition_bytes)
     # The tasks as an RDD over the groups of segments: the data source's "staged" rows are the same rows, but
     # Spark plans a Python data source in a Python process of its own on the driver (2 s on two cores).
-    task = partial(stage_partitions, stage=stage, until_us=None if until is None else _micros(until),
-                   close=opts.close_messages, since_us=None if since is None else _micros(since))
-    tasks = spark.sparkContext.parallelize(groups, len(groups)).mapPartitions(task).collect()
-    staged: list[dict[str, Any]] = [dict(zip(("table", "path", "rows", "part", "data"), r, strict=True)) for r in tasks]
+    task = partial(stage_indexed, stage=stage, until_us=w_until, close=opts.close_messages, since_us=w_since)
+    indexed = list(enumerate(groups))
+    tasks = spark.sparkContext.parallelize(indexed, len(indexed)).mapPartitions(task).collect() if indexed else []
+    rows_got = [tuple(r[1:]) for r in tasks]
+    if plan is not None and opts.state is not None:
+        state_mod.save(opts.state, plan, [(r[0], tuple(r[1:])) for r in tasks], groups, w_since, w_until,
+                       opts.close_messages)
+        rows_got = list(plan.reused) + rows_got
+    staged: list[dict[str, Any]] = [dict(zip(("table", "path", "rows", "part", "data"), r, strict=True))
+                                    for r in rows_got]
     files: dict[str, list[str]] = {}
     table_rows = 0  # rows of the senders' and recipients' partial tables the tasks staged
     for got_row in staged:
@@ -777,6 +802,20 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
                        for r in _sorted(got["qshape_now"], "-recipients", "domain")],
         "segments": _sorted(got["segments"], "segment", "file"),
     }
+    if opts.events:
+        from mtaq.analytics.rejections import SCHEMA as REJECTION_SCHEMA
+        from mtaq.analytics.rejections import read_events, summarize
+
+        rej = read_events(opts.events, since, until)
+        totals["rejected"] = rej.table.num_rows
+        totals["rejected_note"] = (
+            f"rejected counts the refusals in the daemon's event log ({len(opts.events)} files: smtp_reject and "
+            f"connection_refused events; {rej.skipped} lines not events skipped); the queue log holds only "
+            "accepted mail.")
+        tables |= summarize(rej.table)
+        say(f"rejections: {rej.table.num_rows} from {len(opts.events)} event files")
+        os.makedirs(tables_dir, exist_ok=True)
+        _write_table(os.path.join(tables_dir, "rejections"), rej.table.cast(REJECTION_SCHEMA))
     say("writing the tables (Parquet)")
     os.makedirs(tables_dir, exist_ok=True)
     schemas = _small_schemas()
@@ -804,7 +843,7 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
         json.dump(totals, f, indent=2, default=str)
         f.write("\n")
     say("writing the report")
-    result = Result(totals, tables, time.monotonic() - t0)
+    result = Result(totals, tables, time.monotonic() - t0, None if plan is None else plan.note)
     write_report(opts.out, result, top=opts.top, plots=opts.plots)
     for df in cached:
         df.unpersist()

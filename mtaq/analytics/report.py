@@ -179,6 +179,14 @@ def _sections(result: Result, top: int) -> tuple[str, list[tuple[str, list[dict[
          ["queue_id", "rcpt_address", "generation", "flagged_ts", "last_reply"], top * 5, ""),
         ("Problems found in the segments", t["problems"],
          ["file", "segment", "offset", "problem_end", "problem_kind", "problem_reason"], top * 5, ""),
+        *([] if "rejection_reasons" not in t else [
+            (f"Rejections: top {top} reasons (from the event log)", t["rejection_reasons"],
+             ["stage", "code", "enhanced", "reason", "count", "clients", "example"], top, ""),
+            (f"Rejections: top {top} clients", t["rejection_clients"],
+             ["client", "count", "connect", "mail", "rcpt", "data"], top, ""),
+            ("Rejections per hour", t["rejection_hourly"], ["hour", "count", "connect", "mail", "rcpt", "data"],
+             None, ""),
+        ]),
     ]
 
 

@@ -19,11 +19,13 @@ DELAY_BUCKETS_S = (1, 10, 60, 600, 3600, 6 * 3600, 86400, 5 * 86400)  # time-to-
 @dataclass
 class Result:
     """The headline totals (``totals.json``) and every small table as lists of dicts (the report's input);
-    ``seconds`` is the job's wall-clock time."""
+    ``seconds`` is the job's wall-clock time; ``state_note``: with ``--state``, the one line saying why the
+    state was rebuilt (None when it was used, or there was none)."""
 
     totals: dict[str, Any]
     tables: dict[str, list[dict[str, Any]]]
     seconds: float
+    state_note: str | None = None
 
 
 def bucket_labels(bounds: Sequence[int], unit: str) -> list[str]:

@@ -388,6 +388,7 @@ class _TlsAfterAdmission(asyncio.Protocol):
                 gate.release(ip)
             return
         if refusal is not None:
+            get_logger().info("connection_refused", client=ip, reason=refusal, code=None)  # issue 38.3: no reply, before TLS
             transport.abort()
             return
         smtp = self.make_smtp()

@@ -223,6 +223,7 @@ def parse_mail_dsn(tokens: Iterable[str]) -> tuple[str | None, str | None]:
 
 
 # RFC 4865 §4: HOLDFOR is 1*9DIGIT seconds; HOLDUNTIL an RFC 3339 date-time (erratum 2040).
+_ENHANCED_CODE = re.compile(r"[245]\.\d{1,3}\.\d{1,3}")
 _HOLDFOR = re.compile(r"[0-9]{1,9}")
 NO_LIMIT_S = 999_999_999  # what FUTURERELEASE advertises when delay_max_s = 0 (the largest 9-digit interval)
 
@@ -354,6 +355,9 @@ class MtaqSMTP(FastPathMixin, SMTP):
         # Recipient verification with the next hop (reject_unverified_recipient), when the policy asks for it.
         self.verifier = verifier
         self._verb: str | None = None  # the command being answered, for the enhanced status codes
+        # MAIL, RCPT or DATA while one is answered: a 4xx/5xx reply to it is logged as smtp_reject (and its argument)
+        self._stage: str | None = None
+        self._stage_arg: str | None = None
         self._errors = 0  # 5xx replies sent in this connection
         self._closing = False  # a 421 went out: say nothing more
         self._admitted = False  # holds a place in the gate
@@ -462,6 +466,8 @@ class MtaqSMTP(FastPathMixin, SMTP):
             self._refusal = await self.gate.ask_admit(self._gate_ip)
             self._admitted = self._refusal is None
         if self._refusal is not None:
+            # issue 38.3: the refusal as an event (Postfix: "warning: Connection rate limit exceeded" / anvil)
+            get_logger().info("connection_refused", client=self._gate_ip, reason=self._refusal, code=421)
             await self.push(f"421 4.7.0 {self.hostname} Error: {self._refusal}")
             return
         specs = self._milter_specs if self._milter_specs is not None else self.policy.milter.smtpd_milters
@@ -580,6 +586,8 @@ class MtaqSMTP(FastPathMixin, SMTP):
                 return sent_raw
         text, code = _enhanced(status, self._verb)
         sent: bool = await super().push(text)
+        if code >= 400 and self._stage is not None:  # a refusal (never on the 250 path: no event there)
+            self._log_refusal(text, code)
         if code == 421:
             self._hang_up()
             return sent
@@ -590,6 +598,29 @@ class MtaqSMTP(FastPathMixin, SMTP):
             await super().push(f"421 4.7.0 {self.hostname} Error: too many errors")
             self._hang_up()
         return sent
+
+    def _log_refusal(self, text: str, code: int) -> None:
+        """The ``smtp_reject`` event of a 4xx/5xx reply ``text`` to MAIL, RCPT or DATA (issue 38.3; Postfix logs
+        ``NOQUEUE: reject: RCPT from ...`` for its own): client, stage (mail, rcpt, data), code, enhanced (""
+        when the reply has none), reply (the first line, at most 512 characters), sender (MAIL FROM of the
+        transaction, or MAIL's argument), recipient (RCPT's address, "" otherwise)."""
+        first = text.split("\r\n", 1)[0]
+        words = first.split(" ", 2)
+        enhanced = words[1] if len(words) > 1 and _ENHANCED_CODE.fullmatch(words[1]) else ""
+        arg = self._stage_arg or ""
+        stage = self._stage or ""
+        envelope = self.envelope
+        sender = (envelope.mail_from if envelope is not None else None) or ""
+        recipient = ""
+        if stage in ("MAIL", "RCPT") and arg:
+            path = (self._strip_command_keyword("FROM:" if stage == "MAIL" else "TO:", arg) or "").split(" ", 1)[0]
+            path = path.strip("<>")[:256]
+            if stage == "MAIL":
+                sender = sender or path
+            else:
+                recipient = path
+        get_logger().info("smtp_reject", client=self.client_ip(), stage=stage.lower(), code=code, enhanced=enhanced,
+                          reply=first[:512], sender=sender, recipient=recipient)
 
     async def handle_exception(self, error: Exception) -> str:
         """A failed TLS handshake is the client's business (one log line); any other exception is a bug:
@@ -888,11 +919,12 @@ class MtaqSMTP(FastPathMixin, SMTP):
     @syntax("MAIL FROM: <address>", extended=" [SP <mail-parameters>]")
     async def smtp_MAIL(self, arg: str | None) -> None:
         """aiosmtpd's MAIL, with RET and ENVID taken out, checked and kept on the envelope."""
-        self._verb = "MAIL"
+        self._verb = self._stage = "MAIL"
+        self._stage_arg = arg
         try:
             await self._mail(arg)
         finally:
-            self._verb = None
+            self._verb = self._stage = self._stage_arg = None
 
     async def _mail(self, arg: str | None) -> None:
         if await self._path_refused(arg, "MAIL", "FROM:"):
@@ -925,11 +957,12 @@ class MtaqSMTP(FastPathMixin, SMTP):
     @syntax("RCPT TO: <address>", extended=" [SP <mail-parameters>]")
     async def smtp_RCPT(self, arg: str | None) -> None:
         """aiosmtpd's RCPT, with NOTIFY and ORCPT taken out, checked and kept per accepted recipient."""
-        self._verb = "RCPT"
+        self._verb = self._stage = "RCPT"
+        self._stage_arg = arg
         try:
             await self._rcpt(arg)
         finally:
-            self._verb = None
+            self._verb = self._stage = self._stage_arg = None
 
     async def _rcpt(self, arg: str | None) -> None:
         if await self._path_refused(arg, "RCPT", "TO:"):
@@ -963,6 +996,13 @@ class MtaqSMTP(FastPathMixin, SMTP):
     async def smtp_DATA(self, arg: str) -> None:
         """Read the message (see the module docstring for what is refused), then the handler's
         ``handle_DATA`` decides the reply. RFC 5321 §4.1.1.4, §4.5.2 (dot transparency)."""
+        self._stage = "DATA"
+        try:
+            await self._data(arg)
+        finally:
+            self._stage = None
+
+    async def _data(self, arg: str) -> None:
         if self._closing:  # a 421 went out: a pipelined DATA is never read, let alone queued
             raise asyncio.CancelledError
         if await self.check_helo_needed() or await self.check_auth_needed("DATA"):
