@@ -412,7 +412,7 @@ def run_mtaq(args: argparse.Namespace, sink_port: int, workdir: str, i: int) -> 
         _wait_event(logf, "recovery_complete", 30)
         spy = None
         if args.py_spy:
-            spy = subprocess.Popen(["py-spy", "record", "--nonblocking", "-r", "250", "-f", args.py_spy_format,
+            spy = subprocess.Popen(["py-spy", "record", "--nonblocking", "--subprocesses", "-r", "250", "-f", args.py_spy_format,
                                     "-o", f"{args.py_spy}.{i}", "--pid", str(daemon.pid)],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(1.0)
