@@ -163,7 +163,8 @@ def packet(command: bytes, data: bytes = b"") -> bytes:
 
 
 def _cstrings(*items: bytes) -> bytes:
-    return b"".join(item.replace(b"\0", b"") + b"\0" for item in items)
+    """Each item NUL-ended (a NUL inside an item removed)."""
+    return b"\0".join([item.replace(b"\0", b"") for item in items]) + b"\0" if items else b""
 
 
 def _b(text: str) -> bytes:
@@ -178,8 +179,8 @@ def optneg_packet(version: int = PROTOCOL_VERSION, actions: int = ACTIONS_OFFERE
 def macro_packet(command: bytes, macros: dict[str, str]) -> bytes:
     """SMFIC_MACRO for the command ``command``: the macro names as Postfix sends them (one-letter names
     bare, longer ones in braces)."""
-    body = b"".join(_cstrings(_b(name if len(name) == 1 or name.startswith("{") else "{" + name + "}"), _b(value))
-                    for name, value in macros.items())
+    body = _cstrings(*[_b(part) for name, value in macros.items()
+                       for part in (name if len(name) == 1 or name.startswith("{") else "{" + name + "}", value)])
     return packet(SMFIC_MACRO, command + body)
 
 
@@ -471,7 +472,8 @@ class Filter:
                 conn = loop.create_unix_connection(lambda: _Connection(self.decoder), where)
             else:
                 conn = loop.create_connection(lambda: _Connection(self.decoder), where, port)
-            _, self.conn = await asyncio.wait_for(conn, self.settings.connect_timeout_s)
+            async with asyncio.timeout(self.settings.connect_timeout_s):  # no task, as wait_for makes in 3.11
+                _, self.conn = await conn
         except (TimeoutError, OSError) as exc:
             raise FilterFailed(f"connect: {type(exc).__name__}: {exc}") from None
         await self.send(optneg_packet(self.settings.protocol), self.settings.command_timeout_s)
