@@ -12,7 +12,9 @@ so the protocol is kept small here:
   header modifications to a header section;
 * :class:`Filter`, one asyncio connection to one filter, every wait bounded by a timeout
   (``milter_connect_timeout_s`` for the connect and the negotiation, ``milter_command_timeout_s`` for each
-  SMTP-stage command, ``milter_content_timeout_s`` for the message content and the end-of-message reply);
+  SMTP-stage command, ``milter_content_timeout_s`` for the message content and the end-of-message reply),
+  over a bare asyncio protocol (one future and one timer per wait); packets that get no reply
+  (``SMFIP_NR_HDR``/``NR_BODY`` content, the SMFIC_ABORT before a MAIL) go out in one write with the next;
 * :class:`MilterSession`, the filters of one SMTP session, asked in order at each stage as Postfix does
   (``smtpd_milters``): connect, HELO, MAIL, RCPT, DATA, then each header, end of headers, the body in chunks
   of at most 65,535 octets (``MILTER_CHUNK_SIZE``) and end of message, whose modifications are returned as
@@ -455,13 +457,11 @@ class Filter:
         self.skip_body = False  # answered SMFIR_SKIP to a body chunk
         self.in_message = False  # MAIL sent, end of message not yet: SMFIC_ABORT before the next MAIL
         self.symbols: dict[bytes, set[str]] = {}  # the macros the filter asked for, by command
+        self.no: frozenset[bytes] = frozenset()  # the commands negotiated away (SMFIP_NO*)
+        self.nr: frozenset[bytes] = frozenset()  # the commands sent without a reply (SMFIP_NR_*)
         self.held: list[bytes] = []  # packets held back (send(more=True)), not yet written
         self.held_bytes = 0
         self.stats = _stats(spec)
-
-    @property
-    def connected(self) -> bool:
-        return self.conn is not None
 
     async def open(self) -> None:
         """Connect (``connect_timeout_s``) and negotiate version 6 (``command_timeout_s``)."""
@@ -496,9 +496,6 @@ class Filter:
             stage_command = _STAGES.get(stage)
             if stage_command is not None:
                 self.symbols[stage_command] = {n.strip("{}") for n in names.decode("ascii", "replace").split()}
-
-    no: frozenset[bytes] = frozenset()  # the commands negotiated away (SMFIP_NO*)
-    nr: frozenset[bytes] = frozenset()  # the commands sent without a reply (SMFIP_NR_*)
 
     def macros_for(self, command: bytes, macros: dict[str, str]) -> dict[str, str]:
         """``macros`` less those the filter's symbol list for this stage leaves out (Postfix honours it too)."""
