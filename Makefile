@@ -49,11 +49,14 @@ install-service:
 # nmap's smtp-open-relay, libfiu's fiu-run/fiu-ctrl for fsync EIO injection, chromium to look at the
 # analytics report.html headless, pflogsumm for bench/analytics.py --pflogsumm, systemd-analyze to check
 # contrib/systemd/mtaq.service, rspamd and opendkim as the real milters of mtaq.testing.filters; both
-# packages enable a system service, which the tests never use: theirs run on free ports in a temporary directory).
+# packages enable a system service, which the tests never use: theirs run on free ports in a temporary directory;
+# gcc and libmilter-dev (a header, no command: checked by file) build bench/noop_milter.c, the benchmarks' filter).
 DEBS := swaks:swaks nmap:nmap fiu-run:fiu-utils chromium:chromium pflogsumm:pflogsumm systemd-analyze:systemd \
-	rspamd:rspamd opendkim:opendkim
+	rspamd:rspamd opendkim:opendkim gcc:gcc
+DEB_FILES := /usr/include/libmilter/mfapi.h:libmilter-dev
 debs:
 	@missing=""; for t in $(DEBS); do command -v $${t%%:*} >/dev/null 2>&1 || missing="$$missing $${t#*:}"; done; \
+	for t in $(DEB_FILES); do test -e $${t%%:*} || missing="$$missing $${t#*:}"; done; \
 	if [ -n "$$missing" ]; then \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; fi
 	@command -v java >/dev/null 2>&1 || { \
@@ -86,9 +89,12 @@ spark-zip:
 	  [z.write(p) for e in ('py', 'toml') for p in sorted(pathlib.Path('mtaq').rglob('*.' + e))]; z.close()"
 
 # mtaq against Postfix, issue 15's table in one run (root: installs and configures Postfix from Debian; perf
-# counts fsyncs; see docs/performance.md). JSON on stdout, the table on stderr.
+# counts fsyncs; gcc and libmilter-dev build the no-op filter of --milter; see docs/performance.md). JSON on
+# stdout, the table on stderr.
 compare: install
 	@command -v perf >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq linux-perf >/dev/null || true; }
+	@{ command -v gcc && test -e /usr/include/libmilter/mfapi.h; } >/dev/null 2>&1 || { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc libmilter-dev >/dev/null || true; }
 	$(BIN)/python bench/compare_postfix.py --suite
 
 clean-spool:

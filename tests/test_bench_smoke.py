@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+from milterkit import converse
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -39,3 +41,51 @@ def test_deferred_idle_measures_a_restart_that_reads_no_queue(tmp_path):
     assert [300] == [r["records"] for r in res["first"]["recovery"]]
     assert [0] == [r["records"] for r in res["restart"]["recovery"]]
     assert res["restart"]["rss_mib"] > 0
+
+
+def _noop_milter(mode: str) -> tuple[subprocess.Popen[str], str]:
+    """bench/noop_milter.c, built by compare_postfix.py's noop_milter_binary, listening on a free port."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        import compare_postfix
+    finally:
+        sys.path.pop(0)
+    port = compare_postfix.free_port()
+    proc = subprocess.Popen([compare_postfix.noop_milter_binary(), "--port", str(port), "--mode", mode],
+                            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    assert proc.stdout is not None
+    assert f"noop_milter: listening on 127.0.0.1:{port}\n" == proc.stdout.readline()
+    return proc, f"inet:127.0.0.1:{port}"
+
+
+def test_the_c_noop_milter_asks_for_every_stage_or_only_the_end_of_message_and_counts_at_sigterm():
+    """bench/noop_milter.c (libmilter) negotiates as noop_milter.py does: in mode full no stage is left
+    out, in mode eom every stage but the end of message (SMFIP_NOCONNECT .. SMFIP_NODATA); it accepts at
+    the end of message and, on SIGTERM, prints the connections and messages it served."""
+    skip_all_but_eom = 0x1 | 0x2 | 0x4 | 0x8 | 0x10 | 0x20 | 0x40 | 0x100 | 0x200
+    filters = {mode: _noop_milter(mode) for mode in ("full", "eom")}
+    seen = {}
+    try:
+        for mode, (_proc, address) in filters.items():
+            out = [converse(address, headers=[("Subject", "x")], body=b"hello\r\n") for _ in range(2)]
+            seen[mode] = [(o.stage, o.verdict[0], o.protocol & skip_all_but_eom) for o in out]
+    finally:
+        for proc, _address in filters.values():
+            proc.terminate()  # both at once: libmilter notices the stop within 5 s (its listener's poll)
+    for mode, (proc, _address) in filters.items():
+        tail, _ = proc.communicate(timeout=30)
+        seen[mode] = (seen.get(mode), tail, proc.returncode)
+    assert {
+        "full": ([("eom", "a", 0)] * 2, "noop_milter: connections=2 messages=2\n", 0),
+        "eom": ([("eom", "a", skip_all_but_eom)] * 2, "noop_milter: connections=2 messages=2\n", 0),
+    } == seen
+
+
+def test_compare_postfix_puts_the_c_milter_in_front_and_it_sees_every_message(tmp_path):
+    """--milter full (the C filter by default): every message the sink got went through the filter."""
+    out = _bench("bench/compare_postfix.py", "--only", "mtaq", "--milter", "full", "--messages", "60", "--sessions",
+                 "2", "--pairs", "1", "--workdir", str(tmp_path))
+    [run] = out["mtaq"]["runs"]
+    milter = out["milter"]
+    assert (True, run["messages"], "c", run["messages"]) == (
+        out["ok"], run["sink_count"], milter["impl"], milter["messages"])

@@ -391,11 +391,17 @@ def test_a_filter_that_sleeps_past_its_timeout_cannot_hold_the_session(tmp_path)
 
 
 @contextlib.contextmanager
-def raw_filter(on_command: Any, optneg: tuple[int, int, int] = (6, 0, 0)) -> Iterator[str]:
+def raw_filter(on_command: Any, optneg: tuple[int, int, int] = (6, 0, 0),
+               reads: list[list[bytes]] | None = None, rcvbuf: int = 0) -> Iterator[str]:
     """A filter over raw sockets (mtaq's codec): answers the negotiation with ``optneg`` (version, actions,
     protocol), then calls ``on_command(conn, cmd)`` for every command; it returns the reply bytes to send
-    (b"" for none), or None to close the connection there."""
-    listener = socket.create_server(("127.0.0.1", 0))
+    (b"" for none), or None to close the connection there. ``reads``: the commands that each recv() of a
+    connection completed, appended in order. ``rcvbuf``: the connections' SO_RCVBUF (0: the system's)."""
+    listener = socket.socket()
+    if rcvbuf:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)  # inherited by what it accepts
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
     stop = threading.Event()
 
     def serve() -> None:
@@ -415,8 +421,12 @@ def raw_filter(on_command: Any, optneg: tuple[int, int, int] = (6, 0, 0)) -> Ite
                 if not data:
                     return
                 d.feed(data)
+                got: list[bytes] = []
+                if reads is not None:
+                    reads.append(got)
                 while (p := d.next()) is not None:
                     cmd, _ = p
+                    got.append(cmd)
                     if cmd == m.SMFIC_OPTNEG:
                         conn.sendall(m.packet(b"O", struct.pack("!III", *optneg)))
                         continue
@@ -680,3 +690,61 @@ def test_a_filter_that_asks_for_bits_not_offered_is_served_with_the_rest(tmp_pat
         [(_, body)] = edge.messages()
     assert b"\r\nSubject: x\r\nX-Raw: yes\r\n\r\nbody\r\n" in body
     assert [m.SMFIC_HEADER, m.SMFIC_HEADER] == [c for c in seen if c == m.SMFIC_HEADER]
+
+
+def test_packets_without_a_reply_go_out_in_one_write_with_the_next_packet(tmp_path):
+    """A filter that negotiated SMFIP_NR_HDR gets every header with the end of headers (and its macros) in
+    one write, and the SMFIC_ABORT of a transaction left by RSET in one write with the next MAIL: a run of
+    packets that get no reply costs one write (one wake-up of the filter), not one per packet. Every
+    command still arrives, in Postfix's order."""
+    reads: list[list[bytes]] = []
+
+    def on_command(conn: socket.socket, cmd: bytes) -> bytes | None:
+        return b"" if cmd == m.SMFIC_HEADER else m.packet(m.SMFIR_CONTINUE)
+
+    optneg = (6, 0, m.SMFIP_NR_HDR)
+    with raw_filter(on_command, optneg, reads) as spec, run_edge(tmp_path, policy(spec)) as edge, \
+            edge.client() as s:
+        s.ehlo("client.example.org")
+        assert 250 == s.mail("a@example.org")[0]
+        assert 250 == s.rcpt("b@example.net")[0]
+        assert 250 == s.rset()[0]
+        assert {} == s.sendmail("a@example.org", ["b@example.net"],
+                                b"From: a@example.org\r\nTo: b@example.net\r\nSubject: x\r\nMessage-ID: <c@p>\r\n\r\nhi\r\n")
+        assert 1 == len(edge.messages())
+    headers = [r for r in reads if m.SMFIC_HEADER in r]
+    aborts = [r for r in reads if m.SMFIC_ABORT in r]
+    n = headers[0].count(m.SMFIC_HEADER) if headers else 0
+    assert ([[m.SMFIC_HEADER] * n + [m.SMFIC_MACRO, m.SMFIC_EOH]], [[m.SMFIC_ABORT, m.SMFIC_MACRO, m.SMFIC_MAIL]]) == (
+        headers, aborts), reads
+    assert 4 <= n
+
+
+def test_a_filter_that_stops_reading_cannot_hold_the_session_past_its_timeout(tmp_path):
+    """A filter that asked for the body without replies (SMFIP_NR_BODY) and stops reading at the first
+    chunk, with a small receive buffer: mtaq's writes back up, and after milter_content_timeout_s (0.5 s)
+    the filter is dropped (milter_error at stage body, a write timeout) and the client gets ``451 4.3.5``;
+    nothing is queued."""
+
+    def on_command(conn: socket.socket, cmd: bytes) -> bytes | None:
+        if cmd == m.SMFIC_BODY:
+            time.sleep(4)  # not reading
+            return None
+        return m.packet(m.SMFIR_CONTINUE)
+
+    big = b"".join(b"line %07d of a body the filter never reads\r\n" % i for i in range(150000))  # 6.6 MB
+    optneg = (6, 0, m.SMFIP_NR_BODY)
+    with raw_filter(on_command, optneg, rcvbuf=16384) as spec, structlog.testing.capture_logs() as logs, \
+            run_edge(tmp_path, policy(spec, content_timeout_s=0.5), data_size_limit=16 << 20) as edge, \
+            edge.client() as s:
+        s.ehlo("client.example.org")
+        assert 250 == s.mail("a@example.org")[0]
+        assert 250 == s.rcpt("b@example.net")[0]
+        started = time.monotonic()
+        code, text = s.data(b"From: a@example.org\r\nSubject: big\r\n\r\n" + big)
+        took = time.monotonic() - started
+        assert (451, b"4.3.5 Server configuration problem - try again later") == (code, text)
+        assert [] == edge.messages()
+    errors = [(e["stage"], e["error"].split(":")[:2]) for e in logs if e["event"] == "milter_error"]
+    assert [("body", ["write", " TimeoutError"])] == errors
+    assert took < 3.5, took

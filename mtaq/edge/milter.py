@@ -12,7 +12,9 @@ so the protocol is kept small here:
   header modifications to a header section;
 * :class:`Filter`, one asyncio connection to one filter, every wait bounded by a timeout
   (``milter_connect_timeout_s`` for the connect and the negotiation, ``milter_command_timeout_s`` for each
-  SMTP-stage command, ``milter_content_timeout_s`` for the message content and the end-of-message reply);
+  SMTP-stage command, ``milter_content_timeout_s`` for the message content and the end-of-message reply),
+  over a bare asyncio protocol (one future and one timer per wait); packets that get no reply
+  (``SMFIP_NR_HDR``/``NR_BODY`` content, the SMFIC_ABORT before a MAIL) go out in one write with the next;
 * :class:`MilterSession`, the filters of one SMTP session, asked in order at each stage as Postfix does
   (``smtpd_milters``): connect, HELO, MAIL, RCPT, DATA, then each header, end of headers, the body in chunks
   of at most 65,535 octets (``MILTER_CHUNK_SIZE``) and end of message, whose modifications are returned as
@@ -32,7 +34,7 @@ import struct
 import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, cast
 
 from mtaq.config import Config, parse_milter_address
 from mtaq.logs import get_logger
@@ -163,7 +165,8 @@ def packet(command: bytes, data: bytes = b"") -> bytes:
 
 
 def _cstrings(*items: bytes) -> bytes:
-    return b"".join(item.replace(b"\0", b"") + b"\0" for item in items)
+    """Each item NUL-ended (a NUL inside an item removed)."""
+    return b"\0".join([item.replace(b"\0", b"") for item in items]) + b"\0" if items else b""
 
 
 def _b(text: str) -> bytes:
@@ -178,8 +181,8 @@ def optneg_packet(version: int = PROTOCOL_VERSION, actions: int = ACTIONS_OFFERE
 def macro_packet(command: bytes, macros: dict[str, str]) -> bytes:
     """SMFIC_MACRO for the command ``command``: the macro names as Postfix sends them (one-letter names
     bare, longer ones in braces)."""
-    body = b"".join(_cstrings(_b(name if len(name) == 1 or name.startswith("{") else "{" + name + "}"), _b(value))
-                    for name, value in macros.items())
+    body = _cstrings(*[_b(part) for name, value in macros.items()
+                       for part in (name if len(name) == 1 or name.startswith("{") else "{" + name + "}", value)])
     return packet(SMFIC_MACRO, command + body)
 
 
@@ -371,20 +374,81 @@ class Reply:
     edits: list[Edit] = field(default_factory=list)
 
 
+_QUIT, _ABORT = packet(SMFIC_QUIT), packet(SMFIC_ABORT)
+
+
 class FilterFailed(Exception):
     """A filter could not be used (unreachable, timeout, protocol error, connection closed)."""
+
+
+FLUSH_BYTES = 65536  # packets that get no reply are held back (coalesced) up to this many octets
+
+
+class _Connection(asyncio.Protocol):
+    """A filter's socket as a bare asyncio protocol (no StreamReader, no task per read): what arrives is fed
+    to the :class:`Decoder` and wakes the one waiter; ``lost`` says why nothing more will come (an end of
+    stream keeps the socket open for writing, as a StreamReader did); pause/resume for the write buffer."""
+
+    def __init__(self, decoder: Decoder) -> None:
+        self.decoder = decoder
+        self.transport: asyncio.Transport | None = None
+        self.waiter: asyncio.Future[bool] | None = None  # True: data or end of stream; False: timed out
+        self.drained: asyncio.Future[bool] | None = None
+        self.paused = False
+        self.closed = False  # the transport is gone (connection_lost)
+        self.lost: str | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's TCPTransport is no asyncio.Transport subclass
+
+    def _wake(self) -> None:
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(True)
+
+    def data_received(self, data: bytes) -> None:
+        self.decoder.feed(data)
+        self._wake()
+
+    def eof_received(self) -> bool:
+        self.lost = self.lost or "connection closed by the filter"
+        self._wake()
+        return True  # half-open: what is being written still goes (then the read says why it failed)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self.lost is None:
+            self.lost = f"read: {type(exc).__name__}: {exc}" if exc is not None else "connection closed by the filter"
+        self._wake()
+        self.resume_writing()
+
+    def pause_writing(self) -> None:
+        self.paused = True
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        d = self.drained
+        if d is not None and not d.done():
+            d.set_result(True)
+
+
+def _expire(fut: asyncio.Future[bool]) -> None:
+    if not fut.done():
+        fut.set_result(False)
 
 
 class Filter:
     """One connection to one filter (``spec``, e.g. ``inet:127.0.0.1:11332``). :meth:`open` connects and
     negotiates; :meth:`ask` sends packets and reads the final reply. Each raises :class:`FilterFailed` on
-    any failure (the caller applies ``milter_default_action``), the connection then closed."""
+    any failure (the caller applies ``milter_default_action``), the connection then closed.
+
+    Packets that get no reply (``SMFIP_NR_*``, SMFIC_ABORT) may be held back with ``send(..., more=True)``
+    and go out with the next write (at most :data:`FLUSH_BYTES` held): one write for a run of them."""
 
     def __init__(self, spec: str, settings: MilterSettings) -> None:
         self.name = spec
         self.settings = settings
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
+        self.conn: _Connection | None = None
         self.decoder = Decoder()
         self.actions = 0
         self.protocol = 0
@@ -393,19 +457,26 @@ class Filter:
         self.skip_body = False  # answered SMFIR_SKIP to a body chunk
         self.in_message = False  # MAIL sent, end of message not yet: SMFIC_ABORT before the next MAIL
         self.symbols: dict[bytes, set[str]] = {}  # the macros the filter asked for, by command
+        self.no: frozenset[bytes] = frozenset()  # the commands negotiated away (SMFIP_NO*)
+        self.nr: frozenset[bytes] = frozenset()  # the commands sent without a reply (SMFIP_NR_*)
+        self.held: list[bytes] = []  # packets held back (send(more=True)), not yet written
+        self.held_bytes = 0
+        self.stats = _stats(spec)
 
     async def open(self) -> None:
         """Connect (``connect_timeout_s``) and negotiate version 6 (``command_timeout_s``)."""
         kind, where, port = parse_address(self.name)
+        loop = asyncio.get_running_loop()
         try:
             if kind == "unix":
-                conn = asyncio.open_unix_connection(where)
+                conn = loop.create_unix_connection(lambda: _Connection(self.decoder), where)
             else:
-                conn = asyncio.open_connection(where, port)
-            self.reader, self.writer = await asyncio.wait_for(conn, self.settings.connect_timeout_s)
+                conn = loop.create_connection(lambda: _Connection(self.decoder), where, port)
+            async with asyncio.timeout(self.settings.connect_timeout_s):  # no task, as wait_for makes in 3.11
+                _, self.conn = await conn
         except (TimeoutError, OSError) as exc:
             raise FilterFailed(f"connect: {type(exc).__name__}: {exc}") from None
-        await self._send(optneg_packet(self.settings.protocol), self.settings.command_timeout_s)
+        await self.send(optneg_packet(self.settings.protocol), self.settings.command_timeout_s)
         command, data = await self._read(self.settings.command_timeout_s)
         if command != SMFIC_OPTNEG or len(data) < 12:
             raise FilterFailed(f"negotiation: unexpected reply {command!r}")
@@ -416,6 +487,8 @@ class Filter:
         # Postfix's milter8 does; every step and no-reply bit of mfdef.h is offered, so a filter that asks for
         # them regardless (rspamd 3.4 answers NR_* whatever it is offered) is served as it asked.
         self.actions, self.protocol = actions & ACTIONS_OFFERED, protocol & PROTOCOL_OFFERED
+        self.no = frozenset(c for c, bit in _NO.items() if self.protocol & bit)
+        self.nr = frozenset(c for c, bit in _NR.items() if self.protocol & bit)
         rest = data[12:]
         while len(rest) > 4:  # SMFIF_SETSYMLIST: (uint32 stage, "names ...\0")*, the macros wanted per stage
             (stage,) = struct.unpack_from("!I", rest)
@@ -431,26 +504,55 @@ class Filter:
 
     def sends(self, command: bytes) -> bool:
         """Whether this filter wants ``command`` (it did not negotiate it away)."""
-        return not self.protocol & _NO.get(command, 0)
+        return command not in self.no
 
     def answers(self, command: bytes) -> bool:
-        return not self.protocol & _NR.get(command, 0)
+        return command not in self.nr
 
-    async def _send(self, data: bytes, timeout_s: float) -> None:
-        writer = self.writer
-        if writer is None:
+    async def send(self, data: bytes, timeout_s: float, *, more: bool = False) -> None:
+        """Write ``data`` after what is held back, and wait (``timeout_s``) while the socket's buffer is full;
+        with ``more``, hold it back instead (unless :data:`FLUSH_BYTES` are held)."""
+        if more:
+            self.held.append(data)
+            self.held_bytes += len(data)
+            if self.held_bytes < FLUSH_BYTES:
+                return
+            data = b""
+        if self.held:
+            self.held.append(data)
+            data = b"".join(self.held)
+            self.held.clear()
+            self.held_bytes = 0
+        c = self.conn
+        if c is None:
             raise FilterFailed("not connected")
-        try:
-            writer.write(data)
-            await asyncio.wait_for(writer.drain(), timeout_s)
-        except (TimeoutError, OSError) as exc:
-            raise FilterFailed(f"write: {type(exc).__name__}: {exc}".rstrip(": ")) from None
+        if c.closed or c.transport is None or c.transport.is_closing():
+            raise FilterFailed(f"write: {c.lost or 'connection lost'}")
+        c.transport.write(data)
+        if c.paused:  # over the transport's high-water mark: wait for the filter to read
+            loop = asyncio.get_running_loop()
+            fut = c.drained = loop.create_future()
+            timer = loop.call_later(timeout_s, _expire, fut)
+            try:
+                ok = await fut
+            finally:
+                timer.cancel()
+                c.drained = None
+            if not ok:
+                raise FilterFailed(f"write: TimeoutError: timeout after {timeout_s:g} s")
+            if c.closed:
+                raise FilterFailed(f"write: {c.lost or 'connection lost'}")
+
+    async def flush(self, timeout_s: float) -> None:
+        """Write what is held back, if anything."""
+        if self.held:
+            await self.send(b"", timeout_s)
 
     async def _read(self, timeout_s: float) -> tuple[bytes, bytes]:
-        reader = self.reader
-        if reader is None:
+        c = self.conn
+        if c is None:
             raise FilterFailed("not connected")
-        deadline = asyncio.get_running_loop().time() + timeout_s
+        deadline = 0.0
         while True:
             try:
                 got = self.decoder.next()
@@ -458,28 +560,31 @@ class Filter:
                 raise FilterFailed(f"protocol: {exc}") from None
             if got is not None:
                 return got
-            left = deadline - asyncio.get_running_loop().time()
+            if c.lost is not None:
+                raise FilterFailed(c.lost)
+            loop = asyncio.get_running_loop()
+            if not deadline:
+                deadline = loop.time() + timeout_s
+            fut = c.waiter = loop.create_future()
+            timer = loop.call_at(deadline, _expire, fut)
             try:
-                if left <= 0:
-                    raise TimeoutError
-                data = await asyncio.wait_for(reader.read(65536), left)
-            except TimeoutError:
-                raise FilterFailed(f"timeout after {timeout_s:g} s") from None
-            except OSError as exc:
-                raise FilterFailed(f"read: {type(exc).__name__}: {exc}") from None
-            if not data:
-                raise FilterFailed("connection closed by the filter")
-            self.decoder.feed(data)
+                arrived = await fut
+            finally:
+                timer.cancel()
+                c.waiter = None
+            if not arrived:
+                raise FilterFailed(f"timeout after {timeout_s:g} s")
 
     async def ask(self, packets: bytes, command: bytes, timeout_s: float) -> Reply:
-        """Send ``packets`` (ending with ``command``), then read the final reply (progress packets restart
-        the timeout, as Postfix's milter8 does). At end of message (SMFIC_BODYEOB) the modifications before
-        the reply are collected; elsewhere, or not negotiated, they are a protocol error."""
+        """Send ``packets`` (ending with ``command``; what is held back goes first), then read the final
+        reply (progress packets restart the timeout, as Postfix's milter8 does). At end of message
+        (SMFIC_BODYEOB) the modifications before the reply are collected; elsewhere, or not negotiated, they
+        are a protocol error."""
         started = time.monotonic()
-        stats = _stats(self.name)
-        await self._send(packets, timeout_s)
+        stats = self.stats
         edits: list[Edit] = []
         try:
+            await self.send(packets, timeout_s)
             while True:
                 cmd, data = await self._read(timeout_s)
                 if cmd == SMFIR_PROGRESS:
@@ -525,14 +630,15 @@ class Filter:
         raise FilterFailed(f"protocol: reply {cmd!r} not allowed after {command!r}")
 
     def close(self, quit_first: bool = True) -> None:
-        """Send SMFIC_QUIT (when ``quit_first``) and close; never waits, never raises."""
-        writer, self.writer, self.reader = self.writer, None, None
-        if writer is None:
+        """Send SMFIC_QUIT (when ``quit_first``; after what is held back) and close; never waits, never raises."""
+        c, self.conn = self.conn, None
+        held, self.held, self.held_bytes = self.held, [], 0
+        if c is None or c.transport is None:
             return
         try:
-            if quit_first:
-                writer.write(packet(SMFIC_QUIT))
-            writer.close()
+            if quit_first and not c.transport.is_closing():
+                c.transport.write(b"".join(held) + _QUIT)
+            c.transport.close()
         except (OSError, RuntimeError):
             pass
 
@@ -568,7 +674,7 @@ class MilterSession:
         self.context: dict[str, str] = {}
 
     def active(self) -> list[Filter]:
-        return [f for f in self.filters if f.writer is not None and not f.skip_session]
+        return [f for f in self.filters if f.conn is not None and not f.skip_session]
 
     def _failed(self, f: Filter, stage: str, error: str) -> str | None:
         """Drop ``f`` and apply the default action: the reply for this stage (and later ones), or None."""
@@ -594,7 +700,7 @@ class MilterSession:
             pkts = (macro_packet(command, wanted) if wanted else b"") + packet(command, data)
             try:
                 if not f.answers(command):
-                    await f._send(pkts, timeout_s)
+                    await f.send(pkts, timeout_s)  # with anything held back before it (abort, NR headers)
                     continue
                 reply = await f.ask(pkts, command, timeout_s)
             except FilterFailed as exc:
@@ -634,20 +740,21 @@ class MilterSession:
         return await self._stage(SMFIC_HELO, "helo", _cstrings(_b(name)), macros, self.settings.command_timeout_s,
                                  per_message=False)
 
-    async def abort(self) -> None:
-        """SMFIC_ABORT to every filter inside a message (a RSET, a refused DATA, a new MAIL); no reply."""
+    async def abort(self, more: bool = False) -> None:
+        """SMFIC_ABORT to every filter inside a message (a RSET, a refused DATA, a new MAIL); no reply. With
+        ``more`` (a new MAIL follows) it is held back to go out in one write with the next packet."""
         for f in self.active():
             if f.in_message:
                 f.in_message = False
                 try:
-                    await f._send(packet(SMFIC_ABORT), self.settings.command_timeout_s)
+                    await f.send(_ABORT, self.settings.command_timeout_s, more=more)
                 except FilterFailed as exc:
                     self._failed(f, "abort", str(exc))
             f.skip_message = f.skip_body = False
         self.discard, self.discard_by = False, ""
 
     async def mail(self, sender: str, params: list[str], macros: dict[str, str]) -> str | None:
-        await self.abort()
+        await self.abort(more=True)
         for f in self.active():
             f.in_message = True
         return await self._stage(SMFIC_MAIL, "mail", _cstrings(_b(f"<{sender}>"), *map(_b, params)), macros,
@@ -672,7 +779,7 @@ class MilterSession:
                 if f.answers(SMFIC_RCPT):
                     await f.ask(pkts, SMFIC_RCPT, self.settings.command_timeout_s)
                 else:
-                    await f._send(pkts, self.settings.command_timeout_s)
+                    await f.send(pkts, self.settings.command_timeout_s)
             except FilterFailed as exc:
                 self._failed(f, "rcpt", str(exc))
 
@@ -757,10 +864,11 @@ class MilterSession:
         return out
 
     async def _one(self, f: Filter, pkts: bytes, command: bytes, stage: str, timeout_s: float) -> str | None:
-        """One content packet to one filter: None to go on, or the message's refusal."""
+        """One content packet to one filter: None to go on, or the message's refusal. A packet that gets no
+        reply (SMFIP_NR_HDR, SMFIP_NR_BODY) is held back: a run of them goes in one write with the next."""
         try:
             if not f.answers(command):
-                await f._send(pkts, timeout_s)
+                await f.send(pkts, timeout_s, more=True)
                 return None
             reply = await f.ask(pkts, command, timeout_s)
         except FilterFailed as exc:
