@@ -16,7 +16,7 @@ from test_runners import Harness, run
 
 import mtaq.admin.service as service
 from mtaq.core.frame import scan_segment
-from mtaq.core.records import StartRecord
+from mtaq.core.records import EnvelopeRecord, Pos, Record, StartRecord
 from mtaq.core.view import Selector
 from mtaq.storage.fs import OsFileSystem
 from mtaq.storage.log import list_segments, segment_path
@@ -26,23 +26,26 @@ BODY = b"From: <a@example.com>\r\nSubject: bulk\r\n\r\n" + b"x" * 1000 + b"\r\n"
 N = 2000
 
 
-def _starts_by_envelope(spool: str) -> Counter[object]:
+def _records(spool: str) -> list[tuple[Pos, Record]]:
     fs = OsFileSystem()
     log_dir = f"{spool}/log"
-    starts: Counter[object] = Counter()
+    out: list[tuple[Pos, Record]] = []
     for n in list_segments(fs, log_dir):
-        for _pos, rec in scan_segment(n, fs.read_file(segment_path(log_dir, n)), skip_data=True).records:
-            if isinstance(rec, StartRecord):
-                starts[rec.envelope] += 1
-    return starts
+        out += scan_segment(n, fs.read_file(segment_path(log_dir, n)), skip_data=True).records
+    return out
+
+
+def _starts_by_envelope(spool: str) -> Counter[Pos]:
+    return Counter(r.envelope for _p, r in _records(spool) if isinstance(r, StartRecord))
 
 
 def test_smtp_gets_its_250_while_hold_all_over_many_messages_is_in_progress(tmp_path, monkeypatch):
-    """2,000 deferred messages; ``hold ALL`` starts (batches of 16 here, so that it spans many turns). Once
-    the first messages are held (counted by the daemon), a client that had its RCPT accepted before the
-    action sends DATA: its 250 comes while the action is still running, and afterwards every one of the
-    2,000 is held and the new message is queued."""
-    monkeypatch.setattr(service, "ACTION_BATCH_MAX", 16, raising=False)
+    """2,000 deferred messages; ``hold ALL`` starts (batches of 4 here, so that it spans many turns of the
+    loop). Once the first messages are held (counted by the daemon), a client that had its RCPT accepted
+    before the action sends DATA and gets its 250; its envelope lies in the log *between* the action's
+    first and last START (SMTP was served while the action ran: before, the action was one turn and every
+    START came first), and afterwards every one of the 2,000 is held."""
+    monkeypatch.setattr(service, "ACTION_BATCH_MAX", 4, raising=False)
 
     def prepare(h: Harness) -> None:
         prefill_deferred(h.spool, N, lambda i: BODY, age_s=3600)
@@ -58,13 +61,17 @@ def test_smtp_gets_its_250_while_hold_all_over_many_messages_is_in_progress(tmp_
             assert 250 == (await asyncio.to_thread(client.rcpt, "rcpt@example.net"))[0]
             action = asyncio.create_task(adm.act("hold", Selector(all=True)))
             await h.until(lambda: adm.size().get("held", 0) > 0 or action.done(), what="the first held")
-            code, _text = await asyncio.to_thread(client.data, b"Subject: during\r\n\r\nduring hold ALL\r\n")
-            running = not action.done()
+            code, text = await asyncio.to_thread(client.data, b"Subject: during\r\n\r\nduring hold ALL\r\n")
             res = await action
         finally:
             client.close()
-        assert (250, True) == (code, running)
+        assert 250 == code
         assert (N, {}) == (len(res.done), res.skipped)
+        qid = text.decode().rsplit(" ", 1)[1]
+        records = _records(h.spool)
+        holds = [p for p, r in records if isinstance(r, StartRecord) and r.admin == "hold"]
+        [mine] = [p for p, r in records if isinstance(r, EnvelopeRecord) and r.queue_id == qid]
+        assert (N, True) == (len(holds), holds[0] < mine < holds[-1])
         await h.until(lambda: adm.size().get("held", 0) == N, what="all held")
 
     run(tmp_path, body, prepare=prepare, retry_intervals_s=[3600.0])
