@@ -23,7 +23,9 @@ and how long SMTP waits while a bulk action runs over them.
    up here.
 
 Prints ONE JSON line: ``{"mode", "messages", "size", "workers", "prefill_s", "recovery_s", "action_s",
-"drain_s", "rate_msg_s", "probe_max_s", "probe_median_s", "probes", "load_before"}``. With ``--profile
+"drain_s", "rate_msg_s", "daemon_cpu_s", "daemon_cpu_ms_per_msg", "probe_max_s", "probe_median_s", "probes",
+"load_before"}``; ``daemon_cpu_*``: user + system CPU of the daemon's processes from the action's start
+to the drain's end (the probe's messages included), which a busy machine disturbs less than the rate. With ``--profile
 FILE`` ``py-spy record`` (``--py-spy PATH``) samples the daemon for the action and drain into FILE
 (speedscope JSON, or ``--profile-format raw`` collapsed stacks).
 
@@ -107,6 +109,20 @@ def queue_cmd(spool: str, *args: str) -> float:
     return time.monotonic() - t0
 
 
+def cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds of ``pids`` so far (/proc/PID/stat fields 14 and 15)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+                fields = f.read().rpartition(")")[2].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, ValueError, IndexError):
+            pass
+    return total
+
+
 def wait_count(sink: Sink, n: int, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     with sink.cond:
@@ -149,6 +165,8 @@ def run(args: argparse.Namespace, work: str) -> dict[str, Any]:
                                     "-r", "200", "-p", str(pids[-1]), "--nonblocking"],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(1.0)
+        pids = [daemon.popen.pid, *daemon.children()]
+        cpu0 = cpu_s(pids)
         probe = Probe(daemon.port, args.probe_interval)
         if args.mode == "flush":
             t_go = time.monotonic()
@@ -167,6 +185,9 @@ def run(args: argparse.Namespace, work: str) -> dict[str, Any]:
         probe = None
         ok = wait_count(sink, n + probed, args.timeout)
         t_done = time.monotonic()
+        # CPU of the daemon for the action and the drain: less at the mercy of a busy machine than the rate.
+        res["daemon_cpu_s"] = round(cpu_s(pids) - cpu0, 2)
+        res["daemon_cpu_ms_per_msg"] = round(res["daemon_cpu_s"] * 1000 / n, 3)
         res["delivered"] = sink.count
         if not ok:
             res["error"] = f"sink counted {sink.count} of {n} (+probes) in {args.timeout}s"
