@@ -12,6 +12,7 @@ than wall time).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -25,8 +26,12 @@ from mtaq.storage.log import Log
 from mtaq.testing.prefill import prefill_deferred
 
 
-def main() -> int:
-    spool, n = sys.argv[1], int(sys.argv[2])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("spool", help="spool directory (prefilled when it does not exist)")
+    ap.add_argument("messages", type=int, help="messages to prefill")
+    args = ap.parse_args(argv)
+    spool, n = args.spool, args.messages
     if not os.path.exists(spool):
         prefill_deferred(spool, n, lambda i: b"Subject: x\r\n\r\n" + b"x" * 2000 + b"\r\n")
     log, _ = Log.open(OsFileSystem(), os.path.join(spool, "log"), segment_bytes_max=64 << 20)
