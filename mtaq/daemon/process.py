@@ -704,6 +704,11 @@ class Daemon:
         StorageFatal (the process is exiting)."""
         q = self.queue
         env = offer.envelope
+        if offer.pos in q.reserved:
+            # An administrator's action is appending its records in batches and has not reached this one:
+            # not started here; the runner offers it again after a while (by then it is revoked, or free).
+            offer.decline()
+            return None
         if offer.pos in q.revoked or (offer.runner == self.policy.runners and offer.pos not in q.parked):
             # An administrator deleted, held, ... this envelope after it was found: it is not ours.
             q.revoked.discard(offer.pos)

@@ -196,6 +196,10 @@ class Queue:
         # Envelopes an administrator's action started while a runner or the parked scheduler may still offer
         # them: a worker that takes such an offer drops it (the message was deleted, held, ... meanwhile).
         self.revoked: set[Pos] = set()
+        # Envelopes an administrator's action selected and has not acted on yet (it appends in batches and
+        # lets the loop run between them: mtaq.admin.service): no worker starts them (it declines the offer,
+        # the runner offers it again later) and copy_forward leaves them alone. Empty outside an action.
+        self.reserved: set[Pos] = set()
         # Live envelopes whose DATA could not be copied forward (a read error, a full disk): envelope position
         # -> the old DATA it names, more than a segment behind it. Reclamation keeps those segments until the
         # envelope is concluded again (Daemon.checkpoint; kept in the checkpoint, rebuilt by recovery).
@@ -412,8 +416,8 @@ class Queue:
         body = await asyncio.to_thread(self._read_checked, env, salt)
         failure: StorageError | None = None
         try:
-            if envelope_pos not in self.parked:
-                return None
+            if envelope_pos not in self.parked or envelope_pos in self.reserved:
+                return None  # an administrator's action has it (or had it meanwhile)
             attempt = self.start(envelope_pos, env, admin=COPY_FORWARD)  # StorageError: nothing appended
             self.revoked.add(envelope_pos)
             try:

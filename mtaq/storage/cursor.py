@@ -88,7 +88,7 @@ class LogCursor:
             return rec
         rec = self._decode(pos, length)
         if len(shared) >= DECODED_MAX:
-            del shared[next(iter(shared))]  # the oldest
+            shared.popitem(last=False)  # the oldest, O(1) (Log.confirmed)
         shared[pos] = rec
         return rec
 
@@ -116,7 +116,7 @@ class LogCursor:
         if not isinstance(decode_frame(raw, 0, salt), Frame):
             return False
         if len(shared) >= CONFIRMED_MAX:
-            del shared[next(iter(shared))]  # the oldest
+            shared.popitem(last=False)  # the oldest, O(1) (Log.confirmed)
         shared[pos] = None
         return True
 
