@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import ipaddress
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Protocol
 
@@ -112,9 +112,11 @@ class ConnectionGate:
         self.active = 0
         self.active_outside = 0  # admitted connections of clients not exempt
         # Keyed by client (client_key): what the limits count.
-        self._recent: dict[str, deque[float]] = {}
+        # Ordered by last event, oldest first; OrderedDicts: a plain dict's first key after many deletions from
+        # its front walks every deleted slot (O(table) per call), an OrderedDict's is O(1).
+        self._recent: OrderedDict[str, deque[float]] = OrderedDict()
         self._per_client: dict[str, int] = {}  # admitted connections per client (not exempt), > 0 only
-        self._auth_failures: dict[str, deque[float]] = {}
+        self._auth_failures: OrderedDict[str, deque[float]] = OrderedDict()
         self._auth_checking: dict[str, int] = {}  # password checks running, per client (auth_begin)
         # The same two counts by real address, > 0 only: a reload that changes ipv6_prefix_length re-keys
         # the per-client counts from them, so that each release (auth_end) finds what its admit (auth_begin) counted.
@@ -140,11 +142,12 @@ class ConnectionGate:
         self.client_connections_max = client_connections_max
         self.mynetworks_reserve = max(0, min(mynetworks_reserve, connections_max - 1))
         if per_client_per_minute_max != self.per_client_max:
-            self._recent = {ip: deque(seen, maxlen=per_client_per_minute_max + 1) for ip, seen in self._recent.items()}
+            self._recent = OrderedDict((ip, deque(seen, maxlen=per_client_per_minute_max + 1))
+                                       for ip, seen in self._recent.items())
             self.per_client_max = per_client_per_minute_max
         if auth_failures_per_minute_max != self.auth_failures_max:
-            self._auth_failures = {ip: deque(seen, maxlen=auth_failures_per_minute_max + 1)
-                                   for ip, seen in self._auth_failures.items()}
+            self._auth_failures = OrderedDict((ip, deque(seen, maxlen=auth_failures_per_minute_max + 1))
+                                              for ip, seen in self._auth_failures.items())
             self.auth_failures_max = auth_failures_per_minute_max
         if ipv6_prefix_length != self.ipv6_prefix_length:
             self.ipv6_prefix_length = ipv6_prefix_length
@@ -162,8 +165,11 @@ class ConnectionGate:
             now = self.clock()
             _forget_stale(self._recent, now)
             # Touched clients go to the end: the dict is ordered by last connection, stale ones at the front.
-            seen = self._recent.pop(key, None) or deque(maxlen=self.per_client_max + 1)
-            self._recent[key] = seen
+            seen = self._recent.get(key)
+            if seen is None:
+                seen = self._recent[key] = deque(maxlen=self.per_client_max + 1)
+            else:
+                self._recent.move_to_end(key)
             while seen and seen[0] <= now - RATE_WINDOW_S:
                 seen.popleft()
             seen.append(now)
@@ -197,8 +203,11 @@ class ConnectionGate:
         now = self.clock()
         _forget_stale(self._auth_failures, now)
         key = self.key(ip)
-        seen = self._auth_failures.pop(key, None) or deque(maxlen=self.auth_failures_max + 1)
-        self._auth_failures[key] = seen  # ordered by last failure, as _recent
+        seen = self._auth_failures.get(key)
+        if seen is None:  # ordered by last failure, as _recent
+            seen = self._auth_failures[key] = deque(maxlen=self.auth_failures_max + 1)
+        else:
+            self._auth_failures.move_to_end(key)
         seen.append(now)
 
     def auth_blocked(self, ip: str) -> bool:
@@ -265,7 +274,8 @@ def _rekeyed_counts(per_ip: dict[str, int], key: Callable[[str], str]) -> dict[s
     return out
 
 
-def _rekeyed_times(times: dict[str, deque[float]], key: Callable[[str], str], limit: int) -> dict[str, deque[float]]:
+def _rekeyed_times(times: OrderedDict[str, deque[float]], key: Callable[[str], str],
+                   limit: int) -> OrderedDict[str, deque[float]]:
     """``times`` (client -> event times, oldest client first) by ``key`` of each client: the clients that
     fall into one are merged (their times in order, the last ``limit + 1`` kept); the order by last event
     is kept (what :func:`_forget_stale` needs)."""
@@ -273,17 +283,17 @@ def _rekeyed_times(times: dict[str, deque[float]], key: Callable[[str], str], li
     for old, seen in times.items():
         merged.setdefault(key(old.split("/", 1)[0]), []).extend(seen)
     out = {k: deque(sorted(v), maxlen=limit + 1) for k, v in merged.items()}
-    return dict(sorted(out.items(), key=lambda kv: kv[1][-1] if kv[1] else 0.0))
+    return OrderedDict(sorted(out.items(), key=lambda kv: kv[1][-1] if kv[1] else 0.0))
 
 
-def _forget_stale(times: dict[str, deque[float]], now: float) -> None:
+def _forget_stale(times: OrderedDict[str, deque[float]], now: float) -> None:
     """Drop the clients of ``times`` (ordered by their last event, oldest first) whose last event left the
-    window: from the front, stopping at the first one still in it, so each call costs O(1) amortised. A full
+    window: from the front, stopping at the first one still in it, so each call costs O(1) amortised (an
+    OrderedDict: a plain dict's first key walks the slots deleted before it). A full
     rescan once 10,000 clients were remembered cost 2-8 ms per connection when more than that many addresses
     connected within a minute (issue 32's outside review: 455 connections/s fell to 52)."""
     while times:
-        ip = next(iter(times))
-        seen = times[ip]
+        seen = times[next(iter(times))]
         if seen and seen[-1] > now - RATE_WINDOW_S:
             return
-        del times[ip]
+        times.popitem(last=False)
