@@ -391,8 +391,8 @@ class Proc:
     ``Daemon.run`` does, without SMTP. Workloads call its steps; :meth:`finish` drains the queue.
 
     It can also serve as the ``self`` of the real ``Daemon.checkpoint`` and ``Daemon._copy_parked_forward``
-    (it has the attributes they use: queue, runners, fs, cfg.spool_dir, archive, clock, log, checkpoints,
-    reclaimed, _copy_failed), which is how tests/test_explorer.py checks the mirrors below.
+    (it has the attributes they use: queue, runners, fs, cfg.spool_dir, archive, pickup, exporter, clock, log,
+    checkpoints, reclaimed, _copy_failed), which is how tests/test_explorer.py checks the mirrors below.
     """
 
     def __init__(self, trace: Trace, segment_bytes_max: int) -> None:
@@ -405,6 +405,7 @@ class Proc:
         self.cfg = types.SimpleNamespace(spool_dir=SPOOL)
         self.archive = None
         self.pickup = None  # the maildrop pick-up (mtaq.edge.pickup): none in the explored runs
+        self.exporter = None  # the event exporter (mtaq.daemon.exporter): no event_webhooks in the explored runs
         self.checkpoints = 0
         self.reclaimed = 0
         self._copy_failed: set[Pos] = set()
