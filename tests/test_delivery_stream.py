@@ -463,7 +463,10 @@ def test_a_flipped_byte_in_a_stored_body_is_never_delivered_by_the_daemon(tmp_pa
         events: list[dict] = []
         while time.monotonic() < deadline:
             events = read_events(daemon.log_path)
-            if any(e.get("event") == "corrupt_message" for e in events):
+            # Wait for the last event checked below: corrupt_message is logged before the bounce it leads to
+            # (and the first bounce classification loads the shipped rules between the two).
+            if any(e.get("event") == "corrupt_message" for e in events) and any(
+                    e.get("event") == "bounced" and e.get("dsn") == "5.3.0" for e in events):
                 break
             time.sleep(0.05)
     finally:
