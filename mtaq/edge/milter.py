@@ -437,6 +437,16 @@ def _expire(fut: asyncio.Future[bool]) -> None:
         fut.set_result(False)
 
 
+async def _within(fut: asyncio.Future[bool], when: float) -> bool:
+    """``fut``'s result (True: the wake-up came), or False once the loop's clock reaches ``when`` (seconds,
+    ``loop.time()``): one timer, no task (``asyncio.wait_for`` makes a task per wait in Python 3.11)."""
+    timer = asyncio.get_running_loop().call_at(when, _expire, fut)
+    try:
+        return await fut
+    finally:
+        timer.cancel()
+
+
 class Filter:
     """One connection to one filter (``spec``, e.g. ``inet:127.0.0.1:11332``). :meth:`open` connects and
     negotiates; :meth:`ask` sends packets and reads the final reply. Each raises :class:`FilterFailed` on
@@ -531,12 +541,10 @@ class Filter:
         c.transport.write(data)
         if c.paused:  # over the transport's high-water mark: wait for the filter to read
             loop = asyncio.get_running_loop()
-            fut = c.drained = loop.create_future()
-            timer = loop.call_later(timeout_s, _expire, fut)
+            c.drained = loop.create_future()
             try:
-                ok = await fut
+                ok = await _within(c.drained, loop.time() + timeout_s)
             finally:
-                timer.cancel()
                 c.drained = None
             if not ok:
                 raise FilterFailed(f"write: TimeoutError: timeout after {timeout_s:g} s")
@@ -565,12 +573,10 @@ class Filter:
             loop = asyncio.get_running_loop()
             if not deadline:
                 deadline = loop.time() + timeout_s
-            fut = c.waiter = loop.create_future()
-            timer = loop.call_at(deadline, _expire, fut)
+            c.waiter = loop.create_future()
             try:
-                arrived = await fut
+                arrived = await _within(c.waiter, deadline)
             finally:
-                timer.cancel()
                 c.waiter = None
             if not arrived:
                 raise FilterFailed(f"timeout after {timeout_s:g} s")
