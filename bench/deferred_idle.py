@@ -37,10 +37,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from start_time import MSG, events
+from start_time import events, prepared_spool
 
-from mtaq.testing.prefill import prefill_deferred
-from mtaq.testing.procs import free_port, mail_owner_ready
+from mtaq.testing.procs import free_port
 
 
 def tree(pid: int) -> list[int]:
@@ -142,15 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     for q in [int(x) for x in args.queued.split(",")]:
         work = os.path.join(args.spool_dir, str(q)) if args.spool_dir else tempfile.mkdtemp(prefix="mtaq-idle-")
         try:
-            spool = os.path.join(work, "spool")
             res: dict[str, object] = {"queued": q}
-            if not os.path.isdir(os.path.join(spool, "log")):
-                os.makedirs(spool, exist_ok=True)
-                t = time.perf_counter()
-                if q:
-                    prefill_deferred(spool, q, lambda i: MSG)
-                res["prefill_s"] = round(time.perf_counter() - t, 1)
-            mail_owner_ready(spool)
+            spool = prepared_spool(work, q, res)
             log_path = os.path.join(work, "daemon.log")
             res["spool_mib"] = disk_mib(spool)
             res["first"] = run_daemon(sys.executable, spool, log_path, args.workers, args.idle_s, args.recovery_wait_s)

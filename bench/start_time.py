@@ -155,6 +155,21 @@ def start_once(py: str, spool: str, log_path: str, workers: int, recovery_wait_s
         p.wait()
 
 
+def prepared_spool(work: str, queued: int, res: dict[str, object]) -> str:
+    """``work``/spool, prefilled with ``queued`` deferred messages (:data:`MSG`, due in a day) unless it holds
+    a log already (``res["prefill_s"]``: the seconds that took), and made reachable by the mail_owner the
+    daemon switches to when run as root. Returns the spool's path. Shared by bench/deferred_idle.py."""
+    spool = os.path.join(work, "spool")
+    if not os.path.isdir(os.path.join(spool, "log")):
+        os.makedirs(spool, exist_ok=True)
+        t = time.perf_counter()
+        if queued:
+            prefill_deferred(spool, queued, lambda i: MSG)
+        res["prefill_s"] = round(time.perf_counter() - t, 1)
+    mail_owner_ready(spool)
+    return spool
+
+
 def has_bytecode() -> bool:
     import importlib.util
 
@@ -186,15 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     for q in [int(x) for x in args.queued.split(",")]:
         work = os.path.join(args.spool_dir, str(q)) if args.spool_dir else tempfile.mkdtemp(prefix="mtaq-start-")
         try:
-            spool = os.path.join(work, "spool")
             res: dict[str, object] = {"queued": q}
-            if not os.path.isdir(os.path.join(spool, "log")):
-                os.makedirs(spool, exist_ok=True)
-                t = time.perf_counter()
-                if q:
-                    prefill_deferred(spool, q, lambda i: MSG)
-                res["prefill_s"] = round(time.perf_counter() - t, 1)
-            mail_owner_ready(spool)  # run as root: the daemon switches to mail_owner and must reach the spool
+            spool = prepared_spool(work, q, res)
             log_path = os.path.join(work, "daemon.log")
             if not args.no_cold:
                 res["cold"] = cold = start_once(py, spool, log_path, args.workers, args.recovery_wait_s)
