@@ -45,7 +45,18 @@ def test_queue_show_list_and_log_dump_escape_what_the_client_sent(relay_factory)
         code, text = s.data(msg)
         assert 250 == code
     qid = text.decode().rsplit(" ", 1)[1]
-    r.wait_for(lambda: r.events("deferred_until"), what="deferred")
+    utf8_sender = "b\u00f8b\u00e9@example.org"  # SMTPUTF8 (an override in an address is refused: 553)
+    with smtplib.SMTP("127.0.0.1", r.daemon.port, timeout=30) as s:
+        s.ehlo("client.example")
+        s.esmtp_features["smtputf8"] = ""
+        assert 250 == s.mail(utf8_sender, ["SMTPUTF8"])[0]
+        assert 250 == s.rcpt("slow@example.net")[0]
+        assert 250 == s.data(b"Subject: second\r\n\r\nbody\r\n")[0]
+    r.wait_for(lambda: len(r.events("deferred_until")) >= 2, what="both deferred")
+    listed = mtaq("queue", "list", "--json", "--spool", r.spool)  # the daemon's JSON lines, as it sent them
+    lines = listed.splitlines()[:-1]  # the last line: "listing consistent as of" on stderr
+    assert ([], True) == (unsafe(listed), all(ln.isascii() for ln in lines)), listed
+    assert {"alice@example.org", utf8_sender} == {json.loads(ln)["sender"] for ln in lines}
     show = mtaq("queue", "show", qid, "--spool", r.spool)
     assert ([], True, True) == (unsafe(show), "\\x1b]0;owned\\x07" in show, "hi \\x1b[31m" in show)
     outputs = [mtaq("queue", "list", "--spool", r.spool), mtaq("queue", "show", qid, "--json", "--spool", r.spool),

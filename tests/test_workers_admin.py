@@ -93,6 +93,15 @@ def _listing(url: str, token: str, query: str = "") -> dict[str, Any]:
     return dict(body)
 
 
+def _ndjson(url: str, token: str, query: str = "") -> tuple[Any, bytes]:
+    """The listing asked for as ``application/x-ndjson``: (headers, body)."""
+    req = urllib.request.Request(url + f"/mailQueues/spool/mails{query}",
+                                 headers={"Accept": "application/x-ndjson", "Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert (200, "application/x-ndjson") == (r.status, r.headers.get_content_type())
+        return r.headers, r.read()
+
+
 def _all_deferred(url: str, token: str, ids: list[str], attempts: int = 1) -> bool:
     mails = _listing(url, token)["mails"]
     return sorted(ids) == sorted(m["queue_id"] for m in mails) and all(
@@ -188,7 +197,15 @@ def test_default_daemon_runs_a_worker_per_core_and_its_api_covers_every_shard(sh
     assert len(ids) == full["count"]
     keys = [(m["arrival_time"], m["queue_id"]) for m in full["mails"]]
     assert sorted(keys) == keys
-    assert full["mails"][:3] == _listing(url, token, "?limit=3")["mails"]
+    first3 = _listing(url, token, "?limit=3")
+    assert full["mails"][:3] == first3["mails"]
+    # the same listing as JSON lines (what mtaq queue list --json prints): merged from both shards' raw JSON
+    headers, body = _ndjson(url, token)
+    assert full["mails"] == [json.loads(line) for line in body.splitlines()]
+    assert (full["position"], str(len(ids)), "[]", None) == (
+        headers["X-Mtaq-Position"], headers["X-Mtaq-Count"], headers["X-Mtaq-Damage"], headers.get("X-Mtaq-Next"))
+    headers, body = _ndjson(url, token, "?limit=3")
+    assert (first3["mails"], first3["next"]) == ([json.loads(ln) for ln in body.splitlines()], headers["X-Mtaq-Next"])
     s0 = next(q for q in ids if queue_id_shard(q) == 0)
     s1 = next(q for q in ids if queue_id_shard(q) == 1)
     for q in (s0, s1):

@@ -27,7 +27,6 @@ from typing import Any, TextIO
 
 import msgspec
 
-from mtaq.admin.service import format_time
 from mtaq.core.duration import parse_duration
 from mtaq.core.errors import MtaqError
 from mtaq.core.parking import ADMIN_ACTIONS
@@ -161,11 +160,21 @@ class Client:
 
     def call(self, method: str, path: str, query: dict[str, Any] | None = None, body: Any = None) -> Any:
         """The decoded JSON answer. Raises QueueCommandError for an error answer (its message), Offline."""
+        payload, _headers = self.fetch(method, path, query, body)
+        try:
+            return msgspec.json.decode(payload)
+        except msgspec.DecodeError as exc:
+            raise QueueCommandError(f"admin API at {self.url}: answer is not JSON: {exc}") from None
+
+    def fetch(self, method: str, path: str, query: dict[str, Any] | None = None, body: Any = None, *,
+              accept: str = "application/json") -> tuple[bytes, Any]:
+        """The answer's body (bytes) and headers (an ``email.message.Message``), asked for as ``accept``.
+        Raises QueueCommandError for an error answer (its message), Offline."""
         url = self.url + path
         if query:
             url += "?" + urllib.parse.urlencode({k: v for k, v in query.items() if v is not None})
         data = None if body is None else json.dumps(body).encode()
-        headers = {"Accept": "application/json"}
+        headers = {"Accept": accept}
         if data is not None or method not in ("GET", "HEAD"):
             headers["Content-Type"] = "application/json"  # the API refuses state changes without it (415)
         if self.token:
@@ -175,7 +184,7 @@ class Client:
             req = urllib.request.Request(url, data=data, method=method, headers=headers)
             try:
                 with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                    return msgspec.json.decode(resp.read())
+                    return resp.read(), resp.headers
             except urllib.error.HTTPError as exc:
                 if exc.code == 503 and time.monotonic() < deadline:  # recovery in progress: it is short
                     time.sleep(0.2)
@@ -187,8 +196,6 @@ class Client:
                 raise QueueCommandError(f"admin API at {self.url}: {exc.reason}") from None
             except (TimeoutError, ConnectionError) as exc:
                 raise QueueCommandError(f"admin API at {self.url}: {exc}") from None
-            except msgspec.DecodeError as exc:
-                raise QueueCommandError(f"admin API at {self.url}: answer is not JSON: {exc}") from None
 
 
 def _error_message(exc: urllib.error.HTTPError) -> str:
@@ -212,7 +219,7 @@ def _settings(args: argparse.Namespace) -> tuple[str, str]:
     spool = spool or "./spool"
     token = token or os.environ.get("MTAQ_ADMIN_TOKEN", "")
     if not token:  # the token the daemon generated at its first start
-        from mtaq.admin.http import read_spool_token
+        from mtaq.admin.token import read_spool_token
 
         try:
             token = read_spool_token(spool)
@@ -285,9 +292,15 @@ def run_queue(args: argparse.Namespace, out: TextIO | None = None) -> int:
             ) from None
         _print_action(cmd, res, args.json, out)
         return 0
+    lines: bytes | None = None  # a --json listing from the daemon, as it sent it
     try:
         client = _client(args, spool, token)
-        if cmd == "list":
+        if cmd == "list" and args.json:  # the lines as the daemon's views keep them: nothing decoded here
+            query = _filter_query(args, older) | {"limit": args.limit, "after": args.after}
+            lines, headers = client.fetch("GET", "/mailQueues/spool/mails", query, accept="application/x-ndjson")
+            position, next_cursor = headers.get("X-Mtaq-Position", "?"), headers.get("X-Mtaq-Next")
+            damage = json.loads(headers.get("X-Mtaq-Damage") or "[]")
+        elif cmd == "list":
             query = _filter_query(args, older) | {"limit": args.limit, "after": args.after}
             listing = client.call("GET", "/mailQueues/spool/mails", query)
             position, mails = listing["position"], listing["mails"]
@@ -343,7 +356,10 @@ def run_queue(args: argparse.Namespace, out: TextIO | None = None) -> int:
         for problem in damage:
             print(f"mtaq: damaged log: {problem}", file=sys.stderr)
         if args.json:
-            _write_json_lines(mails, out)
+            if lines is not None:
+                _write_ndjson(lines, out)
+            else:
+                _write_json_lines(mails, out)
             print(f"mtaq: listing consistent as of log position {position}", file=sys.stderr)
         else:
             out.write(format_mailq(mails, position))
@@ -395,6 +411,19 @@ def _offline_list(spool: str, args: argparse.Namespace, older: float | None, aft
     page = page_of(entries, view, limit=args.limit, after=after, position=str(view.end))
     page.damage = [p for _n, ps in sorted(view.damage.items()) for p in ps]
     return page
+
+
+def _write_ndjson(lines: bytes, out: TextIO) -> None:
+    """The daemon's JSON lines (UTF-8) as :func:`_write_json_lines` writes them: a line that is not ASCII
+    is decoded and written again with ``json.dumps`` (its ``\\uXXXX`` escapes); the rest as it came."""
+    if lines.isascii():
+        out.write(lines.decode("ascii"))
+        return
+    for line in lines.splitlines():
+        if line.isascii():
+            out.write(line.decode("ascii") + "\n")
+        else:
+            out.write(json.dumps(json.loads(line), separators=(",", ":")) + "\n")
 
 
 def _write_json_lines(mails: Sequence[dict[str, Any]], out: TextIO) -> None:
@@ -486,6 +515,8 @@ def format_mailq(mails: Sequence[dict[str, Any]], position: str) -> str:
     or ``!`` (held), size (bytes), arrival time (UTC), sender; each recipient on its own line after its last
     reason in parentheses; a blank line between messages; the total in Kbytes (rounded up) and requests,
     and the log position the listing is consistent as of."""
+    from mtaq.admin.service import format_time  # here: --json and the actions never need the service module
+
     if not mails:
         return f"Mail queue is empty (consistent as of log position {position})\n"
     lines = [HEADER]
@@ -511,6 +542,8 @@ def format_mailq(mails: Sequence[dict[str, Any]], position: str) -> str:
 
 def format_show(d: dict[str, Any]) -> str:
     """One message for a terminal (``mtaq queue show``): envelope fields, recipients, header section."""
+    from mtaq.admin.service import format_time
+
     lines = [
         f"Queue ID: {d['queue_id']}",
         f"State: {d['state']}",

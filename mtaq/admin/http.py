@@ -65,6 +65,7 @@ QUEUE_NAME = "spool"
 ADMIN_JSON = "admin.json"
 _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 _JSON = "application/json"
+_NDJSON = "application/x-ndjson"  # one JSON text a line (a listing, as postqueue -j prints it)
 # Defaults of admin_body_bytes_max, admin_connections_max, admin_request_timeout_s (mtaq.config).
 BODY_BYTES_MAX = 1024 * 1024  # about 50,000 queue IDs in an action body; `mtaq queue` sends more in several
 CONNECTIONS_MAX = 64
@@ -249,20 +250,27 @@ async def queue_size(request: web.Request) -> web.Response:
 async def list_mails(request: web.Request) -> web.Response:
     """``GET /mailQueues/{name}/mails``: the messages (filters, ``limit``, ``after`` a cursor), consistent as
     of ``position``; ``next``: the cursor of the next page (null after the last); ``damage``: problems met in
-    the log while reading it."""
+    the log while reading it.
+
+    With ``Accept: application/x-ndjson`` the body is the messages alone, one JSON object a line (what
+    ``postqueue -j`` prints), and the rest goes in headers: ``X-Mtaq-Position``, ``X-Mtaq-Count``,
+    ``X-Mtaq-Next`` (only when there is a next page) and ``X-Mtaq-Damage`` (a JSON array, ASCII)."""
     name = _queue_name(request)
     selector = selector_from_query(request.query, _LIST_PARAMS)
     limit = _limit(request.query)
-    admin = _admin(request)
-    if admin.peers:
-        listing = await admin.page(selector, limit=limit, after=_after(request.query))
-        return _json({"name": name, "position": listing.position, "count": listing.count, "next": listing.next,
-                      "damage": listing.damage, "mails": listing.mails})
-    # One shard: each message's JSON as the view keeps it, joined (no object made or encoded again)
-    listing = await admin.local.page(selector, limit=limit, after=_after(request.query), raw=True)
+    # Each message's JSON as the shard's view keeps it, merged and joined (no object made or encoded again)
+    listing = await _admin(request).page(selector, limit=limit, after=_after(request.query), raw=True)
+    mails = listing.raw or []
+    if _NDJSON in request.headers.get("Accept", ""):
+        headers = {"X-Mtaq-Position": listing.position, "X-Mtaq-Count": str(len(mails)),
+                   "X-Mtaq-Damage": json.dumps(listing.damage)}
+        if listing.next is not None:
+            headers["X-Mtaq-Next"] = listing.next
+        body = b"\n".join(mails) + b"\n" if mails else b""
+        return web.Response(body=body, status=200, content_type=_NDJSON, headers=headers)
     head = msgspec.json.encode({"name": name, "position": listing.position, "count": listing.count,
                                 "next": listing.next, "damage": listing.damage})
-    body = b"".join((head[:-1], b',"mails":[', b",".join(listing.raw or ()), b"]}"))
+    body = b"".join((head[:-1], b',"mails":[', b",".join(mails), b"]}"))
     return web.Response(body=body, status=200, content_type=_JSON)
 
 
@@ -410,6 +418,7 @@ class _ListBody(msgspec.Struct, forbid_unknown_fields=True):
     limit: int | None = None
     states: list[str] | None = None
     after: tuple[int, str] | None = None
+    raw: bool = False
 
 
 class _ActBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -425,11 +434,16 @@ async def shard_size(request: web.Request) -> web.Response:
 
 
 async def shard_list(request: web.Request) -> web.Response:
-    """``POST /_shard/list`` ``{"selector", "limit", "states", "after"}``: this shard's page (internal)."""
+    """``POST /_shard/list`` ``{"selector", "limit", "states", "after", "raw"}``: this shard's page
+    (internal); with ``raw`` each mail is the JSON its view keeps, joined as they are."""
     b = _decode(await request.read(), _ListBody)
-    listing = await _local_admin(request).page(b.selector, limit=b.limit, states=b.states, after=b.after)
-    return _json({"position": listing.position, "mails": listing.mails, "next": listing.next,
-                  "damage": listing.damage})
+    listing = await _local_admin(request).page(b.selector, limit=b.limit, states=b.states, after=b.after, raw=b.raw)
+    if not b.raw:
+        return _json({"position": listing.position, "mails": listing.mails, "next": listing.next,
+                      "damage": listing.damage})
+    head = msgspec.json.encode({"position": listing.position, "next": listing.next, "damage": listing.damage})
+    body = b"".join((head[:-1], b',"mails":[', b",".join(listing.raw or ()), b"]}"))
+    return web.Response(body=body, status=200, content_type=_JSON)
 
 
 async def shard_show(request: web.Request) -> web.Response:

@@ -27,6 +27,7 @@ the totals, and ``mtaq_shards`` says how many shards answered.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import os
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import replace
@@ -127,6 +128,31 @@ def _listing_key(m: Mapping[str, Any]) -> tuple[int, str]:
     return (int(m["arrival_time"]), str(m["queue_id"]))
 
 
+class _RawPage(msgspec.Struct):
+    """A shard's page as ``POST /_shard/list`` answers it; with ``raw`` each mail stays undecoded."""
+
+    position: str
+    mails: list[msgspec.Raw]
+    next: str | None = None
+    damage: list[str] = []
+
+
+class _Key(msgspec.Struct):
+    """The two fields of a listed mail that order a listing (the others are not decoded)."""
+
+    arrival_time: float
+    queue_id: str
+
+
+_key_decoder = msgspec.json.Decoder(_Key)
+_raw_page_decoder = msgspec.json.Decoder(_RawPage)
+
+
+def _raw_key(mail: bytes | msgspec.Raw) -> tuple[int, str]:
+    k = _key_decoder.decode(mail)
+    return (int(k.arrival_time), k.queue_id)
+
+
 class ShardedAdmin:
     """The admin operations of every shard: ``local`` (shard 0, in this process) and ``peers`` (the others).
 
@@ -154,28 +180,47 @@ class ShardedAdmin:
 
     async def page(
         self, selector: Selector, *, limit: int | None = None, states: Collection[str] | None = None,
-        after: tuple[int, str] | None = None,
+        after: tuple[int, str] | None = None, raw: bool = False,
     ) -> Listing:
         """:meth:`AdminService.page` of every shard, merged in listing order (arrival, then queue ID), cut
         at ``limit``: each shard's page after ``after`` has at most ``limit`` messages, so the merged page is
-        the one a single log would give, and the next page goes on after its last message in every shard."""
+        the one a single log would give, and the next page goes on after its last message in every shard.
+        With ``raw`` the mails stay the JSON bytes each shard's view keeps (``Listing.raw``): only their
+        arrival time and queue ID are decoded, to merge them."""
         if not self.peers:
-            return await self.local.page(selector, limit=limit, states=states, after=after)
+            return await self.local.page(selector, limit=limit, states=states, after=after, raw=raw)
         body = {"selector": msgspec.to_builtins(selector), "limit": limit,
-                "states": None if states is None else sorted(states), "after": after}
+                "states": None if states is None else sorted(states), "after": after, "raw": raw}
         local, *remote = await asyncio.gather(
-            self.local.page(selector, limit=limit, states=states, after=after),
-            *(p.call("POST", "/_shard/list", body) for p in self.peers.values()),
+            self.local.page(selector, limit=limit, states=states, after=after, raw=raw),
+            *(p.call("POST", "/_shard/list", body, raw=raw) for p in self.peers.values()),
         )
         positions = [(0, local.position)]
-        mails = list(local.mails)
         more = local.next is not None
         damage = [f"shard 0: {d}" for d in local.damage]
+        pages: list[list[Any]] = [local.raw or [] if raw else list(local.mails)]
+        mails: list[Any]
         for k, r in zip(self.peers, remote, strict=True):
-            positions.append((k, str(r["position"])))
-            mails += r["mails"]
-            more = more or r.get("next") is not None
-            damage += [f"shard {k}: {d}" for d in r.get("damage", [])]
+            if raw:
+                page = _raw_page_decoder.decode(r)
+                position, mails, nxt, dmg = page.position, page.mails, page.next, page.damage
+            else:
+                position, mails, nxt, dmg = str(r["position"]), r["mails"], r.get("next"), r.get("damage", [])
+            positions.append((k, position))
+            pages.append(mails)
+            more = more or nxt is not None
+            damage += [f"shard {k}: {d}" for d in dmg]
+        if raw:
+            merged = list(heapq.merge(*pages, key=_raw_key))  # each shard's page is in listing order already
+            if limit is not None:
+                more = more or len(merged) > limit
+                merged = merged[:limit]
+            cursor = None
+            if more and merged:
+                ts, qid = _raw_key(merged[-1])
+                cursor = f"{ts}:{qid}"
+            return Listing(join_positions(positions), [], cursor, damage, raw=[bytes(m) for m in merged])
+        mails = [m for p in pages for m in p]
         mails.sort(key=_listing_key)
         if limit is not None:
             more = more or len(mails) > limit
