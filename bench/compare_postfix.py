@@ -17,6 +17,9 @@ Per run and side (the same measurement for both):
   the last message is in the sink, per message (ms). For Postfix the master and its children, with the CPU
   of the children that ended meanwhile (the master reaps them: its cutime/cstime); for mtaq the daemon
   and its workers;
+* ``machine_cpu_ms_per_msg``: the same span's busy CPU of the whole machine (``/proc/stat``, every core:
+  the load generator, the sink, a milter and the relay), per message (ms); ``milter_cpu_ms_per_msg``:
+  the no-op milter's process (``--milter``), which both relays share;
 * ``fsync_calls_per_msg``: fsync(2) + fdatasync(2) calls of that process tree, counted by the kernel's
   syscall tracepoints (``perf stat -p``; no ptrace, no slow-down), None without perf;
 * ``latency_250_ms`` (p50, p99, max): a probe session beside the load (``--probe-interval``, 0.1 s) sends
@@ -349,16 +352,22 @@ def _measure(args: argparse.Namespace, port: int, sink: Sink, root_pid: int) -> 
     from the start of the load until the sink counted the last message."""
     probe = Probe(port, args.size, args.probe_interval) if args.probe_interval > 0 else None
     fsyncs = FsyncCounter(root_pid)
-    cpu0 = _tree_cpu_s(root_pid)
+    milter_pid = getattr(args, "milter_pid", None)
+    cpu0, busy0 = _tree_cpu_s(root_pid), _machine_busy_s()
+    milter0 = _tree_cpu_s(milter_pid) if milter_pid else 0.0
     if probe is not None:
         probe.start()
     t0, t1, rc, err = smtp_source(args, port)
     extra = probe.finish() if probe is not None else 0
     total = args.messages + extra
     t_e2e = sink.wait_for(total, args.timeout) if rc == 0 else None
-    cpu1, n_fsyncs = _tree_cpu_s(root_pid), fsyncs.stop()
+    cpu1, busy1, n_fsyncs = _tree_cpu_s(root_pid), _machine_busy_s(), fsyncs.stop()
     res = _result(args, t0, t1, rc, err, t_e2e, sink.count, total)
     res["cpu_ms_per_msg"] = round(1000 * (cpu1 - cpu0) / total, 3)  # user + system, the whole process tree
+    # every process of the machine (the load, the sink, a milter, the relay): where the budget of the cores goes
+    res["machine_cpu_ms_per_msg"] = round(1000 * (busy1 - busy0) / total, 3)
+    if milter_pid:
+        res["milter_cpu_ms_per_msg"] = round(1000 * (_tree_cpu_s(milter_pid) - milter0) / total, 3)
     if n_fsyncs is not None:
         res["fsync_calls_per_msg"] = round(n_fsyncs / total, 3)  # fsync + fdatasync, perf's count
     if probe is not None:
@@ -471,6 +480,15 @@ def _descendants(root: int, table: dict[int, tuple[int, float]] | None = None) -
         out.append(pid)
         todo.extend(kids.get(pid, ()))
     return out
+
+
+def _machine_busy_s() -> float:
+    """CPU seconds the whole machine has spent busy since boot (``/proc/stat``: user, nice, system, irq,
+    softirq and steal of every core; idle and iowait left out)."""
+    with open("/proc/stat", encoding="ascii") as f:
+        fields = f.readline().split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
 def _tree_cpu_s(root: int) -> float:
@@ -591,6 +609,8 @@ def compare(args: argparse.Namespace, sink_port: int) -> dict[str, Any]:
             "accepted_per_s": _median(rs, "accepted_per_s"),
             "e2e_per_s": _median(rs, "e2e_per_s"),
             "cpu_ms_per_msg": _median(rs, "cpu_ms_per_msg", 3),
+            "machine_cpu_ms_per_msg": _median(rs, "machine_cpu_ms_per_msg", 3),
+            "milter_cpu_ms_per_msg": _median(rs, "milter_cpu_ms_per_msg", 3),
             "fsync_calls_per_msg": _median(rs, "fsync_calls_per_msg", 3),
             "latency_250_p99_ms": _median([r.get("latency_250_ms", {}) for r in rs], "p99", 2),
             "runs": [{k: v for k, v in r.items() if k != "spool_dev"} for r in rs],
@@ -689,6 +709,7 @@ def main(argv: list[str] | None = None) -> int:
             milter_proc.wait()
             raise RuntimeError(f"{cmd[-1]} did not start (exit {milter_proc.returncode})")
         args.milter_address = f"inet:127.0.0.1:{milter_port}"
+        args.milter_pid = milter_proc.pid
         args.mtaq_config = [*args.mtaq_config, f'smtpd_milters = ["{args.milter_address}"]']
         head["milter"] = {"mode": args.milter, "impl": args.milter_impl, "address": args.milter_address}
     try:
