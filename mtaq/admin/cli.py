@@ -298,8 +298,13 @@ def run_queue(args: argparse.Namespace, out: TextIO | None = None) -> int:
         if cmd == "list" and args.json:  # the lines as the daemon's views keep them: nothing decoded here
             query = _filter_query(args, older) | {"limit": args.limit, "after": args.after}
             lines, headers = client.fetch("GET", "/mailQueues/spool/mails", query, accept="application/x-ndjson")
-            position, next_cursor = headers.get("X-Mtaq-Position", "?"), headers.get("X-Mtaq-Next")
-            damage = json.loads(headers.get("X-Mtaq-Damage") or "[]")
+            if headers.get_content_type() == "application/x-ndjson":
+                position, next_cursor = headers.get("X-Mtaq-Position", "?"), headers.get("X-Mtaq-Next")
+                damage = json.loads(headers.get("X-Mtaq-Damage") or "[]")
+            else:  # a daemon of an earlier version: the JSON object
+                listing, lines = msgspec.json.decode(lines), None
+                position, mails = listing["position"], listing["mails"]
+                next_cursor, damage = listing.get("next"), listing.get("damage", [])
         elif cmd == "list":
             query = _filter_query(args, older) | {"limit": args.limit, "after": args.after}
             listing = client.call("GET", "/mailQueues/spool/mails", query)
