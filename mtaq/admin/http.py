@@ -268,8 +268,13 @@ async def list_mails(request: web.Request) -> web.Response:
             headers["X-Mtaq-Next"] = listing.next
         body = b"\n".join(mails) + b"\n" if mails else b""
         return web.Response(body=body, status=200, content_type=_NDJSON, headers=headers)
-    head = msgspec.json.encode({"name": name, "position": listing.position, "count": listing.count,
-                                "next": listing.next, "damage": listing.damage})
+    return _raw_listing({"name": name, "position": listing.position, "count": listing.count, "next": listing.next,
+                         "damage": listing.damage}, mails)
+
+
+def _raw_listing(fields: dict[str, Any], mails: list[bytes]) -> web.Response:
+    """``fields`` as a JSON object with ``"mails"``: the JSON texts ``mails`` as they are, in an array."""
+    head = msgspec.json.encode(fields)
     body = b"".join((head[:-1], b',"mails":[', b",".join(mails), b"]}"))
     return web.Response(body=body, status=200, content_type=_JSON)
 
@@ -441,9 +446,8 @@ async def shard_list(request: web.Request) -> web.Response:
     if not b.raw:
         return _json({"position": listing.position, "mails": listing.mails, "next": listing.next,
                       "damage": listing.damage})
-    head = msgspec.json.encode({"position": listing.position, "next": listing.next, "damage": listing.damage})
-    body = b"".join((head[:-1], b',"mails":[', b",".join(listing.raw or ()), b"]}"))
-    return web.Response(body=body, status=200, content_type=_JSON)
+    return _raw_listing({"position": listing.position, "next": listing.next, "damage": listing.damage},
+                        listing.raw or [])
 
 
 async def shard_show(request: web.Request) -> web.Response:
