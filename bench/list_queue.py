@@ -163,9 +163,9 @@ def main(argv: list[str] | None = None) -> int:
             run(["postsuper", "-d", "ALL"], check=False)
         shutil.rmtree(work, ignore_errors=True)
     out["runs"] = runs
-    out["mtaq_s"] = statistics.median(runs["mtaq"])
+    out["mtaq_s"] = round(statistics.median(runs["mtaq"]), 3)
     if runs["postfix"]:
-        out["postfix_s"] = statistics.median(runs["postfix"])
+        out["postfix_s"] = round(statistics.median(runs["postfix"]), 3)
         out["ratio"] = round(out["postfix_s"] / out["mtaq_s"], 3)
     out["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     print(json.dumps(out))
