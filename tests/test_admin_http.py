@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from mtaq.admin.http import AdminHttp, ApiState, make_app
+from mtaq.admin.http import DAMAGE_HEADER_BYTES_MAX, AdminHttp, ApiState, _damage_header, make_app
 from mtaq.admin.metrics import Metrics
 from mtaq.admin.openapi import SPEC, dumps
 from mtaq.testing import procs
@@ -346,3 +346,19 @@ def test_openapi_document_describes_every_route_and_only_routes(tmp_path):
             params = {x["name"] for x in op.get("parameters", []) if x["in"] == "path"}
             assert set(re.findall(r"\{(\w+)\}", p)) == params
     assert dumps() == (ROOT / "docs" / "admin_api.openapi.json").read_text()
+
+
+def test_the_damage_header_of_a_line_listing_stays_short_ascii_and_says_what_it_left_out():
+    """X-Mtaq-Damage (the x-ndjson listing's damage) is JSON in ASCII; a badly damaged log's thousands of
+    problems are cut to what fits in DAMAGE_HEADER_BYTES_MAX, and a last line counts the rest (an HTTP
+    client reads one header line of at most 64 KiB)."""
+    few = ["segment 3: corrupt at 10-20: bad checksum"]
+    assert few == json.loads(_damage_header(few))
+    many = [f"segment {i}: corrupt at {i}-{i + 9}: caf\u00e9 \r\n" for i in range(5000)]
+    text = _damage_header(many)
+    assert (True, True) == (text.isascii(), len(text) <= DAMAGE_HEADER_BYTES_MAX)
+    got = json.loads(text)
+    kept = got[:-1]
+    assert (many[:len(kept)], f"and {5000 - len(kept)} more problems: the listing as application/json has them all") \
+        == (kept, got[-1])
+    assert len(kept) > 50

@@ -263,13 +263,33 @@ async def list_mails(request: web.Request) -> web.Response:
     mails = listing.raw or []
     if _NDJSON in request.headers.get("Accept", ""):
         headers = {"X-Mtaq-Position": listing.position, "X-Mtaq-Count": str(len(mails)),
-                   "X-Mtaq-Damage": json.dumps(listing.damage)}
+                   "X-Mtaq-Damage": _damage_header(listing.damage)}
         if listing.next is not None:
             headers["X-Mtaq-Next"] = listing.next
         body = b"\n".join(mails) + b"\n" if mails else b""
         return web.Response(body=body, status=200, content_type=_NDJSON, headers=headers)
     return _raw_listing({"name": name, "position": listing.position, "count": listing.count, "next": listing.next,
                          "damage": listing.damage}, mails)
+
+
+DAMAGE_HEADER_BYTES_MAX = 8192  # well under what HTTP clients read in one header line (http.client: 65,536)
+
+
+def _damage_header(damage: list[str]) -> str:
+    """``damage`` as a JSON array (ASCII) of at most :data:`DAMAGE_HEADER_BYTES_MAX` bytes: past that, the
+    problems that fit and one last line saying how many more the JSON listing has."""
+    text = json.dumps(damage)
+    if len(text) <= DAMAGE_HEADER_BYTES_MAX:
+        return text
+    kept: list[str] = []
+    size = 64  # the brackets and the last line
+    for d in damage:
+        size += len(json.dumps(d)) + 2
+        if size > DAMAGE_HEADER_BYTES_MAX:
+            break
+        kept.append(d)
+    more = len(damage) - len(kept)
+    return json.dumps([*kept, f"and {more} more problems: the listing as application/json has them all"])
 
 
 def _raw_listing(fields: dict[str, Any], mails: list[bytes]) -> web.Response:
