@@ -54,7 +54,9 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from compare_postfix import Sink
+from compare_postfix import Sink, _postfix_master_pid, _tree_cpu_s, ensure_postfix_installed, log
+from compare_postfix import run as run_cmd
+from list_queue import prefill_postfix
 
 from mtaq.testing.prefill import prefill_deferred
 from mtaq.testing.procs import free_port, read_events, start_daemon
@@ -206,6 +208,39 @@ def run(args: argparse.Namespace, work: str) -> dict[str, Any]:
     return res
 
 
+def run_postfix(args: argparse.Namespace) -> dict[str, Any]:
+    """Postfix's side of ``--mode flush``: N deferred messages of the same content (copies of one queue
+    file, ``list_queue.prefill_postfix``), the relayhost switched to a fresh ``smtp-sink -c``, then
+    ``postqueue -f`` timed until the sink has counted N. CPU: Postfix's master and every child it reaped."""
+    n = args.messages
+    t0 = time.monotonic()
+    prefill_postfix(n, message(args.size))
+    res: dict[str, Any] = {"side": "postfix", "mode": "flush", "messages": n, "size": args.size,
+                           "prefill_s": round(time.monotonic() - t0, 2), "load_before": os.getloadavg()[0]}
+    sink = Sink(free_port(), 1024)
+    try:
+        run_cmd(["postconf", "-e", f"relayhost=[127.0.0.1]:{sink.port}"])
+        run_cmd(["postfix", "reload"])
+        master = _postfix_master_pid()
+        cpu0 = _tree_cpu_s(master) if master else 0.0
+        t_go = time.monotonic()
+        run_cmd(["postqueue", "-f"])
+        ok = wait_count(sink, n, args.timeout)
+        t_done = time.monotonic()
+        if master:
+            res["postfix_cpu_s"] = round(_tree_cpu_s(master) - cpu0, 2)
+            res["postfix_cpu_ms_per_msg"] = round(res["postfix_cpu_s"] * 1000 / n, 3)
+        res["delivered"] = sink.count
+        if not ok:
+            res["error"] = f"sink counted {sink.count} of {n} in {args.timeout}s"
+        res["drain_s"] = round(t_done - t_go, 2)
+        res["rate_msg_s"] = round(n / (t_done - t_go), 1)
+    finally:
+        sink.stop()
+        run_cmd(["postsuper", "-d", "ALL"], check=False)
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--messages", type=int, default=20000)
@@ -218,15 +253,39 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-format", default="speedscope")
     ap.add_argument("--py-spy", default="py-spy")
     ap.add_argument("--keep", metavar="DIR")
+    ap.add_argument("--postfix", action="store_true",
+                    help="--mode flush against Postfix's postqueue -f on the same N (needs root), alternating")
+    ap.add_argument("--pairs", type=int, default=1, help="with --postfix: Postfix/mtaq pairs (medians printed)")
     args = ap.parse_args(argv)
+    if args.postfix and args.mode != "flush":
+        ap.error("--postfix compares --mode flush only")
+    if not args.postfix:
+        res = _mtaq_run(args)
+        print(json.dumps(res), flush=True)
+        return 0 if "error" not in res else 1
+    ensure_postfix_installed()
+    runs: dict[str, list[dict[str, Any]]] = {"postfix": [], "mtaq": []}
+    for i in range(args.pairs):
+        for side in ("postfix", "mtaq"):
+            r = run_postfix(args) if side == "postfix" else _mtaq_run(args)
+            log(f"pair {i + 1}/{args.pairs}: {side} {json.dumps(r)}")
+            runs[side].append(r)
+    out: dict[str, Any] = {"bench": "drain", "mode": "flush", "messages": args.messages, "size": args.size,
+                           "workers": args.workers, "pairs": args.pairs, "runs": runs}
+    for side, rs in runs.items():
+        out[f"{side}_rate_msg_s"] = statistics.median(r["rate_msg_s"] for r in rs)
+    out["ratio"] = round(out["mtaq_rate_msg_s"] / out["postfix_rate_msg_s"], 3)
+    print(json.dumps(out), flush=True)
+    return 0 if not any("error" in r for rs in runs.values() for r in rs) else 1
+
+
+def _mtaq_run(args: argparse.Namespace) -> dict[str, Any]:
     work = tempfile.mkdtemp(prefix="mtaq-drain-", dir=args.keep or "/var/tmp")
     try:
-        res = run(args, work)
+        return run(args, work)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    print(json.dumps(res), flush=True)
-    return 0 if "error" not in res else 1
 
 
 if __name__ == "__main__":

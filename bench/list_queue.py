@@ -72,12 +72,13 @@ def _deferred_files() -> list[str]:
     return out
 
 
-def prefill_postfix(n: int, size: int, timeout_s: float = 120.0) -> None:
-    """N deferred messages in Postfix's queue: one sent, the rest copies of its queue file."""
+def prefill_postfix(n: int, content: bytes, timeout_s: float = 120.0) -> None:
+    """N deferred messages of ``content`` in Postfix's queue (running afterwards, its relayhost a closed
+    port, each next attempt a day ahead): one sent, the rest copies of its queue file."""
     run(["postsuper", "-d", "ALL"], check=False)
     dead = free_port()  # nothing listens there: the message is deferred at once
     configure_postfix(free_port(), dead)
-    subprocess.run(["sendmail", "-f", "bench@example.com", "deferred@example.org"], input=_body(size), check=True)
+    subprocess.run(["sendmail", "-f", "bench@example.com", "deferred@example.org"], input=content, check=True)
     deadline = time.monotonic() + timeout_s
     while not _deferred_files():
         if time.monotonic() > deadline:
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_postfix:
         ensure_postfix_installed()
         t = time.monotonic()
-        prefill_postfix(args.messages, args.size)
+        prefill_postfix(args.messages, _body(args.size))
         out["postfix_prefill_s"] = round(time.monotonic() - t, 1)
         out["postfix_version"] = run(["postconf", "-h", "mail_version"]).strip()
     work = tempfile.mkdtemp(prefix="mtaq-list-", dir=args.workdir)
