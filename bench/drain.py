@@ -1,9 +1,10 @@
 """Backlog benchmark: how fast mtaq drains N queued messages into Postfix's ``smtp-sink -c`` (issue 36.1),
 and how long SMTP waits while a bulk action runs over them.
 
-1. Prefill (no SMTP, fast): ``mtaq.testing.prefill.prefill_deferred`` appends N deferred messages
-   (``--size`` bytes, one recipient each) to a fresh spool's log, as the daemon writes them; this is the
-   queue that a next hop that was down while N arrived leaves behind.
+1. Prefill (no SMTP, fast): ``mtaq.testing.prefill.prefill_shards`` appends N deferred messages
+   (``--size`` bytes, one recipient each) to a fresh spool's log, as the daemon writes them, spread over
+   the shards of ``--workers`` as SMTP would spread them (``auto``: one per core); this is the queue that a
+   next hop that was down while N arrived leaves behind.
 2. Start ``smtp-sink -c`` (as ``-u nobody`` when root) and ``mtaq serve`` relaying to it, wait for
    ``recovery_complete``.
 3. By ``--mode``:
@@ -35,6 +36,15 @@ Run from the project root (the same command on each tree, PYTHONPATH set to it):
 
 Options: --messages N (20000), --size BYTES (2048), --mode flush|retry|hold, --workers W (1),
 --timeout S (600), --probe-interval S (0.2), --keep DIR.
+
+``--postfix [--pairs K]`` (``--mode flush`` only, root): Postfix's side of the same drain, alternating,
+Postfix first in each pair: N deferred messages of the same content in Postfix's queue (one sent to a
+closed relayhost, the rest copies of its queue file: ``list_queue.prefill_postfix``), the relayhost
+switched to a fresh ``smtp-sink -c`` and ``postqueue -f`` timed until the sink has counted N. Prints one
+JSON object: every run, ``postfix_rate_msg_s`` and ``mtaq_rate_msg_s`` (medians) and ``ratio`` (mtaq over
+Postfix)::
+
+    PYTHONPATH=$PWD .venv/bin/python bench/drain.py --messages 100000 --mode flush --postfix --pairs 3
 """
 
 from __future__ import annotations
@@ -58,7 +68,8 @@ from compare_postfix import Sink, _postfix_master_pid, _tree_cpu_s, ensure_postf
 from compare_postfix import run as run_cmd
 from list_queue import prefill_postfix
 
-from mtaq.testing.prefill import prefill_deferred
+from mtaq.daemon.workers import auto_workers
+from mtaq.testing.prefill import prefill_shards
 from mtaq.testing.procs import free_port, read_events, start_daemon
 
 SENDER = "bench@source.example"
@@ -142,7 +153,8 @@ def run(args: argparse.Namespace, work: str) -> dict[str, Any]:
     body = message(args.size)
     t0 = time.monotonic()
     due_in = 0.0 if args.mode == "retry" else 86400.0
-    prefill_deferred(spool, n, lambda i: body, sender_of=lambda i: SENDER, age_s=3600, due_in_s=due_in)
+    shards = int(args.workers) if str(args.workers).isdigit() else auto_workers()  # as SMTP would spread them
+    prefill_shards(spool, n, lambda i: body, shards, sender_of=lambda i: SENDER, age_s=3600, due_in_s=due_in)
     res: dict[str, Any] = {"mode": args.mode, "messages": n, "size": args.size, "workers": args.workers,
                            "prefill_s": round(time.monotonic() - t0, 2), "load_before": os.getloadavg()[0]}
     sink = Sink(free_port(), 1024)

@@ -42,9 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from compare_postfix import POSTFIX_SPOOL, configure_postfix, ensure_postfix_installed, free_port, log, run
 
-from mtaq.queue.store import set_queue_id_shard
-from mtaq.storage.shards import shard_dir
-from mtaq.testing.prefill import prefill_deferred
+from mtaq.testing.prefill import prefill_shards
 from mtaq.testing.procs import read_events, start_daemon
 
 
@@ -57,12 +55,7 @@ def _body(size: int) -> bytes:
 def prefill_mtaq(spool: str, n: int, size: int, workers: int) -> None:
     """N deferred messages over the shards of ``workers`` (shard k: queue IDs of shard k)."""
     body = _body(size)
-    for k in range(workers):
-        d = shard_dir(spool, k)
-        os.makedirs(d, exist_ok=True)
-        if workers > 1:
-            set_queue_id_shard(k)  # the IDs a worker of shard k makes
-        prefill_deferred(d, n // workers + (1 if k < n % workers else 0), lambda i: body)
+    prefill_shards(spool, n, lambda i: body, workers)
 
 
 def _deferred_files() -> list[str]:

@@ -20,7 +20,8 @@ from test_runners import Harness, run
 from mtaq.core.frame import scan_segment
 from mtaq.core.records import DataRecord
 from mtaq.core.view import Selector
-from mtaq.testing.prefill import prefill_deferred
+from mtaq.queue.store import queue_id_shard
+from mtaq.testing.prefill import prefill_deferred, prefill_shards
 
 BODY = b"From: <a@example.com>\r\nSubject: page\r\n\r\n" + b"x" * 4000 + b"\r\n"
 
@@ -212,3 +213,24 @@ def test_queue_list_pages_with_limit_and_after_on_the_spool(tmp_path):
     assert (40, every) == (len(every), pages)
     bad = cli("--after", "nonsense")
     assert (1, True) == (bad.returncode, "--after" in bad.stderr)
+
+
+def test_a_queue_prefilled_over_three_shards_lists_whole_offline_in_listing_order(tmp_path):
+    """prefill_shards (the benches' sharded backlog) spreads N messages over SPOOL, SPOOL/shard-1 and
+    SPOOL/shard-2 with IDs of their shard; mtaq queue list --json with no daemon reads every shard and
+    prints all N in listing order, each in the log of the shard its ID names."""
+    spool = str(tmp_path / "spool")
+    prefill_shards(spool, 10, lambda i: BODY + str(i).encode() + b"\r\n", 3, age_s=60)
+    out = subprocess.run([sys.executable, "-m", "mtaq.cli", "queue", "list", "--json", "--spool", spool],
+                         capture_output=True, text=True, timeout=60)
+    assert 0 == out.returncode, out.stderr
+    mails = [json.loads(line) for line in out.stdout.splitlines()]
+    assert 10 == len(mails)
+    keys = [(m["arrival_time"], m["queue_id"]) for m in mails]
+    assert sorted(keys) == keys
+    by_shard = {k: sorted(m["queue_id"] for m in mails if queue_id_shard(m["queue_id"]) == k) for k in range(3)}
+    assert [4, 3, 3] == [len(by_shard[k]) for k in range(3)]
+    for k in range(3):
+        log = (tmp_path / "spool" / (f"shard-{k}" if k else "") / "log").iterdir()
+        text = b"".join(p.read_bytes() for p in log)
+        assert all(q.encode() in text for q in by_shard[k])

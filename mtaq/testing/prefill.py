@@ -11,13 +11,16 @@ import asyncio
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 from mtaq.core.records import DataRecord, EnvelopeRecord, Pos, Recipient
-from mtaq.queue.store import new_queue_id
+from mtaq.queue import store
+from mtaq.queue.store import new_queue_id, set_queue_id_shard
 from mtaq.storage.fs import OsFileSystem
 from mtaq.storage.log import Log
+from mtaq.storage.shards import shard_dir
 
-__all__ = ["prefill_deferred"]
+__all__ = ["prefill_deferred", "prefill_shards"]
 
 
 def prefill_deferred(
@@ -52,3 +55,24 @@ def prefill_deferred(
         return log.end
     finally:
         log.close()
+
+
+def prefill_shards(spool: str, n: int, body_of: Callable[[int], bytes], workers: int, **kwargs: Any) -> None:
+    """:func:`prefill_deferred` over the shards of a spool run by ``workers`` worker processes, as mail
+    received by SMTP spreads over them: shard k (``SPOOL`` itself for 0, ``SPOOL/shard-k`` otherwise) gets
+    every ``workers``-th message, with queue IDs of shard k (:func:`set_queue_id_shard`). ``kwargs`` go to
+    :func:`prefill_deferred`. With one worker, the IDs carry no shard (as a one-worker daemon makes them)."""
+    try:
+        for k in range(workers):
+            d = shard_dir(spool, k)
+            os.makedirs(d, exist_ok=True)
+            if workers > 1:
+                set_queue_id_shard(k)
+            count = n // workers + (1 if k < n % workers else 0)
+            prefill_deferred(d, count, _nth(body_of, workers, k), **kwargs)
+    finally:
+        store._shard = -1  # back to IDs of no shard for whatever this process does next
+
+
+def _nth(body_of: Callable[[int], bytes], step: int, first: int) -> Callable[[int], bytes]:
+    return lambda i: body_of(i * step + first)
