@@ -147,6 +147,22 @@ def wait_count(sink: Sink, n: int, timeout: float) -> bool:
     return True
 
 
+def _tally(res: dict[str, Any], who: str, cpu: float | None, sink: Sink, n: int, ok: bool, t_go: float,
+           timeout: float) -> None:
+    """Into ``res``, now that the sink counted N (``ok``) or the wait timed out: ``WHO_cpu_s`` and
+    ``WHO_cpu_ms_per_msg`` (when ``cpu`` is known), ``delivered``, ``drain_s`` and ``rate_msg_s`` from
+    ``t_go`` (monotonic), ``error`` when not ``ok``."""
+    t_done = time.monotonic()
+    if cpu is not None:
+        res[f"{who}_cpu_s"] = round(cpu, 2)
+        res[f"{who}_cpu_ms_per_msg"] = round(cpu * 1000 / n, 3)
+    res["delivered"] = sink.count
+    if not ok:
+        res["error"] = f"sink counted {sink.count} of {n} in {timeout}s"
+    res["drain_s"] = round(t_done - t_go, 2)
+    res["rate_msg_s"] = round(n / (t_done - t_go), 1)
+
+
 def run(args: argparse.Namespace, work: str) -> dict[str, Any]:
     spool = os.path.join(work, "spool")
     n = args.messages
@@ -198,16 +214,9 @@ def run(args: argparse.Namespace, work: str) -> dict[str, Any]:
         probed = res["probes"]
         probe = None
         ok = wait_count(sink, n + probed, args.timeout)
-        t_done = time.monotonic()
         # CPU of the daemon for the action and the drain: less at the mercy of a busy machine than the rate.
-        res["daemon_cpu_s"] = round(cpu_s(pids) - cpu0, 2)
-        res["daemon_cpu_ms_per_msg"] = round(res["daemon_cpu_s"] * 1000 / n, 3)
-        res["delivered"] = sink.count
-        if not ok:
-            res["error"] = f"sink counted {sink.count} of {n} (+probes) in {args.timeout}s"
         # The probes are delivered alongside: the backlog's rate counts the N only (they are a few dozen).
-        res["drain_s"] = round(t_done - t_go, 2)
-        res["rate_msg_s"] = round(n / (t_done - t_go), 1)
+        _tally(res, "daemon", cpu_s(pids) - cpu0, sink, n, ok, t_go, args.timeout)
     finally:
         if probe is not None:
             probe.stop()
@@ -238,15 +247,7 @@ def run_postfix(args: argparse.Namespace) -> dict[str, Any]:
         t_go = time.monotonic()
         run_cmd(["postqueue", "-f"])
         ok = wait_count(sink, n, args.timeout)
-        t_done = time.monotonic()
-        if master:
-            res["postfix_cpu_s"] = round(_tree_cpu_s(master) - cpu0, 2)
-            res["postfix_cpu_ms_per_msg"] = round(res["postfix_cpu_s"] * 1000 / n, 3)
-        res["delivered"] = sink.count
-        if not ok:
-            res["error"] = f"sink counted {sink.count} of {n} in {args.timeout}s"
-        res["drain_s"] = round(t_done - t_go, 2)
-        res["rate_msg_s"] = round(n / (t_done - t_go), 1)
+        _tally(res, "postfix", _tree_cpu_s(master) - cpu0 if master else None, sink, n, ok, t_go, args.timeout)
     finally:
         sink.stop()
         run_cmd(["postsuper", "-d", "ALL"], check=False)
