@@ -132,7 +132,20 @@ SPEC: dict[str, Any] = {
                        "paging is on exactly one page, whatever is added or removed meanwhile", _STR),
                 ],
                 "responses": {
-                    "200": {"description": "The listing", "content": _json_content(_ref("Listing"))},
+                    "200": {
+                        "description": "The listing; with Accept: application/x-ndjson the mails alone, one "
+                                       "JSON object (a Mail) a line, and the rest in the headers",
+                        "content": {**_json_content(_ref("Listing")), "application/x-ndjson": {"schema": _STR}},
+                        "headers": {
+                            "X-Mtaq-Position": {"description": "x-ndjson: the log position the listing is "
+                                                               "consistent as of", "schema": _STR},
+                            "X-Mtaq-Count": {"description": "x-ndjson: the number of lines", "schema": _STR},
+                            "X-Mtaq-Next": {"description": "x-ndjson: the cursor of the next page (absent "
+                                                           "after the last)", "schema": _STR},
+                            "X-Mtaq-Damage": {"description": "x-ndjson: problems met in the log, a JSON array "
+                                                             "of strings (at most 8 KiB)", "schema": _STR},
+                        },
+                    },
                     **_ERRORS,
                     "404": _NOT_FOUND,
                 },
