@@ -6,8 +6,8 @@ on the time-to-deliver bounds) are split into 1-4 groups, every row of a queue I
 source's tasks and Spark's partitions split them. Two properties:
 
 * ``merge()`` of the groups' ``encode(partials(...))`` rows equals ``merge()`` of one ``partials`` over all
-  rows (one group also through ``partial_rows``, as Spark's ``mapPartitions`` calls it: timestamps as
-  microseconds), for any window and end;
+  rows (one group also through ``rows_table``, as Spark's ``mapPartitions`` hands the rows over: timestamps
+  as microseconds), for any window and end;
 * what ``job._split_parts`` makes of the merged tables equals a plain-Python reference written from the
   Spark SQL the job used before the partials (``git show cd5572e:mtaq/analytics/job.py``: the o_sets and
   m_sets GROUPING SETS and ``_split_sets``, ``deferred_rcpts``, ``reasons``, ``ticks``/``qshape``,
@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from mtaq.analytics.facts import FACT_SCHEMA  # noqa: E402
-from mtaq.analytics.partials import encode, merge, partial_rows, partials  # noqa: E402
+from mtaq.analytics.partials import encode, merge, partials, rows_table  # noqa: E402
 from mtaq.analytics.tables import AGE_BUCKETS_MIN, DELAY_BUCKETS_S, bucket_labels  # noqa: E402
 
 pytest.importorskip("pyspark")  # job.py (its _split_parts) imports pyspark; no session is started
@@ -137,7 +137,7 @@ def all_finished(rows: list[dict[str, Any]], end: int | None) -> bool:
 def cases(draw: Any) -> tuple[list[list[dict[str, Any]]], list[dict[str, Any]], int | None, int | None,
                               int | None, list[int | None], int | None, bool]:
     """(groups, all rows, since, until, end for the whole table, end of each group, the job's end, whether
-    the first group goes through partial_rows)."""
+    the first group goes through rows_table)."""
     rows = draw(fact_rows())
     n = draw(st.integers(1, 4))
     keys = sorted({r.get("queue_id") or f"{r['record_type']}-{i}" for i, r in enumerate(rows)})
@@ -167,12 +167,15 @@ def canonical(parts: dict[str, pa.Table]) -> dict[str, list[str]]:
     return {name: sorted(repr(sorted(r.items())) for r in t.to_pylist()) for name, t in parts.items()}
 
 
-def via_partial_rows(t: pa.Table, since: int | None, until: int | None, end: int | None) -> list[tuple[str, bytes]]:
-    """partial_rows as Spark's mapPartitions calls it: tuples of the fact columns, timestamps as microseconds."""
+def via_rows_table(t: pa.Table, since: int | None, until: int | None, end: int | None) -> list[tuple[str, bytes]]:
+    """The partials of ``t`` handed over as Spark's mapPartitions hands rows to stage_open_rows: tuples of the
+    fact columns, timestamps as microseconds, made a table again by rows_table."""
     names = t.column_names
     cols = [c.cast(pa.int64()) if pa.types.is_timestamp(c.type) else c for c in t.columns]
     tuples = list(zip(*(c.to_pylist() for c in cols), strict=True)) if t.num_rows else []
-    return list(partial_rows(iter(tuples), names, since, until, end))
+    back = rows_table(iter(tuples), names)
+    assert (back is None) == (t.num_rows == 0)
+    return [] if back is None else list(encode(partials(back, since, until, end)))
 
 
 def merged_groups(c: tuple[Any, ...]) -> dict[str, pa.Table]:
@@ -180,7 +183,7 @@ def merged_groups(c: tuple[Any, ...]) -> dict[str, pa.Table]:
     got: list[tuple[str, bytes]] = []
     for i, (g, end) in enumerate(zip(groups, ends, strict=True)):
         if i == 0 and rows_api:
-            got += via_partial_rows(table(g), since, until, end)
+            got += via_rows_table(table(g), since, until, end)
         else:
             got += list(encode(partials(table(g), since, until, end)))
     return merge(got)

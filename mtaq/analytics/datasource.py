@@ -41,8 +41,8 @@ from pyspark.sql import SparkSession
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 from pyspark.sql.types import StructType
 
-from mtaq.analytics.facts import FACT_SPARK_DDL, MESSAGE_COLUMNS, OUTCOME_COLUMNS, fact_batches, fact_table
-from mtaq.analytics.partials import FILE_PARTS, encode, in_window, partials
+from mtaq.analytics.facts import FACT_SPARK_DDL, MESSAGE_COLUMNS, OUTCOME_COLUMNS, fact_batches, fact_table, open_facts
+from mtaq.analytics.partials import FILE_PARTS, encode, in_window, partials, rows_table
 from mtaq.analytics.source import SPARK_DDL, SegmentFile, batches, discover, join_path, plan_partitions, resolve
 
 __all__ = ["MtaqDataSource", "SegmentPartition", "register", "stage_facts", "stage_partitions", "write_staged"]
@@ -136,6 +136,35 @@ def stage_indexed(groups: Iterable[tuple[int, Sequence[SegmentFile]]], stage: st
     for g, files in groups:
         for row in stage_facts(files, stage, until_us, close, since_us):
             yield (g, *row)
+
+
+def stage_open(rows: pa.Table, stage: str, since_us: int | None, until_us: int | None,
+               end_us: int | None) -> Iterator[tuple[str | None, str | None, int | None, str | None, bytes | None]]:
+    """The facts of the messages no task held whole ("open": spread over partitions, or still queued), from
+    *all* their record rows ``rows`` (FACT_SCHEMA; every row of a message here), by the tasks' own definition
+    (:func:`mtaq.analytics.facts.open_facts`), staged and added up as :func:`stage_facts` stages a task's: the
+    same :data:`STAGED_DDL` rows, the messages and outcomes files and the partial tables (with ``end_us``, the
+    job's end, for the queue at the end). The job calls it on the driver when the open rows are few, and in
+    Spark tasks over rows hash-partitioned by queue ID (:func:`stage_open_rows`) when they are many: one
+    definition, run where it is cheapest. Raises OSError or pyarrow errors."""
+    t = open_facts(rows)
+    if t.num_rows == 0:
+        return
+    parts = partials(t, since_us, until_us, end_us)
+    yield from write_staged(t, stage, f"open-{uuid.uuid4().hex}", since_us, until_us,
+                            parts={k: parts.pop(k) for k in FILE_PARTS if k in parts})
+    for part, data in encode(parts):
+        yield None, None, None, part, data
+
+
+def stage_open_rows(rows: Iterable[Sequence[Any]], names: Sequence[str], stage: str, since_us: int | None,
+                    until_us: int | None, end_us: int | None) -> Iterator[tuple[Any, ...]]:
+    """:func:`stage_open` for Spark's ``rdd.mapPartitions`` over record rows partitioned by queue ID: ``rows``
+    are tuples of the FACT_SCHEMA columns ``names``, timestamps as microseconds since the epoch
+    (:func:`mtaq.analytics.partials.rows_table`)."""
+    t = rows_table(rows, names)
+    if t is not None:
+        yield from stage_open(t, stage, since_us, until_us, end_us)
 
 
 def write_staged(table: pa.Table, stage: str, name: str, since_us: int | None, until_us: int | None,

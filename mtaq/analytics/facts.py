@@ -61,7 +61,7 @@ FACT_COLUMNS = [_BY_NAME[n] for n in _RECORD_COLUMNS] + _EXTRA
 FACT_SCHEMA = pa.schema([(n, t) for n, t, _, _ in FACT_COLUMNS])
 FACT_SPARK_DDL = ", ".join(f"{n} {s}" for n, _, s, _ in FACT_COLUMNS)
 # The columns of the job's messages and outcomes tables (OUT/tables/messages, OUT/tables/outcomes): MESSAGE and
-# OUTCOME rows as the data source's tasks stage them, and as Spark merges the other messages.
+# OUTCOME rows as the data source's tasks stage them, and as the merge of the other messages stages them.
 MESSAGE_COLUMNS = ("queue_id", "arrival_ts", "size", "sender", "sender_domain", "bounce_of", "first_seen", "recipients",
                    "attempts", "finish_ts")
 OUTCOME_COLUMNS = ("queue_id", "rcpt_index", "ts", "status", "code", "enhanced", "text", "relay", "segment", "offset",
@@ -95,7 +95,8 @@ def _seconds(later: pa.ChunkedArray, earlier: pa.ChunkedArray) -> pa.ChunkedArra
 
 def _whole(c: pa.Table) -> tuple[pa.Table, pa.Table, pa.Table, pa.Table, pa.Table | None]:
     """(envelope rows, recipients, messages, outcomes, ``expired`` outcomes or None) of the messages whose
-    record rows ``c`` holds, every row of each (job.py's ``_merge_open`` definitions, value for value).
+    record rows ``c`` holds, every row of each: the one definition of the facts, for the messages a task closes and for those merged
+    later (:func:`open_facts`).
 
     Messages: one per queue ID with an envelope row: arrival (earliest), size (largest), ts (latest of any
     record), sender, sender_domain, bounce_of, recipients, attempts (START rows), finish_ts (latest FINISH,
@@ -213,8 +214,9 @@ def facts_of(t: pa.Table, until: pa.Scalar | None = None, *, close: bool = True)
 
 def open_facts(t: pa.Table) -> pa.Table:
     """The facts (FACT_SCHEMA) of the messages no task closed, from *all* their record rows ``t`` (ENVELOPE,
-    START, DELIVERY and FINISH rows gathered from every partition; other rows are ignored): what job.py's
-    Spark merge (``_merge_open``) computes, for the driver when those rows are few. MESSAGE rows for every
+    START, DELIVERY and FINISH rows gathered from every partition, or all of a partition of them by queue ID;
+    other rows are ignored), by the definition the tasks use for the messages they close (``_whole``); the
+    job's only merge of these messages (:func:`mtaq.analytics.datasource.stage_open`). MESSAGE rows for every
     message with an envelope row (``first_seen`` false when its first envelope is not in the log,
     ``finish_ts`` null while it is queued), OUTCOME rows with the ``expired`` ones, and a RCPT row per
     recipient. No FLAGGED rows: the tasks counted these envelopes' outcome-unknown recipients already."""

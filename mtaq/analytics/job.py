@@ -1,8 +1,8 @@
 """The delivery-statistics job: segments in, Parquet tables, ``totals.json`` and a report out (PySpark).
 
 ``analyze(spark, Options)`` reads segments through the ``mtaq`` data source, derives per-message and
-per-recipient facts (in the data source's tasks, and with Spark SQL for messages spread over partitions),
-adds up the small tables' partial aggregates (:mod:`mtaq.analytics.partials`), writes every table as
+per-recipient facts by one definition (:mod:`mtaq.analytics.facts`, pyarrow: in the data source's tasks,
+and for messages spread over partitions on the driver or in Spark tasks over their rows by queue ID), adds up the small tables' partial aggregates (:mod:`mtaq.analytics.partials`), writes every table as
 Parquet under ``OUT/tables/``, and renders
 ``OUT/report.md`` with PNG plots (:mod:`mtaq.analytics.report`). It runs unchanged on ``local[*]`` and
 under ``spark-submit`` on a cluster (``mtaq/analytics/submit.py`` is the entry file).
@@ -53,31 +53,24 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from pyarrow import fs as pafs
 from pyspark import StorageLevel
-from pyspark.sql import Column, DataFrame, SparkSession, Window
+from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from mtaq.analytics import jvm
 from mtaq.analytics import state as state_mod
-from mtaq.analytics.datasource import PARTITION_BYTES_DEFAULT, stage_indexed, write_staged
+from mtaq.analytics.datasource import PARTITION_BYTES_DEFAULT, stage_indexed, stage_open, stage_open_rows
 from mtaq.analytics.facts import (
-    FACT_COLUMNS,
     FACT_SCHEMA,
     FACT_SPARK_DDL,
-    MESSAGE_COLUMNS,
-    OUTCOME_COLUMNS,
     OUTCOME_SPARK_DDL,
-    open_facts,
 )
 from mtaq.analytics.partials import (
     FILE_PARTS,
     RankTarget,
     decode,
-    encode,
     locate_percentiles,
     merge,
     merge_tables,
-    partial_rows,
-    partials,
     rank_value,
 )
 from mtaq.analytics.report import write_report
@@ -87,11 +80,11 @@ from mtaq.analytics.tables import AGE_BUCKETS_MIN, DELAY_BUCKETS_S, Result, buck
 __all__ = ["AGE_BUCKETS_MIN", "DELAY_BUCKETS_S", "Options", "Result", "analyze", "class_archive", "spark_session",
            "stop_session"]
 
-# Record rows per partition of Spark's merge of the open messages (see analyze); its facts go to a Python worker
-# as Row objects (partials.partial_rows), about 1 KB each: this bounds a worker's memory to about 100 MB.
+# Record rows per partition of Spark's merge of the open messages (see analyze); they go to a Python worker
+# as Row objects (partials.rows_table), about 1 KB each: this bounds a worker's memory to about 100 MB.
 MERGE_ROWS_PER_PARTITION = 100_000
-# Open record rows (messages no task held whole) up to which the driver merges them with pyarrow
-# (facts.open_facts) instead of Spark: at 10,000,000 records 42 rows took Spark's merge 6 s of stages.
+# Open record rows (messages no task held whole) up to which the driver merges them (datasource.stage_open)
+# instead of Spark tasks: at 10,000,000 records 42 rows took a Spark merge 6 s of stages.
 DRIVER_MERGE_ROWS_MAX = 100_000
 # Rows of the tasks' senders and recipients partial tables up to which the driver adds them up (pyarrow)
 # instead of Spark; also the most delay values the driver reads back for the percentiles. At 1,000,000
@@ -118,8 +111,8 @@ class Options:
     partition_bytes: int = PARTITION_BYTES_DEFAULT
     plots: bool = True
     parquet_out: str | None = None  # where Spark writes the big tables (a shared URI on a cluster); None: OUT/tables
-    close_messages: bool = True  # False: every message's facts by Spark, none by the data source (tests compare)
-    # Open record rows up to which the driver merges them (pyarrow) instead of Spark; 0: always Spark (tests)
+    close_messages: bool = True  # False: no message closed by the data source's tasks, all merged (tests compare)
+    # Open record rows up to which the driver merges them instead of Spark tasks; 0: always Spark (tests)
     driver_merge_rows: int = DRIVER_MERGE_ROWS_MAX
     # Partial rows of the senders and recipients tables up to which the driver adds them up; 0: always Spark
     driver_table_rows: int = DRIVER_TABLE_ROWS_MAX
@@ -250,19 +243,6 @@ def _worker_python(master: str | None) -> str | None:
     return path
 
 
-def _window(col: Column, since: dt.datetime | None, until: dt.datetime | None) -> Column:
-    cond = col.isNotNull()
-    if since is not None:
-        cond = cond & (col >= F.lit(since))
-    if until is not None:
-        cond = cond & (col < F.lit(until))
-    return cond
-
-
-def _seconds_between(later: Column, earlier: Column) -> Column:
-    return (F.unix_micros(later) - F.unix_micros(earlier)) / F.lit(1e6)
-
-
 def _rows(df: DataFrame) -> list[dict[str, Any]]:
     return [r.asDict(recursive=True) for r in df.collect()]
 
@@ -378,87 +358,6 @@ def _write_table(uri: str, t: pa.Table) -> None:
         pass
 
 
-def _as_facts(df: DataFrame, rtype: str) -> DataFrame:
-    """``df``'s rows as fact rows (FACT_SPARK_DDL columns, in order; missing ones null) of type ``rtype``."""
-    have = set(df.columns)
-    return df.select(*(
-        F.lit(rtype).alias(n) if n == "record_type" else F.col(n).cast(s) if n in have else F.lit(None).cast(s).alias(n)
-        for n, _, s, _ in FACT_COLUMNS))
-
-
-def _merge_open(base: DataFrame, nparts: int) -> tuple[DataFrame, DataFrame, DataFrame, list[DataFrame]]:
-    """The facts of the messages no task closed, from their record rows in ``base``: (messages, outcomes with
-    the ``expired`` ones, recipients, the DataFrames cached for them), as mtaq/analytics/facts.py computes
-    them for closed messages. Every row of a message lands in one of ``nparts`` partitions."""
-    rt = F.col("record_type")
-    env, start, fin = rt == "ENVELOPE", rt == "START", rt == "FINISH"
-    # Record rows hash-partitioned by queue ID once, so that the groupings, joins and the last-outcome window
-    # below need no further shuffle. Strings are grouping keys here, never aggregated: Spark's hash
-    # aggregation keeps only fixed-width buffers, so a max() of a string (or a distinct count, or
-    # collect_set) made it sort every row of every message instead (docs/performance.md). Every envelope of
-    # a message carries the same recipients (index and address), sender and bounce_of (a replacement copies
-    # them), so these groups are one per recipient and one per message.
-    raw = base.filter(rt.isin(*_KEYED)).repartition(nparts, "queue_id").persist(StorageLevel.MEMORY_AND_DISK)
-    rcpts = raw.filter(env).select("queue_id", "rcpt_index", "rcpt_address", "rcpt_domain").distinct()
-    who = raw.filter(env).select("queue_id", "sender", "sender_domain", "bounce_of").distinct()
-    msgs = (
-        raw.filter(rt.isin("ENVELOPE", "START", "FINISH"))
-        .groupBy("queue_id")
-        .agg(
-            F.min(F.when(env, F.col("arrival_ts"))).alias("arrival_ts"),
-            F.max(F.when(env, F.col("size"))).alias("size"),
-            F.max(F.when(env, F.col("generation") == 0)).alias("first_seen"),
-            F.count(F.when(start, 1)).alias("attempts"),
-            F.max(F.when(fin, F.col("ts"))).alias("finish_ts"),
-            F.count(F.when(env, 1)).alias("_envelope_rows"),
-        )
-        .filter(F.col("_envelope_rows") > 0)
-        .drop("_envelope_rows")
-        .join(who.hint("shuffle_hash"), "queue_id", "left")
-        .join(rcpts.groupBy("queue_id").agg(F.count("*").alias("recipients")).hint("shuffle_hash"), "queue_id", "left")
-        .select(*MESSAGE_COLUMNS)
-    )
-    outcomes = (
-        raw.filter(rt == "DELIVERY")
-        .select("queue_id", "rcpt_index", "ts", "status", "code", "enhanced", "text", "relay", "segment", "offset")
-        .join(rcpts.hint("shuffle_hash"), ["queue_id", "rcpt_index"], "left")
-        .join(msgs.select("queue_id", "arrival_ts", "size", "sender", "bounce_of", "finish_ts").hint("shuffle_hash"),
-              "queue_id", "left")
-        .withColumn("delay_s", _seconds_between(F.col("ts"), F.col("arrival_ts")))
-    )
-    last = Window.partitionBy("queue_id", "rcpt_index").orderBy(F.desc("ts"), F.desc("segment"), F.desc("offset"))
-    expired = (
-        outcomes.withColumn("rn", F.row_number().over(last))
-        .filter((F.col("rn") == 1) & (F.col("status") == "deferred") & F.col("finish_ts").isNotNull()
-                & (F.col("finish_ts") >= F.col("ts")))
-        .select(
-            "queue_id", "rcpt_index", F.col("finish_ts").alias("ts"), F.lit("expired").alias("status"),
-            F.lit(None).cast("int").alias("code"), F.lit("4.4.7").alias("enhanced"),
-            F.concat(F.lit("queue lifetime exceeded; last reply: "), F.col("text")).alias("text"), "relay",
-            "segment", "offset", "rcpt_address", "rcpt_domain", "arrival_ts", "size", "sender", "bounce_of",
-            "finish_ts", _seconds_between(F.col("finish_ts"), F.col("arrival_ts")).alias("delay_s"),
-        )
-    )
-    # Only what Spark merged is cached (few rows); the facts the tasks computed are read from the staged
-    # Parquet by each query, the columns it needs. Caching all of them again (4 million outcomes at 10
-    # million records) cost 20 s of JVM CPU for a copy of what is on disk.
-    msgs = msgs.persist(StorageLevel.MEMORY_AND_DISK)
-    merged = outcomes.unionByName(expired).select(*OUTCOME_COLUMNS).persist(StorageLevel.MEMORY_AND_DISK)
-    return msgs, merged, rcpts, [raw, msgs, merged]
-
-
-def _bucket_label(bounds: Sequence[int], unit: str, value: Column) -> Column:
-    expr = F.lit(f">{bounds[-1]}{unit}")
-    lo = 0
-    labels = []
-    for b in bounds:
-        labels.append((b, f"{lo}-{b}{unit}"))
-        lo = b
-    for b, label in reversed(labels):
-        expr = F.when(value < b, F.lit(label)).otherwise(expr)
-    return expr
-
-
 _KEYED = ("ENVELOPE", "START", "DELIVERY", "FINISH")
 
 
@@ -529,9 +428,9 @@ def analyze(spark: SparkSession, opts: Options) -> Result:
     (:mod:`mtaq.analytics.partials`), and writes the facts as Parquet under ``BIG/_facts-RANDOM`` (BIG is
     ``parquet_out`` or ``OUT/tables``; removed at the end, also when the job fails): the messages, the
     outcomes by date, and the other rows. The record rows of the other messages are merged into the same
-    facts and partials: on the driver by pyarrow when they are few (``driver_merge_rows``: read back from
-    the staged files, :func:`mtaq.analytics.facts.open_facts`, staged like a task's), else hash-partitioned
-    by queue ID and merged by Spark (groupings, joins, the last-outcome window). The driver adds the
+    facts and partials by the same definition (:func:`mtaq.analytics.datasource.stage_open`, staged like a
+    task's): on the driver when they are few (``driver_merge_rows``: read back from the staged files), else
+    in Spark tasks over the rows hash-partitioned by queue ID. The driver adds the
     partials up and finds the percentiles in their delay buckets (Spark reads back the values of a bucket
     only when a rank falls inside one of several values); Spark computes the senders and recipients
     tables; the staged messages and outcomes files are moved into those tables as they are.
@@ -613,58 +512,49 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
         end_value = end_value.replace(tzinfo=dt.UTC)  # _pylist's naive UTC
     age_labels = bucket_labels(AGE_BUCKETS_MIN, "m")
     cached: list[DataFrame] = []
-    open_msgs: DataFrame | None = None
     since_us, until_us = (None if x is None else _micros(x) for x in (since, until))
     end_us = None if end_value is None else _micros(end_value)
     published = [(x["table"], x["path"]) for x in staged
                  if x["path"] is not None and x["table"] not in ("facts", *FILE_PARTS)]
-    on_driver = 0 < inventory["open_rows"] <= opts.driver_merge_rows
-    if on_driver:
-        # Few messages no task held whole: their record rows read back from the staged facts files and merged
-        # here, by the same definitions as the tasks' (facts.open_facts), staged and added like a task's.
-        t = open_facts(_read_open_rows(files.get("facts", [])))
-        got_parts = partials(t, since_us, until_us, end_us)
-        file_parts = {k: got_parts.pop(k) for k in FILE_PARTS if k in got_parts}
-        part_rows += list(encode(got_parts))
-        more = list(write_staged(t, stage, f"open-{uuid.uuid4().hex}", since_us, until_us, parts=file_parts))
-        for kind, path, nrows, _, _ in more:
-            files.setdefault(kind.split("/")[0], []).append(path)
-            if kind in ("senders", "recipients"):
-                table_rows += nrows
-            elif kind not in FILE_PARTS:
-                published.append((kind, path))
-        rt = t["record_type"]
-        say(f"per message and per recipient facts: {pc.sum(pc.equal(rt, 'OUTCOME')).as_py() or 0} outcomes and "
-            f"{pc.sum(pc.equal(rt, 'MESSAGE')).as_py() or 0} messages merged on the driver")
-    # The tables with a row per sender and per recipient (and the percentiles' read-back) from the tasks'
-    # partial tables: added up on the driver (pyarrow) when they are few and no Spark merge of open messages
-    # ran, else by Spark.
-    spark_merge = bool(inventory["open_rows"]) and not on_driver
-    tables_on_driver = not spark_merge and table_rows <= opts.driver_table_rows
-    open_window: DataFrame | None = None  # the outcomes in the window of the messages Spark merged
-    if spark_merge:
-        base = _read(spark, files.get("facts", []), FACT_SPARK_DDL)
-        # Messages no task held whole (spread over partitions, or still queued): their record rows merged by
-        # Spark into the same facts, then the same partial aggregates as the tasks'.
-        # Partitions by the rows to merge, not by the log's size: at 10,000,000 records 42 rows were merged in
-        # 45 partitions a stage (one per 32 MB of segments), 10 s of task overhead on two cores.
-        nparts = -(-inventory["open_rows"] // MERGE_ROWS_PER_PARTITION)
-        open_msgs, merged, open_rcpts, merge_cached = _merge_open(base, nparts)
-        cached += merge_cached
-        open_delivered = merged.filter(_window(F.col("ts"), since, until) & (F.col("status") == "delivered"))
-        open_window = merged.filter(_window(F.col("ts"), since, until))
-        facts = _as_facts(open_msgs, "MESSAGE").unionByName(_as_facts(merged, "OUTCOME")).unionByName(
-            _as_facts(open_rcpts, "RCPT")).repartition(nparts, "queue_id")
-        names = facts.columns
-        facts = facts.select(*(F.unix_micros(F.col(f.name)).alias(f.name) if f.dataType.typeName() == "timestamp"
-                               else F.col(f.name) for f in facts.schema.fields))
-        got_open = facts.rdd.mapPartitions(partial(partial_rows, names=names, since_us=since_us, until_us=until_us,
-                                                   end_us=end_us, without=("senders", "recipients"))).collect()
-        part_rows += [(name, bytes(data)) for name, data in got_open]
-        [spread] = _pylist(merge([(name, data) for name, data in got_open if name == "inventory"])["inventory"]) or [
+    if inventory["open_rows"]:
+        # Messages no task held whole (spread over partitions, or still queued): their record rows merged into
+        # facts by the tasks' own definition (datasource.stage_open, facts.open_facts), staged and added up like
+        # a task's: on the driver when they are few (at 10,000,000 records 42 rows, which a Spark stage took
+        # 6 s to merge), else in Spark tasks over the rows hash-partitioned by queue ID.
+        if inventory["open_rows"] <= opts.driver_merge_rows:
+            got_open = list(stage_open(_read_open_rows(files.get("facts", [])), stage, since_us, until_us, end_us))
+            where = "on the driver"
+        else:
+            # Partitions by the rows to merge, not by the log's size (one per 32 MB of segments would be 45 at
+            # 10,000,000 records, each a task of overhead); timestamps as microseconds, so that no executor's
+            # time zone comes into it.
+            nparts = -(-inventory["open_rows"] // MERGE_ROWS_PER_PARTITION)
+            keyed = _read(spark, files.get("facts", []), FACT_SPARK_DDL).filter(
+                F.col("record_type").isin(*_KEYED)).repartition(nparts, "queue_id")
+            names = keyed.columns
+            keyed = keyed.select(*(F.unix_micros(F.col(f.name)).alias(f.name) if f.dataType.typeName() == "timestamp"
+                                   else F.col(f.name) for f in keyed.schema.fields))
+            got_open = keyed.rdd.mapPartitions(partial(stage_open_rows, names=names, stage=stage, since_us=since_us,
+                                                       until_us=until_us, end_us=end_us)).collect()
+            where = "by Spark"
+        open_parts: list[tuple[str, bytes]] = []
+        for kind, path, nrows, part, data in got_open:  # stage_open's rows, as the tasks' (STAGED_DDL)
+            if part is not None and data is not None:
+                open_parts.append((part, bytes(data)))
+            elif kind is not None and path is not None:
+                files.setdefault(kind.split("/")[0], []).append(path)
+                if kind in ("senders", "recipients"):
+                    table_rows += nrows or 0
+                elif kind not in FILE_PARTS:
+                    published.append((kind, path))
+        part_rows += open_parts
+        [spread] = _pylist(merge([x for x in open_parts if x[0] == "inventory"])["inventory"]) or [
             {"outcomes": 0, "messages": 0}]
         say(f"per message and per recipient facts: {spread['outcomes']} outcomes and {spread['messages']} messages "
-            "merged by Spark")
+            f"merged {where}")
+    # The tables with a row per sender and per recipient (and the percentiles' read-back) from the partial
+    # tables staged in files: added up on the driver (pyarrow) when they are few, else by Spark.
+    tables_on_driver = table_rows <= opts.driver_table_rows
     # The percentile buckets: the tasks' files, and what the merge of the open messages added, merged a few
     # at a time, so that the driver holds the merged buckets, not every task's.
     p_bucket = _merge_p_bucket(files.get("p_bucket", []), [decode(data) for name, data in part_rows if name == "p_bucket"])
@@ -674,9 +564,7 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
 
     def delays() -> DataFrame:
         """The delivered outcomes in the window (domain, delay_s), for Spark's percentile read-back."""
-        oe = _read(spark, files.get("outcomes", []), OUTCOME_SPARK_DDL)  # the tasks' files: in the window already
-        if open_window is not None:
-            oe = oe.unionByName(open_window)
+        oe = _read(spark, files.get("outcomes", []), OUTCOME_SPARK_DDL)  # the staged files: in the window already
         return oe.filter(F.col("status") == "delivered").select(
             F.coalesce(F.col("rcpt_domain"), F.lit("?")).alias("domain"), "delay_s")
 
@@ -695,16 +583,9 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
         percentiles = _percentiles(p_bucket, delays, outcome_paths=files.get("outcomes", []),
                                    driver_rows=opts.driver_table_rows)
     else:
-        # Spark adds up the tasks' partial tables, and those of the messages Spark merged.
+        # Spark adds up the staged partial tables (the tasks' and the open messages').
         senders = _read(spark, files.get("senders", []), _ddl(SENDER_SCHEMA))
         recipients = _read(spark, files.get("recipients", []), _ddl(RECIPIENT_SCHEMA))
-        if open_msgs is not None:
-            received = open_msgs.filter(F.col("first_seen") & (F.col("bounce_of") == "")
-                                        & _window(F.col("arrival_ts"), since, until))
-            senders = senders.unionByName(received.groupBy("sender", "sender_domain").agg(
-                F.count("*").alias("messages"), F.sum("size").alias("bytes")))
-            recipients = recipients.unionByName(open_delivered.groupBy("rcpt_address", "rcpt_domain").agg(
-                F.count("*").alias("delivered"), F.sum("size").alias("bytes")))
         senders = senders.groupBy("sender", "sender_domain").agg(
             F.coalesce(F.sum("messages"), F.lit(0)).alias("messages"), F.sum("bytes").alias("bytes"))
         recipients = recipients.groupBy("rcpt_address", "rcpt_domain").agg(
@@ -836,8 +717,7 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
         recipients.write.mode("overwrite").parquet(join_path(big, "recipients"))
     # The outcomes (by date) and messages the tasks staged become those tables' files as they are, moved
     # (no second copy by Spark); Spark appends what it merged.
-    _publish(spark, big, published, open_outcomes=None if open_msgs is None else merged.filter(_window(F.col("ts"), since, until)),
-             open_msgs=open_msgs)
+    _publish(big, published)
     os.makedirs(opts.out, exist_ok=True)
     with open(os.path.join(opts.out, "totals.json"), "w", encoding="utf-8") as f:
         json.dump(totals, f, indent=2, default=str)
@@ -1002,13 +882,12 @@ def _read(spark: SparkSession, paths: Sequence[str], ddl: str) -> DataFrame:
     return spark.read.schema(ddl).parquet(*paths)
 
 
-def _publish(spark: SparkSession, big: str, staged: Sequence[tuple[str, str]], open_outcomes: DataFrame | None,
-             open_msgs: DataFrame | None) -> None:
+def _publish(big: str, staged: Sequence[tuple[str, str]]) -> None:
     """Make ``big/outcomes`` (by ``date=YYYY-MM-DD``) and ``big/messages`` hold exactly the staged files
-    (``(table, file)``, table ``outcomes/date=...`` or ``messages``) and the rows Spark merged: what was there
-    is removed first (as Spark's overwrite would), the staged files are moved in under their own names, Spark
-    appends its rows, and an empty ``_SUCCESS`` marks each table complete as Spark's writer would, last.
-    ``big`` is absolute (or a URI), so that Spark and pyarrow name the same directory."""
+    (``(table, file)``, table ``outcomes/date=...`` or ``messages``): what was there is removed first (as
+    Spark's overwrite would), the staged files are moved in under their own names, and an empty ``_SUCCESS``
+    marks each table complete as Spark's writer would, last. ``big`` is absolute (or a URI), so that Spark
+    and pyarrow name the same directory."""
     for name in ("outcomes", "messages"):
         fs, inner, _ = resolve(join_path(big, name))
         if fs.get_file_info(inner).type != pafs.FileType.NotFound:
@@ -1018,19 +897,11 @@ def _publish(spark: SparkSession, big: str, staged: Sequence[tuple[str, str]], o
         dst = resolve(join_path(join_path(big, table), path.split("?")[0].rsplit("/", 1)[-1]))[1]
         fs.create_dir(dst.rsplit("/", 1)[0], recursive=True)
         fs.move(src, dst)
-    # Spark's append last: its writer marks the table complete (_SUCCESS) when it is done, so a table is
-    # never marked complete before every staged file is in it.
-    if open_outcomes is not None and open_msgs is not None:
-        spark.conf.set("spark.sql.optimizer.plannedWrite.enabled", "false")  # by date without a sort first
-        open_outcomes.withColumn("date", F.to_date("ts")).write.mode("append").partitionBy("date").parquet(
-            f"{big}/outcomes")
-        open_msgs.write.mode("append").parquet(f"{big}/messages")
     for name in ("outcomes", "messages"):
         fs, inner, _ = resolve(join_path(join_path(big, name), "_SUCCESS"))
         fs.create_dir(inner.rsplit("/", 1)[0], recursive=True)
-        if fs.get_file_info(inner).type == pafs.FileType.NotFound:
-            with fs.open_output_stream(inner):
-                pass
+        with fs.open_output_stream(inner):
+            pass
 
 
 def _split_parts(parts: dict[str, pa.Table], percentiles: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:

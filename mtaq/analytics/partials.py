@@ -63,8 +63,8 @@ import pyarrow.compute as pc
 from mtaq.analytics.tables import AGE_BUCKETS_MIN, DELAY_BUCKETS_S, bucket_labels
 from mtaq.core.bounce_class import Rules, classify, default_rules
 
-__all__ = ["FILE_PARTS", "PARTS", "RankTarget", "decode", "delay_key", "encode", "in_window", "locate_percentiles", "merge", "merge_tables", "partial_rows",
-           "partials", "rank_value"]
+__all__ = ["FILE_PARTS", "PARTS", "RankTarget", "decode", "delay_key", "encode", "in_window", "locate_percentiles", "merge", "merge_tables",
+           "partials", "rank_value", "rows_table"]
 
 _TS = pa.timestamp("us", tz="UTC")
 _HOUR_US = 3_600_000_000
@@ -149,7 +149,7 @@ def _group(t: pa.Table, keys: Sequence[str], sums: Sequence[str] = (), maxs: Seq
 def partials(t: pa.Table, since_us: int | None, until_us: int | None, end_us: int | None) -> dict[str, pa.Table]:
     """The partial tables (``PARTS``) of the fact rows ``t`` (:data:`mtaq.analytics.facts.FACT_SCHEMA`): its
     MESSAGE, OUTCOME and RCPT rows (facts of whole messages), SEGMENT, PROBLEM and ENVELOPE/FLAGGED rows
-    (inventory and side rows) and the other record rows (counted only: Spark merges them).
+    (inventory and side rows) and the other record rows (counted only: the job merges them later).
 
     ``since_us``/``until_us``: the job's window (microseconds since the epoch, UTC; None: unbounded).
     ``end_us``: the job's end (``until``, or the latest record time of the whole log); None means that every
@@ -444,28 +444,21 @@ def decode(data: bytes) -> pa.Table:
     return pa.ipc.open_stream(pa.py_buffer(data)).read_all()
 
 
-def partial_rows(rows: Iterable[Sequence[Any]], names: Sequence[str], since_us: int | None, until_us: int | None,
-                 end_us: int | None, without: Sequence[str] = ()) -> Iterator[tuple[str, bytes]]:
-    """For Spark's ``rdd.mapPartitions`` over fact rows partitioned by queue ID (every row of a message in one
-    partition): the partial tables of the partition as (part, data). ``rows`` are tuples of the columns
-    ``names`` of :data:`mtaq.analytics.facts.FACT_SCHEMA`, timestamps as microseconds since the epoch (so
-    that no time zone of an executor comes into it). A Python row API rather than ``mapInArrow``, which needs
-    pandas on the driver and every executor; the rows here are only those of the messages no task closed.
-    ``without``: parts not to compute (the job adds up the senders and recipients of these messages in Spark)."""
+def rows_table(rows: Iterable[Sequence[Any]], names: Sequence[str]) -> pa.Table | None:
+    """Spark rows as a FACT_SCHEMA table (None: no rows): ``rows`` are tuples of the columns ``names`` of
+    :data:`mtaq.analytics.facts.FACT_SCHEMA`, timestamps as microseconds since the epoch (so that no time zone
+    of an executor comes into it). A Python row API rather than ``mapInArrow``, which needs pandas on the
+    driver and every executor; the rows here are only those of the messages no task closed."""
     got = list(rows)
     if not got:
-        return
+        return None
     from mtaq.analytics.facts import FACT_SCHEMA
 
-    cols = list(zip(*got, strict=True))
     arrays = []
-    for name, values in zip(names, cols, strict=True):
+    for name, values in zip(names, zip(*got, strict=True), strict=True):
         typ = FACT_SCHEMA.field(name).type
         arrays.append(pa.array(values, pa.int64()).cast(typ) if pa.types.is_timestamp(typ) else pa.array(values, typ))
-    parts = partials(pa.Table.from_arrays(arrays, names=list(names)), since_us, until_us, end_us)
-    for name in without:
-        parts.pop(name, None)
-    yield from encode(parts)
+    return pa.Table.from_arrays(arrays, names=list(names))
 
 
 def merge(rows: Iterable[tuple[str, bytes]]) -> dict[str, pa.Table]:
