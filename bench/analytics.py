@@ -198,6 +198,9 @@ def main() -> int:
                          "(mtaq/analytics/jvm.py)")
     ap.add_argument("--without-archive", action="store_true",
                     help=f"also time a fresh-process job with the class archive off ({'MTAQ_SPARK_CLASS_ARCHIVE'}=off)")
+    ap.add_argument("--all-open", action="store_true",
+                    help="also time the job with every message merged by Spark tasks (close_messages=False, "
+                         "driver_merge_rows=0): the merge of the open messages at its largest (issue 38.5)")
     ap.add_argument("--incremental", metavar="M", type=int,
                     help="only the incremental cost: --records N analysed with --state, M new records appended, "
                          "then `mtaq analyze --state` (fresh process) against a fresh run over M records alone, "
@@ -239,6 +242,14 @@ def main() -> int:
     res = analyze(spark, Options(paths=[spool], out=os.path.join(args.dir, "out"),
                                  progress=lambda m: print(f"  {time.monotonic() - t:7.1f} s {m}", file=sys.stderr)))
     job_s = time.monotonic() - t
+    all_open_s = None
+    if args.all_open:
+        t = time.monotonic()
+        every = analyze(spark, Options(paths=[spool], out=os.path.join(args.dir, "out-all-open"), close_messages=False,
+                                       driver_merge_rows=0, plots=False))
+        all_open_s = time.monotonic() - t
+        if every.totals != {**res.totals}:
+            raise SystemExit("bench/analytics.py: --all-open totals differ from the job's")
     session_archive = class_archive(spark)
     stop_session(spark)  # the first run on a machine writes the class archive here
     cold_s = None
@@ -303,6 +314,7 @@ def main() -> int:
         "class_archive": session_archive,
         "spark_scan": rates(scan_s),
         "spark_job": rates(job_s),
+        "spark_job_all_open": None if all_open_s is None else rates(all_open_s),
         "spark_job_cold_process": ({**rates(cold_s), "runs_s": [round(x, 2) for x in cold_runs],
                                     "class_archive": archive_state} if cold_s is not None else None),
         "spark_job_cold_first_run_s": None if first_run_s is None else round(first_run_s, 2),

@@ -570,8 +570,8 @@ def test_percentiles_inside_a_bucket_are_read_back_by_spark(spark):
 
     from test_analytics_percentiles import outcome_table  # tests/ is on sys.path (pytest, rootdir mode prepend)
 
-    from mtaq.analytics.job import PERCENTILES, _percentiles
     from mtaq.analytics.partials import encode, locate_percentiles, merge, partials
+    from mtaq.analytics.percentiles import PERCENTILES, find_percentiles
     from mtaq.analytics.plain import nearest_rank
 
     rnd = random.Random(5)
@@ -580,7 +580,7 @@ def test_percentiles_inside_a_bucket_are_read_back_by_spark(spark):
     p_bucket = merge(encode(partials(outcome_table(rows), None, None, None)))["p_bucket"]
     assert locate_percentiles(p_bucket, PERCENTILES)[1], "some rank falls inside a bucket of several values"
     delays = spark.createDataFrame([(d or "?", us / 1e6) for d, us, _ in rows], "domain string, delay_s double")
-    got = {r["domain"]: r["p"] for r in _percentiles(p_bucket, delays)}
+    got = {r["domain"]: r["p"] for r in find_percentiles(p_bucket, delays)}
     want = {None: [nearest_rank(sorted(us / 1e6 for _, us, _ in rows), p) for p in PERCENTILES]}
     for dom in ("a.example", "b.example", "?"):
         want[dom] = [nearest_rank(sorted(us / 1e6 for d, us, _ in rows if (d or "?") == dom), p) for p in PERCENTILES]

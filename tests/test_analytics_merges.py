@@ -1,4 +1,4 @@
-"""The merge of the open messages on the driver (facts.open_facts) against Spark's (job._merge_open), on a log
+"""The merge of the open messages on the driver against Spark's (datasource.stage_open, in both), on a log
 made to be awkward: messages spread over many small partitions, a message whose first envelope is not in the
 log (first_seen false), outcomes of a message with no envelope, negative and zero delays, expired and still
 queued recipients, a domain literally named '?', an address without a domain, delays microseconds apart (one
@@ -145,8 +145,8 @@ def test_percentile_read_back_with_negative_delays_repeats_and_odd_domains(spark
     equal to the plain nearest rank. Outcomes not delivered, in the files among them, are not counted."""
     from test_analytics_percentiles import outcome_table
 
-    from mtaq.analytics.job import PERCENTILES, _percentiles
     from mtaq.analytics.partials import encode, locate_percentiles, merge, partials
+    from mtaq.analytics.percentiles import PERCENTILES, find_percentiles
     from mtaq.analytics.plain import nearest_rank
 
     rnd = random.Random(11)
@@ -157,7 +157,7 @@ def test_percentile_read_back_with_negative_delays_repeats_and_odd_domains(spark
     p_bucket = merge(parts)["p_bucket"]
     assert locate_percentiles(p_bucket, PERCENTILES)[1]
     delays = spark.createDataFrame([(d or "?", us / 1e6) for d, us, _ in rows], "domain string, delay_s double")
-    got = {r["domain"]: r["p"] for r in _percentiles(p_bucket, delays)}
+    got = {r["domain"]: r["p"] for r in find_percentiles(p_bucket, delays)}
     want = {None: [nearest_rank(sorted(us / 1e6 for _, us, _ in rows), p) for p in PERCENTILES]}
     for dom in ("a.example", "?"):
         want[dom] = [nearest_rank(sorted(us / 1e6 for d, us, _ in rows if (d or "?") == dom), p) for p in PERCENTILES]
@@ -182,7 +182,7 @@ def test_percentile_read_back_with_negative_delays_repeats_and_odd_domains(spark
     def spark_must_not(*_a):
         raise AssertionError("the driver's read-back was to be used")
 
-    assert want == {r["domain"]: r["p"] for r in _percentiles(p_bucket, spark_must_not, outcome_paths=paths,
+    assert want == {r["domain"]: r["p"] for r in find_percentiles(p_bucket, spark_must_not, outcome_paths=paths,
                                                               driver_rows=len(rows))}
     called = []
 
@@ -191,5 +191,5 @@ def test_percentile_read_back_with_negative_delays_repeats_and_odd_domains(spark
         return delays
 
     # more distinct values in the buckets than the driver may hold: Spark's turn, midway, with the same result
-    assert want == {r["domain"]: r["p"] for r in _percentiles(p_bucket, by_spark, outcome_paths=paths, driver_rows=5)}
+    assert want == {r["domain"]: r["p"] for r in find_percentiles(p_bucket, by_spark, outcome_paths=paths, driver_rows=5)}
     assert called == [True]

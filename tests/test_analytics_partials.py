@@ -8,7 +8,7 @@ source's tasks and Spark's partitions split them. Two properties:
 * ``merge()`` of the groups' ``encode(partials(...))`` rows equals ``merge()`` of one ``partials`` over all
   rows (one group also through ``rows_table``, as Spark's ``mapPartitions`` hands the rows over: timestamps
   as microseconds), for any window and end;
-* what ``job._split_parts`` makes of the merged tables equals a plain-Python reference written from the
+* what ``summary.split_parts`` makes of the merged tables equals a plain-Python reference written from the
   Spark SQL the job used before the partials (``git show cd5572e:mtaq/analytics/job.py``: the o_sets and
   m_sets GROUPING SETS and ``_split_sets``, ``deferred_rcpts``, ``reasons``, ``ticks``/``qshape``,
   ``pending``/``qshape_now``, ``side``, ``_bucket_label``), with Spark's null rules (a sum of nulls is null,
@@ -34,8 +34,8 @@ from mtaq.analytics.facts import FACT_SCHEMA  # noqa: E402
 from mtaq.analytics.partials import encode, merge, partials, rows_table  # noqa: E402
 from mtaq.analytics.tables import AGE_BUCKETS_MIN, DELAY_BUCKETS_S, bucket_labels  # noqa: E402
 
-pytest.importorskip("pyspark")  # job.py (its _split_parts) imports pyspark; no session is started
-from mtaq.analytics.job import _split_parts  # noqa: E402
+pytest.importorskip("pyspark")  # summary.py imports staging.py, which imports pyspark; no session is started
+from mtaq.analytics.summary import split_parts  # noqa: E402
 
 S = 1_000_000
 MIN = 60 * S
@@ -380,7 +380,7 @@ def job_totals(o: dict[str, Any]) -> dict[str, Any]:
 
 
 def report_of(split: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    """job._split_parts' rows in the reference's shape (what the job's totals and tables take from them)."""
+    """summary.split_parts' rows in the reference's shape (what the job's totals and tables take from them)."""
     keys = ("delivered", "bytes_delivered", "deferrals", "bounced", "expired", "delay_mean_s", "delay_max_s")
     [o] = split["totals_o"]
     [r] = split["totals_r"]
@@ -423,7 +423,7 @@ TABLES = ("totals_o", "domains", "delays", "hourly", "deferred_rcpts", "reasons"
 @given(c=cases())
 def test_merged_tables_follow_the_old_spark_definitions(name, c):
     _, rows, since, until, _, _, end, _ = c
-    got = report_of(_split_parts(merged_groups(c), []))[name]
+    got = report_of(split_parts(merged_groups(c), []))[name]
     want = reference(rows, since, until, end)[name]
     assert same(got, want), (got, want)
 

@@ -1,0 +1,135 @@
+"""The SparkSession of ``mtaq analyze``: its start (the driver JVM's class archive, :mod:`mtaq.analytics.jvm`),
+its settings for a small job on a few cores, the Python its workers run, and its stop (issue 38, item 5: the
+job split by concern)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+from pyspark.sql import SparkSession
+
+from mtaq.analytics import jvm
+
+__all__ = ["class_archive", "spark_session", "stop_session"]
+
+_STARTS: dict[int, jvm.JvmStart] = {}  # how each session's driver JVM started, by id(session)
+
+
+def spark_session(master: str | None = None, conf: Sequence[tuple[str, str]] = (), app: str = "mtaq analyze",
+                  short_lived: bool = True) -> SparkSession:
+    """A SparkSession in UTC. ``master`` None means ``local[*]``, except under ``spark-submit`` (its own).
+    ``short_lived``: the driver JVM compiles with C1 only (:mod:`mtaq.analytics.jvm`): right for one job
+    of seconds to minutes (``mtaq analyze``); False for a session that reads many rows into the JVM
+    (the data source's own benchmark: C1 read its rows 15 % slower)."""
+    if "PYSPARK_PYTHON" not in os.environ:
+        os.environ["PYSPARK_PYTHON"] = _worker_python(master) or sys.executable
+    # collect() turns timestamps into naive datetimes in the process's local time zone: make that UTC.
+    os.environ["TZ"] = "UTC"
+    time.tzset()
+    b = SparkSession.builder.appName(app)
+    if master:
+        b = b.master(master)
+    elif "PYSPARK_GATEWAY_PORT" not in os.environ:  # not launched by spark-submit
+        b = b.master("local[*]")
+    # The driver JVM's start (mtaq/analytics/jvm.py): a class archive of Spark's classes and C1 only, for a
+    # driver this process starts; the user's own extraJavaOptions (--conf, else spark-defaults.conf's, which
+    # ours would replace) come after ours.
+    from pyspark import SparkContext
+
+    start = jvm.plan(master, c1=short_lived) if SparkContext._active_spark_context is None else jvm.JvmStart("", "off")
+    theirs = " ".join(v for k, v in conf if k == "spark.driver.extraJavaOptions")
+    if start.options and not any(k == "spark.driver.extraJavaOptions" for k, _ in conf):
+        theirs = jvm.spark_defaults().get("spark.driver.extraJavaOptions", "")
+    conf = [(k, v) for k, v in conf if k != "spark.driver.extraJavaOptions"]
+    if start.options or theirs:
+        b = b.config("spark.driver.extraJavaOptions", f"{start.options} {theirs}".strip())
+    b = b.config("spark.sql.session.timeZone", "UTC").config("spark.ui.showConsoleProgress", "true")
+    # The tables are small after aggregation: Spark's 200 shuffle partitions cost more than they bring here;
+    # on this machine two per core (on local[2], 4 instead of 16 took about 3 s off the job: each of its
+    # few dozen small stages ran 16 tasks).
+    b = b.config("spark.sql.shuffle.partitions", str(_shuffle_partitions(master)))
+    if (master or "local").startswith("local") and not (master is None and "PYSPARK_GATEWAY_PORT" in os.environ):
+        b = b.config("spark.ui.enabled", "false")  # no web UI for a batch job on this machine
+    for k, v in conf:
+        b = b.config(k, v)
+    spark = b.getOrCreate()
+    _STARTS[id(spark)] = start
+    spark.sparkContext.setLogLevel("ERROR")
+    spark.conf.set("spark.sql.session.timeZone", "UTC")
+    return spark
+
+
+def class_archive(spark: SparkSession) -> str:
+    """How ``spark``'s driver JVM started (:mod:`mtaq.analytics.jvm`): "used" (a class archive mapped),
+    "creating" (this run writes it when stopped by :func:`stop_session`) or "off"."""
+    start = _STARTS.get(id(spark))
+    return "off" if start is None else start.state
+
+
+def stop_session(spark: SparkSession) -> None:
+    """Stop a session made by :func:`spark_session`; the first run on a machine also waits for its driver JVM
+    to write the class archive (a few seconds, once: :func:`mtaq.analytics.jvm.stop`)."""
+    jvm.stop(spark, _STARTS.pop(id(spark), jvm.JvmStart("", "off")))
+
+
+def _shuffle_partitions(master: str | None) -> int:
+    """Shuffle partitions for ``master``: two per core on ``local[N]``/``local[*]``/``local``, else 16."""
+    import re
+
+    m = re.fullmatch(r"local(?:\[(\d+|\*)(?:,\d+)?\])?", master or "local[*]")
+    if m is None:
+        return 16
+    if m.group(1) is None:
+        cores = 1
+    elif m.group(1) == "*":
+        cores = os.cpu_count() or 2
+    else:
+        cores = int(m.group(1))
+    return max(4, 2 * cores)
+
+
+def _worker_python(master: str | None) -> str | None:
+    """A wrapper of this interpreter for Spark's Python workers that drops ``pyspark.zip`` from their PYTHONPATH,
+    or None where it does not apply.
+
+    Spark puts ``SPARK_HOME/python/lib/pyspark.zip`` first on every Python worker's PYTHONPATH. Python keeps
+    no bytecode for modules imported from a zip, so each new worker process (the data source's planner
+    processes, the worker daemon and every worker it forks) compiled pyspark's modules from source again:
+    about 20 s of a 30 s first scan on a loaded 2-core machine (docs/performance.md, "Analytics"). When the
+    same pyspark is installed in this interpreter (pip: SPARK_HOME is that package), the workers import it
+    from there, with its compiled bytecode. Only for a master on this machine (``local``, ``local-cluster``),
+    never under spark-submit, and never when PYSPARK_PYTHON is set.
+    """
+    import pyspark
+
+    home = os.path.dirname(os.path.abspath(pyspark.__file__))
+    if "PYSPARK_GATEWAY_PORT" in os.environ or not (master or "local").startswith("local"):
+        return None
+    if os.environ.get("SPARK_HOME", home) != home or not os.path.exists(os.path.join(home, "python", "lib", "pyspark.zip")):
+        return None
+    import hashlib
+    import shlex
+    import tempfile
+
+    script = (
+        "#!/bin/sh\n"
+        "# mtaq analyze: Spark's Python workers without pyspark.zip on PYTHONPATH (mtaq/analytics/job.py)\n"
+        "PYTHONPATH=$(printf '%s' \"$PYTHONPATH\" | tr ':' '\\n' | grep -v '/pyspark\\.zip$' | paste -sd: -)\n"
+        "export PYTHONPATH\n"
+        f"exec {shlex.quote(sys.executable)} \"$@\"\n"
+    )
+    digest = hashlib.sha256(script.encode()).hexdigest()[:12]
+    path = os.path.join(tempfile.gettempdir(), f"mtaq-spark-python-{os.getuid()}-{digest}")
+    try:
+        if not os.path.exists(path):
+            tmp = f"{path}.{os.getpid()}"
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(script)
+            os.chmod(tmp, 0o755)
+            os.replace(tmp, path)
+    except OSError:
+        return None
+    return path
