@@ -248,7 +248,7 @@ def main() -> int:
         every = analyze(spark, Options(paths=[spool], out=os.path.join(args.dir, "out-all-open"), close_messages=False,
                                        driver_merge_rows=0, plots=False))
         all_open_s = time.monotonic() - t
-        if every.totals != {**res.totals}:
+        if every.totals != res.totals:
             raise SystemExit("bench/analytics.py: --all-open totals differ from the job's")
     session_archive = class_archive(spark)
     stop_session(spark)  # the first run on a machine writes the class archive here

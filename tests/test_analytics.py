@@ -28,7 +28,6 @@ import shutil
 import smtplib
 import subprocess
 import sys
-import zipfile
 
 import pytest
 
@@ -542,12 +541,10 @@ def test_analyze_cli_rejects_bad_flags_with_one_line(tmp_path):
 def test_spark_submit_on_a_local_cluster_with_the_module_zip(script, tmp_path):
     """spark-submit --master local-cluster[2,1,1024] --py-files mtaq.zip submit.py --json --since: executors
     in separate JVMs read the segments; the totals since 00:00 on the 2nd are the script's."""
+    from test_analytics_cluster import module_zip  # tests/ is on sys.path (pytest, rootdir mode prepend)
+
     zpath = tmp_path / "mtaq.zip"
-    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__import__("mtaq").__file__)))
-    with zipfile.ZipFile(zpath, "w") as z:
-        for ext in ("py", "toml"):  # as make spark-zip: the modules and the shipped bounce rules (package data)
-            for f in glob.glob(f"{pkg}/mtaq/**/*.{ext}", recursive=True):
-                z.write(f, os.path.relpath(f, pkg))
+    pkg = module_zip(zpath)  # as make spark-zip: the modules and the shipped bounce rules (package data)
     submit = shutil.which("spark-submit", path=os.path.dirname(sys.executable))
     assert submit is not None
     env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}

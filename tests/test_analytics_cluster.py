@@ -104,7 +104,7 @@ def standalone(tmp_path_factory) -> Iterator[Standalone]:
         c.stop()
 
 
-def _module_zip(path: Path) -> str:
+def module_zip(path: Path) -> str:
     """dist/mtaq.zip as ``make spark-zip`` makes it: the package's modules and its shipped TOML."""
     pkg = os.path.dirname(os.path.dirname(os.path.abspath(__import__("mtaq").__file__)))
     with zipfile.ZipFile(path, "w") as z:
@@ -154,7 +154,7 @@ def test_the_job_on_a_standalone_cluster_equals_a_local_run(spark, standalone, t
     local = analyze(spark, Options(paths=[str(spool)], out=str(tmp_path / "local"), parquet_out=str(tmp_path / "local-big"),
                                    top=5, partition_bytes=5000, plots=False, events=events))
 
-    pkg = _module_zip(tmp_path / "mtaq.zip")
+    pkg = module_zip(tmp_path / "mtaq.zip")
     submit = shutil.which("spark-submit", path=os.path.dirname(sys.executable))
     assert submit is not None
     p = subprocess.run(

@@ -45,7 +45,8 @@ from mtaq.analytics.facts import FACT_SPARK_DDL, MESSAGE_COLUMNS, OUTCOME_COLUMN
 from mtaq.analytics.partials import FILE_PARTS, encode, in_window, partials, rows_table
 from mtaq.analytics.source import SPARK_DDL, SegmentFile, batches, discover, join_path, plan_partitions, resolve
 
-__all__ = ["MtaqDataSource", "SegmentPartition", "register", "stage_facts", "stage_partitions", "write_staged"]
+__all__ = ["MtaqDataSource", "SegmentPartition", "register", "stage_facts", "stage_indexed", "stage_open", "stage_open_rows",
+           "stage_partitions", "write_staged"]
 
 PARTITION_BYTES_DEFAULT = 64 * 1024 * 1024
 
@@ -108,12 +109,18 @@ def stage_facts(files: Sequence[SegmentFile], stage: str, until_us: int | None, 
     numbers): two logs with the same segment numbers (worker shards, two hosts) or two attempts of one task
     never write the same file, and the job reads only the files the successful attempts return."""
     table = fact_table(files, until_us, close=close)
-    parts = partials(table, since_us, until_us, until_us)
     rt = table["record_type"]
     rest = table.filter(pc.invert(pc.or_(pc.equal(rt, "MESSAGE"), pc.equal(rt, "OUTCOME"))))
     name = f"{files[0].segment:012d}-{files[-1].segment:012d}-{uuid.uuid4().hex}"
-    yield from write_staged(table, stage, name, since_us, until_us, rest.take(pc.sort_indices(rest["record_type"])),
-                            {k: parts.pop(k) for k in FILE_PARTS if k in parts})
+    yield from _stage(table, stage, name, since_us, until_us, until_us, rest.take(pc.sort_indices(rest["record_type"])))
+
+
+def _stage(table: pa.Table, stage: str, name: str, since_us: int | None, until_us: int | None, end_us: int | None,
+           rest: pa.Table | None = None) -> Iterator[tuple[str | None, str | None, int | None, str | None, bytes | None]]:
+    """The fact rows ``table`` staged (:func:`write_staged`, the FILE_PARTS partial tables as files) and the
+    other partial tables as :data:`STAGED_DDL` rows: what a task and the merge of the open messages yield."""
+    parts = partials(table, since_us, until_us, end_us)
+    yield from write_staged(table, stage, name, since_us, until_us, rest, {k: parts.pop(k) for k in FILE_PARTS if k in parts})
     for part, data in encode(parts):
         yield None, None, None, part, data
 
@@ -148,13 +155,8 @@ def stage_open(rows: pa.Table, stage: str, since_us: int | None, until_us: int |
     Spark tasks over rows hash-partitioned by queue ID (:func:`stage_open_rows`) when they are many: one
     definition, run where it is cheapest. Raises OSError or pyarrow errors."""
     t = open_facts(rows)
-    if t.num_rows == 0:
-        return
-    parts = partials(t, since_us, until_us, end_us)
-    yield from write_staged(t, stage, f"open-{uuid.uuid4().hex}", since_us, until_us,
-                            parts={k: parts.pop(k) for k in FILE_PARTS if k in parts})
-    for part, data in encode(parts):
-        yield None, None, None, part, data
+    if t.num_rows:
+        yield from _stage(t, stage, f"open-{uuid.uuid4().hex}", since_us, until_us, end_us)
 
 
 def stage_open_rows(rows: Iterable[Sequence[Any]], names: Sequence[str], stage: str, since_us: int | None,

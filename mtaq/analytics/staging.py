@@ -24,14 +24,12 @@ __all__ = ["KEYED", "RECIPIENT_SCHEMA", "SENDER_SCHEMA", "ddl", "merge_staged", 
            "read_spark", "read_staged", "remove_stage", "small_schemas", "top_rows", "write_small", "write_table"]
 
 
-KEYED = ("ENVELOPE", "START", "DELIVERY", "FINISH")
+KEYED = ("ENVELOPE", "START", "DELIVERY", "FINISH")  # the record rows of a message the job merges later
 
 
 # The senders and recipients tables (counts never null, as Spark's count() writes them)
 SENDER_SCHEMA = pa.schema([("sender", pa.string()), ("sender_domain", pa.string()),
                            pa.field("messages", pa.int64(), nullable=False), ("bytes", pa.int64())])
-
-
 RECIPIENT_SCHEMA = pa.schema([("rcpt_address", pa.string()), ("rcpt_domain", pa.string()),
                               pa.field("delivered", pa.int64(), nullable=False), ("bytes", pa.int64())])
 

@@ -23,7 +23,7 @@ REJECTED_NOTE = (
 
 def split_parts(parts: dict[str, pa.Table], percentiles: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     """The rows of the small tables from the merged partial tables (:func:`mtaq.analytics.partials.merge`) and
-    the rows of the percentile aggregation, as the job's definitions give them (see the module docstring)."""
+    the rows of the percentile aggregation, as the job's definitions give them (:mod:`mtaq.analytics.job`'s module docstring)."""
     rows = {name: pylist(t) for name, t in parts.items()}
     p_of = {r["domain"]: r["p"] for r in percentiles if not r["g_domain"]}
     p_all = next((r["p"] for r in percentiles if r["g_domain"]), None)
