@@ -115,9 +115,15 @@ def reference(spark, logs, tmp_path_factory) -> dict:
     return got
 
 
-def _reused(progress: list[str]) -> int:
+def _counts(progress: list[str]) -> tuple[int, int, int]:
+    """(segments reused whole, segments whose tail alone was read, segments read whole) from the progress."""
     [line] = [m for m in progress if m.startswith("state ")]
-    return int(line.split(": ", 1)[1].split(" ", 1)[0])
+    nums = [int(w) for w in line.split(": ", 1)[1].replace(",", " ").split() if w.isdigit()]
+    return nums[0], nums[1], nums[2]
+
+
+def _reused(progress: list[str]) -> int:
+    return _counts(progress)[0]
 
 
 @pytest.mark.parametrize("split", SPLITS)
@@ -132,6 +138,78 @@ def test_incremental_equals_full_at_every_split(spark, logs, reference, tmp_path
     _same(reference, got)
     if split >= len(_ops()) // 2:
         assert _reused(progress) > 0  # the sealed segments of the first run were not read again
+    # the first run's live segment, read cleanly up to a frame, has grown: only its new bytes are read
+    assert _counts(progress)[1] == 1
+
+
+def test_a_live_segment_cut_inside_a_frame_is_read_again_whole(spark, logs, reference, tmp_path):
+    spool, state = str(tmp_path / "spool"), str(tmp_path / "state")
+    _put(logs[SPLITS[2]], spool)
+    last = os.path.join(spool, "log", sorted(os.listdir(os.path.join(spool, "log")))[-1])
+    with open(last, "r+b") as f:  # the last frame half written, as a crash or a read while appending leaves it
+        f.truncate(os.path.getsize(last) - 7)
+    first, _ = _run(spark, [spool], str(tmp_path / "out1"), state=state, tables=False)
+    assert [r for r in first["tables"]["problems"] if "open-tail" in r]  # where the read stopped
+    _put(logs["full"], spool)
+    got, progress = _run(spark, [spool], str(tmp_path / "out2"), state=state)
+    assert got["note"] is None
+    _same(reference, got)
+    reused, tails, whole = _counts(progress)
+    assert tails == 0 and reused > 0 and whole > 0
+
+
+def _age(spool: str, seconds: float) -> dict[str, int]:
+    """Set every segment file's modification time ``seconds`` before now; returns path -> mtime_ns."""
+    import time
+
+    got = {}
+    for name in os.listdir(os.path.join(spool, "log")):
+        path = os.path.join(spool, "log", name)
+        ns = time.time_ns() - int(seconds * 1e9)
+        os.utime(path, ns=(ns, ns))
+        got[path] = ns
+    return got
+
+
+def _overwrite_middle(path: str, mtime_ns: int) -> None:
+    """Change bytes in the middle of ``path`` (size kept), then put its modification time back."""
+    data = bytearray(open(path, "rb").read())
+    mid = len(data) // 2
+    data[mid : mid + 16] = b"\xff" * 16
+    with open(path, "r+b") as f:
+        f.write(data)
+    os.utime(path, ns=(mtime_ns, mtime_ns))
+
+
+def test_segments_unchanged_since_the_last_listing_are_not_read_again(spark, logs, reference, tmp_path):
+    # Listed with the same stored size and modification time (older than RACY_NS when the last run listed
+    # them): their fingerprints come from the state. Shown by changing a sealed segment's bytes behind the
+    # state's back, the time put back: the run with state does not read it (a run without state would).
+    spool, state = str(tmp_path / "spool"), str(tmp_path / "state")
+    _put(logs["full"], spool)
+    times = _age(spool, 3600)
+    _run(spark, [spool], str(tmp_path / "out1"), state=state, tables=False)
+    first = min(times)
+    _overwrite_middle(first, times[first])
+    got, progress = _run(spark, [spool], str(tmp_path / "out2"), state=state)
+    assert got["note"] is None
+    assert _counts(progress) == (len(times), 0, 0)
+    _same(reference, got)
+
+
+def test_a_segment_modified_just_before_the_listing_is_read_again(spark, logs, tmp_path):
+    # git's racily clean file: modified within RACY_NS of the listing that recorded it, a later change could
+    # keep the same time, so its bytes are read again however its size and time look.
+    spool, state = str(tmp_path / "spool"), str(tmp_path / "state")
+    _put(logs["full"], spool)
+    times = _age(spool, 0)
+    _run(spark, [spool], str(tmp_path / "out1"), state=state, tables=False)
+    first = min(times)
+    _overwrite_middle(first, times[first])
+    got, _ = _run(spark, [spool], str(tmp_path / "out2"), state=state)
+    assert got["note"] is not None and "changed in its first" in got["note"], got["note"]
+    full, _ = _run(spark, [spool], str(tmp_path / "out3"))
+    _same(full, got)
 
 
 def _first_run(spark, logs, tmp_path, split: int) -> tuple[str, str]:

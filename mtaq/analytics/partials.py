@@ -161,7 +161,7 @@ def partials(t: pa.Table, since_us: int | None, until_us: int | None, end_us: in
     keyed = _true(pc.is_in(rt, value_set=_KEYED))
     with_ts = t.filter(pc.or_(keyed, _true(pc.equal(rt, "MESSAGE"))))["ts"]
     out["inventory"] = pa.table({
-        "segments": pa.array([seg.num_rows], pa.int64()),
+        "segments": pa.array([pc.sum(pc.equal(seg["offset"], 0).cast(pa.int64())).as_py() or 0], pa.int64()),
         "records": pa.array([pc.sum(seg["records"]).as_py() or 0], pa.int64()),
         "bytes_read": pa.array([pc.sum(seg["size"]).as_py() or 0], pa.int64()),
         "last_ts": pa.array([pc.max(with_ts).as_py() if len(with_ts) else None], _TS),

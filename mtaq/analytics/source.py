@@ -30,6 +30,7 @@ the SEGMENT row.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fnmatch
 import gc
 import os
@@ -139,7 +140,11 @@ class SegmentFile:
     """One segment file to read: ``root`` resolves the file system (pyarrow), ``path`` is the file in it.
 
     ``segment`` comes from the name; ``size`` is the stored size in bytes; ``salt`` is the checksum salt
-    when known (from the archive name or the header), used to read each segment once.
+    when known (from the archive name or the header), used to read each segment once. ``start``: 0 (the
+    whole file), or the byte offset of a frame where reading begins: the tail of a segment that grew since a
+    run with ``--state`` read it cleanly up to there (:mod:`mtaq.analytics.state`); its records are read as
+    if the segment's header were followed by the bytes from ``start`` on (the same tail rules, offsets as in
+    the file), and its SEGMENT row says ``offset`` = ``start`` and the bytes and frames from there.
     """
 
     root: str
@@ -148,6 +153,8 @@ class SegmentFile:
     size: int
     compressed: bool
     salt: int | None = None
+    start: int = 0
+    mtime_ns: int | None = None  # the stored file's modification time as listed (ns since the epoch; None: unknown)
 
     @property
     def display(self) -> str:
@@ -186,7 +193,8 @@ def _segment_file(root: str, info: pafs.FileInfo) -> SegmentFile | None:
     if m is None or info.type != pafs.FileType.File:
         return None
     salt = int(m.group("salt"), 16) if m.group("salt") else None
-    return SegmentFile(root, info.path, int(m.group("segment")), int(info.size or 0), bool(m.group("zst")), salt)
+    return SegmentFile(root, info.path, int(m.group("segment")), int(info.size or 0), bool(m.group("zst")), salt,
+                       mtime_ns=info.mtime_ns)
 
 
 def _glob(fs: pafs.FileSystem, root: str, pattern: str) -> list[SegmentFile]:
@@ -255,7 +263,7 @@ def discover(paths: Sequence[str]) -> list[SegmentFile]:
             raise SourceError(f"{raw}: no segment files (*.seg, *.seg.zst) found")
         for sf in files:
             if sf.salt is None:
-                sf = SegmentFile(sf.root, sf.path, sf.segment, sf.size, sf.compressed, _read_salt(fs, sf))
+                sf = dataclasses.replace(sf, salt=_read_salt(fs, sf))
             found.append(sf)
     seen: set[tuple[int, int]] = set()
     out = []
@@ -270,23 +278,26 @@ def discover(paths: Sequence[str]) -> list[SegmentFile]:
 
 def plan_partitions(files: Sequence[SegmentFile], partition_bytes: int) -> list[list[SegmentFile]]:
     """Pack whole segments, in order, into groups of at most ``partition_bytes`` stored bytes (a bigger
-    segment is a group of its own). A segment is never split: its tail rules need the whole file."""
+    segment is a group of its own). A segment is never split here: its tail rules need all of it (the tail of
+    a segment read before is a file of its own: ``SegmentFile.start``)."""
     groups: list[list[SegmentFile]] = []
     cur: list[SegmentFile] = []
     cur_bytes = 0
     for sf in files:
-        if cur and cur_bytes + sf.size > partition_bytes:
+        size = sf.size - sf.start if not sf.compressed else sf.size
+        if cur and cur_bytes + size > partition_bytes:
             groups.append(cur)
             cur, cur_bytes = [], 0
         cur.append(sf)
-        cur_bytes += sf.size
+        cur_bytes += size
     if cur:
         groups.append(cur)
     return groups
 
 
 def read_segment_bytes(sf: SegmentFile, fs: pafs.FileSystem | None = None) -> bytes:
-    """The segment's bytes, decompressed if it is a ``.zst`` (here, not by pyarrow's by-extension guess).
+    """The segment's bytes, decompressed if it is a ``.zst`` (here, not by pyarrow's by-extension guess); all
+    of them, whatever ``sf.start`` says.
 
     Raises OSError, pyarrow or zstandard errors.
     """
@@ -300,6 +311,29 @@ def read_segment_bytes(sf: SegmentFile, fs: pafs.FileSystem | None = None) -> by
 
     with zstandard.ZstdDecompressor().stream_reader(raw) as r:
         return r.read()
+
+
+def read_tail(sf: SegmentFile, fs: pafs.FileSystem | None = None) -> tuple[bytes, int]:
+    """What :func:`batches` reads of ``sf``: (the segment's header followed by its bytes from ``sf.start`` on,
+    the file's length in bytes, decompressed) when ``sf.start`` > 0, else (all of it, its length). An
+    uncompressed file is read in two ranges, never whole. Raises what :func:`read_segment_bytes` raises, and
+    ValueError when ``sf.start`` is past the end or inside the header."""
+    if sf.start == 0:
+        buf = read_segment_bytes(sf, fs)
+        return buf, len(buf)
+    if fs is None:
+        fs, _, _ = resolve(sf.root)
+    if sf.compressed:
+        whole = read_segment_bytes(sf, fs)
+        head, rest, length = whole[:SEGMENT_HEADER_BYTES], whole[sf.start:], len(whole)
+    else:
+        with fs.open_input_file(sf.path) as f:
+            length = f.size()
+            head = bytes(f.read_at(min(SEGMENT_HEADER_BYTES, length), 0))
+            rest = bytes(f.read_at(max(length - sf.start, 0), sf.start)) if sf.start <= length else b""
+    if not SEGMENT_HEADER_BYTES <= sf.start <= length:
+        raise ValueError(f"start {sf.start} is not inside the frames of a segment of {length} bytes")
+    return head + rest, length
 
 
 # ------------------------------------------------------------------------------------------- decoding
@@ -756,12 +790,15 @@ def batches(files: Iterable[SegmentFile], *, fast: bool = True) -> Iterator[pa.R
             fs = filesystems[sf.root] = resolve(sf.root)[0]
         name = sf.display
         try:
-            buf = read_segment_bytes(sf, fs)
+            buf, length = read_tail(sf, fs)
         except Exception as exc:  # any I/O or decompression failure: report, never fail the job
-            yield _problem_batch(name, [(sf.segment, 0, "unreadable", sf.size, f"{type(exc).__name__}: {exc}")])
+            yield _problem_batch(name, [(sf.segment, sf.start, "unreadable", sf.size, f"{type(exc).__name__}: {exc}")])
             continue
+        shift = sf.start - SEGMENT_HEADER_BYTES if sf.start else 0  # a tail: file offset - offset in buf
         with _gc_paused():  # and the records are freed before it runs again (it would walk them all)
             seg = read_segment(sf.segment, buf, fast=fast)
+            if shift:
+                seg.offsets = {t: o + shift for t, o in seg.offsets.items()}
             made = list(_record_batches(name, sf.segment, seg.offsets, seg.records))
             seg.records = {}  # the records are in the batches now: let them go
         yield from made
@@ -770,12 +807,14 @@ def batches(files: Iterable[SegmentFile], *, fast: bool = True) -> Iterator[pa.R
             kind = p.kind
             if kind == "torn-tail" and not seg.sealed and p.reason != "bytes after seal" and seg.header is not None:
                 kind = "open-tail"  # the live segment, or one cut by a crash: its end, not damage
-            problems.append((p.segment, p.offset, kind, p.end, p.reason))
+            at, end = (p.offset + shift, p.end + shift) if shift and p.offset >= SEGMENT_HEADER_BYTES else (p.offset, p.end)
+            problems.append((p.segment, at, kind, end, p.reason))
         if problems:
             yield _problem_batch(name, problems)
         created = seg.header.created * 1_000_000 if seg.header is not None and seg.header.created else None
         yield _table(1, {
-            "offset": pa.array([0], pa.int64()), "ts": pa.array([created], pa.int64()).cast(_TS),
-            "size": pa.array([len(buf)], pa.int64()), "records": pa.array([seg.frames + (1 if seg.sealed else 0)], pa.int64()),
+            "offset": pa.array([sf.start], pa.int64()), "ts": pa.array([created], pa.int64()).cast(_TS),
+            "size": pa.array([length - sf.start], pa.int64()),
+            "records": pa.array([seg.frames + (1 if seg.sealed else 0)], pa.int64()),
             "sealed": pa.array([seg.sealed], pa.bool_()),
         }, name, sf.segment, "SEGMENT")

@@ -75,8 +75,7 @@ def split_parts(parts: dict[str, pa.Table], percentiles: list[dict[str, Any]]) -
     side = rows["side"]
     out["problems"] = [{k: r[k] for k in ("file", "segment", "offset", "problem_end", "problem_kind", "problem_reason")}
                        for r in side if r["record_type"] == "PROBLEM"]
-    out["segments"] = [{"file": r["file"], "segment": r["segment"], "size": r["size"], "records": r["records"],
-                        "sealed": r["sealed"], "created_ts": r["ts"]} for r in side if r["record_type"] == "SEGMENT"]
+    out["segments"] = _segments([r for r in side if r["record_type"] == "SEGMENT"])
     seen: set[tuple[Any, ...]] = set()
     out["unknown"] = []
     for r in side:
@@ -86,6 +85,24 @@ def split_parts(parts: dict[str, pa.Table], percentiles: list[dict[str, Any]]) -
                                    "rcpt_address": r["rcpt_address"], "generation": r["generation"],
                                    "flagged_ts": r["not_before_ts"], "last_reply": r["last_reply"]})
     return out
+
+
+def _segments(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A row per segment file from its SEGMENT rows: one for a file read whole (``offset`` 0); a file whose
+    tail a run with ``--state`` read on its own (:class:`mtaq.analytics.source.SegmentFile` ``start``) has a
+    row for the bytes before and one from ``offset`` on: bytes and records added up, ``sealed`` the last's."""
+    out: dict[tuple[Any, Any], dict[str, Any]] = {}
+    for r in sorted(rows, key=lambda r: r["offset"] or 0):
+        key = (r["file"], r["segment"])
+        got = out.get(key)
+        if got is None:
+            out[key] = {"file": r["file"], "segment": r["segment"], "size": r["size"], "records": r["records"],
+                        "sealed": r["sealed"], "created_ts": r["ts"]}
+        else:
+            got["size"] += r["size"]
+            got["records"] += r["records"]
+            got["sealed"] = r["sealed"]
+    return list(out.values())
 
 
 def merge_top(by_count: list[dict[str, Any]], by_bytes: list[dict[str, Any]], key: str,
