@@ -440,3 +440,34 @@ def test_senders_and_recipients_follow_the_old_spark_definitions(c):
                               ("recipients", ("rcpt_address", "rcpt_domain"), "delivered")):
         got = {(r[keys[0]], r[keys[1]]): (r[count], r["bytes"]) for r in parts[name].to_pylist()}
         assert got == want[name], name
+
+
+@pytest.mark.parametrize("rows_held", [1, 7, 10_000])
+def test_staged_partial_files_add_up_alike_whatever_the_driver_holds(tmp_path, monkeypatch, rows_held):
+    # merge_staged adds up what it has read whenever it holds STAGED_MERGE_ROWS rows: every few files, after
+    # every file, or once at the end. The sums are the same, and equal a sum in plain Python.
+    import random as rnd
+
+    import pyarrow.parquet as pq
+
+    from mtaq.analytics import staging
+
+    monkeypatch.setattr(staging, "STAGED_MERGE_ROWS", rows_held)
+    r = rnd.Random(rows_held)
+    want: dict[tuple[Any, Any], list[int]] = defaultdict(lambda: [0, 0])
+    paths = []
+    for k in range(6):
+        rows = [{"rcpt_address": None if r.random() < 0.1 else f"u{r.randrange(12)}@d{r.randrange(3)}.example",
+                 "delivered": r.randrange(3), "bytes": r.randrange(1000)} for _ in range(r.randrange(0, 9))]
+        for x in rows:
+            x["rcpt_domain"] = None if x["rcpt_address"] is None else x["rcpt_address"].split("@")[1]
+            got = want[(x["rcpt_address"], x["rcpt_domain"])]
+            got[0] += x["delivered"]
+            got[1] += x["bytes"]
+        path = str(tmp_path / f"recipients-{k}.parquet")
+        pq.write_table(pa.Table.from_pylist(rows, staging.RECIPIENT_SCHEMA), path)
+        paths.append(path)
+    t = staging.merge_staged("recipients", paths, staging.RECIPIENT_SCHEMA)
+    assert t.schema == staging.RECIPIENT_SCHEMA
+    assert {(x["rcpt_address"], x["rcpt_domain"]): [x["delivered"], x["bytes"]] for x in t.to_pylist()} == dict(want)
+    assert t.num_rows == len(want)

