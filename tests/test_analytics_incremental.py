@@ -220,7 +220,7 @@ def _first_run(spark, logs, tmp_path, split: int) -> tuple[str, str]:
     return spool, state
 
 
-@pytest.mark.parametrize("damage", ["manifest", "file", "settings"])
+@pytest.mark.parametrize("damage", ["manifest", "manifest-digit", "file", "settings"])
 def test_a_damaged_or_mismatched_state_is_said_and_rebuilt(spark, logs, reference, tmp_path, damage):
     import datetime as dt
 
@@ -229,6 +229,13 @@ def test_a_damaged_or_mismatched_state_is_said_and_rebuilt(spark, logs, referenc
     if damage == "manifest":
         with open(os.path.join(state, "manifest.json"), "w") as f:
             f.write('{"format": 1, "partitions": [')
+    elif damage == "manifest-digit":  # still JSON, still a manifest: one length one byte longer
+        path = os.path.join(state, "manifest.json")
+        text = open(path).read()
+        at = text.index('"length": ') + len('"length": ')
+        end = at + next(i for i, c in enumerate(text[at:]) if not c.isdigit())
+        with open(path, "w") as f:
+            f.write(text[:at] + str(int(text[at:end]) + 1) + text[end:])
     elif damage == "file":
         name = sorted(os.listdir(os.path.join(state, "files")))[0]
         path = os.path.join(state, "files", name)
@@ -239,7 +246,8 @@ def test_a_damaged_or_mismatched_state_is_said_and_rebuilt(spark, logs, referenc
     else:
         since = dt.datetime.fromtimestamp(T0 - 3600, dt.UTC)  # before everything: the same tables, other settings
     got, progress = _run(spark, [spool], str(tmp_path / "out2"), state=state, since=since)
-    expect = {"manifest": "manifest.json unreadable", "file": "files/", "settings": "made with other settings"}[damage]
+    expect = {"manifest": "manifest.json unreadable", "manifest-digit": "manifest.json: its CRC-32 differs",
+              "file": "files/", "settings": "made with other settings"}[damage]
     assert got["note"] is not None and got["note"].startswith(expect), got["note"]
     if since is None:
         _same(reference, got)

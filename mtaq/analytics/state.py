@@ -17,7 +17,7 @@ Layout of DIR: ``manifest.json`` (written last, by rename; not fsync'd: only ``m
 manifest cut by a crash does not parse, so it is rebuilt) and ``files/`` (the staged Parquet files, hard
 links where the file system allows, else copies). Manifest::
 
-    {"format": 2, "config": {...}, "files": {NAME: [size, crc32]}, "listed_ns": NS,
+    {"format": 2, "config": {...}, "files": {NAME: [size, crc32]}, "listed_ns": NS, "crc": CRC,
      "prints": {PATH: [segment, salt, created, length, crc, stored_size, mtime_ns, [[length, crc]...]]},
      "partitions": [{"segments": [{"segment", "salt", "created", "path", "from", "length", "crc", "clean"}],
                      "rows": [[table, NAME|null, rows|null, part|null, base64|null]]}]}
@@ -32,7 +32,8 @@ time as the last run recorded in ``prints`` (its fingerprint then) when that tim
 granularity of the listing could leave the time unchanged). So a year of archived segments is listed, not
 read, by each run; a byte changed in one of them without its modification time changing (bit rot, or a
 deliberate ``touch -d``) is not seen by a run with state, as it is by a run without. Nothing is used unless
-it checks out: a manifest that does not parse, another format, version or window, a file whose size or
+it checks out: a manifest that does not parse or whose own CRC-32 (``crc``: of its JSON with sorted keys,
+``crc`` left out) differs, another format, version or window, a file whose size or
 CRC-32 differs, a segment whose first ``length`` bytes changed (or that got shorter): each is one line
 (``note``), and the run rebuilds the state from the segments, as a run without state computes.
 """
@@ -183,6 +184,8 @@ def _load(state: str, config: dict[str, Any]) -> tuple[dict[str, Any] | None, st
             return None, "manifest.json is not a manifest of mtaq analyze"
     except (OSError, ValueError) as exc:
         return None, f"manifest.json unreadable ({exc})"
+    if m.pop("crc", None) != _manifest_crc(m):
+        return None, "manifest.json: its CRC-32 differs (changed since the last run wrote it)"
     if m.get("config") != config:
         return None, f"made with other settings ({m.get('config')}, now {config})"
     for name, (size, crc) in m["files"].items():
@@ -195,6 +198,12 @@ def _load(state: str, config: dict[str, Any]) -> tuple[dict[str, Any] | None, st
         if len(data) != size or zlib.crc32(data) != crc:
             return None, f"files/{name}: not the file the last run kept (size or CRC-32 differs)"
     return m, None
+
+
+def _manifest_crc(m: Mapping[str, Any]) -> int:
+    """The manifest's own CRC-32 (zlib), of its JSON with sorted keys, ``crc`` left out: a manifest that still
+    parses after a change (a digit of a length) is not used."""
+    return zlib.crc32(json.dumps({k: v for k, v in m.items() if k != "crc"}, sort_keys=True).encode())
 
 
 def _ident(s: Mapping[str, Any]) -> tuple[int, int | None, int | None]:
@@ -360,8 +369,9 @@ def save(state: str, sp: StatePlan, computed: Sequence[tuple[int, StagedRow]], g
         for s in p["segments"]:
             cuts.setdefault(_ident(s), set()).add((s["length"], s["crc"]))
     prints = {path: pr.record(sorted(cuts.get(pr.identity, ()))) for path, pr in sp.prints.items() if pr.stat is not None}
-    manifest = {"format": STATE_FORMAT, "config": _config(since_us, until_us, close), "files": names,
-                "listed_ns": sp.listed_ns, "prints": prints, "partitions": parts}
+    manifest: dict[str, Any] = {"format": STATE_FORMAT, "config": _config(since_us, until_us, close), "files": names,
+                                "listed_ns": sp.listed_ns, "prints": prints, "partitions": parts}
+    manifest["crc"] = _manifest_crc(manifest)
     tmp = os.path.join(state, f"manifest.json.{os.getpid()}")
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(manifest, f)  # not fsync'd: a manifest lost or cut by a crash is said and rebuilt, never used
