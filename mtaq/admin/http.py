@@ -443,7 +443,7 @@ class _ListBody(msgspec.Struct, forbid_unknown_fields=True):
     limit: int | None = None
     states: list[str] | None = None
     after: tuple[int, str] | None = None
-    raw: bool = False
+    raw: bool = True  # ignored: always the view's JSON
 
 
 class _ActBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -459,13 +459,11 @@ async def shard_size(request: web.Request) -> web.Response:
 
 
 async def shard_list(request: web.Request) -> web.Response:
-    """``POST /_shard/list`` ``{"selector", "limit", "states", "after", "raw"}``: this shard's page
-    (internal); with ``raw`` each mail is the JSON its view keeps, joined as they are."""
+    """``POST /_shard/list`` ``{"selector", "limit", "states", "after"}``: this shard's page (internal), each
+    mail the JSON its view keeps, joined as they are (``raw``, from before, is accepted and changes nothing:
+    the answer is the same JSON either way)."""
     b = _decode(await request.read(), _ListBody)
-    listing = await _local_admin(request).page(b.selector, limit=b.limit, states=b.states, after=b.after, raw=b.raw)
-    if not b.raw:
-        return _json({"position": listing.position, "mails": listing.mails, "next": listing.next,
-                      "damage": listing.damage})
+    listing = await _local_admin(request).page(b.selector, limit=b.limit, states=b.states, after=b.after, raw=True)
     return _raw_listing({"position": listing.position, "next": listing.next, "damage": listing.damage},
                         listing.raw or [])
 

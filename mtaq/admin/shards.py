@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from mtaq.admin.service import ActionResult, AdminError, AdminService, Listing, cursor_of
+from mtaq.admin.service import ActionResult, AdminError, AdminService, Listing
 from mtaq.core.view import Selector
 from mtaq.queue.store import queue_id_shard
 
@@ -124,10 +124,6 @@ def join_positions(parts: Iterable[tuple[int, str]]) -> str:
     return " ".join(f"{k}/{p}" for k, p in parts)
 
 
-def _listing_key(m: Mapping[str, Any]) -> tuple[int, str]:
-    return (int(m["arrival_time"]), str(m["queue_id"]))
-
-
 class _RawPage(msgspec.Struct):
     """A shard's page as ``POST /_shard/list`` answers it; with ``raw`` each mail stays undecoded."""
 
@@ -185,47 +181,38 @@ class ShardedAdmin:
         """:meth:`AdminService.page` of every shard, merged in listing order (arrival, then queue ID), cut
         at ``limit``: each shard's page after ``after`` has at most ``limit`` messages, so the merged page is
         the one a single log would give, and the next page goes on after its last message in every shard.
-        With ``raw`` the mails stay the JSON bytes each shard's view keeps (``Listing.raw``): only their
-        arrival time and queue ID are decoded, to merge them."""
+        The shards' mails are merged as the JSON bytes each shard's view keeps: only their arrival time and
+        queue ID are decoded, to merge them; with ``raw`` they stay so (``Listing.raw``), else the page's
+        mails are decoded."""
         if not self.peers:
             return await self.local.page(selector, limit=limit, states=states, after=after, raw=raw)
         body = {"selector": msgspec.to_builtins(selector), "limit": limit,
-                "states": None if states is None else sorted(states), "after": after, "raw": raw}
+                "states": None if states is None else sorted(states), "after": after, "raw": True}
         local, *remote = await asyncio.gather(
-            self.local.page(selector, limit=limit, states=states, after=after, raw=raw),
-            *(p.call("POST", "/_shard/list", body, raw=raw) for p in self.peers.values()),
+            self.local.page(selector, limit=limit, states=states, after=after, raw=True),
+            *(p.call("POST", "/_shard/list", body, raw=True) for p in self.peers.values()),
         )
         positions = [(0, local.position)]
         more = local.next is not None
         damage = [f"shard 0: {d}" for d in local.damage]
-        pages: list[list[Any]] = [local.raw or [] if raw else list(local.mails)]
-        mails: list[Any]
+        pages: list[list[Any]] = [local.raw or []]
         for k, r in zip(self.peers, remote, strict=True):
-            if raw:
-                page = _raw_page_decoder.decode(r)
-                position, mails, nxt, dmg = page.position, page.mails, page.next, page.damage
-            else:
-                position, mails, nxt, dmg = str(r["position"]), r["mails"], r.get("next"), r.get("damage", [])
-            positions.append((k, position))
-            pages.append(mails)
-            more = more or nxt is not None
-            damage += [f"shard {k}: {d}" for d in dmg]
-        if raw:
-            merged = list(heapq.merge(*pages, key=_raw_key))  # each shard's page is in listing order already
-            if limit is not None:
-                more = more or len(merged) > limit
-                merged = merged[:limit]
-            cursor = None
-            if more and merged:
-                ts, qid = _raw_key(merged[-1])
-                cursor = f"{ts}:{qid}"
-            return Listing(join_positions(positions), [], cursor, damage, raw=[bytes(m) for m in merged])
-        mails = [m for p in pages for m in p]
-        mails.sort(key=_listing_key)
+            page = _raw_page_decoder.decode(r)
+            positions.append((k, page.position))
+            pages.append(page.mails)
+            more = more or page.next is not None
+            damage += [f"shard {k}: {d}" for d in page.damage]
+        merged = list(heapq.merge(*pages, key=_raw_key))  # each shard's page is in listing order already
         if limit is not None:
-            more = more or len(mails) > limit
-            mails = mails[:limit]
-        return Listing(join_positions(positions), mails, cursor_of(mails[-1]) if more and mails else None, damage)
+            more = more or len(merged) > limit
+            merged = merged[:limit]
+        cursor = None
+        if more and merged:
+            ts, qid = _raw_key(merged[-1])
+            cursor = f"{ts}:{qid}"
+        if raw:
+            return Listing(join_positions(positions), [], cursor, damage, raw=[bytes(m) for m in merged])
+        return Listing(join_positions(positions), [msgspec.json.decode(m) for m in merged], cursor, damage)
 
     async def list(
         self, selector: Selector, *, limit: int | None = None, states: Collection[str] | None = None
