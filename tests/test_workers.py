@@ -85,6 +85,8 @@ def test_queue_ids_of_a_worker_carry_its_shard(monkeypatch: pytest.MonkeyPatch) 
         assert 50 == len(set(ids))
     with pytest.raises(ValueError):
         set_queue_id_shard(16)
+    set_queue_id_shard(None)  # IDs of no shard again: random low bits, as a one-worker daemon makes them
+    assert len({_shard_of(new_queue_id(1_700_000_000.0)) for _ in range(200)}) > 1
 
 
 def test_two_workers_share_the_port_and_deliver_every_message_once(tmp_path: Path) -> None:

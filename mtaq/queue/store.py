@@ -114,10 +114,14 @@ _last_us = 0
 _shard = -1
 
 
-def set_queue_id_shard(shard: int) -> None:
+def set_queue_id_shard(shard: int | None) -> None:
     """In worker ``shard`` (0..15) of a sharded spool (mtaq.daemon.workers): the low 4 bits of every queue ID are
-    ``shard``, so that IDs made by different worker processes can never be equal."""
+    ``shard``, so that IDs made by different worker processes can never be equal. None: IDs of no shard (all
+    random low bits, as a one-worker daemon makes them; the default). Raises ValueError outside 0..15."""
     global _shard
+    if shard is None:
+        _shard = -1
+        return
     if not 0 <= shard < 16:
         raise ValueError(f"shard {shard} out of range 0..15")
     _shard = shard

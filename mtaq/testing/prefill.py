@@ -14,7 +14,6 @@ from collections.abc import Callable
 from typing import Any
 
 from mtaq.core.records import DataRecord, EnvelopeRecord, Pos, Recipient
-from mtaq.queue import store
 from mtaq.queue.store import new_queue_id, set_queue_id_shard
 from mtaq.storage.fs import OsFileSystem
 from mtaq.storage.log import Log
@@ -71,7 +70,7 @@ def prefill_shards(spool: str, n: int, body_of: Callable[[int], bytes], workers:
             count = n // workers + (1 if k < n % workers else 0)
             prefill_deferred(d, count, _nth(body_of, workers, k), **kwargs)
     finally:
-        store._shard = -1  # back to IDs of no shard for whatever this process does next
+        set_queue_id_shard(None)  # back to IDs of no shard for whatever this process does next
 
 
 def _nth(body_of: Callable[[int], bytes], step: int, first: int) -> Callable[[int], bytes]:
