@@ -203,6 +203,7 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
     # tables' partial aggregates (mtaq/analytics/partials.py), which replaced some 40 Spark stages. The
     # queries below read only the columns and row groups they need, vectorised. Spark's own cache of the
     # same rows cost more JVM CPU than the decoding (docs/performance.md, "Fourth round (issue 17)").
+    listed_ns = time.time_ns()  # before the listing: --state's rule for files modified just before it
     segment_files = discover(opts.paths)  # a path that names no segments: SourceError here, not from inside Spark
     w_since = None if since is None else _micros(since)
     w_until = None if until is None else _micros(until)
@@ -211,7 +212,7 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
         # The last run's partitions whose segments are unchanged are reused (their staged files linked into this
         # run's stage); the tasks compute the rest (mtaq/analytics/state.py).
         plan = state_mod.plan(opts.state, segment_files, opts.partition_bytes, stage, w_since, w_until,
-                              opts.close_messages, say)
+                              opts.close_messages, say, listed_ns)
         if plan.note is not None:
             print(f"mtaq analyze: state {opts.state}: {plan.note}; rebuilt from the segments", file=sys.stderr,
                   flush=True)

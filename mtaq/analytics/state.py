@@ -27,11 +27,13 @@ name, so a segment moved into the archive (renamed, or compressed) is still the 
 partition's entry says it read bytes ``from`` to ``length`` (decompressed); ``crc`` is the CRC-32 (zlib) of
 the segment's first ``length`` bytes. Every run takes each segment's CRC-32 at every length an entry names
 and compares (:func:`fingerprints`), except for a file listed with the same stored size and modification
-time as the last run recorded in ``prints`` (its fingerprint then) when that time was more than
-``RACY_NS`` before that run listed it (git's rule for "racily clean" files: a write within the clock's
-granularity of the listing could leave the time unchanged). So a year of archived segments is listed, not
-read, by each run; a byte changed in one of them without its modification time changing (bit rot, or a
-deliberate ``touch -d``) is not seen by a run with state, as it is by a run without. Nothing is used unless
+time, and the same segment number and salt, as the last run recorded in ``prints`` (its fingerprint then)
+when that time was more than ``RACY_NS`` before that run listed it, by this host's clock (after git's rule
+for "racily clean" files: a write within the clock's granularity of the listing could leave the time
+unchanged; a file system whose clock is more than that apart from this host's, or whose times are coarser,
+weakens it). So a year of archived segments is listed, not read, by each run; a byte changed in one of them
+without its size and modification time changing (bit rot, or a deliberate ``touch -d``) is not seen by a
+run with state, as it is by a run without. Nothing is used unless
 it checks out: a manifest that does not parse or whose own CRC-32 (``crc``: of its JSON with sorted keys,
 ``crc`` left out) differs, another format, version or window, a file whose size or
 CRC-32 differs, a segment whose first ``length`` bytes changed (or that got shorter): each is one line
@@ -114,9 +116,14 @@ def _print(sf: SegmentFile, cuts: Mapping[tuple[int, int | None, int | None], Se
            known: Mapping[str, list[Any]]) -> Print:
     stat = _stat(sf)
     rec = known.get(sf.display)
-    if rec is not None and stat is not None and tuple(rec[5:7]) == stat:
+    if rec is not None and stat is not None and tuple(rec[5:7]) == stat and (sf.segment, sf.salt) == tuple(rec[0:2]):
+        # the same stored size and time, and the same segment number and salt as listed (the salt from the
+        # archive name or the header discover read): another log's segment copied over it, its time kept, is not
         return Print(rec[0], rec[1], rec[2], sf.display, rec[3], rec[4], tuple((c[0], c[1]) for c in rec[7]), stat)
-    buf = memoryview(read_segment_bytes(sf))
+    try:
+        buf = memoryview(read_segment_bytes(sf))
+    except Exception:  # gone or unreadable: no print; its task says what (an "unreadable" PROBLEM row)
+        return Print(sf.segment, sf.salt, None, sf.display, -1, 0)
     try:
         h = decode_segment_header(buf[:SEGMENT_HEADER_BYTES])
         ident: tuple[int, int | None, int | None] = (h.segment, h.salt, h.created)
@@ -137,7 +144,8 @@ def fingerprints(files: Sequence[SegmentFile],
     """The :class:`Print` of each segment file, in order: from ``known`` (a manifest's ``prints``, only the
     files not racily clean) when the file's stored size and modification time are the same, else read whole
     (a few at a time); ``cuts``: the lengths the previous run's entries name, by identity, whose CRC-32 is
-    taken too. Raises what reading raises."""
+    taken too. A file that cannot be read gets length -1 and no identity beyond its name: nothing of the
+    state matches it, and the task that reads it reports it as a run without state does."""
     with ThreadPoolExecutor(max_workers=4, thread_name_prefix="mtaq-state-crc") as pool:
         return list(pool.map(lambda sf: _print(sf, cuts or {}, known or {}), files))
 
@@ -179,6 +187,8 @@ def _load(state: str, config: dict[str, Any]) -> tuple[dict[str, Any] | None, st
     try:
         with open(path, encoding="utf-8") as f:
             m = json.load(f)
+        if isinstance(m, dict) and m.get("format") != STATE_FORMAT:
+            return None, f"made by another format ({m.get('format')}; this mtaq writes {STATE_FORMAT})"
         if not isinstance(m, dict) or not isinstance(m.get("partitions"), list) or not isinstance(m.get("files"), dict) \
                 or not isinstance(m.get("prints"), dict) or not isinstance(m.get("listed_ns"), int):
             return None, "manifest.json is not a manifest of mtaq analyze"
@@ -211,11 +221,14 @@ def _ident(s: Mapping[str, Any]) -> tuple[int, int | None, int | None]:
 
 
 def plan(state: str, files: Sequence[SegmentFile], partition_bytes: int, stage: str, since_us: int | None,
-         until_us: int | None, close: bool, say: Callable[[str], None]) -> StatePlan:
+         until_us: int | None, close: bool, say: Callable[[str], None], listed_ns: int | None = None) -> StatePlan:
     """Check the state ``state`` against the discovered segments ``files`` (in log order) and link the files of
     the partitions it can reuse into ``stage``. Every problem with the state gives a note and a plan with
-    nothing reused (all of ``files`` planned in partitions of ``partition_bytes``)."""
-    listed_ns = time.time_ns()  # after discover listed the files: their mtimes are older (RACY_NS)
+    nothing reused (all of ``files`` planned in partitions of ``partition_bytes``). ``listed_ns``: this host's
+    clock (ns since the epoch) just before ``files`` were listed (default: now), kept for the next run's
+    RACY_NS rule."""
+    if listed_ns is None:
+        listed_ns = time.time_ns()
     config = _config(since_us, until_us, close)
     manifest, note = _load(state, config)
     cuts: dict[tuple[int, int | None, int | None], list[int]] = {}
@@ -368,7 +381,8 @@ def save(state: str, sp: StatePlan, computed: Sequence[tuple[int, StagedRow]], g
     for p in parts:
         for s in p["segments"]:
             cuts.setdefault(_ident(s), set()).add((s["length"], s["crc"]))
-    prints = {path: pr.record(sorted(cuts.get(pr.identity, ()))) for path, pr in sp.prints.items() if pr.stat is not None}
+    prints = {path: pr.record(sorted(cuts.get(pr.identity, ()))) for path, pr in sp.prints.items()
+              if pr.stat is not None and pr.length >= 0}
     manifest: dict[str, Any] = {"format": STATE_FORMAT, "config": _config(since_us, until_us, close), "files": names,
                                 "listed_ns": sp.listed_ns, "prints": prints, "partitions": parts}
     manifest["crc"] = _manifest_crc(manifest)
