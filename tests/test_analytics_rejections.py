@@ -121,3 +121,6 @@ def test_analyze_refuses_a_missing_events_file_and_a_remote_state_in_one_line(tm
     assert f"mtaq: --events {tmp_path / 'nope.log'}: no such file\n" == capsys.readouterr().err
     assert 2 == main(["--segments", spool, "--out", str(tmp_path / "out"), "--state", "s3://bucket/state"])
     assert "mtaq: --state: the state directory and --parquet-out must be local paths with --state\n" == capsys.readouterr().err
+    (tmp_path / "a-file").write_text("not a directory\n")
+    assert 2 == main(["--segments", spool, "--out", str(tmp_path / "out"), "--state", str(tmp_path / "a-file")])
+    assert f"mtaq: --state {tmp_path / 'a-file'}: Not a directory\n" == capsys.readouterr().err

@@ -74,6 +74,11 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--partition-bytes: expected an integer >= 1, got {args.partition_bytes}")
     if args.state is not None and "://" in (args.parquet_out or "") + args.state:
         raise ConfigError("--state: the state directory and --parquet-out must be local paths with --state")
+    if args.state is not None:
+        try:  # a state directory that cannot be made: one line now, not a traceback after the job
+            os.makedirs(os.path.join(args.state, "files"), exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"--state {args.state}: {exc.strerror or exc}") from exc
     conf = []
     for item in args.conf:
         key, sep, value = item.partition("=")
