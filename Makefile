@@ -51,8 +51,9 @@ install-service:
 # contrib/systemd/mtaq.service, rspamd and opendkim as the real milters of mtaq.testing.filters; both
 # packages enable a system service, which the tests never use: theirs run on free ports in a temporary directory;
 # gcc and libmilter-dev (a header, no command: checked by file) build bench/noop_milter.c, the benchmarks' filter).
+# iproute2: ss, which a workers test uses to name what holds a port.
 DEBS := swaks:swaks nmap:nmap fiu-run:fiu-utils chromium:chromium pflogsumm:pflogsumm systemd-analyze:systemd \
-	rspamd:rspamd opendkim:opendkim gcc:gcc
+	rspamd:rspamd opendkim:opendkim gcc:gcc ss:iproute2
 DEB_FILES := /usr/include/libmilter/mfapi.h:libmilter-dev
 debs:
 	@missing=""; for t in $(DEBS); do command -v $${t%%:*} >/dev/null 2>&1 || missing="$$missing $${t#*:}"; done; \
