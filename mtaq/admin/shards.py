@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from mtaq.admin.service import ActionResult, AdminError, AdminService, Listing
+from mtaq.admin.service import ActionResult, AdminError, AdminService, Listing, cursor_of
 from mtaq.core.view import Selector
 from mtaq.queue.store import queue_id_shard
 
@@ -125,7 +125,8 @@ def join_positions(parts: Iterable[tuple[int, str]]) -> str:
 
 
 class _RawPage(msgspec.Struct):
-    """A shard's page as ``POST /_shard/list`` answers it; with ``raw`` each mail stays undecoded."""
+    """A shard's page as ``POST /_shard/list`` answers it, each mail kept undecoded (its JSON as the shard's
+    view keeps it) until the merge has picked it."""
 
     position: str
     mails: list[msgspec.Raw]
@@ -209,7 +210,7 @@ class ShardedAdmin:
         cursor = None
         if more and merged:
             ts, qid = _raw_key(merged[-1])
-            cursor = f"{ts}:{qid}"
+            cursor = cursor_of({"arrival_time": ts, "queue_id": qid})
         if raw:
             return Listing(join_positions(positions), [], cursor, damage, raw=[bytes(m) for m in merged])
         return Listing(join_positions(positions), [msgspec.json.decode(m) for m in merged], cursor, damage)

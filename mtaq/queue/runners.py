@@ -225,7 +225,7 @@ class Runner:
         while True:
             end = self.log.durable_end
             try:
-                found = self.cursor.peek_envelope(end, max_frames=_SCAN_BUDGET)
+                found = self.cursor.peek_envelope(end, max_frames=_SCAN_BUDGET, runner=self.k)
             except StorageError as exc:
                 # Out of file descriptors, an I/O error: the runner must not die (the daemon would exit and
                 # restart into the same state). It keeps its position and reads again a little later.

@@ -210,17 +210,35 @@ class LogCursor:
             self.pos = Pos(seg, self.pos.offset + FRAME_HEADER_BYTES + length)
         return None
 
-    def peek_envelope(self, end: Pos, *, max_frames: int | None = None) -> tuple[Pos, Record] | Literal[False] | None:
+    def peek_envelope(
+        self, end: Pos, *, max_frames: int | None = None, runner: int | None = None
+    ) -> tuple[Pos, Record] | Literal[False] | None:
         """:meth:`peek` for ENVELOPE records only (the queue runners), with the same results and errors.
 
         Where the log lists the envelopes it appended itself (:meth:`Log.next_envelope`), the cursor goes
         straight to the next one (or to ``end``) without reading the frames in between, once some cursor
         has walked them frame by frame and checked each (``Log.checked_end``: so every frame this process
         appended is checksummed once, by the first cursor to pass, and damage is reported as :meth:`peek`
-        reports it); it reads and checks the envelope it stops at as :meth:`peek` does. Elsewhere
-        (segments of an earlier run) it reads frame by frame.
+        reports it); it reads and checks the envelope it stops at as :meth:`peek` does.
+
+        With ``runner`` k, in the segments of earlier runs that recovery read and checked frame by frame
+        (``Log.recovered``, :class:`mtaq.storage.log.RecoveredEnvelopes`), the cursor goes straight to the
+        next envelope *of runner k* (the others' envelopes are not returned there; elsewhere they are, and the
+        caller passes over them as before). Elsewhere (segments of an earlier run not read so) it reads frame
+        by frame.
         """
         log = self.log
+        listed = log.recovered if runner is not None else None
+        if listed is not None and listed.floor <= self.pos < listed.end:
+            assert runner is not None
+            stop = end if end < listed.end else listed.end
+            at = listed.next(runner, self.pos, stop)
+            if at is not None:
+                self.pos = at
+                return self.peek(end, _is_envelope, max_frames=1)
+            self.pos = stop
+            if stop == end:
+                return None
         nxt = log.next_envelope(self.pos, end)
         if nxt is False:
             return self.peek(end, _is_envelope, max_frames=max_frames)

@@ -31,6 +31,7 @@ import os
 import secrets
 import time
 import zlib
+from array import array
 from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
@@ -84,16 +85,72 @@ RESERVE_BYTES = 1 << 20
 """Bytes of the reserve file: a new segment and a few thousand records (STARTs, DELIVERY records, FINISHes)
 of the deliveries that free space, and the checkpoint that lets reclamation delete their segments."""
 
-__all__ = ["ENVELOPES_LISTED_MAX", "FILES_OPEN_MAX", "FREE_BYTES_TTL_S", "PIECE_BYTES", "RESERVE_BYTES", "RESERVE_NAME", "Log", "LogStats", "OpenReport", "list_segments", "release_reserve", "scan_log", "segment_path",
+__all__ = ["ENVELOPES_LISTED_MAX", "FILES_OPEN_MAX", "FREE_BYTES_TTL_S", "KEYED_SEGMENTS_MAX", "PIECE_BYTES", "RESERVE_BYTES", "RESERVE_NAME", "Log",
+           "LogStats", "OpenReport", "RecoveredEnvelopes", "list_segments", "release_reserve", "scan_log", "segment_path",
            "storage_error"]
 
 _SUFFIX = ".seg"
 FREE_BYTES_TTL_S = 0.25  # how old the free-space figure of Log.free_bytes may be, in seconds
 
 
-ENVELOPES_LISTED_MAX = 16384
-"""Positions of the ENVELOPE frames a Log appended that it keeps listed for the queue runners (about 90 bytes
-each with its list slot: 1.4 MiB at most); when there are more, the oldest half is dropped."""
+ENVELOPES_LISTED_MAX = 1 << 20
+"""Positions of the ENVELOPE frames a Log appended that it keeps listed for the queue runners (8 bytes each:
+8 MiB at most); when there are more, the oldest half is dropped. (16,384 Pos objects before, about 90 bytes
+each: a flush of a 100,000-message backlog appends 100,000 replacement envelopes, and every runner walked
+the frames of all but the newest 16,384.)"""
+
+
+# A position as one integer (the envelope lists of Log and RecoveredEnvelopes): segment << 34 | offset. A
+# segment holds at most 4 GiB and one record (256 MiB) more (config.segment_bytes_max), so an offset < 2**33;
+# positions of segments numbered from KEYED_SEGMENTS_MAX on are not listed (the cursors walk their frames).
+_OFFSET_BITS = 34
+_OFFSET_MASK = (1 << _OFFSET_BITS) - 1
+KEYED_SEGMENTS_MAX = 1 << (63 - _OFFSET_BITS)
+
+
+class RecoveredEnvelopes:
+    """Where recovery read the ENVELOPE frames of the segments of earlier runs, by queue runner: what
+    :meth:`Log.next_envelope` is for the frames this process appends, for the frames it found (issue 36.4).
+
+    Recovery reads every frame of the segments from ``floor`` to ``end`` (the segment this process appends
+    to) and checks each one's checksum (DATA frames included); damage it finds is moved aside and reported
+    then. A runner's cursor in that stretch therefore need not walk and check the frames again, nor decode
+    the envelopes of other runners: it goes straight to the next envelope of its own
+    (:meth:`mtaq.storage.cursor.LogCursor.peek_envelope` with ``runner``), which it still reads and checks.
+    ``runner`` is the runner that reads the envelope (``min(EnvelopeRecord.runner, runners - 1)``; parked
+    envelopes are not listed). Positions are kept as 8-byte integers (8 MB for a million envelopes), added
+    in log order; ``end.segment`` must be below ``KEYED_SEGMENTS_MAX`` (recovery lists nothing otherwise).
+    """
+
+    __slots__ = ("_by_runner", "end", "floor")
+
+    def __init__(self, floor: Pos, end: Pos) -> None:
+        self.floor = floor
+        self.end = end
+        self._by_runner: dict[int, array[int]] = {}
+
+    def add(self, runner: int, pos: Pos) -> None:
+        """List the envelope at ``pos`` (in ``[floor, end)``, after every one listed before) for ``runner``."""
+        listed = self._by_runner.get(runner)
+        if listed is None:
+            listed = self._by_runner[runner] = array("q")
+        listed.append(pos.segment << _OFFSET_BITS | pos.offset)
+
+    def __len__(self) -> int:
+        return sum(len(a) for a in self._by_runner.values())
+
+    def next(self, runner: int, pos: Pos, end: Pos) -> Pos | None:
+        """The first envelope of ``runner`` at or after ``pos`` and before ``end``; None if there is none.
+        A binary search, no I/O."""
+        listed = self._by_runner.get(runner)
+        if not listed:
+            return None
+        i = bisect_left(listed, pos.segment << _OFFSET_BITS | pos.offset)
+        if i == len(listed):
+            return None
+        key = listed[i]
+        found = Pos(key >> _OFFSET_BITS, key & _OFFSET_MASK)
+        return found if found < end else None
 
 
 def segment_path(directory: str, number: int) -> str:
@@ -305,11 +362,13 @@ class Log:
         self.confirmed: OrderedDict[Pos, None] = OrderedDict()
         # Where this process appended ENVELOPE frames, in log order: every one at or after _envelopes_floor
         # is listed (None: nothing listed yet). The queue runners jump from one to the next (next_envelope).
-        self._envelopes: list[Pos] = []
+        self._envelopes: array[int] = array("q")  # segment << 40 | offset (RecoveredEnvelopes' keys)
         self._envelopes_floor: Pos | None = None
         # Every frame this process appended before this position has been checksummed by some cursor once
         # (or reported): a cursor that jumps from envelope to envelope walks, checking, what lies past it.
         self.checked_end: Pos | None = None
+        # The envelopes recovery found in the segments of earlier runs, by runner (None until it lists them).
+        self.recovered: RecoveredEnvelopes | None = None
         # Segment headers found damaged (and salvaged) when a segment was opened for reading, not yet reported
         # by a cursor (LogCursor reports each once through its on_corrupt).
         self.header_problems: dict[int, Problem] = {}
@@ -579,12 +638,12 @@ class Log:
         except OSError as exc:
             raise storage_error(exc, f"appending to segment {self._cur_no}") from exc
         pos, lsn = self._appended(offset, size)
-        if rtype == RecordType.ENVELOPE and self._envelopes_floor is not None:
+        if rtype == RecordType.ENVELOPE and self._envelopes_floor is not None and pos.segment < KEYED_SEGMENTS_MAX:
             listed = self._envelopes
-            listed.append(pos)
+            listed.append(pos.segment << _OFFSET_BITS | pos.offset)
             if len(listed) > ENVELOPES_LISTED_MAX:  # the oldest half goes: cursors behind it walk the frames
                 del listed[: len(listed) // 2]
-                self._envelopes_floor = listed[0]
+                self._envelopes_floor = Pos(listed[0] >> _OFFSET_BITS, listed[0] & _OFFSET_MASK)
         killpoints.hit("log.append")  # kill after the k-th append (MTAQ_KILL_POINT=log.append / recovery.append)
         return pos, lsn
 
@@ -599,9 +658,9 @@ class Log:
         if floor is None or pos < floor:
             return False
         listed = self._envelopes
-        i = bisect_left(listed, pos)
-        if i < len(listed) and listed[i] < end:
-            return listed[i]
+        i = bisect_left(listed, pos.segment << _OFFSET_BITS | pos.offset)
+        if i < len(listed) and (key := listed[i]) < end.segment << _OFFSET_BITS | end.offset:
+            return Pos(key >> _OFFSET_BITS, key & _OFFSET_MASK)
         return None
 
     def _appended(self, offset: int, size: int) -> tuple[Pos, int]:

@@ -564,7 +564,7 @@ class Proc:
         q, qlog = self.queue, self.qlog
         for r in self.runners:  # Runner.run, without its waits: stop at the first envelope not yet due
             while True:
-                found = r.cursor.peek_envelope(qlog.durable_end)
+                found = r.cursor.peek_envelope(qlog.durable_end, runner=r.k)
                 if found is None or found is False:
                     break
                 pos, env = found
