@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from mtaq.core.errors import StorageError, StorageFatal
 from mtaq.core.frame import scan_segment
 from mtaq.core.records import FinishRecord, Pos
-from mtaq.storage.fs import OsFileSystem
+from mtaq.storage.fs import OsFileSystem, make_durable_dirs
 from mtaq.storage.log import Log, list_segments, segment_path
 from mtaq.testing.crashfs import CRASH_MODES, CrashFileSystem
 
@@ -119,6 +119,18 @@ def test_directory_made_by_makedirs_vanishes_unless_its_parent_was_fsynced():
     fs.fsync_dir("/a")
     fs.crash(random.Random(0), mode="drop")
     assert fs.dirs() == {"/", "/a", "/a/b"}
+
+
+def test_make_durable_dirs_makes_the_entries_an_earlier_killed_start_left_durable_too():
+    """A start killed right after its mkdir (kill -9: the entry stays, only in the page cache); the next start
+    finds the directories there and must still make their entries durable, or a power cut during that run
+    takes the spool and what it acknowledged (the explorer with receipts in the later run found it: run 0
+    killed after op 1, run 1 cut, "kept none of [#1 link /spool]")."""
+    fs = CrashFileSystem()
+    fs.makedirs("/spool")  # the first start, killed before it fsync'd "/"
+    make_durable_dirs(fs, "/spool/log")  # the next start: /spool is there
+    fs.crash(random.Random(0), mode="drop")
+    assert {"/spool", "/spool/log"} <= fs.dirs()
 
 
 def test_unlink_not_made_durable_is_undone():
