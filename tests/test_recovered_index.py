@@ -25,7 +25,7 @@ from mtaq.queue.store import Queue, new_queue_id
 from mtaq.storage import cursor as cursor_mod
 from mtaq.storage.cursor import LogCursor
 from mtaq.storage.fs import OsFileSystem
-from mtaq.storage.log import Log, list_segments, segment_path
+from mtaq.storage.log import KEYED_SEGMENTS_MAX, Log, list_segments, segment_path
 
 LOG = structlog.get_logger("test")
 POLICY = RetryPolicy(intervals_s=(60.0, 600.0))  # runners 0 (new mail), 1 and 2
@@ -191,4 +191,82 @@ def test_an_envelope_damaged_after_recovery_read_it_is_checked_reported_and_not_
     got = jumped(log, first, log.recovered.end, 1, problems)
     log.close()
     assert got == [p for p in mine if p != victim]
+    assert [(p.segment, p.offset) for p in problems] == [(victim.segment, victim.offset)]
+
+
+def test_a_data_frame_whose_type_byte_became_seal_is_reported_and_the_rest_of_its_segment_read(tmp_path):
+    """One flipped type byte (DATA -> SEAL) in an old segment: recovery reports the frame and lists the
+    envelopes after it; the frame-by-frame walk checks a SEAL before it trusts it (it took the type on trust
+    and went to the next segment, passing over the rest unreported: found by review), so walk and jump agree
+    for every runner."""
+    spool = str(tmp_path)
+    mixed(spool)
+    log_dir = os.path.join(spool, "log")
+    seg = list_segments(OsFileSystem(), log_dir)[1]
+    path = segment_path(log_dir, seg)
+    raw = bytearray(open(path, "rb").read())
+    records = scan_segment(seg, bytes(raw)).records
+    data_pos = next(p for p, r in records if isinstance(r, DataRecord))
+    raw[data_pos.offset + 2] = int(RecordType.SEAL)
+    open(path, "wb").write(bytes(raw))
+    log, _q, res = start(spool)
+    assert [(p.segment, p.offset) for p in res.corrupt + res.holes] == [(seg, data_pos.offset)]
+    assert log.recovered is not None
+    first = Pos(list_segments(OsFileSystem(), log_dir)[0], 32)
+    after = {p for p, r in records if isinstance(r, EnvelopeRecord) and p > data_pos and r.runner != PARKED}
+    for k in range(RUNNERS):
+        seen: list = []
+        cur = LogCursor(log, first, seen.append)  # the walk, reporting
+        while (found := cur.peek(log.recovered.end, lambda t: t == RecordType.ENVELOPE)) is not None:
+            if found is not False:
+                cur.skip()
+        assert [(p.segment, p.offset) for p in seen] == [(seg, data_pos.offset)]
+        assert jumped(log, first, log.recovered.end, k) == walked(log, first, log.recovered.end, k)
+    assert after and after <= {p for k in range(RUNNERS) for p in walked(log, first, log.recovered.end, k)}
+    log.close()
+
+
+def test_envelopes_appended_to_a_segment_numbered_past_the_keys_are_walked_not_lost(tmp_path):
+    """A segment number at or past KEYED_SEGMENTS_MAX (a stray file named so makes the next start number its
+    segment after it): the log stops listing the envelopes it appends, and every runner walks to the same
+    envelopes (found by review: the list stayed in use, answered "none here", and every runner after the
+    first jumped past them)."""
+    spool = str(tmp_path)
+    log_dir = os.path.join(spool, "log")
+    os.makedirs(log_dir)
+    open(segment_path(log_dir, KEYED_SEGMENTS_MAX + 5), "wb").close()  # empty: removed, but numbered after
+    log, _q, _res = start(spool)
+    first = log.durable_end
+    assert first.segment >= KEYED_SEGMENTS_MAX
+    fill(log, [0, 1, 2] * 3)
+    end = log.durable_end
+    want = {k: walked(log, first, end, k) for k in range(RUNNERS)}
+    got = {k: jumped(log, first, end, k) for k in range(RUNNERS)}  # in turn, as the runners' tasks interleave
+    log.close()
+    assert all(len(v) == 3 for v in want.values())
+    assert got == want
+
+
+def test_without_a_budget_a_damaged_listed_envelope_is_passed_over_not_answered_false(tmp_path):
+    """``peek_envelope`` without ``max_frames`` never answers False (as ``peek``): a listed envelope damaged
+    after recovery read it is reported and the cursor goes on to the next envelope."""
+    spool = str(tmp_path)
+    mixed(spool)
+    log, _q, _res = start(spool)
+    assert log.recovered is not None
+    first = Pos(list_segments(OsFileSystem(), os.path.join(spool, "log"))[0], 32)
+    mine = walked(log, first, log.recovered.end, 1)
+    victim = mine[1]
+    with open(segment_path(os.path.join(spool, "log"), victim.segment), "r+b") as f:
+        f.seek(victim.offset + FRAME_HEADER_BYTES + 5)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x02]))
+    log.decoded.clear()
+    log.confirmed.clear()
+    problems: list = []
+    cur = LogCursor(log, victim, problems.append)
+    found = cur.peek_envelope(log.durable_end, runner=1)
+    log.close()
+    assert found is not False and found is not None and found[0] > victim
     assert [(p.segment, p.offset) for p in problems] == [(victim.segment, victim.offset)]

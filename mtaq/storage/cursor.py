@@ -195,6 +195,11 @@ class LogCursor:
                 return None
             rtype, length = hdr
             if rtype == RecordType.SEAL:
+                # Checked before it is trusted: a type byte flipped to SEAL would otherwise end the segment
+                # here and pass over every frame after it unreported (found by review, stop 47).
+                if not self._confirmed(self.pos, length):
+                    self._resync("frame does not check out (a SEAL cannot be trusted)")
+                    continue
                 if not self._next_segment():
                     return None
                 continue
@@ -235,7 +240,8 @@ class LogCursor:
             at = listed.next(runner, self.pos, stop)
             if at is not None:
                 self.pos = at
-                return self.peek(end, _is_envelope, max_frames=1)
+                # one frame (checked, decoded); without a budget, on past it should it not check out now
+                return self.peek(end, _is_envelope, max_frames=1 if max_frames is not None else None)
             self.pos = stop
             if stop == end:
                 return None

@@ -102,7 +102,8 @@ the frames of all but the newest 16,384.)"""
 
 # A position as one integer (the envelope lists of Log and RecoveredEnvelopes): segment << 34 | offset. A
 # segment holds at most 4 GiB and one record (256 MiB) more (config.segment_bytes_max), so an offset < 2**33;
-# positions of segments numbered from KEYED_SEGMENTS_MAX on are not listed (the cursors walk their frames).
+# once a segment numbered KEYED_SEGMENTS_MAX or more is appended to, nothing is listed any more (the cursors
+# walk the frames; Log.next_envelope answers False), and recovery lists nothing (RecoveredEnvelopes).
 _OFFSET_BITS = 34
 _OFFSET_MASK = (1 << _OFFSET_BITS) - 1
 KEYED_SEGMENTS_MAX = 1 << (63 - _OFFSET_BITS)
@@ -638,7 +639,11 @@ class Log:
         except OSError as exc:
             raise storage_error(exc, f"appending to segment {self._cur_no}") from exc
         pos, lsn = self._appended(offset, size)
-        if rtype == RecordType.ENVELOPE and self._envelopes_floor is not None and pos.segment < KEYED_SEGMENTS_MAX:
+        if rtype == RecordType.ENVELOPE and self._envelopes_floor is not None:
+            if pos.segment >= KEYED_SEGMENTS_MAX:  # beyond the keys: nothing listed any more (next_envelope: False)
+                self._envelopes_floor = None
+                self._envelopes = array("q")
+                return pos, lsn
             listed = self._envelopes
             listed.append(pos.segment << _OFFSET_BITS | pos.offset)
             if len(listed) > ENVELOPES_LISTED_MAX:  # the oldest half goes: cursors behind it walk the frames
