@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable
+from typing import Literal
 
 import structlog
 
@@ -51,11 +53,10 @@ def fill(log: Log, runners: list[int]) -> None:
     asyncio.run(log.sync())
 
 
-def walked(log: Log, first: Pos, end: Pos, k: int) -> list[Pos]:
-    """Runner ``k``'s envelopes by a frame-by-frame walk (``LogCursor.peek``)."""
-    cur = LogCursor(log, first)
+def _own(cur: LogCursor, k: int, step: Callable[[], tuple[Pos, object] | Literal[False] | None]) -> list[Pos]:
+    """Runner ``k``'s envelopes of what ``step`` finds with ``cur`` until None (others skipped)."""
     got = []
-    while (found := cur.peek(end, lambda t: t == RecordType.ENVELOPE)) is not None:
+    while (found := step()) is not None:
         if found is not False:
             env = found[1]
             assert isinstance(env, EnvelopeRecord)
@@ -63,20 +64,18 @@ def walked(log: Log, first: Pos, end: Pos, k: int) -> list[Pos]:
                 got.append(found[0])
             cur.skip()
     return got
+
+
+def walked(log: Log, first: Pos, end: Pos, k: int) -> list[Pos]:
+    """Runner ``k``'s envelopes by a frame-by-frame walk (``LogCursor.peek``)."""
+    cur = LogCursor(log, first)
+    return _own(cur, k, lambda: cur.peek(end, lambda t: t == RecordType.ENVELOPE))
 
 
 def jumped(log: Log, first: Pos, end: Pos, k: int, problems: list | None = None) -> list[Pos]:
     """Runner ``k``'s envelopes as ``Runner.run`` finds them (``peek_envelope(runner=k)``, others skipped)."""
     cur = LogCursor(log, first, problems.append if problems is not None else None)
-    got = []
-    while (found := cur.peek_envelope(end, max_frames=64, runner=k)) is not None:
-        if found is not False:
-            env = found[1]
-            assert isinstance(env, EnvelopeRecord)
-            if min(env.runner, RUNNERS - 1) == k:
-                got.append(found[0])
-            cur.skip()
-    return got
+    return _own(cur, k, lambda: cur.peek_envelope(end, max_frames=64, runner=k))
 
 
 def mixed(spool: str) -> list[int]:
@@ -87,6 +86,24 @@ def mixed(spool: str) -> list[int]:
     fill(log, runners)
     log.close()
     return runners
+
+
+def second_segment(spool: str) -> tuple[int, str, bytearray, list]:
+    """The earlier run's second segment: (number, path, bytes, records) to damage."""
+    log_dir = os.path.join(spool, "log")
+    seg = list_segments(OsFileSystem(), log_dir)[1]
+    path = segment_path(log_dir, seg)
+    raw = bytearray(open(path, "rb").read())
+    return seg, path, raw, scan_segment(seg, bytes(raw)).records
+
+
+def flip_envelope(spool: str, pos: Pos) -> None:
+    """One bit of the envelope at ``pos`` flipped on disk (media damage while the daemon runs)."""
+    with open(segment_path(os.path.join(spool, "log"), pos.segment), "r+b") as f:
+        f.seek(pos.offset + FRAME_HEADER_BYTES + 5)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x02]))
 
 
 def test_each_runner_is_given_its_own_envelopes_of_the_recovered_segments_and_reads_only_those(tmp_path, monkeypatch):
@@ -146,10 +163,7 @@ def test_damage_in_the_recovered_segments_is_reported_by_recovery_and_every_othe
     spool = str(tmp_path)
     mixed(spool)
     log_dir = os.path.join(spool, "log")
-    seg = list_segments(OsFileSystem(), log_dir)[1]
-    path = segment_path(log_dir, seg)
-    raw = bytearray(open(path, "rb").read())
-    records = scan_segment(seg, bytes(raw)).records
+    seg, path, raw, records = second_segment(spool)
     data_pos = next(p for p, r in records if isinstance(r, DataRecord))
     env_pos = [p for p, r in records if isinstance(r, EnvelopeRecord)][-1]
     raw[data_pos.offset + FRAME_HEADER_BYTES + 200] ^= 0x10
@@ -172,7 +186,8 @@ def test_damage_in_the_recovered_segments_is_reported_by_recovery_and_every_othe
 
 def test_an_envelope_damaged_after_recovery_read_it_is_checked_reported_and_not_offered(tmp_path):
     """Bytes of a listed envelope change on disk after recovery (media damage while running): the runner
-    still reads and checks the envelope it goes to, reports the damage and goes on to the next of its own."""
+    still reads and checks the envelope it goes to, reports the damage and goes on to the next of its own;
+    without a budget (``max_frames``) the cursor never answers False (as ``peek``), it goes on past it."""
     spool = str(tmp_path)
     mixed(spool)
     log, _q, _res = start(spool)
@@ -180,18 +195,19 @@ def test_an_envelope_damaged_after_recovery_read_it_is_checked_reported_and_not_
     first = Pos(list_segments(OsFileSystem(), os.path.join(spool, "log"))[0], 32)
     mine = walked(log, first, log.recovered.end, 1)
     victim = mine[len(mine) // 2]
-    with open(segment_path(os.path.join(spool, "log"), victim.segment), "r+b") as f:
-        f.seek(victim.offset + FRAME_HEADER_BYTES + 5)
-        b = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([b[0] ^ 0x02]))
+    flip_envelope(spool, victim)
     log.decoded.clear()
     log.confirmed.clear()
     problems: list = []
     got = jumped(log, first, log.recovered.end, 1, problems)
+    log.confirmed.clear()
+    unbudgeted: list = []
+    found = LogCursor(log, victim, unbudgeted.append).peek_envelope(log.durable_end, runner=1)
     log.close()
     assert got == [p for p in mine if p != victim]
-    assert [(p.segment, p.offset) for p in problems] == [(victim.segment, victim.offset)]
+    assert [(p.segment, p.offset) for p in problems] == [(victim.segment, victim.offset)] == [
+        (p.segment, p.offset) for p in unbudgeted]
+    assert found is not False and found is not None and found[0] > victim
 
 
 def test_a_data_frame_whose_type_byte_became_seal_is_reported_and_the_rest_of_its_segment_read(tmp_path):
@@ -202,10 +218,7 @@ def test_a_data_frame_whose_type_byte_became_seal_is_reported_and_the_rest_of_it
     spool = str(tmp_path)
     mixed(spool)
     log_dir = os.path.join(spool, "log")
-    seg = list_segments(OsFileSystem(), log_dir)[1]
-    path = segment_path(log_dir, seg)
-    raw = bytearray(open(path, "rb").read())
-    records = scan_segment(seg, bytes(raw)).records
+    seg, path, raw, records = second_segment(spool)
     data_pos = next(p for p, r in records if isinstance(r, DataRecord))
     raw[data_pos.offset + 2] = int(RecordType.SEAL)
     open(path, "wb").write(bytes(raw))
@@ -245,28 +258,3 @@ def test_envelopes_appended_to_a_segment_numbered_past_the_keys_are_walked_not_l
     log.close()
     assert all(len(v) == 3 for v in want.values())
     assert got == want
-
-
-def test_without_a_budget_a_damaged_listed_envelope_is_passed_over_not_answered_false(tmp_path):
-    """``peek_envelope`` without ``max_frames`` never answers False (as ``peek``): a listed envelope damaged
-    after recovery read it is reported and the cursor goes on to the next envelope."""
-    spool = str(tmp_path)
-    mixed(spool)
-    log, _q, _res = start(spool)
-    assert log.recovered is not None
-    first = Pos(list_segments(OsFileSystem(), os.path.join(spool, "log"))[0], 32)
-    mine = walked(log, first, log.recovered.end, 1)
-    victim = mine[1]
-    with open(segment_path(os.path.join(spool, "log"), victim.segment), "r+b") as f:
-        f.seek(victim.offset + FRAME_HEADER_BYTES + 5)
-        b = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([b[0] ^ 0x02]))
-    log.decoded.clear()
-    log.confirmed.clear()
-    problems: list = []
-    cur = LogCursor(log, victim, problems.append)
-    found = cur.peek_envelope(log.durable_end, runner=1)
-    log.close()
-    assert found is not False and found is not None and found[0] > victim
-    assert [(p.segment, p.offset) for p in problems] == [(victim.segment, victim.offset)]
