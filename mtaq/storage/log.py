@@ -363,7 +363,7 @@ class Log:
         self.confirmed: OrderedDict[Pos, None] = OrderedDict()
         # Where this process appended ENVELOPE frames, in log order: every one at or after _envelopes_floor
         # is listed (None: nothing listed yet). The queue runners jump from one to the next (next_envelope).
-        self._envelopes: array[int] = array("q")  # segment << 40 | offset (RecoveredEnvelopes' keys)
+        self._envelopes: array[int] = array("q")  # segment << 34 | offset (RecoveredEnvelopes' keys)
         self._envelopes_floor: Pos | None = None
         # Every frame this process appended before this position has been checksummed by some cursor once
         # (or reported): a cursor that jumps from envelope to envelope walks, checking, what lies past it.
@@ -639,11 +639,10 @@ class Log:
         except OSError as exc:
             raise storage_error(exc, f"appending to segment {self._cur_no}") from exc
         pos, lsn = self._appended(offset, size)
+        if rtype == RecordType.ENVELOPE and self._envelopes_floor is not None and pos.segment >= KEYED_SEGMENTS_MAX:
+            self._envelopes_floor = None  # beyond the keys: nothing listed any more (next_envelope: False)
+            self._envelopes = array("q")
         if rtype == RecordType.ENVELOPE and self._envelopes_floor is not None:
-            if pos.segment >= KEYED_SEGMENTS_MAX:  # beyond the keys: nothing listed any more (next_envelope: False)
-                self._envelopes_floor = None
-                self._envelopes = array("q")
-                return pos, lsn
             listed = self._envelopes
             listed.append(pos.segment << _OFFSET_BITS | pos.offset)
             if len(listed) > ENVELOPES_LISTED_MAX:  # the oldest half goes: cursors behind it walk the frames
