@@ -15,7 +15,7 @@ from collections import OrderedDict
 
 import mtaq.storage.cursor as cursor_mod
 from mtaq.core.frame import SEGMENT_HEADER_BYTES
-from mtaq.core.records import FinishRecord, Pos
+from mtaq.core.records import FinishRecord, Pos, RecordType
 from mtaq.storage.cursor import LogCursor
 from mtaq.storage.fs import OsFileSystem
 from mtaq.storage.log import Log
@@ -23,8 +23,8 @@ from mtaq.storage.log import Log
 
 def test_a_cursor_keeps_the_newest_checked_frames_and_evicts_the_oldest_in_constant_time(tmp_path, monkeypatch):
     """A log of an earlier run (read frame by frame) with 200 FINISH frames and no envelope; a cursor with
-    ``CONFIRMED_MAX`` 64 walks it to the end: the cache holds exactly the last 64 frames it checked, oldest
-    first, in an OrderedDict (whose ``popitem(last=False)`` is O(1), unlike a dict's ``next(iter(d))``)."""
+    ``CONFIRMED_MAX`` 64 walks it to the end: the cache holds exactly the last 64 frames it checked (the
+    segment's SEAL the last), oldest first, in an OrderedDict (whose ``popitem(last=False)`` is O(1), unlike a dict's ``next(iter(d))``)."""
     monkeypatch.setattr(cursor_mod, "CONFIRMED_MAX", 64)
     log_dir = os.path.join(tmp_path, "log")
     log, _ = Log.open(OsFileSystem(), log_dir, segment_bytes_max=1 << 22)
@@ -44,7 +44,10 @@ def test_a_cursor_keeps_the_newest_checked_frames_and_evicts_the_oldest_in_const
         log.decoded.clear()
         c = LogCursor(log, Pos(1, SEGMENT_HEADER_BYTES))
         assert c.peek_envelope(log.durable_end) is None
-        assert (OrderedDict, frames[-64:]) == (type(log.confirmed), list(log.confirmed))
+        # the last checked is the SEAL the second start wrote: a cursor checks a SEAL before it trusts it
+        *checked, seal = list(log.confirmed)
+        assert (OrderedDict, frames[-63:]) == (type(log.confirmed), checked)
+        assert seal.offset > frames[-1].offset and log.read_segment(1)[seal.offset + 2] == RecordType.SEAL
         assert OrderedDict is type(log.decoded)
     finally:
         log.close()
