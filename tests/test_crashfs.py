@@ -133,6 +133,27 @@ def test_make_durable_dirs_makes_the_entries_an_earlier_killed_start_left_durabl
     assert {"/spool", "/spool/log"} <= fs.dirs()
 
 
+@pytest.mark.parametrize("err", [errno.EACCES, errno.EROFS, errno.EINVAL, errno.EIO])
+def test_make_durable_dirs_passes_over_an_ancestor_it_cannot_fsync_but_not_an_io_error(err):
+    """An existing ancestor whose fsync is refused for want of permission, or has nothing to write back (a
+    read-only file system, one that does not fsync directories), is passed over; an I/O error is raised."""
+
+    class Refusing(CrashFileSystem):
+        def fsync_dir(self, path: str) -> None:
+            if path == "/":
+                raise OSError(err, os.strerror(err), path)
+            super().fsync_dir(path)
+
+    fs = Refusing()
+    fs.makedirs("/spool")
+    if err == errno.EIO:
+        with pytest.raises(OSError):
+            make_durable_dirs(fs, "/spool/log")
+    else:
+        make_durable_dirs(fs, "/spool/log")
+        assert "/spool/log" in fs.dirs()
+
+
 def test_unlink_not_made_durable_is_undone():
     """An unlinked file whose directory was not fsync'd afterwards reappears with its durable contents."""
     fs = CrashFileSystem()

@@ -182,7 +182,8 @@ def make_durable_dirs(fs: FileSystem, directory: str) -> None:
     in a later run would take the spool with it, and every message that run acknowledged (found by the
     crash-state explorer with receipts in the later run: ``bench/explore.py --later-receive``). So once this
     returns a power cut cannot take any of them away. An existing ancestor that cannot be opened to be
-    fsync'd (no read permission for this user: ``PermissionError``) is passed over. Raises OSError."""
+    fsync'd (no read permission for this user: ``PermissionError``) or whose file system says there is
+    nothing to fsync (``EROFS``, ``EINVAL``) is passed over. Raises OSError otherwise."""
     chain = []
     d = os.path.abspath(directory)
     while (parent := os.path.dirname(d)) != d:
@@ -195,8 +196,11 @@ def make_durable_dirs(fs: FileSystem, directory: str) -> None:
             continue
         try:
             fs.fsync_dir(os.path.dirname(d))
-        except PermissionError:
-            pass
+        except OSError as exc:
+            # Not ours to make durable: a directory this user cannot open, or a file system that has nothing
+            # to write back (read-only, or one that does not fsync directories). Anything else is raised.
+            if not isinstance(exc, PermissionError) and exc.errno not in (errno.EROFS, errno.EINVAL):
+                raise
 
 
 def replace_file(
