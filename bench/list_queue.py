@@ -89,7 +89,8 @@ QUEUE_DIRS = ("incoming", "active", "deferred", "defer", "bounce", "trace", "hol
 def fresh_postfix_queue() -> None:
     """Postfix stopped and its (empty) queue directories made anew by ``postfix check``, as mtaq's spool is new
     for each run: an ext4 directory that once held 100,000 entries keeps its size after they are deleted, and
-    every scan of it reads those blocks (Postfix's drain was 9-15 % slower in later runs of a sitting before)."""
+    every scan of it reads those blocks (a suspected bias against Postfix in later runs of a sitting; on the
+    2-core machine of stop 47 its drain was no faster with fresh directories: docs/performance.md)."""
     run(["postfix", "stop"], check=False)
     for d in QUEUE_DIRS:
         shutil.rmtree(os.path.join(POSTFIX_SPOOL, d), ignore_errors=True)
