@@ -190,16 +190,15 @@ def make_durable_dirs(fs: FileSystem, directory: str) -> None:
         chain.append(d)
         d = parent
     for d in reversed(chain):
-        if not fs.exists(d):
+        made = not fs.exists(d)
+        if made:
             fs.makedirs(d)
-            fs.fsync_dir(os.path.dirname(d))
-            continue
         try:
             fs.fsync_dir(os.path.dirname(d))
         except OSError as exc:
-            # Not ours to make durable: a directory this user cannot open, or a file system that has nothing
-            # to write back (read-only, or one that does not fsync directories). Anything else is raised.
-            if not isinstance(exc, PermissionError) and exc.errno not in (errno.EROFS, errno.EINVAL):
+            # An existing entry that is not ours to make durable: a directory this user cannot open, or a file
+            # system that has nothing to write back (read-only, or one that does not fsync directories).
+            if made or not (isinstance(exc, PermissionError) or exc.errno in (errno.EROFS, errno.EINVAL)):
                 raise
 
 

@@ -109,6 +109,22 @@ _OFFSET_MASK = (1 << _OFFSET_BITS) - 1
 KEYED_SEGMENTS_MAX = 1 << (63 - _OFFSET_BITS)
 
 
+def _key(pos: Pos) -> int:
+    return pos.segment << _OFFSET_BITS | pos.offset
+
+
+def _pos(key: int) -> Pos:
+    return Pos(key >> _OFFSET_BITS, key & _OFFSET_MASK)
+
+
+def _next_listed(listed: array[int], pos: Pos, end: Pos) -> Pos | None:
+    """The first position in ``listed`` (keys, ascending) at or after ``pos`` and before ``end``, or None."""
+    i = bisect_left(listed, _key(pos))
+    if i < len(listed) and (key := listed[i]) < _key(end):
+        return _pos(key)
+    return None
+
+
 class RecoveredEnvelopes:
     """Where recovery read the ENVELOPE frames of the segments of earlier runs, by queue runner: what
     :meth:`Log.next_envelope` is for the frames this process appends, for the frames it found (issue 36.4).
@@ -135,7 +151,7 @@ class RecoveredEnvelopes:
         listed = self._by_runner.get(runner)
         if listed is None:
             listed = self._by_runner[runner] = array("q")
-        listed.append(pos.segment << _OFFSET_BITS | pos.offset)
+        listed.append(_key(pos))
 
     def __len__(self) -> int:
         return sum(len(a) for a in self._by_runner.values())
@@ -144,14 +160,7 @@ class RecoveredEnvelopes:
         """The first envelope of ``runner`` at or after ``pos`` and before ``end``; None if there is none.
         A binary search, no I/O."""
         listed = self._by_runner.get(runner)
-        if not listed:
-            return None
-        i = bisect_left(listed, pos.segment << _OFFSET_BITS | pos.offset)
-        if i == len(listed):
-            return None
-        key = listed[i]
-        found = Pos(key >> _OFFSET_BITS, key & _OFFSET_MASK)
-        return found if found < end else None
+        return _next_listed(listed, pos, end) if listed else None
 
 
 def segment_path(directory: str, number: int) -> str:
@@ -639,15 +648,16 @@ class Log:
         except OSError as exc:
             raise storage_error(exc, f"appending to segment {self._cur_no}") from exc
         pos, lsn = self._appended(offset, size)
-        if rtype == RecordType.ENVELOPE and self._envelopes_floor is not None and pos.segment >= KEYED_SEGMENTS_MAX:
-            self._envelopes_floor = None  # beyond the keys: nothing listed any more (next_envelope: False)
-            self._envelopes = array("q")
         if rtype == RecordType.ENVELOPE and self._envelopes_floor is not None:
             listed = self._envelopes
-            listed.append(pos.segment << _OFFSET_BITS | pos.offset)
-            if len(listed) > ENVELOPES_LISTED_MAX:  # the oldest half goes: cursors behind it walk the frames
-                del listed[: len(listed) // 2]
-                self._envelopes_floor = Pos(listed[0] >> _OFFSET_BITS, listed[0] & _OFFSET_MASK)
+            if pos.segment >= KEYED_SEGMENTS_MAX:  # beyond the keys: nothing listed any more (next_envelope: False)
+                self._envelopes_floor = None
+                self._envelopes = array("q")
+            else:
+                listed.append(_key(pos))
+                if len(listed) > ENVELOPES_LISTED_MAX:  # the oldest half goes: cursors behind it walk the frames
+                    del listed[: len(listed) // 2]
+                    self._envelopes_floor = _pos(listed[0])
         killpoints.hit("log.append")  # kill after the k-th append (MTAQ_KILL_POINT=log.append / recovery.append)
         return pos, lsn
 
@@ -661,11 +671,7 @@ class Log:
         floor = self._envelopes_floor
         if floor is None or pos < floor:
             return False
-        listed = self._envelopes
-        i = bisect_left(listed, pos.segment << _OFFSET_BITS | pos.offset)
-        if i < len(listed) and (key := listed[i]) < end.segment << _OFFSET_BITS | end.offset:
-            return Pos(key >> _OFFSET_BITS, key & _OFFSET_MASK)
-        return None
+        return _next_listed(self._envelopes, pos, end)
 
     def _appended(self, offset: int, size: int) -> tuple[Pos, int]:
         """Book-keeping after a frame of ``size`` bytes was written at ``offset`` of the current segment:
