@@ -200,3 +200,35 @@ def test_no_archive_in_a_directory_others_can_write_or_of_another_user(tmp_path,
     os.chown(planted, 65534, 65534)
     got = jvm.plan("local[2]")
     assert got.state == "creating" and planted not in got.options and os.path.exists(planted)
+
+
+def test_stop_session_leaves_the_accumulator_servers_shutdown_to_a_thread_and_it_ends(tmp_path):
+    """PySpark's stop shuts its accumulator server down in the caller, which waits for the server's handler
+    (it looks once a second): 0.7-1 s of every `mtaq analyze`. stop_session stops the context and hands that
+    shutdown to a daemon thread, not the caller's; the server still ends (its socket closed, its thread gone),
+    accumulators added before the stop were counted, and a new session in the same process works."""
+    script = (
+        "import threading, time\n"
+        "sc = s.sparkContext\n"
+        "acc = sc.accumulator(0)\n"
+        "sc.parallelize(range(10), 2).foreach(lambda x: acc.add(x))\n"
+        "server = sc._accumulatorServer\n"
+        "calls = []\n"
+        "orig = server.shutdown\n"
+        "server.shutdown = lambda: (calls.append(threading.current_thread().name), orig())\n"
+        "stop_session(s)\n"
+        "from pyspark import SparkContext\n"
+        "assert SparkContext._active_spark_context is None\n"
+        "deadline = time.monotonic() + 30\n"
+        "while (not calls or server.socket.fileno() != -1) and time.monotonic() < deadline:\n"
+        "    time.sleep(0.05)\n"
+        "print('CALLS', calls, 'CLOSED', server.socket.fileno() == -1, 'ACC', acc.value)\n"
+        "s = spark_session('local[1]', [('spark.ui.enabled', 'false')])\n"
+        "acc2 = s.sparkContext.accumulator(0)\n"
+        "s.sparkContext.parallelize(range(5), 1).foreach(lambda x: acc2.add(x))\n"
+        "print('SECOND', acc2.value)\n"
+    )
+    p = _session_in_a_process(tmp_path, {jvm.ARCHIVE_ENV: "off"}, script)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "CALLS ['mtaq-accumulator-server-shutdown'] CLOSED True ACC 45" in p.stdout, p.stdout + p.stderr[-3000:]
+    assert "SECOND 10" in p.stdout, p.stdout

@@ -188,8 +188,15 @@ def spark_defaults() -> dict[str, str]:
 def stop(spark: object, start: JvmStart, wait_s: float = 120.0) -> None:
     """``spark.stop()``; when this run creates the archive, also shut the driver JVM down, wait for it (at
     most ``wait_s`` seconds) and, if it exited 0 having written the archive, put it in place under its
-    final name. Failures to do so only leave no archive (the next run tries again)."""
-    spark.stop()  # type: ignore[attr-defined]
+    final name. Failures to do so only leave no archive (the next run tries again).
+
+    PySpark's own stop waits for its accumulator server (a TCP server on loopback) to shut down, and that
+    server's handler looks for the shutdown once a second: 0.7-1 s of every ``mtaq analyze`` went there
+    (docs/performance.md, "Ninth round (issue 38)"). Here the context is stopped without that wait and the
+    server is shut down on a daemon thread: it ends within a second in a process that goes on, and with the
+    process in the CLI. A Unix-socket server (``spark.python.unix.domain.socket.enabled``), whose shutdown
+    also removes its socket file, is still waited for."""
+    _stop_without_waiting_for_accumulators(spark)
     if start.state != "creating" or start.tmp is None or start.final_stem is None:
         return
     from pyspark import SparkContext
@@ -216,3 +223,21 @@ def stop(spark: object, start: JvmStart, wait_s: float = 120.0) -> None:
                 os.unlink(start.tmp)
             except OSError:
                 pass
+
+
+def _stop_without_waiting_for_accumulators(spark: object) -> None:
+    """``spark.stop()``, with PySpark's accumulator server (if it is a TCP one) shut down on a daemon thread
+    instead of in the caller (see :func:`stop`)."""
+    import threading
+
+    sc = getattr(spark, "sparkContext", None)
+    server = getattr(sc, "_accumulatorServer", None)
+    quick = server is not None and not isinstance(getattr(server, "server_address", None), str)
+    if quick:
+        sc._accumulatorServer = None  # type: ignore[union-attr]  # SparkContext.stop() skips its shutdown
+    try:
+        spark.stop()  # type: ignore[attr-defined]
+    finally:
+        if quick:
+            threading.Thread(target=server.shutdown, name="mtaq-accumulator-server-shutdown",  # type: ignore[union-attr]
+                             daemon=True).start()
