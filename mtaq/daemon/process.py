@@ -101,13 +101,16 @@ next message) before the delivery of that message takes the event loop, and the 
 of several commit rounds in one pass, whose delivery records then share fsyncs. A message's delivery starts
 up to this much later. 10 ms rather than 1 (docs/performance.md, sixth round of issue 15): at one session a message
 took 16 % less CPU and the rate rose 10 %; 50 ms made it worse (bursts of deliveries held up the sessions)."""
-COMMIT_SPACING_S = 0.010
+COMMIT_SPACING_S = 0.006
 """Seconds from the start of one commit round to the start of the next while two or more clients wait for
 their 250 at once (Log.round_spacing_s): under load one fsync covers several times as many messages, and
-each round's fsync costs CPU whatever it covers. A lone client (one session) never waits for it. At 20
-sessions with one worker, fsyncs per message fell from 0.40 to 0.20 with 6 ms and 0.13 with 10 ms, and CPU
-per message by about a tenth, then 3 % more; the 250 waits at most this much longer (docs/performance.md,
-seventh round of issue 15)."""
+each round's fsync costs CPU whatever it covers. A lone client (one session) never waits for it; the 250
+waits at most this much longer. 10 ms until stop 48: on a CPU-bound 2-core machine, at 20 sessions with one
+worker, fsyncs per message fell from 0.40 to 0.20 with 6 ms and 0.13 with 10 ms, CPU per message by about a
+tenth and then 3 % more (docs/performance.md, seventh round of issue 15). On a machine where the relay
+does not fill the cores, 10 ms was a wait with nothing to do: 6 ms against 10 ms, alternating, 3 pairs, 20
+sessions of 2 KiB, 2 workers: 1,622-1,843 msg/s against 1,414-1,544 (+18 %, CPU a message +4-8 %); 100 KiB:
+846-905 against 875-927 (-2 %); 4 ms and 2 ms were slower again (docs/performance.md, "Stop 48")."""
 FILES_RESERVED = 100
 SASL_HOLD_FILE = "sasl_hold"  # in the spool: the host's outbound SASL holds (mtaq.storage.sharedmap)
 """Descriptors a worker needs besides its SMTP connections, its deliveries and the log's readers: listening
