@@ -461,7 +461,7 @@ def _lone_client_wait(tmp_path, scenario: Callable[[Log], Awaitable[float]]) -> 
 def test_a_lone_client_does_not_wait_for_the_spacing_because_of_sync_soon(tmp_path):
     """One session: the client's 250 (when_durable) and a delivery's conclude() (sync_soon: a retry envelope
     or a DSN) wait at the same round start. Only one *client* waits: before, the round was spaced anyway,
-    and the lone client's 250 waited up to round_spacing_s (10 ms in the daemon) longer."""
+    and the lone client's 250 waited up to round_spacing_s (the daemon's COMMIT_SPACING_S) longer."""
 
     async def scenario(log: Log) -> float:
         waited = _client(log, "client")

@@ -38,6 +38,7 @@ import os
 import shlex
 import shutil
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -196,9 +197,13 @@ def stop(spark: object, start: JvmStart, wait_s: float = 120.0) -> None:
     server is shut down on a daemon thread: it ends within a second in a process that goes on, and with the
     process in the CLI. A Unix-socket server (``spark.python.unix.domain.socket.enabled``), whose shutdown
     also removes its socket file, is still waited for."""
-    _stop_without_waiting_for_accumulators(spark)
+    shutting = _stop_without_waiting_for_accumulators(spark)
     if start.state != "creating" or start.tmp is None or start.final_stem is None:
         return
+    if shutting is not None:
+        # The JVM about to exit closes the server's connection: a handler still polling it would then print
+        # an EOFError traceback. Once a machine, so wait for the server here (at most about 1 s).
+        shutting.join(timeout=5.0)
     from pyspark import SparkContext
 
     gateway = SparkContext._gateway
@@ -225,11 +230,9 @@ def stop(spark: object, start: JvmStart, wait_s: float = 120.0) -> None:
                 pass
 
 
-def _stop_without_waiting_for_accumulators(spark: object) -> None:
+def _stop_without_waiting_for_accumulators(spark: object) -> threading.Thread | None:
     """``spark.stop()``, with PySpark's accumulator server (if it is a TCP one) shut down on a daemon thread
-    instead of in the caller (see :func:`stop`)."""
-    import threading
-
+    instead of in the caller (see :func:`stop`); that thread, started, or None where there was none."""
     sc = getattr(spark, "sparkContext", None)
     server = getattr(sc, "_accumulatorServer", None)
     quick = server is not None and not isinstance(getattr(server, "server_address", None), str)
@@ -238,6 +241,9 @@ def _stop_without_waiting_for_accumulators(spark: object) -> None:
     try:
         spark.stop()  # type: ignore[attr-defined]
     finally:
+        thread = None
         if quick:
-            threading.Thread(target=server.shutdown, name="mtaq-accumulator-server-shutdown",  # type: ignore[union-attr]
-                             daemon=True).start()
+            thread = threading.Thread(target=server.shutdown, name="mtaq-accumulator-server-shutdown",  # type: ignore[union-attr]
+                                      daemon=True)
+            thread.start()
+    return thread
