@@ -3,7 +3,9 @@
 Connects to HOST:PORT, and for each of ``--sessions`` sessions: connect and read the banner, EHLO, MAIL,
 RCPT, DATA, the message and its final dot, QUIT; one connection per message, TCP_NODELAY, the message sent
 in one write. Prints one JSON object: the median milliseconds of each step over the sessions after the
-first tenth (warm-up), the whole session, and messages/s from the mean session time. Works against any
+first tenth (warm-up), the whole session, and messages/s from the mean session time; ``tail_ms`` gives the
+90th and 99th percentile and the maximum of each step, and ``slow_share`` the part of all session time spent
+in sessions slower than twice the median (where a mean above the median comes from). Works against any
 SMTP server (run it against Postfix and mtaq in turn, both relaying to ``smtp-sink -c``); the client's own
 time is in every figure alike. ``--cpu-pid PID`` adds the user + system CPU of that process and all its
 descendants over the run, in ms per session (from /proc; for Postfix give its master, whose reaped children
@@ -35,6 +37,18 @@ def _reply(s: socket.socket, buf: bytes = b"") -> None:
         if not chunk:
             raise EOFError("the server closed the connection")
         buf += chunk
+
+
+def _tail(values: list[float]) -> dict[str, float]:
+    """The 90th and 99th percentile and the maximum of ``values`` (milliseconds), rounded to microseconds."""
+    q = statistics.quantiles(values, n=100, method="inclusive")
+    return {"p90": round(q[89], 3), "p99": round(q[98], 3), "max": round(max(values), 3)}
+
+
+def _slow_share(totals: list[float]) -> float:
+    """The fraction of the summed session time spent in sessions longer than twice the median session."""
+    limit = 2 * statistics.median(totals)
+    return round(sum(t for t in totals if t > limit) / sum(totals), 4)
 
 
 def tree_cpu_s(root: int) -> float:
@@ -98,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
                 times[k].append((b - a) / 1e6)
     out = {"bench": "session_steps", "host": args.host, "port": args.port, "sessions": args.sessions,
            "size_bytes": args.size, "median_ms": {k: round(statistics.median(v), 3) for k, v in times.items()},
-           "msg_per_s": round(1000 / statistics.mean(times["total"]), 1)}
+           "msg_per_s": round(1000 / statistics.mean(times["total"]), 1),
+           "tail_ms": {k: _tail(v) for k, v in times.items()},
+           "slow_share": _slow_share(times["total"])}
     if args.cpu_pid is not None:
         out["cpu_ms_per_session"] = round((tree_cpu_s(args.cpu_pid) - cpu0) * 1000 / args.sessions, 3)
     print(json.dumps(out))
