@@ -14,7 +14,7 @@ SINK_PORT ?= 2526
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test,spark]'
+	$(BIN)/python -m pip install -q -e '.[test,spark,spark-connect]'
 	touch $(STAMP)
 
 # Started as root, mtaq serve runs as mail_owner (default mtaq): the system user is created when missing.

@@ -31,7 +31,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where executors write the big tables (outcomes, messages, senders, recipients); default "
                         "OUT/tables. On a "
                         "cluster give a shared URI (hdfs://, s3a://)")
-    p.add_argument("--master", metavar="URL", help="Spark master (default local[*]; spark-submit's own under spark-submit)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--master", metavar="URL",
+                       help="Spark master (default local[*]; spark-submit's own under spark-submit)")
+    where.add_argument("--remote", metavar="sc://HOST:PORT",
+                       help="run the job on a Spark Connect server (needs mtaq[spark-connect]; the server must "
+                            "see the same --segments and --out paths)")
     p.add_argument("--since", metavar="T", help="count facts at or after T (ISO 8601; UTC unless an offset is given)")
     p.add_argument("--until", metavar="T", help="count facts before T (ISO 8601; UTC unless an offset is given)")
     p.add_argument("--json", action="store_true", help="also print the headline totals as one JSON object on stdout")
@@ -72,6 +77,11 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--top: expected an integer >= 1, got {args.top}")
     if args.partition_bytes < 1:
         raise ConfigError(f"--partition-bytes: expected an integer >= 1, got {args.partition_bytes}")
+    remote = getattr(args, "remote", None)
+    if remote is not None and not remote.startswith("sc://"):
+        raise ConfigError(f"--remote: expected a Spark Connect URL sc://HOST:PORT, got {remote!r}")
+    if remote is not None and "PYSPARK_GATEWAY_PORT" in os.environ:
+        raise ConfigError("--remote: not under spark-submit (its --master says where the job runs)")
     if args.state is not None and "://" in (args.parquet_out or "") + args.state:
         raise ConfigError("--state: the state directory and --parquet-out must be local paths with --state")
     if args.state is not None:
@@ -89,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         conf.insert(0, ("spark.ui.showConsoleProgress", "false"))  # no stage bars either (--conf may say otherwise)
     try:
         from mtaq.analytics.job import Options, analyze, class_archive, spark_session, stop_session
+        from mtaq.analytics.session import RemoteError
         from mtaq.analytics.source import SourceError, discover
     except ImportError as exc:
         raise ConfigError(f"analyze needs the spark extra (pip install 'mtaq[spark]'): {exc}") from exc
@@ -99,6 +110,9 @@ def run(args: argparse.Namespace) -> int:
         discover(args.segments)  # fail fast, before Spark starts, on a path that names nothing
     except SourceError as exc:
         raise ConfigError(f"--segments {exc}") from exc
+    segments = list(args.segments)
+    if remote is not None:  # the server resolves the paths: relative ones from this directory, not its own
+        segments = [p if "://" in p else os.path.abspath(p) for p in segments]
     t0 = time.monotonic()
 
     def say(msg: str) -> None:
@@ -110,10 +124,19 @@ def run(args: argparse.Namespace) -> int:
         import threading
 
         threading.Thread(target=_import_plotting, name="mtaq-import-matplotlib", daemon=True).start()
-    say("starting Spark")
-    spark = spark_session(args.master, conf)
+    say("starting Spark" if remote is None else f"connecting to Spark Connect at {remote}")
+    try:
+        spark = spark_session(args.master, conf, remote=remote)
+    except ImportError as exc:  # only --remote imports more than the spark extra
+        raise ConfigError(f"--remote needs the spark-connect extra (pip install 'mtaq[spark-connect]'): {exc}") from exc
+    except ValueError as exc:  # PySpark's own check of a Spark Connect URL
+        raise ConfigError(f"--remote {remote}: {exc}") from exc
+    except OSError as exc:
+        raise ConfigError(f"--remote {remote}: cannot reach the Spark Connect server: {exc.strerror or exc}") from exc
+    except RemoteError as exc:
+        raise ConfigError(f"--remote {remote}: {exc}") from exc
     say(f"Spark started (class archive: {class_archive(spark)})")
-    opts = Options(paths=args.segments, out=args.out, since=since, until=until, top=args.top,
+    opts = Options(paths=segments, out=args.out, since=since, until=until, top=args.top,
                    partition_bytes=args.partition_bytes, plots=not args.no_plots, progress=say,
                    parquet_out=args.parquet_out, state=args.state,
                    events=args.events)

@@ -54,12 +54,13 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from mtaq.analytics import state as state_mod
+from mtaq.analytics.connect import open_rows_staged, tasks_staged
 from mtaq.analytics.datasource import PARTITION_BYTES_DEFAULT, stage_indexed, stage_open, stage_open_rows
 from mtaq.analytics.facts import FACT_SPARK_DDL, OUTCOME_SPARK_DDL
 from mtaq.analytics.partials import FILE_PARTS, decode, merge
 from mtaq.analytics.percentiles import find_percentiles, merge_p_bucket
 from mtaq.analytics.report import write_report
-from mtaq.analytics.session import class_archive, spark_session, stop_session
+from mtaq.analytics.session import class_archive, is_connect, spark_session, stop_session
 from mtaq.analytics.source import discover, join_path, plan_partitions
 from mtaq.analytics.staging import (
     KEYED,
@@ -223,7 +224,10 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
     # Spark plans a Python data source in a Python process of its own on the driver (2 s on two cores).
     task = partial(stage_indexed, stage=stage, until_us=w_until, close=opts.close_messages, since_us=w_since)
     indexed = list(enumerate(groups))
-    tasks = spark.sparkContext.parallelize(indexed, len(indexed)).mapPartitions(task).collect() if indexed else []
+    if is_connect(spark):  # no RDDs: the same function as mapInArrow (mtaq/analytics/connect.py)
+        tasks = tasks_staged(spark, indexed, stage, w_until, opts.close_messages, w_since)
+    else:
+        tasks = spark.sparkContext.parallelize(indexed, len(indexed)).mapPartitions(task).collect() if indexed else []
     rows_got = [tuple(r[1:]) for r in tasks]
     if plan is not None and opts.state is not None:
         state_mod.save(opts.state, plan, [(r[0], tuple(r[1:])) for r in tasks], groups, w_since, w_until,
@@ -270,8 +274,11 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
             names = keyed.columns
             keyed = keyed.select(*(F.unix_micros(F.col(f.name)).alias(f.name) if f.dataType.typeName() == "timestamp"
                                    else F.col(f.name) for f in keyed.schema.fields))
-            got_open = keyed.rdd.mapPartitions(partial(stage_open_rows, names=names, stage=stage, since_us=since_us,
-                                                       until_us=until_us, end_us=end_us)).collect()
+            if is_connect(spark):
+                got_open = open_rows_staged(keyed, names, stage, since_us, until_us, end_us)
+            else:
+                got_open = keyed.rdd.mapPartitions(partial(stage_open_rows, names=names, stage=stage, since_us=since_us,
+                                                           until_us=until_us, end_us=end_us)).collect()
             where = "by Spark"
         open_parts: list[tuple[str, bytes]] = []
         for kind, path, nrows, part, data in got_open:  # stage_open's rows, as the tasks' (STAGED_DDL)

@@ -7,23 +7,32 @@ from __future__ import annotations
 import os
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 
 from pyspark.sql import SparkSession
 
 from mtaq.analytics import jvm
 
-__all__ = ["class_archive", "spark_session", "stop_session"]
+__all__ = ["RemoteError", "class_archive", "is_connect", "spark_session", "stop_session"]
 
+
+class RemoteError(Exception):
+    """The Spark Connect server refused or did not answer the session's first request (its message, one line)."""
+
+CONNECT_TIMEOUT_S = 10.0  # --remote: seconds for a TCP connection to the Spark Connect server before giving up
 _STARTS: dict[int, jvm.JvmStart] = {}  # how each session's driver JVM started, by id(session)
 
 
 def spark_session(master: str | None = None, conf: Sequence[tuple[str, str]] = (), app: str = "mtaq analyze",
-                  short_lived: bool = True) -> SparkSession:
+                  short_lived: bool = True, remote: str | None = None) -> SparkSession:
     """A SparkSession in UTC. ``master`` None means ``local[*]``, except under ``spark-submit`` (its own).
     ``short_lived``: the driver JVM compiles with C1 only (:mod:`mtaq.analytics.jvm`): right for one job
     of seconds to minutes (``mtaq analyze``); False for a session that reads many rows into the JVM
-    (the data source's own benchmark: C1 read its rows 15 % slower)."""
+    (the data source's own benchmark: C1 read its rows 15 % slower). ``remote`` (``sc://HOST:PORT``, not
+    with ``master``): a Spark Connect session instead (:func:`_connect_session`)."""
+    if remote is not None:
+        return _connect_session(remote, conf)
     if "PYSPARK_PYTHON" not in os.environ:
         os.environ["PYSPARK_PYTHON"] = _worker_python(master) or sys.executable
     # collect() turns timestamps into naive datetimes in the process's local time zone: make that UTC.
@@ -60,6 +69,106 @@ def spark_session(master: str | None = None, conf: Sequence[tuple[str, str]] = (
     spark.sparkContext.setLogLevel("ERROR")
     spark.conf.set("spark.sql.session.timeZone", "UTC")
     return spark
+
+
+def is_connect(spark: SparkSession) -> bool:
+    """Whether ``spark`` is a Spark Connect session (no SparkContext, no RDDs: the job's tasks run as
+    ``mapInArrow`` instead, :mod:`mtaq.analytics.connect`)."""
+    return type(spark).__module__.startswith("pyspark.sql.connect")
+
+
+# Settings of a local driver that a Spark Connect server owns: setting them from a client is an error
+# (CANNOT_MODIFY_CONFIG), so --quiet's is dropped for a remote session.
+_SERVER_ONLY = ("spark.ui.showConsoleProgress",)
+
+
+def _connect_session(remote: str, conf: Sequence[tuple[str, str]]) -> SparkSession:
+    """A Spark Connect session on ``remote`` (``sc://HOST:PORT[/;param=value...]``, PySpark 4's client,
+    issue 38.2), in UTC, with ``conf`` applied as session settings (runtime SQL settings only: the server
+    refuses the others), and this mtaq's modules shipped as a Python artifact (``addArtifacts(...,
+    pyfile=True)``) so that the server's Python workers import the same code as this client. The server
+    runs the tasks and reads ``--segments`` and writes the tables itself: both must be paths it shares with
+    this machine (one machine, or a shared file system), as for ``spark-submit`` in client mode. Raises
+    ImportError without PySpark's connect extra (grpcio, pandas), ValueError for a URL PySpark does not
+    take, OSError when no TCP connection to the server's port opens within ``CONNECT_TIMEOUT_S`` seconds,
+    RemoteError when the server does not answer the first request within a few retries or refuses it (a
+    wrong token: UNAUTHENTICATED) or a setting of ``conf`` (one the server owns)."""
+    os.environ["TZ"] = "UTC"  # collect()'s naive datetimes in UTC, as for a local session
+    time.tzset()
+    import socket
+
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # not gRPC's own INFO lines (a failed TLS handshake) on stderr
+    from pyspark.sql.connect.client import DefaultChannelBuilder  # ImportError: the connect extra is missing
+
+    # PySpark's client retries an unreachable server for minutes: find out at once (ValueError: a bad URL).
+    endpoint = DefaultChannelBuilder(remote)
+    port = int(endpoint.endpoint.rpartition(":")[2])
+    socket.create_connection((endpoint.host, port), timeout=CONNECT_TIMEOUT_S).close()
+    from pyspark.errors import PySparkException
+    from pyspark.sql.connect.client.retries import DefaultPolicy
+
+    # No options on the builder: they would be the first requests, under PySpark's retries of ten minutes (a
+    # TLS URL against a plain server, say). The first request gets a few seconds of retries; the job then
+    # runs under PySpark's own policy.
+    spark = SparkSession.builder.remote(remote).getOrCreate()
+    client = spark.client
+    policies = client.get_retry_policies()
+    client.set_retry_policies([DefaultPolicy(max_retries=3, max_backoff=2000)])
+    with warnings.catch_warnings():  # PySpark warns RETRIES_EXCEEDED besides raising it
+        warnings.simplefilter("ignore")
+        try:
+            spark.conf.set("spark.sql.session.timeZone", "UTC")
+        except PySparkException as exc:
+            spark.stop()
+            raise RemoteError(_one_line(exc)) from exc
+        finally:
+            client.set_retry_policies(policies)
+    for k, v in [("spark.sql.shuffle.partitions", "16"), *conf]:
+        if k not in _SERVER_ONLY:
+            try:
+                spark.conf.set(k, v)
+            except PySparkException as exc:
+                spark.stop()
+                raise RemoteError(f"--conf {k}: {_one_line(exc)}") from exc
+    _STARTS[id(spark)] = jvm.JvmStart("", "off")
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="mtaq-connect-") as tmp:
+        spark.addArtifacts(package_zip(os.path.join(tmp, "mtaq.zip")), pyfile=True)
+    return spark
+
+
+def _one_line(exc: BaseException) -> str:
+    """A PySpark Connect error as one line: the gRPC status and details where there are some (a refused token:
+    "UNAUTHENTICATED: Invalid authentication token"), else its message without the JVM's stack trace."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        code, details = getattr(seen, "code", None), getattr(seen, "details", None)
+        if callable(code) and callable(details):
+            try:
+                return f"{code().name}: {' '.join(str(details()).split())}"[:300]
+            except Exception:  # not a gRPC call's error after all
+                pass
+        seen = seen.__cause__ or seen.__context__
+    return " ".join(str(exc).split("JVM stacktrace:")[0].split())[:300]
+
+
+def package_zip(path: str) -> str:
+    """Write this mtaq's modules and shipped TOML files to the zip file ``path`` (what ``make spark-zip`` writes
+    to ``dist/mtaq.zip`` for ``spark-submit --py-files``); return ``path``. Raises OSError."""
+    import zipfile
+
+    import mtaq
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(mtaq.__file__)))
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        for d, dirs, names in os.walk(os.path.join(root, "mtaq")):
+            dirs[:] = sorted(x for x in dirs if x != "__pycache__")
+            for name in sorted(names):
+                if name.endswith((".py", ".toml")):
+                    full = os.path.join(d, name)
+                    z.write(full, os.path.relpath(full, root))
+    return path
 
 
 def class_archive(spark: SparkSession) -> str:
