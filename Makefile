@@ -9,7 +9,7 @@ LISTEN ?= 127.0.0.1:2525
 SINK_HOST ?= 127.0.0.1
 SINK_PORT ?= 2526
 
-.PHONY: install install-service debs run test lint bench bench-analytics spark-zip compare compare-backlog clean-spool
+.PHONY: install install-service debs run test lint bench bench-analytics spark-zip compare compare-backlog compare-all clean-spool
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -103,6 +103,9 @@ compare: install
 MESSAGES ?= 100000
 compare-backlog: install
 	PYTHONPATH=$(CURDIR) $(BIN)/python bench/backlog.py --messages $(MESSAGES) --pairs 3
+
+# Issue 36's two tables in one run: the steady state (compare), then the backlog (compare-backlog).
+compare-all: compare compare-backlog
 
 clean-spool:
 	rm -rf spool/log spool/sink
