@@ -158,9 +158,7 @@ def package_zip(path: str) -> str:
     to ``dist/mtaq.zip`` for ``spark-submit --py-files``); return ``path``. Raises OSError."""
     import zipfile
 
-    import mtaq
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(mtaq.__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # above mtaq/analytics/
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
         for d, dirs, names in os.walk(os.path.join(root, "mtaq")):
             dirs[:] = sorted(x for x in dirs if x != "__pycache__")
