@@ -179,6 +179,20 @@ def test_the_spark_paths_of_the_job_through_connect_equal_a_local_run(spark, con
     assert sorted(want) == sorted(_tables(tmp_path / "remote" / "tables"))
 
 
+def test_an_ipv6_literal_url_reaches_the_server(tmp_path):
+    """sc://[::1]:PORT: the brackets are PySpark's, not the host's (nothing listens there: the refusal is the
+    connection's, not a name lookup's)."""
+    spool = tmp_path / "spool"
+    write_log(str(spool), {})
+    with socket.socket(socket.AF_INET6) as s:
+        s.bind(("::1", 0))
+        port = s.getsockname()[1]
+    p = _cli("--remote", f"sc://[::1]:{port}", "--segments", str(spool), "--out", str(tmp_path / "o"), "--quiet",
+             cwd=tmp_path)
+    assert 2 == p.returncode, p.stderr
+    assert "Connection refused" in p.stderr, p.stderr
+
+
 @pytest.mark.parametrize(("url", "said"), [
     ("http://127.0.0.1:15002", "expected a Spark Connect URL sc://HOST:PORT"),
     ("sc://127.0.0.1:x", "--remote sc://127.0.0.1:x: "),
@@ -225,7 +239,9 @@ def test_a_refused_session_is_one_line_and_exit_2(connect_server, tmp_path, how,
     p = _cli("--remote", url, *conf, "--segments", str(spool), "--out", str(tmp_path / "o"), "--no-plots", "--quiet",
              cwd=tmp_path)
     assert (2, 1) == (p.returncode, len(p.stderr.strip().splitlines())), p.stderr
-    assert p.stderr.startswith(f"mtaq: --remote {url}: {said}"), p.stderr
+    shown = url.replace(f"token={TOKEN}", "token=***").replace("token=guess", "token=***")
+    assert p.stderr.startswith(f"mtaq: --remote {shown}: {said}"), p.stderr
+    assert TOKEN not in p.stderr and "guess" not in p.stderr  # the token is never printed
     assert time.monotonic() - t0 < 60
     assert not (tmp_path / "o").exists()
 

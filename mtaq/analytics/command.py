@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from mtaq.core.errors import ConfigError
+from mtaq.core.errors import ConfigError, MtaqError
 
 __all__ = ["add_arguments", "parse_time", "run"]
 
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         conf.insert(0, ("spark.ui.showConsoleProgress", "false"))  # no stage bars either (--conf may say otherwise)
     try:
         from mtaq.analytics.job import Options, analyze, class_archive, spark_session, stop_session
-        from mtaq.analytics.session import RemoteError
+        from mtaq.analytics.session import RemoteError, one_line, redact
         from mtaq.analytics.source import SourceError, discover
     except ImportError as exc:
         raise ConfigError(f"analyze needs the spark extra (pip install 'mtaq[spark]'): {exc}") from exc
@@ -124,28 +124,35 @@ def run(args: argparse.Namespace) -> int:
         import threading
 
         threading.Thread(target=_import_plotting, name="mtaq-import-matplotlib", daemon=True).start()
-    say("starting Spark" if remote is None else f"connecting to Spark Connect at {remote}")
+    shown = None if remote is None else redact(remote)  # the URL without its token, in every line we print
+    say("starting Spark" if remote is None else f"connecting to Spark Connect at {shown}")
     try:
         spark = spark_session(args.master, conf, remote=remote)
     except ImportError as exc:  # only --remote imports more than the spark extra
         raise ConfigError(f"--remote needs the spark-connect extra (pip install 'mtaq[spark-connect]'): {exc}") from exc
     except ValueError as exc:  # PySpark's own check of a Spark Connect URL
-        raise ConfigError(f"--remote {remote}: {exc}") from exc
+        raise ConfigError(f"--remote {shown}: {exc}") from exc
     except OSError as exc:
-        raise ConfigError(f"--remote {remote}: cannot reach the Spark Connect server: {exc.strerror or exc}") from exc
+        raise ConfigError(f"--remote {shown}: cannot reach the Spark Connect server: {exc.strerror or exc}") from exc
     except RemoteError as exc:
-        raise ConfigError(f"--remote {remote}: {exc}") from exc
+        raise ConfigError(f"--remote {shown}: {exc}") from exc
     say(f"Spark started (class archive: {class_archive(spark)})")
     opts = Options(paths=segments, out=args.out, since=since, until=until, top=args.top,
                    partition_bytes=args.partition_bytes, plots=not args.no_plots, progress=say,
                    parquet_out=args.parquet_out, state=args.state,
                    events=args.events)
     try:
-        result = analyze(spark, opts)
-    finally:
-        if class_archive(spark) == "creating":
-            say("writing the class archive for the next runs (once)")
-        stop_session(spark)
+        try:
+            result = analyze(spark, opts)
+        finally:
+            if class_archive(spark) == "creating":
+                say("writing the class archive for the next runs (once)")
+            stop_session(spark)
+    except Exception as exc:
+        if remote is None or not type(exc).__module__.startswith("pyspark"):
+            raise
+        # The server went away or failed the job (its errors are PySpark's): one line, not the client's traceback.
+        raise MtaqError(f"--remote {shown}: the Spark Connect server failed the job: {one_line(exc)}") from exc
     if args.json:
         keys = ("received", "delivered", "deferred", "bounced", "rejected", "deferrals", "expired", "dsn_generated",
                 "bytes_received", "bytes_delivered", "delay_p50_s", "delay_p90_s", "delay_p99_s", "outcome_unknown",

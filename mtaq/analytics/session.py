@@ -14,7 +14,7 @@ from pyspark.sql import SparkSession
 
 from mtaq.analytics import jvm
 
-__all__ = ["RemoteError", "class_archive", "is_connect", "spark_session", "stop_session"]
+__all__ = ["RemoteError", "class_archive", "is_connect", "one_line", "redact", "spark_session", "stop_session"]
 
 
 class RemoteError(Exception):
@@ -97,13 +97,16 @@ def _connect_session(remote: str, conf: Sequence[tuple[str, str]]) -> SparkSessi
     time.tzset()
     import socket
 
+    # PySpark warns RETRIES_EXCEEDED besides raising it: the error is the one line the command prints.
+    warnings.filterwarnings("ignore", message=r"\[RETRIES_EXCEEDED\]")
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # not gRPC's own INFO lines (a failed TLS handshake) on stderr
     from pyspark.sql.connect.client import DefaultChannelBuilder  # ImportError: the connect extra is missing
 
     # PySpark's client retries an unreachable server for minutes: find out at once (ValueError: a bad URL).
     endpoint = DefaultChannelBuilder(remote)
     port = int(endpoint.endpoint.rpartition(":")[2])
-    socket.create_connection((endpoint.host, port), timeout=CONNECT_TIMEOUT_S).close()
+    host = endpoint.host.removeprefix("[").removesuffix("]")  # sc://[::1]:PORT: PySpark keeps the brackets
+    socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S).close()
     from pyspark.errors import PySparkException
     from pyspark.sql.connect.client.retries import DefaultPolicy
 
@@ -112,7 +115,6 @@ def _connect_session(remote: str, conf: Sequence[tuple[str, str]]) -> SparkSessi
     # runs under PySpark's own policy.
     spark = SparkSession.builder.remote(remote).getOrCreate()
     client = spark.client
-    policies = client.get_retry_policies()
     client.set_retry_policies([DefaultPolicy(max_retries=3, max_backoff=2000)])
     with warnings.catch_warnings():  # PySpark warns RETRIES_EXCEEDED besides raising it
         warnings.simplefilter("ignore")
@@ -120,25 +122,40 @@ def _connect_session(remote: str, conf: Sequence[tuple[str, str]]) -> SparkSessi
             spark.conf.set("spark.sql.session.timeZone", "UTC")
         except PySparkException as exc:
             spark.stop()
-            raise RemoteError(_one_line(exc)) from exc
+            raise RemoteError(one_line(exc)) from exc
         finally:
-            client.set_retry_policies(policies)
+            # The job's requests: about half a minute of retries (PySpark's own: ten minutes, twice with the stop)
+            # before a server that went away mid-job ends the run with one line (command.run).
+            client.set_retry_policies([DefaultPolicy(max_retries=6, max_backoff=10000)])
     for k, v in [("spark.sql.shuffle.partitions", "16"), *conf]:
         if k not in _SERVER_ONLY:
             try:
                 spark.conf.set(k, v)
             except PySparkException as exc:
                 spark.stop()
-                raise RemoteError(f"--conf {k}: {_one_line(exc)}") from exc
+                raise RemoteError(f"--conf {k}: {one_line(exc)}") from exc
     _STARTS[id(spark)] = jvm.JvmStart("", "off")
     import tempfile
+    import zipfile
 
     with tempfile.TemporaryDirectory(prefix="mtaq-connect-") as tmp:
-        spark.addArtifacts(package_zip(os.path.join(tmp, "mtaq.zip")), pyfile=True)
+        shipped = package_zip(os.path.join(tmp, "mtaq.zip"))
+        with zipfile.ZipFile(shipped) as z:
+            if "mtaq/analytics/connect.py" not in z.namelist():  # mtaq imported from a zip or a pex: nothing to walk
+                spark.stop()
+                raise RemoteError("cannot ship mtaq to the server: its modules are not files on this machine")
+        spark.addArtifacts(shipped, pyfile=True)
     return spark
 
 
-def _one_line(exc: BaseException) -> str:
+def redact(remote: str) -> str:
+    """``remote`` with the value of its ``token`` parameter hidden (for progress lines and errors)."""
+    import re
+
+    return re.sub(r"(;\s*token=)[^;]*", r"\1***", remote, flags=re.IGNORECASE)
+
+
+def one_line(exc: BaseException) -> str:
     """A PySpark Connect error as one line: the gRPC status and details where there are some (a refused token:
     "UNAUTHENTICATED: Invalid authentication token"), else its message without the JVM's stack trace."""
     seen: BaseException | None = exc
