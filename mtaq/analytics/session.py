@@ -124,7 +124,7 @@ def _connect_session(remote: str, conf: Sequence[tuple[str, str]]) -> SparkSessi
             spark.stop()
             raise RemoteError(one_line(exc)) from exc
         finally:
-            # The job's requests: about half a minute of retries (PySpark's own: ten minutes, twice with the stop)
+            # The job's requests: about 25 s of retries each (PySpark's own: ten minutes, twice with the stop)
             # before a server that went away mid-job ends the run with one line (command.run).
             client.set_retry_policies([DefaultPolicy(max_retries=6, max_backoff=10000)])
     for k, v in [("spark.sql.shuffle.partitions", "16"), *conf]:
