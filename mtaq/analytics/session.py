@@ -111,8 +111,8 @@ def _connect_session(remote: str, conf: Sequence[tuple[str, str]]) -> SparkSessi
     from pyspark.sql.connect.client.retries import DefaultPolicy
 
     # No options on the builder: they would be the first requests, under PySpark's retries of ten minutes (a
-    # TLS URL against a plain server, say). The first request gets a few seconds of retries; the job then
-    # runs under PySpark's own policy.
+    # TLS URL against a plain server, say). The first request gets a few seconds of retries, the job's
+    # requests about 25 s each (below).
     spark = SparkSession.builder.remote(remote).getOrCreate()
     client = spark.client
     client.set_retry_policies([DefaultPolicy(max_retries=3, max_backoff=2000)])
