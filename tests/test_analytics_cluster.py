@@ -19,7 +19,6 @@ import shutil
 import subprocess
 import sys
 import time
-import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -105,13 +104,12 @@ def standalone(tmp_path_factory) -> Iterator[Standalone]:
 
 
 def module_zip(path: Path) -> str:
-    """dist/mtaq.zip as ``make spark-zip`` makes it: the package's modules and its shipped TOML."""
-    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__import__("mtaq").__file__)))
-    with zipfile.ZipFile(path, "w") as z:
-        for ext in ("py", "toml"):
-            for f in sorted(glob.glob(f"{pkg}/mtaq/**/*.{ext}", recursive=True)):
-                z.write(f, os.path.relpath(f, pkg))
-    return pkg
+    """dist/mtaq.zip as ``make spark-zip`` makes it (the package's modules and its shipped TOML, written by
+    the same function that ships them to a Spark Connect server); returns the directory above ``mtaq/``."""
+    from mtaq.analytics.session import package_zip
+
+    package_zip(str(path))
+    return os.path.dirname(os.path.dirname(os.path.abspath(__import__("mtaq").__file__)))
 
 
 def _tables(*dirs: Path) -> dict[str, list[str]]:

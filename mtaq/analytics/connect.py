@@ -23,7 +23,7 @@ from typing import Any
 import pyarrow as pa
 from pyspark.sql import DataFrame, SparkSession
 
-from mtaq.analytics.datasource import stage_indexed, stage_open_rows
+from mtaq.analytics.datasource import STAGED_DDL, stage_indexed, stage_open_rows
 
 __all__ = ["INDEXED_DDL", "STAGED_SCHEMA", "open_rows_staged", "tasks_staged"]
 
@@ -87,7 +87,5 @@ def open_rows_staged(keyed: DataFrame, names: Sequence[str], stage: str, since_u
     session: the rows ``keyed.rdd.mapPartitions(...).collect()`` gives on a local one."""
     merge = partial(stage_open_rows, names=list(names), stage=stage, since_us=since_us, until_us=until_us,
                     end_us=end_us)
-    from mtaq.analytics.datasource import STAGED_DDL
-
     df = keyed.mapInArrow(partial(_run_open, merge=merge), STAGED_DDL)
     return [tuple(r) for r in _rows_of(df.toArrow().to_batches())]
