@@ -88,6 +88,19 @@ def rows_of(options: Any) -> str:
 STAGED_DDL = "table string, path string, rows bigint, part string, data binary"
 
 
+def task_memory_pool() -> None:
+    """Make the C library's allocator (``pyarrow.system_memory_pool``) this process's default Arrow memory
+    pool, as a task's first step: Spark's Python workers are forked from its worker daemon, and in such a
+    process Arrow's default allocator (mimalloc) made the first task of each worker about 0.6 s slower for a
+    64 MiB segment (2.1-2.3 s against 1.4-1.5 s for the same task run again in the same worker; with the C
+    library's allocator 1.5-1.8 s the first time, the same afterwards: docs/performance.md, "Stop 50").
+    Called by the task functions Spark runs (the RDD's, the data source's, the merge's); a process that is not
+    a Spark worker may call them too (the tests do): the tables are the same, and arrays already allocated keep
+    the pool they came from."""
+    if pa.default_memory_pool().backend_name != "system":
+        pa.set_memory_pool(pa.system_memory_pool())
+
+
 def stage_facts(files: Sequence[SegmentFile], stage: str, until_us: int | None, close: bool,
                 since_us: int | None = None) -> Iterator[tuple[str | None, str | None, int | None, str | None, bytes | None]]:
     """Write the facts of one partition (``files``) as Parquet files under ``stage`` (a directory: local path
@@ -132,6 +145,7 @@ def stage_partitions(groups: Iterable[Sequence[SegmentFile]], stage: str, until_
     which is how ``mtaq analyze`` runs the tasks (the data source's ``staged`` rows give the same rows, but
     Spark starts a Python process on the driver to plan a Python data source: 2 s of a job of 10 on two
     cores)."""
+    task_memory_pool()
     for files in groups:
         yield from stage_facts(files, stage, until_us, close, since_us)
 
@@ -140,6 +154,7 @@ def stage_indexed(groups: Iterable[tuple[int, Sequence[SegmentFile]]], stage: st
                   since_us: int | None = None) -> Iterator[tuple[Any, ...]]:
     """:func:`stage_partitions` of numbered groups ``(number, files)``, each row led by its group's number (the
     job with ``--state`` keeps each partition's rows apart: :mod:`mtaq.analytics.state`)."""
+    task_memory_pool()
     for g, files in groups:
         for row in stage_facts(files, stage, until_us, close, since_us):
             yield (g, *row)
@@ -164,6 +179,7 @@ def stage_open_rows(rows: Iterable[Sequence[Any]], names: Sequence[str], stage: 
     """:func:`stage_open` for Spark's ``rdd.mapPartitions`` over record rows partitioned by queue ID: ``rows``
     are tuples of the FACT_SCHEMA columns ``names``, timestamps as microseconds since the epoch
     (:func:`mtaq.analytics.partials.rows_table`)."""
+    task_memory_pool()
     t = rows_table(rows, names)
     if t is not None:
         yield from stage_open(t, stage, since_us, until_us, end_us)
@@ -212,6 +228,7 @@ class MtaqReader(DataSourceReader):
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
         assert isinstance(partition, SegmentPartition)
+        task_memory_pool()
         if self.stage is not None:
             yield from stage_facts(partition.files, self.stage, self.until_us, self.close, self.since_us)
         elif self.facts:
