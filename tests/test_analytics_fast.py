@@ -225,3 +225,28 @@ def test_stage_paths_keep_a_uris_query_at_the_end():
     assert uri == "s3a://bucket/tables/_facts-1?region=us-east-1&endpoint_override=127.0.0.1:9"
     assert resolve(uri)[1] == "bucket/tables/_facts-1"
     assert join_path("out/tables/", "_facts-1") == os.path.join(os.getcwd(), "out", "tables", "_facts-1")
+
+
+def test_the_tasks_allocate_with_the_c_librarys_allocator(spark, tmp_path):
+    """Each Spark task of the job (stage_indexed, as `mtaq analyze` runs it) allocates its Arrow memory from the
+    C library's allocator: in a worker forked from Spark's daemon, Arrow's default (mimalloc) made each worker's
+    first task about 0.6 s slower (docs/performance.md, "Stop 50"). The staged rows are the same either way."""
+    from functools import partial
+
+    from mtaq.analytics.datasource import stage_indexed
+
+    spool = str(tmp_path / "spool")
+    write_spool(spool, messages=40)
+    groups = list(enumerate([[f] for f in discover([spool])]))
+
+    def task(it, stage):
+        import pyarrow as pa
+
+        before = pa.default_memory_pool().backend_name
+        rows = list(stage_indexed(it, stage=stage, until_us=None, close=True))
+        yield before, pa.default_memory_pool().backend_name, sum(1 for r in rows if r[1] == "messages")
+
+    got = spark.sparkContext.parallelize(groups, len(groups)).mapPartitions(
+        partial(task, stage=str(tmp_path / "stage"))).collect()
+    assert {after for _, after, _ in got} == {"system"} and len(got) == len(groups)
+    assert sum(n for _, _, n in got) == len(groups)  # one messages file a group
