@@ -251,3 +251,38 @@ def test_remote_and_master_together_are_refused(tmp_path):
              str(tmp_path / "o"), cwd=tmp_path)
     assert 2 == p.returncode
     assert "not allowed with argument" in p.stderr
+
+
+def test_spark_remote_in_the_environment_is_taken_as_remote(connect_server, tmp_path):
+    """PySpark takes SPARK_REMOTE as "run on Spark Connect": so does `mtaq analyze` without --master, as if
+    --remote named it (the job runs on the server, the token is never printed). Before, the local session's
+    master and SPARK_REMOTE together made PySpark fail with a traceback that printed the URL and its token."""
+    spool = tmp_path / "spool"
+    write_log(str(spool), {})
+    p = subprocess.run([sys.executable, "-m", "mtaq.cli", "analyze", "--segments", "spool", "--out",
+                        str(tmp_path / "o"), "--json", "--no-plots"], capture_output=True, text=True, timeout=540,
+                       cwd=tmp_path, env={**_env(), "SPARK_REMOTE": connect_server.url})
+    assert 0 == p.returncode, p.stderr[-3000:]
+    assert f"connecting to Spark Connect at {connect_server.url.replace(TOKEN, '***')}" in p.stderr
+    assert TOKEN not in p.stderr + p.stdout
+    assert 40 == json.loads(p.stdout.strip().splitlines()[-1])["received"]
+
+
+@pytest.mark.parametrize(("master", "value", "said"), [
+    (["--master", "local[1]"], f"sc://127.0.0.1:1/;token={TOKEN}",
+     "mtaq: --master local[1]: SPARK_REMOTE=sc://127.0.0.1:1/;token=*** is set in the environment"),
+    ([], "local", "mtaq: SPARK_REMOTE: expected a Spark Connect URL sc://HOST:PORT, got 'local'"),
+    ([], f"sc://127.0.0.1:{_free_port()}/;token={TOKEN}", "mtaq: SPARK_REMOTE sc://127.0.0.1:"),
+])
+def test_spark_remote_in_the_environment_that_cannot_be_used_is_one_line(tmp_path, master, value, said):
+    """SPARK_REMOTE beside --master, not a Spark Connect URL, or naming a port where nothing listens: one line,
+    exit 2, the token never printed, nothing written."""
+    spool = tmp_path / "spool"
+    write_log(str(spool), {})
+    p = subprocess.run([sys.executable, "-m", "mtaq.cli", "analyze", *master, "--segments", str(spool), "--out",
+                        str(tmp_path / "o"), "--no-plots", "--quiet"], capture_output=True, text=True, timeout=120,
+                       cwd=tmp_path, env={**_env(), "SPARK_REMOTE": value})
+    assert (2, 1) == (p.returncode, len(p.stderr.strip().splitlines())), p.stderr
+    assert p.stderr.startswith(said), p.stderr
+    assert TOKEN not in p.stderr
+    assert not (tmp_path / "o").exists()

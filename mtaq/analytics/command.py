@@ -105,6 +105,21 @@ def run(args: argparse.Namespace) -> int:
     for path in args.events:
         if not os.path.isfile(path):
             raise ConfigError(f"--events {path}: no such file")
+    flag = "--remote"  # what named the Spark Connect server, in the lines we print
+    from_env = os.environ.get("SPARK_REMOTE") or None
+    if remote is None and from_env is not None:
+        # PySpark takes SPARK_REMOTE as "run on Spark Connect", and so does analyze, as if --remote named it. Set
+        # beside a master, PySpark refuses the two together with a traceback that prints the URL and its token.
+        flag = "SPARK_REMOTE"
+        if args.master is not None:
+            raise ConfigError(f"--master {args.master}: SPARK_REMOTE={redact(from_env)} is set in the environment "
+                              "(Spark Connect); unset it to run on a master")
+        if "PYSPARK_GATEWAY_PORT" in os.environ:
+            raise ConfigError(f"SPARK_REMOTE={redact(from_env)}: not under spark-submit (its --master says where the "
+                              "job runs); unset it")
+        if not from_env.startswith("sc://"):
+            raise ConfigError(f"SPARK_REMOTE: expected a Spark Connect URL sc://HOST:PORT, got {redact(from_env)!r}")
+        remote = from_env
     try:
         discover(args.segments)  # fail fast, before Spark starts, on a path that names nothing
     except SourceError as exc:
@@ -131,13 +146,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         spark = spark_session(args.master, conf, remote=remote)
     except ImportError as exc:  # only --remote imports more than the spark extra
-        raise ConfigError(f"--remote needs the spark-connect extra (pip install 'mtaq[spark-connect]'): {exc}") from exc
+        raise ConfigError(f"{flag} needs the spark-connect extra (pip install 'mtaq[spark-connect]'): {exc}") from exc
     except ValueError as exc:  # PySpark's own check of a Spark Connect URL
-        raise ConfigError(f"--remote {shown}: {exc}") from exc
+        raise ConfigError(f"{flag} {shown}: {exc}") from exc
     except OSError as exc:
-        raise ConfigError(f"--remote {shown}: cannot reach the Spark Connect server: {exc.strerror or exc}") from exc
+        raise ConfigError(f"{flag} {shown}: cannot reach the Spark Connect server: {exc.strerror or exc}") from exc
     except RemoteError as exc:
-        raise ConfigError(f"--remote {shown}: {exc}") from exc
+        raise ConfigError(f"{flag} {shown}: {exc}") from exc
     say(f"Spark started (class archive: {class_archive(spark)})")
     try:
         from mtaq.analytics.job import Options, analyze
@@ -159,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
         if remote is None or not type(exc).__module__.startswith("pyspark"):
             raise
         # The server went away or failed the job (its errors are PySpark's): one line, not the client's traceback.
-        raise MtaqError(f"--remote {shown}: the Spark Connect server failed the job: {one_line(exc)}") from exc
+        raise MtaqError(f"{flag} {shown}: the Spark Connect server failed the job: {one_line(exc)}") from exc
     if args.json:
         keys = ("received", "delivered", "deferred", "bounced", "rejected", "deferrals", "expired", "dsn_generated",
                 "bytes_received", "bytes_delivered", "delay_p50_s", "delay_p90_s", "delay_p99_s", "outcome_unknown",
