@@ -140,10 +140,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "analyze" and argv is None:
         # The program itself (not a caller in this process): once the job has written and closed its files and
         # stopped Spark, end without the interpreter's teardown of pandas, matplotlib, PySpark and pyarrow, 0.25 s
-        # of a 6 s run (docs/performance.md, "Stop 50"). The driver JVM ends on its own when its stdin closes.
+        # of a 6 s run (docs/performance.md, "Stop 50"). The exit handlers still run (PySpark's profiler writes
+        # its output from one); the driver JVM ends on its own when its stdin closes.
+        import atexit
+
         code = _main(args)
-        sys.stdout.flush()
-        sys.stderr.flush()
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:  # None: the descriptor was closed when the program started
+                stream.flush()
         os._exit(code)
     if args.command not in ("queue", "log"):
         return _main(args)

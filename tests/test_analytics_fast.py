@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -242,11 +244,61 @@ def test_the_tasks_allocate_with_the_c_librarys_allocator(spark, tmp_path):
     def task(it, stage):
         import pyarrow as pa
 
-        before = pa.default_memory_pool().backend_name
         rows = list(stage_indexed(it, stage=stage, until_us=None, close=True))
-        yield before, pa.default_memory_pool().backend_name, sum(1 for r in rows if r[1] == "messages")
+        yield pa.default_memory_pool().backend_name, sum(1 for r in rows if r[1] == "messages")
 
     got = spark.sparkContext.parallelize(groups, len(groups)).mapPartitions(
         partial(task, stage=str(tmp_path / "stage"))).collect()
-    assert {after for _, after, _ in got} == {"system"} and len(got) == len(groups)
-    assert sum(n for _, _, n in got) == len(groups)  # one messages file a group
+    assert {pool for pool, _ in got} == {"system"} and len(got) == len(groups)
+    assert sum(n for _, n in got) == len(groups)  # one messages file a group
+
+
+def test_every_task_function_switches_the_pool_unless_the_environment_names_one(tmp_path, monkeypatch):
+    """The four task functions Spark runs (the RDD's stage_indexed and stage_partitions, the merge's
+    stage_open_rows, the data source's read) make the C library's allocator the default before any work, and
+    leave a pool named in ARROW_DEFAULT_MEMORY_POOL alone."""
+    import pyarrow as pa
+
+    from mtaq.analytics.datasource import MtaqReader, SegmentPartition, stage_indexed, stage_open_rows, stage_partitions
+
+    spool = str(tmp_path / "spool")
+    write_spool(spool, messages=5)
+    files = discover([spool])
+    stage = str(tmp_path / "stage")
+    reader = MtaqReader({"path": spool, "rows": "staged", "stage": stage})
+    runs = {
+        "stage_indexed": lambda: list(stage_indexed([(0, files)], stage, None, True)),
+        "stage_partitions": lambda: list(stage_partitions([files], stage, None, True)),
+        "stage_open_rows": lambda: list(stage_open_rows(iter([]), ["record_type"], stage, None, None, None)),
+        "read": lambda: list(reader.read(SegmentPartition(files))),
+    }
+    saved = pa.default_memory_pool()
+    try:
+        monkeypatch.delenv("ARROW_DEFAULT_MEMORY_POOL", raising=False)
+        for name, run in runs.items():
+            pa.set_memory_pool(pa.jemalloc_memory_pool())
+            run()
+            assert (name, pa.default_memory_pool().backend_name) == (name, "system")
+        monkeypatch.setenv("ARROW_DEFAULT_MEMORY_POOL", "jemalloc")
+        for name, run in runs.items():
+            pa.set_memory_pool(pa.jemalloc_memory_pool())
+            run()
+            assert (name, pa.default_memory_pool().backend_name) == (name, "jemalloc")
+    finally:
+        pa.set_memory_pool(saved)
+
+
+def test_the_program_ends_with_exit_handlers_run_and_a_closed_stdout(tmp_path):
+    """`mtaq analyze` as a program ends without the interpreter's teardown (os._exit), but after the exit
+    handlers: PySpark's profiler dumps its profiles from one (review: they were lost). Started with its
+    standard output closed, it still exits 0 (review: flushing the missing stream made it exit 1)."""
+    spool = str(tmp_path / "spool")
+    write_spool(spool, messages=20)
+    dump = tmp_path / "profiles"
+    p = subprocess.run([sys.executable, "-m", "mtaq.cli", "analyze", "--segments", spool, "--out", str(tmp_path / "o"),
+                        "--master", "local[1]", "--no-plots", "--quiet", "--json", "--conf", "spark.python.profile=true",
+                        "--conf", f"spark.python.profile.dump={dump}"],
+                       stderr=subprocess.PIPE, text=True, timeout=300, preexec_fn=lambda: os.close(1))
+    assert 0 == p.returncode, p.stderr[-3000:]
+    assert (tmp_path / "o" / "report.md").exists()
+    assert [f for f in os.listdir(dump) if f.endswith(".pstats")]

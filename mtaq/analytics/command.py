@@ -134,8 +134,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"mtaq analyze [{time.monotonic() - t0:7.1f} s] {msg}", file=sys.stderr, flush=True)
 
     # While the driver JVM starts (1.5-2 s, mostly one core): the job's own modules that do not import PySpark
-    # (pyarrow's pandas shim, the facts, the partials: 0.3 s) and matplotlib (0.5 s), on threads, instead of
-    # before or after it. Neither imports PySpark, so they never wait on a module the session's start imports.
+    # (the facts, whose module-level pa.array loads pandas, the partials: 0.3 s) and matplotlib (0.5 s), on
+    # threads, instead of before or after it. Neither thread imports a PySpark or py4j module (checked
+    # transitively), so no import cycle with the session's start can form: a module both import (pandas, which
+    # PySpark's start imports too; dateutil) makes one wait for the other, never a deadlock.
     import threading
 
     threading.Thread(target=_import_job_modules, name="mtaq-import-job", daemon=True).start()

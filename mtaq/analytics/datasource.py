@@ -30,6 +30,7 @@ with a zip of ``mtaq/``) and ``msgspec``, ``pyarrow`` and ``zstandard`` installe
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -90,13 +91,16 @@ STAGED_DDL = "table string, path string, rows bigint, part string, data binary"
 
 def task_memory_pool() -> None:
     """Make the C library's allocator (``pyarrow.system_memory_pool``) this process's default Arrow memory
-    pool, as a task's first step: Spark's Python workers are forked from its worker daemon, and in such a
-    process Arrow's default allocator (mimalloc) made the first task of each worker about 0.6 s slower for a
-    64 MiB segment (2.1-2.3 s against 1.4-1.5 s for the same task run again in the same worker; with the C
-    library's allocator 1.5-1.8 s the first time, the same afterwards: docs/performance.md, "Stop 50").
-    Called by the task functions Spark runs (the RDD's, the data source's, the merge's); a process that is not
-    a Spark worker may call them too (the tests do): the tables are the same, and arrays already allocated keep
-    the pool they came from."""
+    pool, as a task's first step, unless ``ARROW_DEFAULT_MEMORY_POOL`` names one. Spark's Python workers are
+    forked from its worker daemon, and in such a process Arrow's default allocator (mimalloc) made each
+    worker's first task about 0.6 s slower for a 64 MiB segment (2.0-2.5 s against 1.4-1.5 s for the same
+    task again in the same worker; with the C library's allocator 1.5-1.8 s the first time, the same after:
+    docs/performance.md, "Stop 50"). Called by the task functions Spark runs (the RDD's, the data source's,
+    the merge's). The switch is for the whole process: a reused worker keeps it for the session's later
+    Python tasks too. A process that is not a Spark worker may call them as well (the tests do): the tables
+    are the same, and arrays already allocated keep the pool they came from."""
+    if os.environ.get("ARROW_DEFAULT_MEMORY_POOL"):
+        return
     if pa.default_memory_pool().backend_name != "system":
         pa.set_memory_pool(pa.system_memory_pool())
 
