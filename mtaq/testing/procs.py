@@ -24,11 +24,26 @@ __all__ = ["Proc", "admin_token", "admin_url", "children", "free_port", "free_po
            "maildir_message_ids", "peak_rss_kib", "start_daemon", "start_sink", "wait_for", "wait_port"]
 
 
+_GIVEN: set[int] = set()  # the ports free_port returned in this process
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 that was free a moment ago, and that no earlier call in this process returned.
+
+    A test often takes several ports before anything binds them (its own listener's, then the sink's, the
+    daemon's, the admin API's), and the kernel may hand the same free port out again a few calls later
+    (about 1 in 4,000 within four calls here). Two of them equal made a test's submission listener and its
+    daemon's port-25 listener one listener (``listeners_of`` merges a listeners table into the ``listen``
+    address it names), and the plain connection got 530 5.7.0 (stop 50's second suite run). Raises
+    RuntimeError when 100 tries give only ports returned before."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
+    raise RuntimeError("no TCP port on 127.0.0.1 that free_port had not returned before")
 
 
 def low_free_port(ports: Sequence[int] = (25, *range(1000, 600, -1))) -> int:
