@@ -11,7 +11,7 @@ SINK_PORT ?= 2526
 
 .PHONY: install install-service debs run test lint bench bench-analytics spark-zip compare compare-backlog compare-all clean-spool
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py mtaq/analytics/_walk.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[test,spark,spark-connect]'
@@ -50,11 +50,14 @@ install-service:
 # analytics report.html headless, pflogsumm for bench/analytics.py --pflogsumm, systemd-analyze to check
 # contrib/systemd/mtaq.service, rspamd and opendkim as the real milters of mtaq.testing.filters; both
 # packages enable a system service, which the tests never use: theirs run on free ports in a temporary directory;
-# gcc and libmilter-dev (a header, no command: checked by file) build bench/noop_milter.c, the benchmarks' filter).
+# gcc and libmilter-dev (a header, no command: checked by file) build bench/noop_milter.c, the benchmarks' filter;
+# gcc and python3-dev (Python.h) build mtaq/analytics/_walk.c, the analytics' frame walk in C: `make test` installs
+# them before the package, so the tests run the C walk (tests/test_analytics_walk.py checks it is built).
 # iproute2: ss, which a workers test uses to name what holds a port.
 DEBS := swaks:swaks nmap:nmap fiu-run:fiu-utils chromium:chromium pflogsumm:pflogsumm systemd-analyze:systemd \
 	rspamd:rspamd opendkim:opendkim gcc:gcc ss:iproute2
-DEB_FILES := /usr/include/libmilter/mfapi.h:libmilter-dev
+DEB_FILES := /usr/include/libmilter/mfapi.h:libmilter-dev \
+	$(shell $(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')/Python.h:python3-dev
 debs:
 	@missing=""; for t in $(DEBS); do command -v $${t%%:*} >/dev/null 2>&1 || missing="$$missing $${t#*:}"; done; \
 	for t in $(DEB_FILES); do test -e $${t%%:*} || missing="$$missing $${t#*:}"; done; \
@@ -74,7 +77,7 @@ lint: install
 	$(BIN)/ruff check mtaq bench tests
 	$(BIN)/mypy mtaq
 
-test: install debs lint
+test: debs install lint
 	$(BIN)/python -m pytest -q
 
 bench: install
