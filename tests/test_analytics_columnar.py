@@ -21,7 +21,8 @@ import pyarrow as pa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mtaq.analytics.columnar import columns_of_rows, decode_columns
+from mtaq.analytics import columnar
+from mtaq.analytics.columnar import columns_of_rows, decode_columns, decode_columns_numpy
 from mtaq.analytics.source import _as_row, _walk, _walk_loop, batches, discover, read_segment
 from mtaq.core.frame import SegmentHeader, encode_frame, encode_record, encode_segment_header
 from mtaq.core.records import (
@@ -56,10 +57,14 @@ RECORDS = {
 }
 
 
-def columns(cls, payloads: list[bytes]):
+DECODERS = {"c": columnar._decode_c, "numpy": decode_columns_numpy, "either": decode_columns}
+
+
+def columns(cls, payloads: list[bytes], decoder: str = "either"):
+    """The columns of ``payloads`` by the C decoder, the numpy one, or the one the analytics use."""
     blob = np.frombuffer(b"".join(payloads), np.uint8)
     ends = np.cumsum([len(p) for p in payloads], dtype=np.int64)
-    return decode_columns(cls, blob, ends - np.array([len(p) for p in payloads], np.int64), ends)
+    return DECODERS[decoder](cls, blob, ends - np.array([len(p) for p in payloads], np.int64), ends)
 
 
 def same(a: dict, b: dict) -> bool:
@@ -68,34 +73,38 @@ def same(a: dict, b: dict) -> bool:
     return as_arrow.keys() == bs_arrow.keys() and all(as_arrow[k].equals(bs_arrow[k]) for k in as_arrow)
 
 
+@pytest.mark.parametrize("decoder", ["c", "numpy"])
 @pytest.mark.parametrize("cls", list(RECORDS))
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=st.data())
-def test_columns_equal_msgspecs_values(cls, data):
+def test_columns_equal_msgspecs_values(cls, decoder, data):
     """Any records the daemon could write (every int width, float, str length class, non-ASCII text, nested
-    arrays of any length, nil or not): the numpy columns are msgspec's, value for value."""
+    arrays of any length, nil or not): the columns of the C decoder and of the numpy one are msgspec's, value
+    for value."""
     recs = data.draw(st.lists(RECORDS[cls], min_size=1, max_size=8))
     payloads = [msgspec.msgpack.encode(r) for r in recs]
-    got = columns(cls, payloads)
+    got = columns(cls, payloads, decoder)
     assert got is not None
     assert same(got, columns_of_rows(cls, [_as_row(r) for r in recs]))
 
 
-def test_payloads_outside_the_grammar_are_left_to_msgspec():
+@pytest.mark.parametrize("decoder", ["c", "numpy"])
+def test_payloads_outside_the_grammar_are_left_to_msgspec(decoder):
     """Encodings msgspec accepts but the grammar does not (an int where a float is, an int beyond int64, a
     shorter array filled with defaults, a longer one whose extra elements it ignores) and payloads msgspec refuses (another record's tag, an unknown status,
     bytes left over, a str that is not UTF-8): the numpy decoder declines them all. An int in a wider
     encoding than needed (the tag as uint8 or int8) both take, with the same values."""
     enc = msgspec.msgpack.encode
     ok = enc(FinishRecord("Q1", Pos(1, 32), T0))
-    assert columns(FinishRecord, [ok]) is not None
+    assert columns(FinishRecord, [ok], decoder) is not None
     for wide in (ok[:1] + b"\xcc\x05" + ok[2:], ok[:1] + b"\xd0\x05" + ok[2:]):
         rec = msgspec.msgpack.decode(wide, type=FinishRecord)
-        assert same(columns(FinishRecord, [ok, wide]), columns_of_rows(FinishRecord, [_as_row(rec)] * 2))
+        assert same(columns(FinishRecord, [ok, wide], decoder), columns_of_rows(FinishRecord, [_as_row(rec)] * 2))
     takes = [
-        enc([5, "Q1", [1, 32], 17]),                        # an int for a float
-        enc([5, "Q1", [1, 2**64 - 1], T0]),                 # an int beyond int64
-        enc([5, "Q1", [1, 32, 3], T0]),                     # a longer array (msgspec ignores what follows)
+        enc([5, "Q1", [1, 32], 17, None]),                  # an int for a float
+        enc([5, "Q1", [1, 2**64 - 1], T0, None]),           # an int beyond int64
+        enc([5, "Q1", [1, 32, 3], T0, None]),               # a longer array (msgspec ignores what follows)
+        enc([5, "Q1", [1, 32], T0]),                        # a shorter one (durable: the class's default)
     ]
     refuses = [
         enc([3, "Q1", [1, 32], T0]),                        # a START's tag on a FINISH
@@ -106,16 +115,16 @@ def test_payloads_outside_the_grammar_are_left_to_msgspec():
         enc([5, "Qxyz", [1, 32], T0]).replace(b"Qxyz", b"Q\xc0\xaf\x41"),  # an overlong "/"
     ]
     for bad in takes + refuses:
-        assert columns(FinishRecord, [ok, bad]) is None, bad
+        assert columns(FinishRecord, [ok, bad], decoder) is None, bad
     for bad in takes:
         msgspec.msgpack.decode(bad, type=FinishRecord)
     for bad in refuses:
         with pytest.raises((msgspec.MsgspecError, ValueError)):
             msgspec.msgpack.decode(bad, type=FinishRecord)
     short = enc([3, "Q1", [1, 32], T0])  # a START without runner, admin, durable: the class's defaults
-    assert columns(StartRecord, [short]) is None
+    assert columns(StartRecord, [short], decoder) is None
     assert msgspec.msgpack.decode(short, type=StartRecord) == StartRecord("Q1", Pos(1, 32), T0)
-    assert columns(DeliveryRecord, [enc([4, "Q1", [1, 32], T0, "mx", [[0, "bounced", 550, "5.0.0", "no"]], False])]) is None
+    assert columns(DeliveryRecord, [enc([4, "Q1", [1, 32], T0, "mx", [[0, "bounced", 550, "5.0.0", "no"]], False])], decoder) is None
 
 
 def write_segment(path, records: list, raw: list[tuple[int, bytes]] = ()) -> None:

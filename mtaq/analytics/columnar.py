@@ -21,6 +21,8 @@ and ``recipients.address`` (the elements of all records, record after record).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import types
 import typing
 from typing import Any, Literal, Union
@@ -30,7 +32,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-__all__ = ["columns_of_rows", "decode_columns", "struct_fields"]
+try:  # the C decoder, built by `pip install` where a compiler is (optional: see _decode_c)
+    from mtaq.analytics import _segment as _cseg
+except ImportError:  # not built, or the package shipped to a cluster as a zip of .py files
+    _cseg = None  # type: ignore[assignment]
+
+__all__ = ["columns_of_rows", "decode_columns", "decode_columns_numpy", "struct_fields"]
 
 _ELEMENTS_MAX = 256  # more elements in one nested array: left to msgspec (a loop per element index here)
 
@@ -265,9 +272,136 @@ class _Parser:
         return out
 
 
+# The grammar compiled for the C decoder (mtaq/analytics/_segment.c, ``decode``): its opcodes.
+_OP_STRUCT, _OP_TUPLE, _OP_ARRAY, _OP_OPT, _OP_INT, _OP_FLOAT, _OP_BOOL, _OP_STR = range(1, 9)
+_LEAF_OPS = {int: _OP_INT, float: _OP_FLOAT, bool: _OP_BOOL, str: _OP_STR}
+
+
+class _Unsupported(Exception):
+    """A type the C decoder's program cannot say: the numpy parser decodes that class."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Program:
+    """A record class's grammar for the C decoder: the opcodes (int32), and each column's path, kind, whether
+    it is under an optional value, and the strings a Literal allows (None: any)."""
+
+    ops: bytes
+    paths: tuple[str, ...]
+    kinds: bytes
+    nullable: bytes
+    literals: tuple[tuple[str, ...] | None, ...]
+
+
+def _compile(tp: Any, path: str, depth: int, nullable: bool, cols: list[tuple[str, int, bool, tuple[str, ...] | None]]) -> list[int]:
+    """The ops of a value of type ``tp`` at ``path``, adding its columns to ``cols``. ``depth``: 0 at the top,
+    1 inside an element of a top-level array (its arrays keep their counts only), 2 and more inside those
+    (nothing kept): as :meth:`_Parser.value` keeps them. Raises _Unsupported."""
+
+    def column(kind: int, literals: tuple[str, ...] | None = None) -> int:
+        if depth > 1:
+            return -1
+        if any(c[0] == path for c in cols):
+            raise _Unsupported(path)  # two columns of one path: left to the numpy parser
+        cols.append((path, kind, nullable, literals))
+        return len(cols) - 1
+
+    fields = struct_fields(tp)
+    if fields is not None:
+        tag = tp.__struct_config__.tag
+        if tag is not None and (not isinstance(tag, int) or isinstance(tag, bool) or not 0 <= tag < 2**31):
+            raise _Unsupported(path)
+        body = [op for name, ftp in fields for op in _compile(ftp, f"{path}.{name}" if path else name, depth, nullable, cols)]
+        return [_OP_STRUCT, 4 + len(body), len(fields), -1 if tag is None else tag, *body]
+    inner = _optional(tp)
+    if inner is not None:
+        first = len(cols)
+        body = _compile(inner, path, depth, True, cols)  # an array under it: _Unsupported (not in any record)
+        leaves = list(range(first, len(cols)))
+        return [_OP_OPT, 3 + len(leaves) + len(body), len(leaves), *leaves, *body]
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        if nullable:
+            raise _Unsupported(path)
+        count = column(_OP_INT)
+        body = _compile(args[0], path, depth + 1, nullable, cols)
+        return [_OP_ARRAY, 4 + len(body), count, int(depth == 0), *body]
+    if origin is tuple:
+        body = [op for i, a in enumerate(args) for op in _compile(a, f"{path}.{i}", depth, nullable, cols)]
+        return [_OP_TUPLE, 3 + len(body), len(args), *body]
+    if origin is Literal:
+        if not all(isinstance(a, str) for a in args):
+            raise _Unsupported(path)
+        return [_OP_STR, column(_OP_STR, tuple(args))]
+    op = _LEAF_OPS.get(tp)
+    if op is None:
+        raise _Unsupported(path)
+    return [op, column(op)]
+
+
+@functools.cache
+def _program(cls: type[msgspec.Struct]) -> _Program | None:
+    """``cls``'s program for the C decoder, or None when it has a type the program cannot say."""
+    cols: list[tuple[str, int, bool, tuple[str, ...] | None]] = []
+    try:
+        ops = _compile(cls, "", 0, False, cols)
+    except _Unsupported:
+        return None
+    return _Program(np.asarray(ops, np.int32).tobytes(), tuple(c[0] for c in cols), bytes(c[1] for c in cols),
+                    bytes(int(c[2]) for c in cols), tuple(c[3] for c in cols))
+
+
+def _bitmap(flags: bytes) -> pa.Buffer:
+    return pa.py_buffer(np.packbits(np.frombuffer(flags, np.uint8), bitorder="little"))
+
+
+def _decode_c(cls: type[msgspec.Struct], buf: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> dict[str, Any] | None:
+    """:func:`decode_columns` by the C decoder, the same columns as the numpy parser's (``_Parser``): numpy
+    arrays for the integer, float and boolean columns, Arrow arrays for the strings and for every column
+    under an optional value (with its nulls). None when a payload is outside the grammar. Raises
+    RuntimeError when the module is not built, ValueError when ``cls`` has no program."""
+    if _cseg is None:
+        raise RuntimeError("mtaq.analytics._segment is not built")
+    prog = _program(cls)
+    if prog is None:
+        raise ValueError(f"{cls.__name__}: no program for the C decoder")
+    got = _cseg.decode(buf, starts.astype(np.int64).tobytes(), ends.astype(np.int64).tobytes(), prog.ops,
+                       prog.kinds, prog.nullable)
+    if got is None:
+        return None
+    out: dict[str, Any] = {}
+    for path, kind, literals, (vals, valid, data) in zip(prog.paths, prog.kinds, prog.literals, got, strict=True):
+        col: Any
+        if kind == _OP_STR:
+            n = len(vals) // 4 - 1
+            col = pa.StringArray.from_buffers(n, pa.py_buffer(vals), pa.py_buffer(data),
+                                              None if valid is None else _bitmap(valid))
+            if literals is not None and n and not pc.all(pc.is_in(col.drop_null(), pa.array(list(literals)))).as_py():
+                return None
+        else:
+            dtype = {_OP_INT: np.int64, _OP_FLOAT: np.float64, _OP_BOOL: np.bool_}[kind]
+            col = np.frombuffer(vals, dtype)
+            if valid is not None:
+                typ = {_OP_INT: pa.int64(), _OP_FLOAT: pa.float64(), _OP_BOOL: pa.bool_()}[kind]
+                values = _bitmap(vals) if kind == _OP_BOOL else pa.py_buffer(vals)
+                col = pa.Array.from_buffers(typ, len(col), [_bitmap(valid), values])
+        out[path] = col
+    return out
+
+
 def decode_columns(cls: type[msgspec.Struct], buf: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> dict[str, Any] | None:
     """The columns of the payloads ``buf[starts[i]:ends[i]]``, each a record of ``cls`` (see the module
-    docstring), or None when any payload is outside the grammar (then decode them with msgspec)."""
+    docstring), or None when any payload is outside the grammar (then decode them with msgspec). By the C
+    decoder where it is built (:func:`_decode_c`), else by numpy (:func:`decode_columns_numpy`): the same
+    columns, the same grammar."""
+    if _cseg is not None and len(starts) and _program(cls) is not None:
+        return _decode_c(cls, buf, starts, ends)
+    return decode_columns_numpy(cls, buf, starts, ends)
+
+
+def decode_columns_numpy(cls: type[msgspec.Struct], buf: np.ndarray, starts: np.ndarray,
+                         ends: np.ndarray) -> dict[str, Any] | None:
+    """:func:`decode_columns` by numpy (where the C module is not built, and for the tests)."""
     out: dict[str, Any] = {}
     try:
         with np.errstate(over="ignore"):

@@ -73,9 +73,9 @@ from mtaq.core.records import (
 from mtaq.core.shard import shard_of
 
 try:  # the frame walk in C, built by `pip install` where a compiler is (optional: see _walk_c)
-    from mtaq.analytics import _walk as _cwalk
+    from mtaq.analytics import _segment as _cseg
 except ImportError:  # not built, or the package shipped to a cluster as a zip of .py files
-    _cwalk = None  # type: ignore[assignment]
+    _cseg = None  # type: ignore[assignment]
 
 __all__ = [
     "SCHEMA",
@@ -424,20 +424,20 @@ def _walk(segment: int, buf: bytes) -> Walk | None:
     or None when anything does not check out (then :func:`scan_segment` must read it). A frame's payload is
     ``buf[offset + FRAME_HEADER_BYTES : end]``. :func:`_walk_c` where the C module is built, else
     :func:`_walk_numpy`; both find what :func:`_walk_loop`, the definition, finds."""
-    return _walk_c(segment, buf) if _cwalk is not None else _walk_numpy(segment, buf)
+    return _walk_c(segment, buf) if _cseg is not None else _walk_numpy(segment, buf)
 
 
 def _walk_c(segment: int, buf: bytes) -> Walk | None:
-    """:func:`_walk_loop` in C (``mtaq/analytics/_walk.c``: the same checks frame by frame, 10 times faster than
+    """:func:`_walk_loop` in C (``mtaq/analytics/_segment.c``: the same checks frame by frame, 10 times faster than
     :func:`_walk_numpy` on a 64 MB segment). ``pip install`` builds the module where a C compiler and Python's
     headers are (the Makefile installs them); without it, and in a zip of the package shipped to a Spark
     cluster, :func:`_walk` uses numpy. Raises RuntimeError when the module is not built."""
-    if _cwalk is None:
-        raise RuntimeError("mtaq.analytics._walk is not built")
+    if _cseg is None:
+        raise RuntimeError("mtaq.analytics._segment is not built")
     header = _checked_header(segment, buf)
     if header is None:
         return None
-    got = _cwalk.walk(buf, SEGMENT_HEADER_BYTES, header.salt, FRAME_MAGIC, _TYPE_OK_BYTES, _DATA, _SEAL,
+    got = _cseg.walk(buf, SEGMENT_HEADER_BYTES, header.salt, FRAME_MAGIC, _TYPE_OK_BYTES, _DATA, _SEAL,
                       RECORD_BYTES_MAX)
     if got is None:
         return None
