@@ -446,7 +446,7 @@ static Py_ssize_t prog_check(const dec_t *d, Py_ssize_t pos, int depth) {
         q = prog_check(d, pos + 4, depth + 1);
         return q >= 0 && q == pos + op[1] ? q : -1;
     case OP_OPT:
-        if (op[2] < 0 || pos + 3 + op[2] > d->prog_len) return -1;
+        if (pos + 3 > d->prog_len || op[2] < 0 || pos + 3 + op[2] > d->prog_len) return -1;
         for (int32_t i = 0; i < op[2]; i++)
             if (op[3 + i] < 0 || op[3 + i] >= d->ncols) return -1;
         q = prog_check(d, pos + 3 + op[2], depth + 1);
