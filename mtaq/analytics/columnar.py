@@ -1,4 +1,10 @@
-"""Record payloads decoded straight into Arrow columns by numpy: no Python object per value.
+"""Record payloads decoded straight into Arrow columns, in C or by numpy: no Python object per value.
+
+Where the C module is built (``mtaq/analytics/_segment.c``, optional: ``pip install`` builds it where a
+compiler is), the grammar below is compiled from the record classes into a small program
+(:func:`_program`) that the C decoder runs over every payload (:func:`_decode_c`); elsewhere numpy parses it
+(:func:`decode_columns_numpy`). Both give the same columns (tests/test_analytics_columnar.py, tests/test_analytics_native.py). The numpy
+parser is described next.
 
 The payloads of one record type (msgpack arrays, :mod:`mtaq.core.records`) are parsed field by field for
 all records at once: a cursor per record moves through its payload, each field's type byte is read for

@@ -343,11 +343,11 @@ def read_tail(sf: SegmentFile, fs: pafs.FileSystem | None = None) -> tuple[bytes
 
 # ------------------------------------------------------------------------------------------- decoding
 #
-# A segment is read in two steps. (1) The frames are walked (:func:`_walk`: in C, else with numpy): every frame's
-# header and checksum are checked (DATA included: its payload is checksummed, then stepped over by its
+# A segment is read in two steps. (1) The frames are walked (:func:`_walk`: in C, else with numpy): every
+# frame's header and checksum are checked (DATA included: its payload is checksummed, then stepped over by its
 # length, never decoded), and the offsets and payload ends of the other frames are kept, grouped by type.
-# (2) Each group is decoded straight into columns by numpy (:mod:`mtaq.analytics.columnar`: no Python object
-# per value), or, when a payload is outside that module's strict grammar, by msgspec (the payloads joined
+# (2) Each group is decoded straight into columns, in C or by numpy (:mod:`mtaq.analytics.columnar`: no
+# Python object per value), or, when a payload is outside that module's strict grammar, by msgspec (the payloads joined
 # into one msgpack array, decoded as tuples) and transposed; then Arrow kernels make everything per row
 # (timestamps, the explode of recipients and outcomes, constants, domains of ASCII addresses). Step (1) is
 # the fast path of :func:`mtaq.core.frame.scan_segment` for a segment in which everything checks out (a
