@@ -3,8 +3,8 @@
 Where the C module is built (``mtaq/analytics/_segment.c``, optional: ``pip install`` builds it where a
 compiler is), the grammar below is compiled from the record classes into a small program
 (:func:`_program`) that the C decoder runs over every payload (:func:`_decode_c`); elsewhere numpy parses it
-(:func:`decode_columns_numpy`). Both give the same columns (tests/test_analytics_columnar.py, tests/test_analytics_native.py). The numpy
-parser is described next.
+(:func:`decode_columns_numpy`). Both give the same columns (tests/test_analytics_columnar.py,
+tests/test_analytics_native.py). The numpy parser is described next.
 
 The payloads of one record type (msgpack arrays, :mod:`mtaq.core.records`) are parsed field by field for
 all records at once: a cursor per record moves through its payload, each field's type byte is read for
@@ -299,7 +299,10 @@ class _Program:
     literals: tuple[tuple[str, ...] | None, ...]
 
 
-def _compile(tp: Any, path: str, depth: int, nullable: bool, cols: list[tuple[str, int, bool, tuple[str, ...] | None]]) -> list[int]:
+_Column = tuple[str, int, bool, tuple[str, ...] | None]  # path, kind (an op), under an optional value, literals
+
+
+def _compile(tp: Any, path: str, depth: int, nullable: bool, cols: list[_Column]) -> list[int]:
     """The ops of a value of type ``tp`` at ``path``, adding its columns to ``cols``. ``depth``: 0 at the top,
     1 inside an element of a top-level array (its arrays keep their counts only), 2 and more inside those
     (nothing kept): as :meth:`_Parser.value` keeps them. Raises _Unsupported."""
@@ -317,7 +320,8 @@ def _compile(tp: Any, path: str, depth: int, nullable: bool, cols: list[tuple[st
         tag = tp.__struct_config__.tag
         if tag is not None and (not isinstance(tag, int) or isinstance(tag, bool) or not 0 <= tag < 2**31):
             raise _Unsupported(path)
-        body = [op for name, ftp in fields for op in _compile(ftp, f"{path}.{name}" if path else name, depth, nullable, cols)]
+        body = [op for name, ftp in fields
+                for op in _compile(ftp, f"{path}.{name}" if path else name, depth, nullable, cols)]
         return [_OP_STRUCT, 4 + len(body), len(fields), -1 if tag is None else tag, *body]
     inner = _optional(tp)
     if inner is not None:
@@ -348,7 +352,7 @@ def _compile(tp: Any, path: str, depth: int, nullable: bool, cols: list[tuple[st
 @functools.cache
 def _program(cls: type[msgspec.Struct]) -> _Program | None:
     """``cls``'s program for the C decoder, or None when it has a type the program cannot say."""
-    cols: list[tuple[str, int, bool, tuple[str, ...] | None]] = []
+    cols: list[_Column] = []
     try:
         ops = _compile(cls, "", 0, False, cols)
     except _Unsupported:
@@ -361,7 +365,8 @@ def _bitmap(flags: bytes) -> pa.Buffer:
     return pa.py_buffer(np.packbits(np.frombuffer(flags, np.uint8), bitorder="little"))
 
 
-def _decode_c(cls: type[msgspec.Struct], buf: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> dict[str, Any] | None:
+def _decode_c(cls: type[msgspec.Struct], buf: np.ndarray, starts: np.ndarray,
+              ends: np.ndarray) -> dict[str, Any] | None:
     """:func:`decode_columns` by the C decoder, the same columns as the numpy parser's (``_Parser``): numpy
     arrays for the integer, float and boolean columns, Arrow arrays for the strings and for every column
     under an optional value (with its nulls). None when a payload is outside the grammar. Raises
