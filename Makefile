@@ -9,7 +9,7 @@ LISTEN ?= 127.0.0.1:2525
 SINK_HOST ?= 127.0.0.1
 SINK_PORT ?= 2526
 
-.PHONY: install install-service debs run test lint bench bench-analytics spark-zip compare compare-backlog compare-all clean-spool
+.PHONY: install install-service debs native run test lint bench bench-analytics spark-zip compare compare-backlog compare-all clean-spool
 
 $(STAMP): pyproject.toml setup.py mtaq/analytics/_segment.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -77,7 +77,13 @@ lint: install
 	$(BIN)/ruff check mtaq bench tests
 	$(BIN)/mypy mtaq
 
-test: debs install lint
+# The C module again where `make install` ran before gcc and Python's headers were there (make run first on a
+# fresh machine): the stamp is then newer than its sources, but the module was skipped as optional.
+native: debs $(STAMP)
+	@$(BIN)/python -c 'import mtaq.analytics._segment' 2>/dev/null || \
+	  $(BIN)/python -m pip install -q -e '.[test,spark,spark-connect]'
+
+test: debs install native lint
 	$(BIN)/python -m pytest -q
 
 bench: install

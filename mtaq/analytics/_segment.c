@@ -198,7 +198,7 @@ static inline int vec_put(vec_t *v, const void *src, size_t n) {
         v->p = q;
         v->cap = cap;
     }
-    memcpy(v->p + v->len, src, n);
+    if (n) memcpy(v->p + v->len, src, n); /* n == 0 on an empty first string: v->p is still NULL */
     v->len += n;
     return 0;
 }
@@ -471,7 +471,13 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*", &view, &starts, &ends, &prog, &kinds, &nullable)) return NULL;
     PyObject *result = NULL;
     Py_ssize_t n = starts.len / 8, ncols = kinds.len;
-    dec_t d = {prog.buf, prog.len / 4, NULL, ncols, 0};
+    int32_t *ops = malloc((size_t)prog.len + 4); /* an aligned copy: the caller's buffer may be at any address */
+    dec_t d = {ops, prog.len / 4, NULL, ncols, 0};
+    if (ops == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    memcpy(ops, prog.buf, (size_t)prog.len);
     if (starts.len % 8 || ends.len != starts.len || prog.len % 4 || nullable.len != kinds.len) {
         PyErr_SetString(PyExc_ValueError, "decode: starts and ends int64 of one length, program int32, "
                                           "kinds and nullable one byte a column");
@@ -501,13 +507,15 @@ static PyObject *decode(PyObject *self, PyObject *args) {
         }
     }
     const unsigned char *base = view.buf;
-    const int64_t *st = starts.buf, *en = ends.buf;
     for (Py_ssize_t r = 0; ok && !d.oom && r < n; r++) {
-        if (st[r] < 0 || en[r] < st[r] || en[r] > view.len) {
+        int64_t s0, e0; /* read with memcpy: the buffers may be at any address */
+        memcpy(&s0, (const char *)starts.buf + r * 8, 8);
+        memcpy(&e0, (const char *)ends.buf + r * 8, 8);
+        if (s0 < 0 || e0 < s0 || e0 > view.len) {
             ok = 0;
             break;
         }
-        const unsigned char *p = base + st[r], *end = base + en[r];
+        const unsigned char *p = base + s0, *end = base + e0;
         if (parse(&d, 0, &p, end, 0) < 0 || p != end) ok = 0;
     }
     Py_END_ALLOW_THREADS
@@ -528,6 +536,7 @@ static PyObject *decode(PyObject *self, PyObject *args) {
         }
     }
 done:
+    free(ops);
     if (d.cols != NULL) {
         for (Py_ssize_t i = 0; i < ncols; i++) {
             free(d.cols[i].vals.p);

@@ -340,8 +340,8 @@ def _compile(tp: Any, path: str, depth: int, nullable: bool, cols: list[_Column]
         body = [op for i, a in enumerate(args) for op in _compile(a, f"{path}.{i}", depth, nullable, cols)]
         return [_OP_TUPLE, 3 + len(body), len(args), *body]
     if origin is Literal:
-        if not all(isinstance(a, str) for a in args):
-            raise _Unsupported(path)
+        if not all(isinstance(a, str) for a in args) or depth > 1:
+            raise _Unsupported(path)  # depth > 1: a value not kept, so not checked either
         return [_OP_STR, column(_OP_STR, tuple(args))]
     op = _LEAF_OPS.get(tp)
     if op is None:
@@ -387,8 +387,9 @@ def _decode_c(cls: type[msgspec.Struct], buf: np.ndarray, starts: np.ndarray,
             n = len(vals) // 4 - 1
             col = pa.StringArray.from_buffers(n, pa.py_buffer(vals), pa.py_buffer(data),
                                               None if valid is None else _bitmap(valid))
-            if literals is not None and n and not pc.all(pc.is_in(col.drop_null(), pa.array(list(literals)))).as_py():
-                return None
+            if literals is not None and col.null_count < n:
+                if not pc.all(pc.is_in(col.drop_null(), pa.array(list(literals)))).as_py():
+                    return None
         else:
             dtype = {_OP_INT: np.int64, _OP_FLOAT: np.float64, _OP_BOOL: np.bool_}[kind]
             col = np.frombuffer(vals, dtype)
