@@ -72,7 +72,7 @@ from mtaq.core.records import (
 )
 from mtaq.core.shard import shard_of
 
-try:  # the frame walk in C, built by `pip install` where a compiler is (optional: see _walk_c)
+try:  # the frame walk (and columnar's decoder) in C, built by `pip install` where a compiler is: see _walk_c
     from mtaq.analytics import _segment as _cseg
 except ImportError:  # not built, or the package shipped to a cluster as a zip of .py files
     _cseg = None  # type: ignore[assignment]
