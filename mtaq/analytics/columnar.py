@@ -38,10 +38,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-try:  # the C decoder, built by `pip install` where a compiler is (optional: see _decode_c)
-    from mtaq.analytics import _segment as _cseg
+try:  # the C module (the decoder here, the frame walk in source.py), built by `pip install` where a compiler is
+    from mtaq.analytics import _segment
 except ImportError:  # not built, or the package shipped to a cluster as a zip of .py files
-    _cseg = None  # type: ignore[assignment]
+    _segment = None  # type: ignore[assignment]
+_cseg = _segment  # the one name both modules use (None where the module is not built)
 
 __all__ = ["columns_of_rows", "decode_columns", "decode_columns_numpy", "struct_fields"]
 

@@ -50,6 +50,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
+from mtaq.analytics import columnar
 from mtaq.analytics.columnar import columns_of_rows, decode_columns, struct_fields
 from mtaq.core.frame import (
     FRAME_HEADER_BYTES,
@@ -72,10 +73,7 @@ from mtaq.core.records import (
 )
 from mtaq.core.shard import shard_of
 
-try:  # the frame walk (and columnar's decoder) in C, built by `pip install` where a compiler is: see _walk_c
-    from mtaq.analytics import _segment as _cseg
-except ImportError:  # not built, or the package shipped to a cluster as a zip of .py files
-    _cseg = None  # type: ignore[assignment]
+_cseg = columnar._cseg  # the C module (None where not built): its frame walk is used here, see _walk_c
 
 __all__ = [
     "SCHEMA",
