@@ -42,7 +42,16 @@ from pyspark.sql import SparkSession
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 from pyspark.sql.types import StructType
 
-from mtaq.analytics.facts import FACT_SPARK_DDL, MESSAGE_COLUMNS, OUTCOME_COLUMNS, fact_batches, fact_table, open_facts
+from mtaq.analytics.facts import (
+    FACT_SCHEMA,
+    FACT_SPARK_DDL,
+    MESSAGE_COLUMNS,
+    OUTCOME_COLUMNS,
+    by_kind,
+    fact_batches,
+    fact_kinds,
+    open_facts,
+)
 from mtaq.analytics.partials import FILE_PARTS, encode, in_window, partials, rows_table
 from mtaq.analytics.source import SPARK_DDL, SegmentFile, batches, discover, join_path, plan_partitions, resolve
 
@@ -125,19 +134,21 @@ def stage_facts(files: Sequence[SegmentFile], stage: str, until_us: int | None, 
     Each file's name is this attempt's own (``KIND-FIRST-LAST-RANDOM.parquet``, FIRST and LAST the segment
     numbers): two logs with the same segment numbers (worker shards, two hosts) or two attempts of one task
     never write the same file, and the job reads only the files the successful attempts return."""
-    table = fact_table(files, until_us, close=close)
-    rt = table["record_type"]
-    rest = table.filter(pc.invert(pc.or_(pc.equal(rt, "MESSAGE"), pc.equal(rt, "OUTCOME"))))
+    kinds = fact_kinds(files, until_us, close=close)
     name = f"{files[0].segment:012d}-{files[-1].segment:012d}-{uuid.uuid4().hex}"
-    yield from _stage(table, stage, name, since_us, until_us, until_us, rest.take(pc.sort_indices(rest["record_type"])))
+    # The facts file: every kind but MESSAGE and OUTCOME, the kinds in order of name (each kind's rows in theirs).
+    rest = [kinds[k] for k in sorted(kinds) if k not in ("MESSAGE", "OUTCOME")]
+    yield from _stage(kinds, stage, name, since_us, until_us, until_us, pa.concat_tables(rest) if rest else FACT_SCHEMA.empty_table())
 
 
-def _stage(table: pa.Table, stage: str, name: str, since_us: int | None, until_us: int | None, end_us: int | None,
-           rest: pa.Table | None = None) -> Iterator[tuple[str | None, str | None, int | None, str | None, bytes | None]]:
-    """The fact rows ``table`` staged (:func:`write_staged`, the FILE_PARTS partial tables as files) and the
-    other partial tables as :data:`STAGED_DDL` rows: what a task and the merge of the open messages yield."""
-    parts = partials(table, since_us, until_us, end_us)
-    yield from write_staged(table, stage, name, since_us, until_us, rest, {k: parts.pop(k) for k in FILE_PARTS if k in parts})
+def _stage(t: pa.Table | Mapping[str, pa.Table], stage: str, name: str, since_us: int | None, until_us: int | None,
+           end_us: int | None, rest: pa.Table | None = None) -> Iterator[tuple[str | None, str | None, int | None, str | None, bytes | None]]:
+    """The fact rows ``t`` (FACT_SCHEMA; one table, or tables by ``record_type``) staged (:func:`write_staged`,
+    the FILE_PARTS partial tables as files) and the other partial tables as :data:`STAGED_DDL` rows: what a
+    task and the merge of the open messages yield."""
+    kinds = t if isinstance(t, Mapping) else by_kind(t)
+    parts = partials(kinds, since_us, until_us, end_us)
+    yield from write_staged(kinds, stage, name, since_us, until_us, rest, {k: parts.pop(k) for k in FILE_PARTS if k in parts})
     for part, data in encode(parts):
         yield None, None, None, part, data
 
@@ -189,20 +200,20 @@ def stage_open_rows(rows: Iterable[Sequence[Any]], names: Sequence[str], stage: 
         yield from stage_open(t, stage, since_us, until_us, end_us)
 
 
-def write_staged(table: pa.Table, stage: str, name: str, since_us: int | None, until_us: int | None,
+def write_staged(kinds: Mapping[str, pa.Table], stage: str, name: str, since_us: int | None, until_us: int | None,
                  rest: pa.Table | None = None,
                  parts: Mapping[str, pa.Table] | None = None) -> Iterator[tuple[str, str, int, None, None]]:
-    """Write the MESSAGE rows and the OUTCOME rows in the window of the fact rows ``table`` (FACT_SCHEMA) under
-    ``stage`` as :func:`stage_facts` describes (``rest``, when given, as the ``facts`` file; ``parts``, partial
-    tables of FILE_PARTS by name, each as a file of that kind), each file named ``KIND-NAME[-DATE].parquet``;
-    yield its (table, file, rows, None, None). Used by the tasks and by the job's merge of the open messages
-    on the driver. Raises OSError or pyarrow errors."""
-    rt = table["record_type"]
-    outcomes = table.filter(pc.equal(rt, "OUTCOME"))
+    """Write the MESSAGE rows and the OUTCOME rows in the window of the fact rows ``kinds`` (FACT_SCHEMA tables
+    by ``record_type``) under ``stage`` as :func:`stage_facts` describes (``rest``, when given, as the
+    ``facts`` file; ``parts``, partial tables of FILE_PARTS by name, each as a file of that kind), each file
+    named ``KIND-NAME[-DATE].parquet``; yield its (table, file, rows, None, None). Used by the tasks and by the
+    job's merge of the open messages on the driver. Raises OSError or pyarrow errors."""
+    empty = FACT_SCHEMA.empty_table()
+    outcomes = kinds.get("OUTCOME", empty)
     outcomes = outcomes.filter(in_window(outcomes["ts"], since_us, until_us)).select(list(OUTCOME_COLUMNS))
     out = [] if rest is None else [("facts", rest)]
     out += [(kind, t) for kind, t in (parts or {}).items()]
-    out.append(("messages", table.filter(pc.equal(rt, "MESSAGE")).select(list(MESSAGE_COLUMNS))))
+    out.append(("messages", kinds.get("MESSAGE", empty).select(list(MESSAGE_COLUMNS))))
     days = pc.floor_temporal(outcomes["ts"], unit="day")
     for day in pc.unique(days).to_pylist():
         out.append((f"outcomes/date={day.date().isoformat()}", outcomes.filter(pc.equal(days, pa.scalar(day, days.type)))))

@@ -33,15 +33,16 @@ Rows (:data:`FACT_SCHEMA`: the record columns the job reads plus five of facts),
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from mtaq.analytics.source import COLUMNS, SegmentFile, batches
+from mtaq.analytics.source import COLUMNS, SegmentFile, typed_batches
 
 __all__ = ["FACT_COLUMNS", "FACT_SCHEMA", "FACT_SPARK_DDL", "MESSAGE_COLUMNS", "MESSAGE_SPARK_DDL", "OUTCOME_COLUMNS",
-           "OUTCOME_SPARK_DDL", "fact_batches", "fact_table", "open_facts"]
+           "OUTCOME_SPARK_DDL", "by_kind", "fact_batches", "fact_kinds", "fact_table", "facts_of", "open_facts"]
 
 _RECORD_COLUMNS = (
     "record_type", "queue_id", "ts", "arrival_ts", "not_before_ts", "generation", "size", "sender", "sender_domain",
@@ -69,7 +70,7 @@ OUTCOME_COLUMNS = ("queue_id", "rcpt_index", "ts", "status", "code", "enhanced",
 _SPARK_TYPE = {n: s for n, _, s, _ in FACT_COLUMNS}
 MESSAGE_SPARK_DDL = ", ".join(f"{n} {_SPARK_TYPE[n]}" for n in MESSAGE_COLUMNS)
 OUTCOME_SPARK_DDL = ", ".join(f"{n} {_SPARK_TYPE[n]}" for n in OUTCOME_COLUMNS)
-_KEYED = pa.array(["ENVELOPE", "START", "DELIVERY", "FINISH"])
+_KEYED_KINDS = ("ENVELOPE", "START", "DELIVERY", "FINISH")
 
 
 def _out(t: pa.Table, rtype: str | None = None) -> pa.Table:
@@ -93,35 +94,94 @@ def _seconds(later: pa.ChunkedArray, earlier: pa.ChunkedArray) -> pa.ChunkedArra
     return pc.divide(diff.cast(pa.float64()), 1e6)
 
 
-def _whole(c: pa.Table) -> tuple[pa.Table, pa.Table, pa.Table, pa.Table, pa.Table | None]:
-    """(envelope rows, recipients, messages, outcomes, ``expired`` outcomes or None) of the messages whose
-    record rows ``c`` holds, every row of each: the one definition of the facts, for the messages a task closes and for those merged
-    later (:func:`open_facts`).
+def by_kind(t: pa.Table) -> dict[str, pa.Table]:
+    """The rows of ``t`` (any table with a ``record_type`` column) by record type, each type's rows in ``t``'s
+    order; a row whose type is null is in none."""
+    rt = t["record_type"]
+    return {k: t.filter(pc.equal(rt, k)) for k in pc.unique(rt).drop_null().to_pylist()}
+
+
+def _keyed(kinds: Mapping[str, pa.Table]) -> tuple[pa.Table, dict[str, tuple[int, int]]] | None:
+    """The ENVELOPE, START, DELIVERY and FINISH rows of ``kinds`` (record rows by type, _RECORD_COLUMNS) as one
+    table (their chunks, not copied), and where each type's rows are in it (offset, rows); None if none."""
+    parts, spans, at = [], {}, 0
+    for k in _KEYED_KINDS:
+        x = kinds.get(k)
+        if x is not None and x.num_rows:
+            parts.append(x.select(list(_RECORD_COLUMNS)))
+            spans[k] = (at, x.num_rows)
+            at += x.num_rows
+    return (pa.concat_tables(parts), spans) if parts else None
+
+
+class _Whole:
+    """The facts of the messages whose record rows a table ``c`` holds (each type's rows together, where
+    ``spans`` says: :func:`_keyed`), every row of each: ``e`` (envelope rows), ``rc`` (recipients), ``m``
+    (messages), ``o`` (outcomes), ``expired`` (``expired`` outcomes, or None). The one definition of the facts,
+    for the messages a task closes and for those merged later (:func:`open_facts`).
 
     Messages: one per queue ID with an envelope row: arrival (earliest), size (largest), ts (latest of any
     record), sender, sender_domain, bounce_of, recipients, attempts (START rows), finish_ts (latest FINISH,
     null if none), first_seen (an envelope of generation 0 is among them). Outcomes: every DELIVERY row's
     outcome joined with its recipient and its message (nulls where the log has none).
 
-    The groupings and joins below key on the queue ID's number in a dictionary of the partition's queue IDs
-    (int32; a null ID stays null), not on the string: pyarrow's hash joins and group-bys over strings were
-    most of a task's facts (1.5 s of 2.5 s a segment). The strings are put back at the end."""
-    at = c.schema.get_field_index("queue_id")
-    ids = pc.dictionary_encode(c["queue_id"].combine_chunks())
-    c = c.set_column(at, "queue_id", ids.indices)
-    e, rc, m, o, expired = _whole_keyed(c)
+    The groupings and joins key on the queue ID's number in a dictionary of the table's queue IDs (int32; a
+    null ID stays null), not on the string: pyarrow's hash joins and group-bys over strings were most of a
+    task's facts (1.5 s of 2.5 s a segment). :meth:`named` puts the strings back.
 
-    def named(t: pa.Table) -> pa.Table:
+    A message's facts are made of its own rows only (every grouping and join is by queue ID). So a task
+    computes them over all its rows and keeps those of the messages it closes (:meth:`named` with ``keep``),
+    rather than first copying those messages' rows out of the rest."""
+
+    def __init__(self, c: pa.Table, spans: Mapping[str, tuple[int, int]]) -> None:
+        at = c.schema.get_field_index("queue_id")
+        ids = pc.dictionary_encode(c["queue_id"].combine_chunks())
+        self.dictionary: pa.Array = ids.dictionary
+        self.numbers = _numbers(ids.indices)  # a row's queue ID: its number in the dictionary, -1 for null
+        self.c = c.set_column(at, "queue_id", ids.indices)
+        self.spans = spans
+        self.e, self.rc, self.m, self.o, self.expired = _whole_keyed(self.c, spans)
+
+    def span(self, kind: str) -> tuple[int, int]:
+        at, n = self.spans.get(kind, (0, 0))
+        return at, at + n
+
+    def closed(self) -> np.ndarray:
+        """A boolean per dictionary number, then one more (False) for null: the queue IDs with an envelope of
+        generation 0 and a FINISH (the module docstring's *closed*)."""
+        n = len(self.dictionary)
+        env0 = np.zeros(n + 1, dtype=bool)
+        a, b = self.span("ENVELOPE")
+        gen0 = np.asarray(pc.fill_null(pc.equal(self.c["generation"].slice(a, b - a), 0), False), dtype=bool)
+        env0[self.numbers[a:b][gen0]] = True
+        finished = np.zeros(n + 1, dtype=bool)
+        a, b = self.span("FINISH")
+        finished[self.numbers[a:b]] = True
+        out = env0 & finished
+        out[n] = False  # numbers of -1 (null) index the last
+        return out
+
+    def named(self, t: pa.Table, keep: np.ndarray | None = None) -> pa.Table:
+        """``t`` (keyed by number) with the queue IDs' strings; ``keep`` (as :meth:`closed` gives): only those."""
+        if keep is not None:
+            t = t.filter(pa.array(keep[_numbers(t["queue_id"])]))
         i = t.schema.get_field_index("queue_id")
-        return t.set_column(i, "queue_id", ids.dictionary.take(t["queue_id"]))
-
-    return named(e), named(rc), named(m), named(o), None if expired is None else named(expired)
+        return t.set_column(i, "queue_id", self.dictionary.take(t["queue_id"]))
 
 
-def _whole_keyed(c: pa.Table) -> tuple[pa.Table, pa.Table, pa.Table, pa.Table, pa.Table | None]:
+def _numbers(a: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """Dictionary numbers (int32, maybe null) as an int64 numpy array, null as -1."""
+    return np.asarray(pc.fill_null(a, -1).to_numpy(zero_copy_only=False), dtype=np.int64)
+
+
+def _whole_keyed(c: pa.Table, spans: Mapping[str, tuple[int, int]]) -> tuple[pa.Table, pa.Table, pa.Table, pa.Table, pa.Table | None]:
     """:func:`_whole` with ``queue_id`` a number (any key type works: the definitions only group and join on it)."""
-    crt = c["record_type"]
-    e = c.filter(pc.equal(crt, "ENVELOPE"))
+
+    def kind(k: str) -> pa.Table:
+        at, n = spans.get(k, (0, 0))
+        return c.slice(at, n)
+
+    e = kind("ENVELOPE")
     rc = e.select(["queue_id", "rcpt_index", "rcpt_address", "rcpt_domain"]).group_by(
         ["queue_id", "rcpt_index", "rcpt_address", "rcpt_domain"], use_threads=False).aggregate([])
     first = pa.table({"queue_id": e["queue_id"], "first_seen": pc.equal(e["generation"], 0)})
@@ -136,15 +196,15 @@ def _whole_keyed(c: pa.Table) -> tuple[pa.Table, pa.Table, pa.Table, pa.Table, p
             join_type="left outer")
         .join(rc.group_by("queue_id", use_threads=False).aggregate([([], "count_all")])
               .rename_columns(["queue_id", "recipients"]), "queue_id", join_type="left outer")
-        .join(c.filter(pc.equal(crt, "START")).group_by("queue_id", use_threads=False).aggregate([([], "count_all")])
+        .join(kind("START").group_by("queue_id", use_threads=False).aggregate([([], "count_all")])
               .rename_columns(["queue_id", "attempts"]), "queue_id", join_type="left outer")
-        .join(c.filter(pc.equal(crt, "FINISH")).group_by("queue_id", use_threads=False).aggregate([("ts", "max")])
+        .join(kind("FINISH").group_by("queue_id", use_threads=False).aggregate([("ts", "max")])
               .rename_columns(["queue_id", "finish_ts"]), "queue_id", join_type="left outer")
     )
     m = m.set_column(m.schema.get_field_index("attempts"), "attempts", pc.fill_null(m["attempts"], 0))
     m = m.rename_columns(["ts" if n == "ts_max" else n for n in m.column_names])
     o = (
-        c.filter(pc.equal(crt, "DELIVERY"))
+        kind("DELIVERY")
         .select(["queue_id", "rcpt_index", "ts", "status", "code", "enhanced", "text", "relay", "segment", "offset"])
         .join(rc, ["queue_id", "rcpt_index"], join_type="left outer")
         .join(m.select(["queue_id", "arrival_ts", "size", "sender", "bounce_of", "finish_ts"]), "queue_id",
@@ -183,64 +243,75 @@ def _sorted_nulls_first(t: pa.Table, keys: list[str]) -> pa.Table:
         return t.sort_by([(k, "ascending") for k in keys], null_placement="at_start")
 
 
-def facts_of(t: pa.Table, until: pa.Scalar | None = None, *, close: bool = True) -> Iterator[pa.Table]:
-    """Fact tables (FACT_SCHEMA) of one partition's record rows ``t`` (see the module docstring).
-    ``close=False`` closes no message: every row stays a record row (the tests compare both ways)."""
-    rt, qid = t["record_type"], t["queue_id"]
-    is_env = pc.equal(rt, "ENVELOPE")
-    env0 = pc.unique(pc.filter(qid, pc.and_(is_env, pc.equal(t["generation"], 0))))
-    finished = pc.unique(pc.filter(qid, pc.equal(rt, "FINISH")))
-    closed = pc.filter(env0, pc.is_in(env0, value_set=finished))
-    if not close:
-        closed = closed.slice(0, 0)
-    in_closed = pc.fill_null(pc.and_(pc.is_in(rt, value_set=_KEYED), pc.is_in(qid, value_set=closed)), False)
-    yield _out(t.filter(pc.invert(in_closed)))  # record rows: messages not closed here, problems, segments
-    c = t.filter(in_closed)
-    if c.num_rows == 0:
-        return
-    e, rc, m, o, expired = _whole(c)
-    yield _out(m, "MESSAGE")
-    yield _out(o, "OUTCOME")
-    if expired is not None:
-        yield _out(expired, "OUTCOME")
+def facts_of(kinds: Mapping[str, pa.Table], until: pa.Scalar | None = None, *, close: bool = True) -> dict[str, pa.Table]:
+    """Fact tables (FACT_SCHEMA) by ``record_type`` (see the module docstring) of one partition's record rows
+    ``kinds`` (by type, each in log order: :func:`fact_kinds`). ``close=False`` closes no message: every row
+    stays a record row (the tests compare both ways). Each record type's rows that stay keep their order."""
+    out: dict[str, pa.Table] = {}
+    got = _keyed(kinds) if close else None
+    w = None if got is None else _Whole(*got)
+    keep = None if w is None else w.closed()
+    for k, t in kinds.items():
+        if w is not None and keep is not None and k in w.spans:
+            a, b = w.span(k)
+            t = t.filter(pa.array(~keep[w.numbers[a:b]]))  # the rows of messages not closed here
+        out[k] = _out(t)
+    if w is None or keep is None or not keep.any():
+        return out
+    m = w.named(w.m, keep)
+    out["MESSAGE"] = _out(m, "MESSAGE")
+    outcomes = [_out(w.named(w.o, keep), "OUTCOME")]
+    if w.expired is not None:
+        outcomes.append(_out(w.named(w.expired, keep), "OUTCOME"))
+    out["OUTCOME"] = pa.concat_tables(outcomes)
+    e = w.named(w.e, keep)
     flagged = e.filter(pc.fill_null(e["rcpt_unknown"], False))
     if flagged.num_rows:
-        yield _out(flagged, "FLAGGED")
+        out["FLAGGED"] = _out(flagged, "FLAGGED")
     if until is not None:
         queued = m.filter(pc.and_(pc.less_equal(m["arrival_ts"], until), pc.greater(m["finish_ts"], until)))
         if queued.num_rows:
-            yield _out(rc.filter(pc.is_in(rc["queue_id"], value_set=queued["queue_id"])), "RCPT")
+            rc = w.named(w.rc, keep)
+            out["RCPT"] = _out(rc.filter(pc.is_in(rc["queue_id"], value_set=queued["queue_id"])), "RCPT")
+    return out
 
 
 def open_facts(t: pa.Table) -> pa.Table:
     """The facts (FACT_SCHEMA) of the messages no task closed, from *all* their record rows ``t`` (ENVELOPE,
     START, DELIVERY and FINISH rows gathered from every partition, or all of a partition of them by queue ID;
-    other rows are ignored), by the definition the tasks use for the messages they close (``_whole``); the
+    other rows are ignored), by the definition the tasks use for the messages they close (:class:`_Whole`); the
     job's only merge of these messages (:func:`mtaq.analytics.datasource.stage_open`). MESSAGE rows for every
     message with an envelope row (``first_seen`` false when its first envelope is not in the log,
     ``finish_ts`` null while it is queued), OUTCOME rows with the ``expired`` ones, and a RCPT row per
     recipient. No FLAGGED rows: the tasks counted these envelopes' outcome-unknown recipients already."""
-    c = t.filter(pc.fill_null(pc.is_in(t["record_type"], value_set=_KEYED), False))
-    if c.num_rows == 0:
+    got = _keyed(by_kind(t))
+    if got is None:
         return FACT_SCHEMA.empty_table()
-    _, rc, m, o, expired = _whole(c)
-    parts = [_out(m, "MESSAGE"), _out(o, "OUTCOME"), _out(rc, "RCPT")]
-    if expired is not None:
-        parts.append(_out(expired, "OUTCOME"))
+    w = _Whole(*got)
+    parts = [_out(w.named(w.m), "MESSAGE"), _out(w.named(w.o), "OUTCOME"), _out(w.named(w.rc), "RCPT")]
+    if w.expired is not None:
+        parts.append(_out(w.named(w.expired), "OUTCOME"))
     return pa.concat_tables(parts)
 
 
-def fact_table(files: Iterable[SegmentFile], until_us: int | None = None, *, close: bool = True) -> pa.Table:
-    """Read ``files`` (one partition: whole segments in log order): its fact rows (FACT_SCHEMA) in one table.
-    ``until_us``: the job's ``--until`` in microseconds since the epoch (None: unbounded); ``close``: see
-    :func:`facts_of`."""
-    got = list(batches(files))
-    if not got:
-        return FACT_SCHEMA.empty_table()
-    t = pa.Table.from_batches(got).select(list(_RECORD_COLUMNS))
+def fact_kinds(files: Iterable[SegmentFile], until_us: int | None = None, *, close: bool = True) -> dict[str, pa.Table]:
+    """Read ``files`` (one partition: whole segments in log order): its fact rows (FACT_SCHEMA) by
+    ``record_type`` (:func:`facts_of`). ``until_us``: the job's ``--until`` in microseconds since the epoch
+    (None: unbounded); ``close``: see :func:`facts_of`. The record rows come by type from the reading
+    (:func:`mtaq.analytics.source.typed_batches`): no filtering of one table by type."""
+    got: dict[str, list[pa.RecordBatch]] = {}
+    for kind, b in typed_batches(files):
+        got.setdefault(kind, []).append(b)
+    kinds = {k: pa.Table.from_batches(v).select(list(_RECORD_COLUMNS)) for k, v in got.items()}
     del got
     until = None if until_us is None else pa.scalar(until_us, pa.int64()).cast(_TS)
-    return pa.concat_tables(list(facts_of(t, until, close=close)))
+    return facts_of(kinds, until, close=close)
+
+
+def fact_table(files: Iterable[SegmentFile], until_us: int | None = None, *, close: bool = True) -> pa.Table:
+    """:func:`fact_kinds` in one table (FACT_SCHEMA), the types one after another."""
+    kinds = fact_kinds(files, until_us, close=close)
+    return pa.concat_tables(kinds.values()) if kinds else FACT_SCHEMA.empty_table()
 
 
 def fact_batches(files: Iterable[SegmentFile], until_us: int | None = None, *,

@@ -52,7 +52,7 @@ them as files, and the job adds them up on the driver when they are few, else wi
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +60,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from mtaq.analytics.facts import FACT_SCHEMA, by_kind
 from mtaq.analytics.tables import AGE_BUCKETS_MIN, DELAY_BUCKETS_S, bucket_labels
 from mtaq.core.bounce_class import Rules, classify, default_rules
 
@@ -68,7 +69,7 @@ __all__ = ["FILE_PARTS", "PARTS", "RankTarget", "decode", "delay_key", "encode",
 
 _TS = pa.timestamp("us", tz="UTC")
 _HOUR_US = 3_600_000_000
-_KEYED = pa.array(["ENVELOPE", "START", "DELIVERY", "FINISH"])
+_KEYED_KINDS = ("ENVELOPE", "START", "DELIVERY", "FINISH")
 _O_VALUES = ("delivered", "bytes_delivered", "deferrals", "bounced", "expired", "delay_us", "delay_n")
 _M_VALUES = ("received", "bytes_received", "dsn_generated")
 SIDE_COLUMNS = ("record_type", "file", "segment", "offset", "problem_end", "problem_kind", "problem_reason",
@@ -146,40 +147,49 @@ def _group(t: pa.Table, keys: Sequence[str], sums: Sequence[str] = (), maxs: Seq
     return g.select([*keys, *made]).rename_columns([*keys, *names])
 
 
-def partials(t: pa.Table, since_us: int | None, until_us: int | None, end_us: int | None) -> dict[str, pa.Table]:
-    """The partial tables (``PARTS``) of the fact rows ``t`` (:data:`mtaq.analytics.facts.FACT_SCHEMA`): its
-    MESSAGE, OUTCOME and RCPT rows (facts of whole messages), SEGMENT, PROBLEM and ENVELOPE/FLAGGED rows
-    (inventory and side rows) and the other record rows (counted only: the job merges them later).
+def partials(t: pa.Table | Mapping[str, pa.Table], since_us: int | None, until_us: int | None,
+             end_us: int | None) -> dict[str, pa.Table]:
+    """The partial tables (``PARTS``) of the fact rows ``t`` (:data:`mtaq.analytics.facts.FACT_SCHEMA`; one
+    table, or tables by ``record_type`` as :func:`mtaq.analytics.facts.fact_kinds` gives them): its MESSAGE,
+    OUTCOME and RCPT rows (facts of whole messages), SEGMENT, PROBLEM and ENVELOPE/FLAGGED rows (inventory and
+    side rows) and the other record rows (counted only: the job merges them later).
 
     ``since_us``/``until_us``: the job's window (microseconds since the epoch, UTC; None: unbounded).
     ``end_us``: the job's end (``until``, or the latest record time of the whole log); None means that every
     message in ``t`` FINISHed before the end (true of the messages a task closes when there is no ``until``),
     so none is still queued then."""
-    rt = t["record_type"]
+    kinds = t if isinstance(t, Mapping) else by_kind(t)
+    empty = FACT_SCHEMA.empty_table()
+
+    def kind(k: str) -> pa.Table:
+        return kinds.get(k, empty)
+
     out: dict[str, pa.Table] = {}
-    seg = t.filter(_true(pc.equal(rt, "SEGMENT")))
-    keyed = _true(pc.is_in(rt, value_set=_KEYED))
-    with_ts = t.filter(pc.or_(keyed, _true(pc.equal(rt, "MESSAGE"))))["ts"]
+    seg = kind("SEGMENT")
+    keyed = [kind(k) for k in _KEYED_KINDS]
+    latest = [x for x in (pc.max(k["ts"]).as_py() for k in (*keyed, kind("MESSAGE")) if k.num_rows) if x is not None]
     out["inventory"] = pa.table({
         "segments": pa.array([pc.sum(pc.equal(seg["offset"], 0).cast(pa.int64())).as_py() or 0], pa.int64()),
         "records": pa.array([pc.sum(seg["records"]).as_py() or 0], pa.int64()),
         "bytes_read": pa.array([pc.sum(seg["size"]).as_py() or 0], pa.int64()),
-        "last_ts": pa.array([pc.max(with_ts).as_py() if len(with_ts) else None], _TS),
-        "open_rows": pa.array([pc.sum(keyed.cast(pa.int64())).as_py() or 0], pa.int64()),
-        "messages": pa.array([pc.sum(pc.equal(rt, "MESSAGE").cast(pa.int64())).as_py() or 0], pa.int64()),
-        "outcomes": pa.array([pc.sum(pc.equal(rt, "OUTCOME").cast(pa.int64())).as_py() or 0], pa.int64()),
+        "last_ts": pa.array([max(latest) if latest else None], _TS),
+        "open_rows": pa.array([sum(k.num_rows for k in keyed)], pa.int64()),
+        "messages": pa.array([kind("MESSAGE").num_rows], pa.int64()),
+        "outcomes": pa.array([kind("OUTCOME").num_rows], pa.int64()),
     })
-    unknown = pc.and_(_true(pc.is_in(rt, value_set=pa.array(["ENVELOPE", "FLAGGED"]))),
-                      pc.and_(_true(t["rcpt_unknown"]), in_window(t["not_before_ts"], since_us, until_us)))
-    out["side"] = t.filter(pc.or_(_true(pc.is_in(rt, value_set=pa.array(["PROBLEM", "SEGMENT"]))), unknown)).select(
-        list(SIDE_COLUMNS))
-    msgs = t.filter(_true(pc.equal(rt, "MESSAGE")))
-    outcomes = t.filter(_true(pc.equal(rt, "OUTCOME")))
+    side = [kind("PROBLEM"), seg]
+    for k in ("ENVELOPE", "FLAGGED"):  # envelopes with an outcome-unknown recipient, in the window
+        x = kind(k)
+        if x.num_rows:
+            side.append(x.filter(pc.and_(_true(x["rcpt_unknown"]), in_window(x["not_before_ts"], since_us, until_us))))
+    out["side"] = pa.concat_tables([x.select(list(SIDE_COLUMNS)) for x in side])
+    msgs = kind("MESSAGE")
+    outcomes = kind("OUTCOME")
     out |= _outcome_parts(outcomes.filter(in_window(outcomes["ts"], since_us, until_us)))
     out |= _message_parts(msgs, since_us, until_us)
     out |= _qshape(msgs, since_us, until_us, end_us)
     if end_us is not None:
-        out |= _qshape_now(msgs, outcomes, t.filter(_true(pc.equal(rt, "RCPT"))), end_us)
+        out |= _qshape_now(msgs, outcomes, kind("RCPT"), end_us)
     return out
 
 

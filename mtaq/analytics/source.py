@@ -83,6 +83,7 @@ __all__ = [
     "batches",
     "discover",
     "plan_partitions",
+    "typed_batches",
 ]
 
 SEGMENT_FILE = re.compile(r"^(?P<segment>\d{12})(?:-(?P<salt>[0-9a-f]{8}))?\.seg(?P<zst>\.zst)?$")
@@ -722,19 +723,22 @@ def _finish_batch(file: str, segment: int, offsets: np.ndarray, c: Columns) -> p
     }, file, segment, "FINISH")
 
 
-_BUILDERS: list[tuple[int, Callable[[str, int, np.ndarray, Columns], pa.RecordBatch]]] = [
-    (_ENVELOPE, _envelope_batch), (_START, _start_batch), (_DELIVERY, _delivery_batch), (_FINISH, _finish_batch),
+_BUILDERS: list[tuple[int, str, Callable[[str, int, np.ndarray, Columns], pa.RecordBatch]]] = [
+    (_ENVELOPE, "ENVELOPE", _envelope_batch), (_START, "START", _start_batch), (_DELIVERY, "DELIVERY", _delivery_batch),
+    (_FINISH, "FINISH", _finish_batch),
 ]
 
 
-def _record_batches(file: str, segment: int, offsets: dict[int, np.ndarray], records: dict[int, Columns]) -> Iterator[pa.RecordBatch]:
-    """Arrow batches of the decoded records of one segment, by type, at most BATCH_ROWS_MAX rows each."""
-    for rtype, build in _BUILDERS:
+def _record_batches(file: str, segment: int, offsets: dict[int, np.ndarray],
+                    records: dict[int, Columns]) -> Iterator[tuple[str, pa.RecordBatch]]:
+    """Arrow batches of the decoded records of one segment, by type (with its ``record_type``), at most
+    BATCH_ROWS_MAX rows each."""
+    for rtype, kind, build in _BUILDERS:
         if not len(offsets[rtype]):
             continue
         batch = build(file, segment, offsets[rtype], records[rtype])
         for i in range(0, batch.num_rows, BATCH_ROWS_MAX):
-            yield batch.slice(i, BATCH_ROWS_MAX)
+            yield kind, batch.slice(i, BATCH_ROWS_MAX)
 
 
 def _decode(rtype: int, buf: bytes, starts: np.ndarray, ends: np.ndarray) -> Columns:
@@ -818,6 +822,12 @@ def _problem_batch(file: str, rows: Sequence[tuple[int, int, str, int, str]]) ->
 def batches(files: Iterable[SegmentFile], *, fast: bool = True) -> Iterator[pa.RecordBatch]:
     """Read ``files`` in order and yield Arrow batches of :data:`SCHEMA` (see the module docstring).
     ``fast=False`` reads every segment with :func:`scan_segment` (the reference the tests compare with)."""
+    for _, b in typed_batches(files, fast=fast):
+        yield b
+
+
+def typed_batches(files: Iterable[SegmentFile], *, fast: bool = True) -> Iterator[tuple[str, pa.RecordBatch]]:
+    """:func:`batches`, each with its ``record_type``: every row of a batch is of that one type."""
     filesystems: dict[str, pafs.FileSystem] = {}
     for sf in files:
         fs = filesystems.get(sf.root)
@@ -827,7 +837,8 @@ def batches(files: Iterable[SegmentFile], *, fast: bool = True) -> Iterator[pa.R
         try:
             buf, length = read_tail(sf, fs)
         except Exception as exc:  # any I/O or decompression failure: report, never fail the job
-            yield _problem_batch(name, [(sf.segment, sf.start, "unreadable", sf.size, f"{type(exc).__name__}: {exc}")])
+            yield "PROBLEM", _problem_batch(name, [(sf.segment, sf.start, "unreadable", sf.size,
+                                                    f"{type(exc).__name__}: {exc}")])
             continue
         shift = sf.start - SEGMENT_HEADER_BYTES if sf.start else 0  # a tail: file offset - offset in buf
         with _gc_paused():  # and the records are freed before it runs again (it would walk them all)
@@ -845,9 +856,9 @@ def batches(files: Iterable[SegmentFile], *, fast: bool = True) -> Iterator[pa.R
             at, end = (p.offset + shift, p.end + shift) if shift and p.offset >= SEGMENT_HEADER_BYTES else (p.offset, p.end)
             problems.append((p.segment, at, kind, end, p.reason))
         if problems:
-            yield _problem_batch(name, problems)
+            yield "PROBLEM", _problem_batch(name, problems)
         created = seg.header.created * 1_000_000 if seg.header is not None and seg.header.created else None
-        yield _table(1, {
+        yield "SEGMENT", _table(1, {
             "offset": pa.array([sf.start], pa.int64()), "ts": pa.array([created], pa.int64()).cast(_TS),
             "size": pa.array([length - sf.start], pa.int64()),
             "records": pa.array([seg.frames + (1 if seg.sealed else 0)], pa.int64()),
