@@ -41,6 +41,10 @@ import sys
 import tempfile
 import time
 
+# As `mtaq analyze` sets it for its own process and the Spark processes it starts (mtaq/analytics/command.py), so
+# that the in-process job is measured as the command runs it; before anything imports pyarrow.
+os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
+
 from mtaq.core.records import DataRecord, DeliveryRecord, EnvelopeRecord, FinishRecord, Outcome, Recipient, StartRecord
 from mtaq.storage.fs import OsFileSystem
 from mtaq.storage.log import Log

@@ -135,10 +135,17 @@ class _Whole:
 
     def __init__(self, c: pa.Table, spans: Mapping[str, tuple[int, int]]) -> None:
         at = c.schema.get_field_index("queue_id")
-        ids = pc.dictionary_encode(c["queue_id"].combine_chunks())
-        self.dictionary: pa.Array = ids.dictionary
-        self.numbers = _numbers(ids.indices)  # a row's queue ID: its number in the dictionary, -1 for null
-        self.c = c.set_column(at, "queue_id", ids.indices)
+        enc = pc.dictionary_encode(c["queue_id"])
+        chunks = enc.chunks
+        if chunks and all(ch.dictionary.equals(chunks[-1].dictionary) for ch in chunks):
+            # pyarrow encodes the chunks with one dictionary: no copy of the IDs into one array first
+            self.dictionary: pa.Array = chunks[-1].dictionary
+            indices: pa.Array | pa.ChunkedArray = pa.chunked_array([ch.indices for ch in chunks], pa.int32())
+        else:
+            whole = pc.dictionary_encode(c["queue_id"].combine_chunks())
+            self.dictionary, indices = whole.dictionary, whole.indices
+        self.numbers = _numbers(indices)  # a row's queue ID: its number in the dictionary, -1 for null
+        self.c = c.set_column(at, "queue_id", indices)
         self.spans = spans
         self.e, self.rc, self.m, self.o, self.expired = _whole_keyed(self.c, spans)
 
@@ -211,18 +218,21 @@ def _whole_keyed(c: pa.Table, spans: Mapping[str, tuple[int, int]]) -> tuple[pa.
               join_type="left outer")
     )
     o = o.append_column("delay_s", _seconds(o["ts"], o["arrival_ts"]))
-    # The last outcome of each recipient (latest ts, then log position): sorted, the last row of each run. Nulls
-    # first, so that the last is the latest known, as Spark's descending order (nulls last) gives it.
-    s = _sorted_nulls_first(o, ["queue_id", "rcpt_index", "ts", "segment", "offset"])
-    n = s.num_rows
+    # The last outcome of each recipient (latest ts, then log position): in sorted order, the last row of each
+    # run. Nulls first, so that the last is the latest known, as Spark's descending order (nulls last) gives
+    # it. Only the keys are sorted, and only the rows that expire are taken whole.
+    keys = ["queue_id", "rcpt_index", "ts", "segment", "offset"]
+    order = _order_nulls_first(o.select(keys), keys)
+    n = len(order)
     expired = None
     if n:
-        q, i = s["queue_id"], s["rcpt_index"]
+        q, i = o["queue_id"].take(order), o["rcpt_index"].take(order)
         differs = pc.or_(pc.not_equal(q.slice(0, n - 1), q.slice(1)), pc.not_equal(i.slice(0, n - 1), i.slice(1)))
         last = pa.concat_arrays([*(ch for ch in differs.chunks), pa.array([True])])
-        s = s.filter(last)
-        s = s.filter(pc.fill_null(pc.and_(pc.equal(s["status"], "deferred"),
-                                          pc.greater_equal(s["finish_ts"], s["ts"])), False))
+        cand = order.filter(last)
+        hit = pc.fill_null(pc.and_(pc.equal(o["status"].take(cand), "deferred"),
+                                   pc.greater_equal(o["finish_ts"].take(cand), o["ts"].take(cand))), False)
+        s = o.take(cand.filter(hit))
         if s.num_rows:
             k = s.num_rows
             x = s.drop_columns(["ts", "status", "code", "enhanced", "text", "delay_s"])
@@ -234,13 +244,14 @@ def _whole_keyed(c: pa.Table, spans: Mapping[str, tuple[int, int]]) -> tuple[pa.
     return e, rc, m, o, expired
 
 
-def _sorted_nulls_first(t: pa.Table, keys: list[str]) -> pa.Table:
-    """``t`` sorted ascending by ``keys``, nulls first in each (pyarrow 25 takes the placement per key; older
-    versions only for the whole sort)."""
+def _order_nulls_first(t: pa.Table, keys: list[str]) -> pa.Array:
+    """The row numbers of ``t`` sorted ascending by ``keys``, nulls first in each (a stable sort; pyarrow 25
+    takes the placement per key, older versions only for the whole sort)."""
     try:
-        return t.sort_by([(k, "ascending", "at_start") for k in keys])
+        return pc.sort_indices(t, options=pc.SortOptions(sort_keys=[(k, "ascending", "at_start") for k in keys]))
     except (TypeError, ValueError):
-        return t.sort_by([(k, "ascending") for k in keys], null_placement="at_start")
+        return pc.sort_indices(t, options=pc.SortOptions(sort_keys=[(k, "ascending") for k in keys],
+                                                         null_placement="at_start"))
 
 
 def facts_of(kinds: Mapping[str, pa.Table], until: pa.Scalar | None = None, *, close: bool = True) -> dict[str, pa.Table]:

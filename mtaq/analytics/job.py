@@ -325,8 +325,7 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
                        "recipients_by_count": top_rows(t, ("-delivered", "-bytes", "rcpt_address"), shown),
                        "recipients_by_bytes": top_rows(t, ("-bytes", "rcpt_address"), shown)}
 
-        # The two side by side: pyarrow's reading and grouping release the GIL (on two cores, 0.27 -> 0.15 s at
-        # 1,000,000 records, once the tasks are done).
+        # The two side by side (pyarrow's reading and grouping release the GIL), once the tasks are done.
         with ThreadPoolExecutor(max_workers=2, thread_name_prefix="mtaq-tables") as pool:
             s_pending, r_pending = pool.submit(senders_tops), pool.submit(recipients_tops)
             (senders_t, s_got), (recipients_t, r_got) = s_pending.result(), r_pending.result()
