@@ -52,7 +52,7 @@ from mtaq.analytics.facts import (
     fact_kinds,
     open_facts,
 )
-from mtaq.analytics.partials import FILE_PARTS, encode, in_window, partials, rows_table
+from mtaq.analytics.partials import FILE_PARTS, encode, in_window, keep_rows, partials, rows_table
 from mtaq.analytics.source import SPARK_DDL, SegmentFile, batches, discover, join_path, plan_partitions, resolve
 
 __all__ = ["MtaqDataSource", "SegmentPartition", "register", "stage_facts", "stage_indexed", "stage_open", "stage_open_rows",
@@ -218,13 +218,13 @@ def write_staged(kinds: Mapping[str, pa.Table], stage: str, name: str, since_us:
     job's merge of the open messages on the driver. Raises OSError or pyarrow errors."""
     empty = FACT_SCHEMA.empty_table()
     outcomes = kinds.get("OUTCOME", empty)
-    outcomes = outcomes.filter(in_window(outcomes["ts"], since_us, until_us)).select(list(OUTCOME_COLUMNS))
+    outcomes = keep_rows(outcomes, in_window(outcomes["ts"], since_us, until_us)).select(list(OUTCOME_COLUMNS))
     out = [] if rest is None else [("facts", rest)]
     out += [(kind, t) for kind, t in (parts or {}).items()]
     out.append(("messages", kinds.get("MESSAGE", empty).select(list(MESSAGE_COLUMNS))))
     days = pc.floor_temporal(outcomes["ts"], unit="day")
     for day in pc.unique(days).to_pylist():
-        out.append((f"outcomes/date={day.date().isoformat()}", outcomes.filter(pc.equal(days, pa.scalar(day, days.type)))))
+        out.append((f"outcomes/date={day.date().isoformat()}", keep_rows(outcomes, pc.equal(days, pa.scalar(day, days.type)))))
     for kind, t in out:
         target = join_path(stage, f"{kind.split('/')[0]}-{name}{'-' + kind[-10:] if '/' in kind else ''}.parquet")
         fs, inner, _ = resolve(target)

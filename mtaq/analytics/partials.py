@@ -64,7 +64,7 @@ from mtaq.analytics.facts import FACT_SCHEMA, by_kind
 from mtaq.analytics.tables import AGE_BUCKETS_MIN, DELAY_BUCKETS_S, bucket_labels
 from mtaq.core.bounce_class import Rules, classify, default_rules
 
-__all__ = ["FILE_PARTS", "PARTS", "RankTarget", "decode", "delay_key", "encode", "in_window", "locate_percentiles", "merge", "merge_tables",
+__all__ = ["FILE_PARTS", "PARTS", "RankTarget", "decode", "delay_key", "encode", "in_window", "keep_rows", "locate_percentiles", "merge", "merge_tables",
            "partials", "rank_value", "rows_table"]
 
 _TS = pa.timestamp("us", tz="UTC")
@@ -112,6 +112,14 @@ def in_window(ts: pa.ChunkedArray | pa.Array, since_us: int | None, until_us: in
     if until_us is not None:
         cond = pc.and_(cond, pc.fill_null(pc.less(us, until_us), False))
     return cond
+
+
+def keep_rows(t: pa.Table, mask: pa.ChunkedArray | pa.Array) -> pa.Table:
+    """``t.filter(mask)``, but ``t`` itself when the mask keeps every row (no copy: most windows hold every
+    row)."""
+    if mask.null_count == 0 and pc.all(mask).as_py() is not False:
+        return t
+    return t.filter(mask)
 
 
 def _true(mask: pa.ChunkedArray | pa.Array) -> pa.ChunkedArray | pa.Array:
@@ -185,7 +193,7 @@ def partials(t: pa.Table | Mapping[str, pa.Table], since_us: int | None, until_u
     out["side"] = pa.concat_tables([x.select(list(SIDE_COLUMNS)) for x in side])
     msgs = kind("MESSAGE")
     outcomes = kind("OUTCOME")
-    out |= _outcome_parts(outcomes.filter(in_window(outcomes["ts"], since_us, until_us)))
+    out |= _outcome_parts(keep_rows(outcomes, in_window(outcomes["ts"], since_us, until_us)))
     out |= _message_parts(msgs, since_us, until_us)
     out |= _qshape(msgs, since_us, until_us, end_us)
     if end_us is not None:
