@@ -68,7 +68,9 @@ def parse_time(value: str | None, flag: str) -> dt.datetime | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Validate ``args``, start Spark, run the job; print the totals as JSON with ``--json``. Returns 0."""
+    """Validate ``args``, start Spark, run the job; print the totals as JSON with ``--json``. Returns 0. Sets
+    ``ARROW_DEFAULT_MEMORY_POOL`` in ``os.environ`` (to ``system``) when it is not set, for this process and
+    the Spark processes it starts (see below)."""
     # Arrow's allocations with the C library's allocator, unless the environment names one: in this process
     # and in the Spark processes it starts, which inherit the variable (read once, at Arrow's first allocation;
     # pyarrow.set_memory_pool, datasource.task_memory_pool, does not reach Acero's group-bys and joins). With
