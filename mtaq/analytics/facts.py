@@ -220,15 +220,18 @@ def _whole_keyed(c: pa.Table, spans: Mapping[str, tuple[int, int]]) -> tuple[pa.
     o = o.append_column("delay_s", _seconds(o["ts"], o["arrival_ts"]))
     # The last outcome of each recipient (latest ts, then log position): in sorted order, the last row of each
     # run. Nulls first, so that the last is the latest known, as Spark's descending order (nulls last) gives
-    # it. Only the keys are sorted, and only the rows that expire are taken whole.
-    keys = ["queue_id", "rcpt_index", "ts", "segment", "offset"]
+    # it. Only the keys are sorted, and only the rows that expire are taken whole. Where envelopes of one
+    # message disagree (another address for a recipient, another sender), the joins above give an outcome
+    # once for each: the last keys after the log position make the pick the same whatever order the joins
+    # return rows in. A null number or queue ID (no log has one) is a run of its own.
+    keys = ["queue_id", "rcpt_index", "ts", "segment", "offset", "rcpt_address", "rcpt_domain", "sender", "bounce_of"]
     order = _order_nulls_first(o.select(keys), keys)
     n = len(order)
     expired = None
     if n:
         q, i = o["queue_id"].take(order), o["rcpt_index"].take(order)
-        differs = pc.or_(pc.not_equal(q.slice(0, n - 1), q.slice(1)), pc.not_equal(i.slice(0, n - 1), i.slice(1)))
-        last = pa.concat_arrays([*(ch for ch in differs.chunks), pa.array([True])])
+        same = pc.and_(_same(q.slice(0, n - 1), q.slice(1)), _same(i.slice(0, n - 1), i.slice(1)))
+        last = pa.concat_arrays([*(ch for ch in pc.invert(same).chunks), pa.array([True])])
         cand = order.filter(last)
         hit = pc.fill_null(pc.and_(pc.equal(o["status"].take(cand), "deferred"),
                                    pc.greater_equal(o["finish_ts"].take(cand), o["ts"].take(cand))), False)
@@ -242,6 +245,11 @@ def _whole_keyed(c: pa.Table, spans: Mapping[str, tuple[int, int]]) -> tuple[pa.
                 pa.repeat(pa.scalar("queue lifetime exceeded; last reply: "), k), s["text"], ""))
             expired = x.append_column("delay_s", _seconds(s["finish_ts"], s["arrival_ts"]))
     return e, rc, m, o, expired
+
+
+def _same(a: pa.ChunkedArray, b: pa.ChunkedArray) -> pa.ChunkedArray:
+    """Element by element: equal, or both null (never null itself)."""
+    return pc.fill_null(pc.equal(a, b), pc.and_(pc.is_null(a), pc.is_null(b)))
 
 
 def _order_nulls_first(t: pa.Table, keys: list[str]) -> pa.Array:
