@@ -155,7 +155,8 @@ class _Whole:
 
     def closed(self) -> np.ndarray:
         """A boolean per dictionary number, then one more (False) for null: the queue IDs with an envelope of
-        generation 0 and a FINISH (the module docstring's *closed*)."""
+        generation 0 and a FINISH (the module docstring's *closed*). Rows with a null queue ID (no log has one)
+        are never a closed message: they stay record rows."""
         n = len(self.dictionary)
         env0 = np.zeros(n + 1, dtype=bool)
         a, b = self.span("ENVELOPE")
@@ -182,7 +183,8 @@ def _numbers(a: pa.Array | pa.ChunkedArray) -> np.ndarray:
 
 
 def _whole_keyed(c: pa.Table, spans: Mapping[str, tuple[int, int]]) -> tuple[pa.Table, pa.Table, pa.Table, pa.Table, pa.Table | None]:
-    """:func:`_whole` with ``queue_id`` a number (any key type works: the definitions only group and join on it)."""
+    """:class:`_Whole`'s facts of ``c`` with ``queue_id`` a number (any key type works: the definitions only
+    group and join on it), each record type's rows where ``spans`` says."""
 
     def kind(k: str) -> pa.Table:
         at, n = spans.get(k, (0, 0))

@@ -44,7 +44,6 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -313,23 +312,16 @@ def _analyze(spark: SparkSession, opts: Options, big: str, stage: str) -> Result
             F.coalesce(F.col("rcpt_domain"), F.lit("?")).alias("domain"), "delay_s")
 
     if tables_on_driver:
-        def senders_tops() -> tuple[pa.Table, dict[str, list[dict[str, Any]]]]:
-            t = merge_staged("senders", files.get("senders", []), SENDER_SCHEMA)
-            return t, {"senders_count": [{"senders": t.num_rows}],
-                       "senders_by_count": top_rows(t, ("-messages", "-bytes", "sender"), shown),
-                       "senders_by_bytes": top_rows(t, ("-bytes", "sender"), shown)}
-
-        def recipients_tops() -> tuple[pa.Table, dict[str, list[dict[str, Any]]]]:
-            t = merge_staged("recipients", files.get("recipients", []), RECIPIENT_SCHEMA)
-            return t, {"recipients_count": [{"recipients": t.num_rows - t["rcpt_address"].null_count}],
-                       "recipients_by_count": top_rows(t, ("-delivered", "-bytes", "rcpt_address"), shown),
-                       "recipients_by_bytes": top_rows(t, ("-bytes", "rcpt_address"), shown)}
-
-        # The two side by side (pyarrow's reading and grouping release the GIL), once the tasks are done.
-        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="mtaq-tables") as pool:
-            s_pending, r_pending = pool.submit(senders_tops), pool.submit(recipients_tops)
-            (senders_t, s_got), (recipients_t, r_got) = s_pending.result(), r_pending.result()
-        got = s_got | r_got
+        senders_t = merge_staged("senders", files.get("senders", []), SENDER_SCHEMA)
+        recipients_t = merge_staged("recipients", files.get("recipients", []), RECIPIENT_SCHEMA)
+        got = {
+            "senders_count": [{"senders": senders_t.num_rows}],
+            "recipients_count": [{"recipients": recipients_t.num_rows - recipients_t["rcpt_address"].null_count}],
+            "senders_by_count": top_rows(senders_t, ("-messages", "-bytes", "sender"), shown),
+            "senders_by_bytes": top_rows(senders_t, ("-bytes", "sender"), shown),
+            "recipients_by_count": top_rows(recipients_t, ("-delivered", "-bytes", "rcpt_address"), shown),
+            "recipients_by_bytes": top_rows(recipients_t, ("-bytes", "rcpt_address"), shown),
+        }
         say(f"senders and recipients added up on the driver ({table_rows} partial rows)")
         percentiles = find_percentiles(p_bucket, delays, outcome_paths=files.get("outcomes", []),
                                    driver_rows=opts.driver_table_rows)
