@@ -232,3 +232,36 @@ def test_stop_session_leaves_the_accumulator_servers_shutdown_to_a_thread_and_it
     assert p.returncode == 0, p.stderr[-3000:]
     assert "CALLS ['mtaq-accumulator-server-shutdown'] CLOSED True ACC 45" in p.stdout, p.stdout + p.stderr[-3000:]
     assert "SECOND 10" in p.stdout, p.stdout
+
+
+def test_sql_on_demand_makes_the_sql_session_only_when_the_job_uses_spark_sql(tmp_path):
+    """``mtaq analyze`` starts its local driver with ``sql_on_demand``: a job whose tables the driver adds up
+    (a small log) never makes the SQL session, and gives the same totals as a job on that same context whose
+    tables Spark adds up (``driver_table_rows``/``driver_merge_rows`` 0), which makes the session then, with
+    the settings the job asked for before it existed (the Parquet timestamps) and the builder's (UTC)."""
+    from test_analytics_merges import write_log
+
+    spool = str(tmp_path / "spool")
+    write_log(spool)
+    script = (
+        "import json\n"
+        "from mtaq.analytics.job import Options, analyze\n"
+        "from mtaq.analytics.session import SessionOnDemand, spark_session, stop_session\n"
+        "s = spark_session('local[2]', [('spark.ui.enabled', 'false')], sql_on_demand=True)\n"
+        "print('LAZY', isinstance(s, SessionOnDemand), s.made)\n"
+        f"a = analyze(s, Options(paths=[{spool!r}], out='out-a', plots=False))\n"
+        "print('AFTER-DRIVER', s.made)\n"
+        f"b = analyze(s, Options(paths=[{spool!r}], out='out-b', plots=False, driver_table_rows=0, "
+        "driver_merge_rows=0))\n"
+        "print('AFTER-SPARK', s.made, s.conf.get('spark.sql.parquet.outputTimestampType'),\n"
+        "      s.conf.get('spark.sql.session.timeZone'))\n"
+        "print('SAME', a.totals == b.totals, a.totals['delivered'])\n"
+        "stop_session(s)\n"
+    )
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, jvm.ARCHIVE_ENV: "off"}, cwd=str(tmp_path))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "LAZY True False" in p.stdout and "AFTER-DRIVER False" in p.stdout, p.stdout
+    assert "AFTER-SPARK True TIMESTAMP_MICROS UTC" in p.stdout, p.stdout
+    [same] = [line for line in p.stdout.splitlines() if line.startswith("SAME ")]
+    assert same.startswith("SAME True ") and int(same.split()[2]) > 0, p.stdout

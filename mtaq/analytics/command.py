@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     shown = None if remote is None else redact(remote)  # the URL without its token, in every line we print
     say("starting Spark" if remote is None else f"connecting to Spark Connect at {shown}")
     try:
-        spark = spark_session(args.master, conf, remote=remote)
+        spark = spark_session(args.master, conf, remote=remote, sql_on_demand=True)
     except ImportError as exc:  # only --remote imports more than the spark extra
         raise ConfigError(f"{flag} needs the spark-connect extra (pip install 'mtaq[spark-connect]'): {exc}") from exc
     except ValueError as exc:  # PySpark's own check of a Spark Connect URL

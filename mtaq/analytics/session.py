@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 from pyspark.sql import SparkSession
 
@@ -25,12 +27,16 @@ _STARTS: dict[int, jvm.JvmStart] = {}  # how each session's driver JVM started, 
 
 
 def spark_session(master: str | None = None, conf: Sequence[tuple[str, str]] = (), app: str = "mtaq analyze",
-                  short_lived: bool = True, remote: str | None = None) -> SparkSession:
+                  short_lived: bool = True, remote: str | None = None, sql_on_demand: bool = False) -> SparkSession:
     """A SparkSession in UTC. ``master`` None means ``local[*]``, except under ``spark-submit`` (its own).
     ``short_lived``: the driver JVM compiles with C1 only (:mod:`mtaq.analytics.jvm`): right for one job
     of seconds to minutes (``mtaq analyze``); False for a session that reads many rows into the JVM
     (the data source's own benchmark: C1 read its rows 15 % slower). ``remote`` (``sc://HOST:PORT``, not
-    with ``master``): a Spark Connect session instead (:func:`_connect_session`)."""
+    with ``master``): a Spark Connect session instead (:func:`_connect_session`).
+
+    ``sql_on_demand`` (``mtaq analyze``): when this call starts a local driver, it returns a
+    :class:`SessionOnDemand` in place of the session: the SparkContext at once, the SQL session made on
+    first use (0.45 s of one core that a job with no Spark SQL in it does not spend)."""
     if remote is not None:
         return _connect_session(remote, conf)
     if "PYSPARK_PYTHON" not in os.environ:
@@ -64,11 +70,94 @@ def spark_session(master: str | None = None, conf: Sequence[tuple[str, str]] = (
         b = b.config("spark.ui.enabled", "false")  # no web UI for a batch job on this machine
     for k, v in conf:
         b = b.config(k, v)
-    spark = b.getOrCreate()
+    on_demand = (sql_on_demand and _local_cores(master or "local[*]") is not None
+                 and SparkContext._active_spark_context is None and "PYSPARK_GATEWAY_PORT" not in os.environ
+                 and start.state != "creating")  # a first run makes the session: its classes go into the archive
+    if on_demand:
+        from pyspark import SparkConf
+
+        # The builder's own SparkConf (its options): its getOrCreate, on first use, finds this context.
+        sc = SparkContext.getOrCreate(SparkConf().setAll(list(b._options.items())))
+        sc.setLogLevel("ERROR")
+        lazy = SessionOnDemand(sc, lambda: _made(b.getOrCreate()))
+        _STARTS[id(lazy)] = start
+        return cast(SparkSession, lazy)  # it stands for the session (see SessionOnDemand)
+    spark = _made(b.getOrCreate())
     _STARTS[id(spark)] = start
+    return spark
+
+
+def _made(spark: SparkSession) -> SparkSession:
+    """A session just made by the builder, quiet and in UTC."""
     spark.sparkContext.setLogLevel("ERROR")
     spark.conf.set("spark.sql.session.timeZone", "UTC")
     return spark
+
+
+class SessionOnDemand:
+    """A local driver's SparkContext, standing for its SparkSession until Spark SQL is used (issue 38.4).
+
+    ``mtaq analyze``'s tasks are an RDD over groups of segments, and up to some 10,000,000 records the driver
+    adds up everything they return with pyarrow: no Spark SQL in the run, yet the SQL session's start (the
+    JVM's SQL configuration, catalog and planner) took 0.45 s of one core before the first task. Here
+    ``sparkContext`` is the context, ``conf.set`` is kept until the session exists, ``stop`` stops whichever
+    exists, and any other attribute (``read``, ``createDataFrame``, ``conf.get``...) makes the session (the
+    builder's ``getOrCreate`` on this context, its settings, then the kept ``conf.set`` ones, in order) and is
+    the session's. Thread-safe: the session is made once."""
+
+    def __init__(self, sc: Any, make: Callable[[], SparkSession]) -> None:
+        self.sparkContext = sc
+        self._make = make
+        self._session: SparkSession | None = None
+        self._pending: list[tuple[str, str]] = []
+        self._lock = threading.Lock()
+
+    @property
+    def made(self) -> bool:
+        """Whether the SQL session exists."""
+        return self._session is not None
+
+    def session(self) -> SparkSession:
+        """The SparkSession, made now if it was not."""
+        with self._lock:
+            if self._session is None:
+                spark = self._make()
+                for k, v in self._pending:
+                    spark.conf.set(k, v)
+                self._pending.clear()
+                self._session = spark
+            return self._session
+
+    @property
+    def conf(self) -> Any:
+        return _PendingConf(self)
+
+    def stop(self) -> None:
+        """Stop the session if it was made, else the context."""
+        if self._session is not None:
+            self._session.stop()
+        else:
+            self.sparkContext.stop()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.session(), name)
+
+
+class _PendingConf:
+    """``SessionOnDemand.conf``: ``set`` kept until the session is made, anything else the session's."""
+
+    def __init__(self, owner: SessionOnDemand) -> None:
+        self._owner = owner
+
+    def set(self, key: str, value: str) -> None:
+        with self._owner._lock:
+            if self._owner._session is None:
+                self._owner._pending.append((key, str(value)))
+                return
+        self._owner._session.conf.set(key, value)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._owner.session().conf, name)
 
 
 def is_connect(spark: SparkSession) -> bool:
@@ -201,18 +290,23 @@ def stop_session(spark: SparkSession) -> None:
 
 def _shuffle_partitions(master: str | None) -> int:
     """Shuffle partitions for ``master``: two per core on ``local[N]``/``local[*]``/``local``, else 16."""
+    cores = _local_cores(master or "local[*]")
+    return 16 if cores is None else max(4, 2 * cores)
+
+
+def _local_cores(master: str | None) -> int | None:
+    """The cores of a ``local``, ``local[N]`` or ``local[*]`` (this machine's) master, ``local[N,F]`` included;
+    None for another master or none."""
     import re
 
-    m = re.fullmatch(r"local(?:\[(\d+|\*)(?:,\d+)?\])?", master or "local[*]")
+    m = re.fullmatch(r"local(?:\[(\d+|\*)(?:,\d+)?\])?", master or "")
     if m is None:
-        return 16
+        return None
     if m.group(1) is None:
-        cores = 1
-    elif m.group(1) == "*":
-        cores = os.cpu_count() or 2
-    else:
-        cores = int(m.group(1))
-    return max(4, 2 * cores)
+        return 1
+    if m.group(1) == "*":
+        return os.cpu_count() or 2
+    return int(m.group(1))
 
 
 def _worker_python(master: str | None) -> str | None:
