@@ -17,7 +17,7 @@ pytest.importorskip("pyarrow")
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from mtaq.analytics.facts import by_kind, fact_kinds, facts_of, open_facts
+from mtaq.analytics.facts import fact_kinds, facts_of, open_facts
 from mtaq.analytics.source import discover, typed_batches
 from mtaq.core.records import DataRecord, DeliveryRecord, EnvelopeRecord, FinishRecord, Outcome, Recipient, StartRecord
 from mtaq.storage.fs import OsFileSystem
@@ -104,7 +104,7 @@ def test_a_tasks_facts_equal_the_facts_of_its_closed_messages_rows_alone(tmp_pat
         closed_seen += len(closed)
         keyed = pa.concat_tables([kinds[k] for k in ("ENVELOPE", "START", "DELIVERY", "FINISH") if k in kinds])
         mine = keyed.filter(pc.is_in(keyed["queue_id"], value_set=pa.array(sorted(closed), pa.string())))
-        want = by_kind(open_facts(mine)) if mine.num_rows else {}
+        want = open_facts(mine) if mine.num_rows else {}
         assert _rows(msgs, MESSAGE) == _rows(want["MESSAGE"], MESSAGE) if closed else "MESSAGE" not in got
         if closed:
             assert _rows(got["OUTCOME"], OUTCOME) == _rows(want["OUTCOME"], OUTCOME)
@@ -165,7 +165,7 @@ def test_a_null_recipient_number_elsewhere_keeps_an_expired_outcome(tmp_path):
     o = got["OUTCOME"]
     assert _rows(o.filter(pc.equal(o["status"], "expired")), ["queue_id", "rcpt_index"]) == [("Q7", 0)]
     assert {r["queue_id"] for r in got["DELIVERY"].to_pylist()} == {"Q2"}  # left as a record row
-    of = by_kind(open_facts(pa.concat_tables([kinds[k] for k in ("ENVELOPE", "START", "DELIVERY", "FINISH")])))["OUTCOME"]
+    of = open_facts(pa.concat_tables([kinds[k] for k in ("ENVELOPE", "START", "DELIVERY", "FINISH")]))["OUTCOME"]
     assert _rows(of.filter(pc.equal(of["status"], "expired")), ["queue_id", "rcpt_index"]) == [("Q7", 0)]
 
 

@@ -47,7 +47,6 @@ from mtaq.analytics.facts import (
     FACT_SPARK_DDL,
     MESSAGE_COLUMNS,
     OUTCOME_COLUMNS,
-    by_kind,
     fact_batches,
     fact_kinds,
     open_facts,
@@ -149,12 +148,11 @@ def stage_facts(files: Sequence[SegmentFile], stage: str, until_us: int | None, 
     yield from _stage(kinds, stage, name, since_us, until_us, until_us, pa.concat_tables(rest) if rest else FACT_SCHEMA.empty_table())
 
 
-def _stage(t: pa.Table | Mapping[str, pa.Table], stage: str, name: str, since_us: int | None, until_us: int | None,
+def _stage(kinds: Mapping[str, pa.Table], stage: str, name: str, since_us: int | None, until_us: int | None,
            end_us: int | None, rest: pa.Table | None = None) -> Iterator[tuple[str | None, str | None, int | None, str | None, bytes | None]]:
-    """The fact rows ``t`` (FACT_SCHEMA; one table, or tables by ``record_type``) staged (:func:`write_staged`,
-    the FILE_PARTS partial tables as files) and the other partial tables as :data:`STAGED_DDL` rows: what a
-    task and the merge of the open messages yield."""
-    kinds = t if isinstance(t, Mapping) else by_kind(t)
+    """The fact rows ``kinds`` (FACT_SCHEMA tables by ``record_type``) staged (:func:`write_staged`, the
+    FILE_PARTS partial tables as files) and the other partial tables as :data:`STAGED_DDL` rows: what a task
+    and the merge of the open messages yield."""
     parts = partials(kinds, since_us, until_us, end_us)
     yield from write_staged(kinds, stage, name, since_us, until_us, rest, {k: parts.pop(k) for k in FILE_PARTS if k in parts})
     for part, data in encode(parts):
@@ -192,9 +190,9 @@ def stage_open(rows: pa.Table, stage: str, since_us: int | None, until_us: int |
     job's end, for the queue at the end). The job calls it on the driver when the open rows are few, and in
     Spark tasks over rows hash-partitioned by queue ID (:func:`stage_open_rows`) when they are many: one
     definition, run where it is cheapest. Raises OSError or pyarrow errors."""
-    t = open_facts(rows)
-    if t.num_rows:
-        yield from _stage(t, stage, f"open-{uuid.uuid4().hex}", since_us, until_us, end_us)
+    kinds = open_facts(rows)
+    if any(t.num_rows for t in kinds.values()):
+        yield from _stage(kinds, stage, f"open-{uuid.uuid4().hex}", since_us, until_us, end_us)
 
 
 def stage_open_rows(rows: Iterable[Sequence[Any]], names: Sequence[str], stage: str, since_us: int | None,

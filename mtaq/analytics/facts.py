@@ -297,22 +297,24 @@ def facts_of(kinds: Mapping[str, pa.Table], until: pa.Scalar | None = None, *, c
     return out
 
 
-def open_facts(t: pa.Table) -> pa.Table:
-    """The facts (FACT_SCHEMA) of the messages no task closed, from *all* their record rows ``t`` (ENVELOPE,
-    START, DELIVERY and FINISH rows gathered from every partition, or all of a partition of them by queue ID;
-    other rows are ignored), by the definition the tasks use for the messages they close (:class:`_Whole`); the
-    job's only merge of these messages (:func:`mtaq.analytics.datasource.stage_open`). MESSAGE rows for every
-    message with an envelope row (``first_seen`` false when its first envelope is not in the log,
-    ``finish_ts`` null while it is queued), OUTCOME rows with the ``expired`` ones, and a RCPT row per
-    recipient. No FLAGGED rows: the tasks counted these envelopes' outcome-unknown recipients already."""
+def open_facts(t: pa.Table) -> dict[str, pa.Table]:
+    """The facts (FACT_SCHEMA tables by ``record_type``: MESSAGE, OUTCOME and RCPT; none when ``t`` holds no
+    message) of the messages no task closed, from *all* their record rows ``t`` (ENVELOPE, START, DELIVERY and
+    FINISH rows gathered from every partition, or all of a partition of them by queue ID; other rows are
+    ignored), by the definition the tasks use for the messages they close (:class:`_Whole`); the job's only
+    merge of these messages (:func:`mtaq.analytics.datasource.stage_open`). MESSAGE rows for every message
+    with an envelope row (``first_seen`` false when its first envelope is not in the log, ``finish_ts`` null
+    while it is queued), OUTCOME rows with the ``expired`` ones, and a RCPT row per recipient. No FLAGGED
+    rows: the tasks counted these envelopes' outcome-unknown recipients already."""
     got = _keyed(by_kind(t))
     if got is None:
-        return FACT_SCHEMA.empty_table()
+        return {}
     w = _Whole(*got)
-    parts = [_out(w.named(w.m), "MESSAGE"), _out(w.named(w.o), "OUTCOME"), _out(w.named(w.rc), "RCPT")]
+    outcomes = [_out(w.named(w.o), "OUTCOME")]
     if w.expired is not None:
-        parts.append(_out(w.named(w.expired), "OUTCOME"))
-    return pa.concat_tables(parts)
+        outcomes.append(_out(w.named(w.expired), "OUTCOME"))
+    return {"MESSAGE": _out(w.named(w.m), "MESSAGE"), "OUTCOME": pa.concat_tables(outcomes),
+            "RCPT": _out(w.named(w.rc), "RCPT")}
 
 
 def fact_kinds(files: Iterable[SegmentFile], until_us: int | None = None, *, close: bool = True) -> dict[str, pa.Table]:
