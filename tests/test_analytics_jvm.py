@@ -238,7 +238,8 @@ def test_sql_on_demand_makes_the_sql_session_only_when_the_job_uses_spark_sql(tm
     """``mtaq analyze`` starts its local driver with ``sql_on_demand``: a job whose tables the driver adds up
     (a small log) never makes the SQL session, and gives the same totals as a job on that same context whose
     tables Spark adds up (``driver_table_rows``/``driver_merge_rows`` 0), which makes the session then, with
-    the settings the job asked for before it existed (the Parquet timestamps) and the builder's (UTC)."""
+    the settings the job asked for before it existed (the Parquet timestamps) and the builder's (UTC). A task
+    that fails raises PySpark's PythonException, as it does with a session; a stopped one cannot be used."""
     from test_analytics_merges import write_log
 
     spool = str(tmp_path / "spool")
@@ -247,6 +248,16 @@ def test_sql_on_demand_makes_the_sql_session_only_when_the_job_uses_spark_sql(tm
         "import json\n"
         "from mtaq.analytics.job import Options, analyze\n"
         "from mtaq.analytics.session import SessionOnDemand, spark_session, stop_session\n"
+        "t = spark_session('local[2]', [('spark.ui.enabled', 'false')], sql_on_demand=True)\n"
+        "try:\n"
+        "    t.sparkContext.parallelize([0], 1).map(lambda x: 1 // x).collect()\n"
+        "except Exception as exc:\n"
+        "    print('FAILED-TASK', type(exc).__name__, 'ZeroDivisionError' in str(exc), t.made)\n"
+        "stop_session(t)\n"
+        "try:\n"
+        "    t.range(3)\n"
+        "except RuntimeError as exc:\n"
+        "    print('AFTER-STOP', exc)\n"
         "s = spark_session('local[2]', [('spark.ui.enabled', 'false')], sql_on_demand=True)\n"
         "print('LAZY', isinstance(s, SessionOnDemand), s.made)\n"
         f"a = analyze(s, Options(paths=[{spool!r}], out='out-a', plots=False))\n"
@@ -265,3 +276,7 @@ def test_sql_on_demand_makes_the_sql_session_only_when_the_job_uses_spark_sql(tm
     assert "AFTER-SPARK True TIMESTAMP_MICROS UTC" in p.stdout, p.stdout
     [same] = [line for line in p.stdout.splitlines() if line.startswith("SAME ")]
     assert same.startswith("SAME True ") and int(same.split()[2]) > 0, p.stdout
+    # A failed task is PySpark's PythonException (the worker's traceback), as with a session made at once; a
+    # stopped one starts no new context when used.
+    assert "FAILED-TASK PythonException True False" in p.stdout, p.stdout
+    assert "AFTER-STOP this Spark session was stopped" in p.stdout, p.stdout

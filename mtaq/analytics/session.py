@@ -72,13 +72,21 @@ def spark_session(master: str | None = None, conf: Sequence[tuple[str, str]] = (
         b = b.config(k, v)
     on_demand = (sql_on_demand and _local_cores(master or "local[*]") is not None
                  and SparkContext._active_spark_context is None and "PYSPARK_GATEWAY_PORT" not in os.environ
-                 and start.state != "creating")  # a first run makes the session: its classes go into the archive
+                 and start.state != "creating"  # a first run makes the session: its classes go into the archive
+                 # Spark Connect asked for another way (PySpark's own builder decides, as before)
+                 and not any(k in ("spark.api.mode", "spark.remote") for k, _ in conf)
+                 and not os.environ.get("SPARK_CONNECT_MODE_ENABLED") and not os.environ.get("SPARK_REMOTE"))
     if on_demand:
         from pyspark import SparkConf
 
         # The builder's own SparkConf (its options): its getOrCreate, on first use, finds this context.
         sc = SparkContext.getOrCreate(SparkConf().setAll(list(b._options.items())))
         sc.setLogLevel("ERROR")
+        # What making a SparkSession also does: a failed task is raised as PySpark's PythonException (the
+        # worker's traceback), not as py4j's error with the JVM's stack trace.
+        from pyspark.errors.exceptions.captured import install_exception_handler
+
+        install_exception_handler()
         lazy = SessionOnDemand(sc, lambda: _made(b.getOrCreate()))
         _STARTS[id(lazy)] = start
         return cast(SparkSession, lazy)  # it stands for the session (see SessionOnDemand)
@@ -103,13 +111,15 @@ class SessionOnDemand:
     ``sparkContext`` is the context, ``conf.set`` is kept until the session exists, ``stop`` stops whichever
     exists, and any other attribute (``read``, ``createDataFrame``, ``conf.get``...) makes the session (the
     builder's ``getOrCreate`` on this context, its settings, then the kept ``conf.set`` ones, in order) and is
-    the session's. Thread-safe: the session is made once."""
+    the session's; once stopped, it raises RuntimeError instead (no new context behind the caller's back).
+    Thread-safe: the session is made once."""
 
     def __init__(self, sc: Any, make: Callable[[], SparkSession]) -> None:
         self.sparkContext = sc
         self._make = make
         self._session: SparkSession | None = None
-        self._pending: list[tuple[str, str]] = []
+        self._pending: list[tuple[str, Any]] = []
+        self._stopped = False
         self._lock = threading.Lock()
 
     @property
@@ -118,14 +128,22 @@ class SessionOnDemand:
         return self._session is not None
 
     def session(self) -> SparkSession:
-        """The SparkSession, made now if it was not."""
+        """The SparkSession, made now if it was not. Raises RuntimeError after :meth:`stop`, and what a kept
+        ``conf.set`` raises (once: the session is kept, the other settings applied)."""
         with self._lock:
+            if self._stopped:
+                raise RuntimeError("this Spark session was stopped")
             if self._session is None:
-                spark = self._make()
-                for k, v in self._pending:
-                    spark.conf.set(k, v)
-                self._pending.clear()
-                self._session = spark
+                self._session = spark = self._make()
+                pending, self._pending = self._pending, []
+                errors = []
+                for k, v in pending:
+                    try:
+                        spark.conf.set(k, v)
+                    except Exception as exc:  # as conf.set would have raised it, at the first use
+                        errors.append(exc)
+                if errors:
+                    raise errors[0]
             return self._session
 
     @property
@@ -134,8 +152,11 @@ class SessionOnDemand:
 
     def stop(self) -> None:
         """Stop the session if it was made, else the context."""
-        if self._session is not None:
-            self._session.stop()
+        with self._lock:
+            self._stopped = True
+            made = self._session
+        if made is not None:
+            made.stop()
         else:
             self.sparkContext.stop()
 
@@ -149,12 +170,15 @@ class _PendingConf:
     def __init__(self, owner: SessionOnDemand) -> None:
         self._owner = owner
 
-    def set(self, key: str, value: str) -> None:
+    def set(self, key: str, value: Any) -> None:
         with self._owner._lock:
-            if self._owner._session is None:
-                self._owner._pending.append((key, str(value)))
+            made = self._owner._session
+            if made is None and not self._owner._stopped:
+                self._owner._pending.append((key, value))
                 return
-        self._owner._session.conf.set(key, value)
+        if made is None:
+            raise RuntimeError("this Spark session was stopped")
+        made.conf.set(key, value)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._owner.session().conf, name)
