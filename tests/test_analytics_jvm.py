@@ -280,3 +280,27 @@ def test_sql_on_demand_makes_the_sql_session_only_when_the_job_uses_spark_sql(tm
     # stopped one starts no new context when used.
     assert "FAILED-TASK PythonException True False" in p.stdout, p.stdout
     assert "AFTER-STOP this Spark session was stopped" in p.stdout, p.stdout
+
+
+def test_a_local_driver_listens_on_loopback_only(tmp_path):
+    """Spark binds a driver's RPC and block manager ports (unauthenticated by default) to the host's first
+    non-loopback address unless told otherwise: a local driver that mtaq analyze starts uses 127.0.0.1
+    (SPARK_LOCAL_IP, unless the environment sets it), so nothing on the network can reach it."""
+    env = {k: v for k, v in os.environ.items() if k != "SPARK_LOCAL_IP"}
+    env[jvm.ARCHIVE_ENV] = "off"
+    script = ("from mtaq.analytics.session import spark_session, stop_session\n"
+              "s = spark_session('local[1]', [('spark.ui.enabled', 'false')], sql_on_demand=True)\n"
+              "sc = s.sparkContext\n"
+              "print('HOSTS', sc.getConf().get('spark.driver.host'),\n"
+              "      sc._jsc.sc().getExecutorMemoryStatus().keys().mkString(','))\n"
+              "stop_session(s)\n")
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env,
+                       cwd=str(tmp_path))
+    assert p.returncode == 0, p.stderr[-3000:]
+    import ipaddress
+    import socket
+
+    [line] = [x for x in p.stdout.splitlines() if x.startswith("HOSTS ")]
+    _, driver, block_managers = line.split(" ")
+    for host in (driver, *(b.rsplit(":", 1)[0] for b in block_managers.split(","))):
+        assert ipaddress.ip_address(socket.gethostbyname(host)).is_loopback, line  # 127.0.0.1, "localhost"

@@ -44,6 +44,11 @@ def spark_session(master: str | None = None, conf: Sequence[tuple[str, str]] = (
     # collect() turns timestamps into naive datetimes in the process's local time zone: make that UTC.
     os.environ["TZ"] = "UTC"
     time.tzset()
+    if _local_cores(master or "local[*]") is not None and "PYSPARK_GATEWAY_PORT" not in os.environ:
+        # A local driver this process starts listens on loopback only: Spark's default is the host's first
+        # non-loopback address, so its RPC and block manager ports (no authentication by default) were open
+        # on the network for the length of the job. Set by an administrator (or spark.driver.host): theirs.
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     b = SparkSession.builder.appName(app)
     if master:
         b = b.master(master)
