@@ -184,3 +184,106 @@ def test_fact_kinds_reads_every_record_once(tmp_path):
     assert kinds["ENVELOPE"].num_rows == 30  # the 15 messages never attempted, a row per recipient
     assert kinds["START"].num_rows == 0 and kinds["DELIVERY"].num_rows == 0 and kinds["FINISH"].num_rows == 0
     assert kinds["SEGMENT"].num_rows == 1
+
+
+def _random_log(spool: str, seed: int) -> None:
+    """Messages over small segments with what the dense facts must decline or get right: replacement
+    envelopes (now and then one naming another sender, bounce_of or address), outcomes for recipient numbers
+    no envelope has, outcomes and FINISHes of messages whose envelope is in another segment, repeated
+    attempts."""
+    rng = random.Random(seed)
+    w = _Writer(spool, segment_bytes_max=9000)
+    live: list[tuple[str, object, list[str], str]] = []
+    for n in range(140):
+        qid = f"Q{seed}-{n:05d}"
+        rcpts = [f"r{j}@{rng.choice('xyz')}.Example" for j in range(rng.randint(1, 4))]
+        sender = rng.choice(["s@a.example", "", "S@B.example"])
+        live.append((qid, w.envelope(qid, 0, T0 + n, rcpts, sender=sender), rcpts, sender))
+        for _ in range(2):
+            if not live or rng.random() < 0.3:
+                continue
+            q, e, rc, snd = live.pop(rng.randrange(len(live)))
+            k = len(rc)
+            outs = [(i, rng.choice(["delivered", "deferred", "failed"]), 250, "2.0.0") for i in range(k + rng.choice([0, 0, 1]))]
+            sp = w.attempt(q, e, T0 + n + 0.5, outs)
+            r = rng.random()
+            if r < 0.5:
+                w.finish(q, sp, T0 + n + 0.7)
+            elif r < 0.8:  # a replacement envelope: now and then one that disagrees
+                odd, other = rng.random() < 0.08, rng.random() < 0.08
+                again = [a.replace("@", "@w") if odd and i == 0 else a for i, a in enumerate(rc)]
+                bounce = "QB" if other else ""
+                live.append((q, w.envelope(q, 1, T0 + n - 5, again, sender=snd, bounce_of=bounce), rc, snd))
+            else:
+                live.append((q, e, rc, snd))
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_dense_facts_equal_the_definition(tmp_path, seed):
+    """facts._whole_dense (numpy over the queue IDs' numbers) against facts._whole_keyed (Acero's group-bys
+    and joins, the definition): for every segment of random logs, whole and with the closed messages only,
+    the same recipients, messages, outcomes and expired outcomes (rows and columns), or None (the definition
+    then runs) only where a message's envelopes disagree."""
+    from mtaq.analytics import facts as F
+
+    spool = str(tmp_path / "spool")
+    _random_log(spool, seed)
+    taken = declined = 0
+    for i in range(len(discover([spool]))):
+        kinds = {k: t.select(list(F._RECORD_COLUMNS)) for k, t in _kinds_read(spool, i).items()}
+        got = F._keyed(kinds)
+        if got is None:
+            continue
+        for closed_only in (False, True):
+            a = F._Whole(*got, dense=False, closed_only=closed_only)
+            b = F._Whole(*got, closed_only=closed_only)
+            if F._whole_dense(b.c, b.spans, b.numbers, len(b.dictionary)) is None:
+                declined += 1
+                continue
+            taken += 1
+            keep = a.keep if closed_only else None
+            for name in ("rc", "m", "o", "expired"):
+                x, y = getattr(a, name), getattr(b, name)
+                if keep is not None and name in ("m", "o", "expired") and x is not None:
+                    x = x.filter(pa.array(keep[F._numbers(x["queue_id"])]))
+                    x = x if x.num_rows else None
+                if x is None or y is None:
+                    assert x is None and (y is None or y.num_rows == 0), (i, name)
+                    continue
+                assert x.schema == y.schema, (i, name)
+                assert _rows(x, x.column_names) == _rows(y, y.column_names), (i, name)
+    assert taken >= 10 and declined >= 2, (taken, declined)  # both ways were tried
+
+
+def test_the_dense_facts_decline_nulls_and_keep_the_definitions_results():
+    """Crafted rows no log has (a null queue ID, recipient number or generation): the dense facts decline,
+    and facts_of gives what the definition gives."""
+    from mtaq.analytics import facts as F
+
+    def rows(kind: str, **cols):
+        n = len(next(iter(cols.values())))
+        t = {c: pa.nulls(n, F.FACT_SCHEMA.field(c).type) for c in F._RECORD_COLUMNS}
+        t["record_type"] = pa.array([kind] * n)
+        for c, v in cols.items():
+            t[c] = pa.array(v, F.FACT_SCHEMA.field(c).type)
+        return pa.table(t)
+
+    env = dict(queue_id=["A", "A", "B"], rcpt_index=[0, 1, 0], generation=[0, 0, 0], arrival_ts=[1, 1, 2],
+               ts=[1, 1, 2], size=[10, 10, 20], rcpt_address=["a@x", "b@y", "c@z"], rcpt_domain=["x", "y", "z"],
+               sender=["s@q", "s@q", "t@q"], sender_domain=["q", "q", "q"])
+    dl = dict(queue_id=["A", "A", "B"], rcpt_index=[0, 1, 0], ts=[5, 5, 6], status=["delivered", "deferred", "deferred"])
+    fin = dict(queue_id=["A", "B"], ts=[7, 8])
+    for k, v in (("queue_id", None), ("rcpt_index", None), ("generation", None)):
+        for where in (env, dl):
+            if k not in where:
+                continue
+            bad = dict(where, **{k: [*where[k][:-1], v]})
+            kinds = {"ENVELOPE": rows("ENVELOPE", **(bad if where is env else env)),
+                     "DELIVERY": rows("DELIVERY", **(bad if where is dl else dl)), "FINISH": rows("FINISH", **fin)}
+            got = F._keyed(kinds)
+            assert got is not None
+            w = F._Whole(*got)
+            assert F._whole_dense(w.c, w.spans, w.numbers, len(w.dictionary)) is None, (k, where is env)
+            d = F._Whole(*got, dense=False)
+            for name in ("rc", "m", "o"):
+                assert _rows(getattr(w, name), getattr(w, name).column_names) == _rows(getattr(d, name), getattr(d, name).column_names)

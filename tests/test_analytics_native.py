@@ -373,3 +373,44 @@ def test_buffers_at_any_address():
     shifted = source._cseg.decode(odd(blob), odd(starts.tobytes()), odd(ends.tobytes()), odd(prog.ops),
                                   odd(prog.kinds), odd(prog.nullable))
     assert aligned is not None and shifted == aligned
+
+
+def _domains_by_kernels(a: pa.Array) -> pa.Array:
+    """The definition of source._domains without the C module: Arrow kernels where every address is ASCII,
+    else Python's str.lower once per distinct address."""
+    import pyarrow.compute as pc
+
+    if pc.all(pc.string_is_ascii(a)).as_py() is not False:
+        found = pc.struct_field(pc.extract_regex(a, r"(?s)@(?P<d>[^@]*)$"), [0])
+        return pc.ascii_lower(pc.fill_null(found, ""))
+    enc = pc.dictionary_encode(a)
+    return pa.array([source._domain(x) for x in enc.dictionary.to_pylist()], pa.string()).take(enc.indices)
+
+
+@given(st.lists(st.one_of(st.none(), st.text(alphabet="aZ@.\n-Ä\x00x", max_size=10)), max_size=30),
+       st.integers(0, 3))
+@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+def test_domains_in_c_equal_the_kernels(values, cut):
+    """source._domains (the C module's ``domains`` where every address is ASCII) against its definition by
+    Arrow kernels and Python, on addresses with several or no @, upper case, NUL, newlines, non-ASCII letters,
+    nulls, and on slices (an array offset)."""
+    a = pa.array(values, pa.string())
+    if cut and len(a) > cut:
+        a = a.slice(cut, len(a) - cut)
+    got = source._domains(a)
+    got.validate(full=True)
+    assert got.to_pylist() == _domains_by_kernels(a).to_pylist()
+
+
+def test_domains_refuses_bad_offsets():
+    """Offsets that run backwards or past the data are a ValueError, never a read outside the buffer."""
+    cseg = columnar._cseg
+    for offs in ([0, 5, 3], [0, 99], [-1, 2], [0]):
+        if offs == [0]:
+            assert cseg.domains(np.asarray(offs, np.int32), b"") == (b"\x00\x00\x00\x00", b"")
+            continue
+        with pytest.raises(ValueError):
+            cseg.domains(np.asarray(offs, np.int32), b"abcdef")
+    with pytest.raises(ValueError):
+        cseg.domains(b"\x00\x00\x00", b"")
+    assert cseg.domains(np.asarray([0, 3], np.int32), b"a\xc3\xa4") is None  # not ASCII: the caller's turn

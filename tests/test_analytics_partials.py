@@ -443,16 +443,21 @@ def test_senders_and_recipients_follow_the_old_spark_definitions(c):
 
 
 @pytest.mark.parametrize("rows_held", [1, 7, 10_000])
-def test_staged_partial_files_add_up_alike_whatever_the_driver_holds(tmp_path, monkeypatch, rows_held):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_staged_partial_files_add_up_alike_whatever_the_driver_holds(tmp_path, monkeypatch, rows_held, threads):
     # merge_staged adds up what it has read whenever it holds STAGED_MERGE_ROWS rows: every few files, after
     # every file, or once at the end. The sums are the same, and equal a sum in plain Python.
     import random as rnd
 
     import pyarrow.parquet as pq
 
+    from mtaq.analytics import partials as partials_mod
     from mtaq.analytics import staging
 
+    # and from MERGE_SPLIT_ROWS rows on, in parts by the address's length on several threads (here always)
     monkeypatch.setattr(staging, "STAGED_MERGE_ROWS", rows_held)
+    monkeypatch.setattr(partials_mod, "MERGE_SPLIT_ROWS", 1)
+    monkeypatch.setattr(partials_mod, "merge_threads", lambda: threads)
     r = rnd.Random(rows_held)
     want: dict[tuple[Any, Any], list[int]] = defaultdict(lambda: [0, 0])
     paths = []
@@ -471,3 +476,19 @@ def test_staged_partial_files_add_up_alike_whatever_the_driver_holds(tmp_path, m
     assert t.schema == staging.RECIPIENT_SCHEMA
     assert {(x["rcpt_address"], x["rcpt_domain"]): [x["delivered"], x["bytes"]] for x in t.to_pylist()} == dict(want)
     assert t.num_rows == len(want)
+
+
+@given(st.lists(st.one_of(st.none(), st.integers(-(2**55), 2**55)), max_size=40))
+@settings(max_examples=200, deadline=None)
+def test_floor_utc_equals_floor_temporal(values):
+    """partials.floor_utc (integer arithmetic) against Arrow's floor_temporal, by the hour and by the day, on
+    timestamps before and after 1970 and nulls, in an array and in chunks."""
+    import pyarrow.compute as pc
+
+    from mtaq.analytics.partials import DAY_US, HOUR_US, floor_utc
+
+    a = pa.array(values, pa.int64()).cast(pa.timestamp("us", tz="UTC"))
+    for unit_us, unit in ((HOUR_US, "hour"), (DAY_US, "day")):
+        assert floor_utc(a, unit_us).equals(pc.floor_temporal(a, unit=unit))
+        chunked = pa.chunked_array([a.slice(0, len(a) // 2), a.slice(len(a) // 2)], a.type)
+        assert floor_utc(chunked, unit_us).to_pylist() == pc.floor_temporal(chunked, unit=unit).to_pylist()

@@ -554,7 +554,81 @@ done:
     return result;
 }
 
+/* domains(offsets, data): the lower-cased domain of each of n strings (Arrow's string layout: offsets, int32
+   native order, n + 1 of them, into data), that is the bytes after its last '@' with A-Z lowered, or "" when
+   it has none: mtaq.analytics.source._domains. Returns (offsets, data) of the domains in the same layout, or
+   None when any string has a byte outside ASCII (the caller then lowers them as Python's str.lower does).
+   ValueError when the offsets do not run forward inside data. The GIL is released while the bytes are read. */
+static PyObject *domains(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer offs, data;
+    if (!PyArg_ParseTuple(args, "y*y*", &offs, &data)) return NULL;
+    PyObject *result = NULL;
+    int32_t *in = NULL, *out = NULL;
+    unsigned char *dom = NULL;
+    Py_ssize_t n = offs.len / 4 - 1;
+    if (offs.len % 4 || n < 0) {
+        PyErr_SetString(PyExc_ValueError, "domains: offsets are int32, n + 1 of them");
+        goto done;
+    }
+    in = malloc((size_t)offs.len); /* an aligned copy: the caller's buffer may be at any address */
+    out = malloc((size_t)offs.len);
+    if (in == NULL || out == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    memcpy(in, offs.buf, (size_t)offs.len);
+    int ok = in[0] >= 0 && in[n] <= data.len;
+    for (Py_ssize_t i = 0; ok && i < n; i++) ok = in[i] <= in[i + 1];
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "domains: offsets must run forward inside data");
+        goto done;
+    }
+    dom = malloc((size_t)(in[n] - in[0]) + 1);
+    if (dom == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int ascii = 1;
+    int32_t len = 0;
+    Py_BEGIN_ALLOW_THREADS
+    const unsigned char *b = data.buf;
+    out[0] = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t at = -1;
+        unsigned char any = 0;
+        for (int32_t j = in[i]; j < in[i + 1]; j++) {
+            any |= b[j];
+            if (b[j] == '@') at = j;
+        }
+        if (any & 0x80) {
+            ascii = 0;
+            break;
+        }
+        if (at >= 0) {
+            for (int32_t j = at + 1; j < in[i + 1]; j++) {
+                unsigned char ch = b[j];
+                dom[len++] = (unsigned char)(ch >= 'A' && ch <= 'Z' ? ch + 32 : ch);
+            }
+        }
+        out[i + 1] = len;
+    }
+    Py_END_ALLOW_THREADS
+    if (!ascii)
+        result = Py_NewRef(Py_None);
+    else
+        result = Py_BuildValue("(y#y#)", (const char *)out, (Py_ssize_t)((n + 1) * 4), (const char *)dom, (Py_ssize_t)len);
+done:
+    free(in);
+    free(out);
+    free(dom);
+    PyBuffer_Release(&offs);
+    PyBuffer_Release(&data);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"domains", domains, METH_VARARGS, "The lower-cased domain of each string (see the module's source)."},
     {"walk", walk, METH_VARARGS, "Walk the frames of one segment file (see the module's source)."},
     {"decode", decode, METH_VARARGS, "Decode record payloads into columns (see the module's source)."},
     {NULL, NULL, 0, NULL},

@@ -51,7 +51,7 @@ from mtaq.analytics.facts import (
     fact_kinds,
     open_facts,
 )
-from mtaq.analytics.partials import FILE_PARTS, encode, in_window, keep_rows, partials, rows_table
+from mtaq.analytics.partials import DAY_US, FILE_PARTS, encode, floor_utc, in_window, keep_rows, partials, rows_table
 from mtaq.analytics.source import SPARK_DDL, SegmentFile, batches, discover, join_path, plan_partitions, resolve
 
 __all__ = ["MtaqDataSource", "SegmentPartition", "register", "stage_facts", "stage_indexed", "stage_open", "stage_open_rows",
@@ -220,7 +220,7 @@ def write_staged(kinds: Mapping[str, pa.Table], stage: str, name: str, since_us:
     out = [] if rest is None else [("facts", rest)]
     out += [(kind, t) for kind, t in (parts or {}).items()]
     out.append(("messages", kinds.get("MESSAGE", empty).select(list(MESSAGE_COLUMNS))))
-    days = pc.floor_temporal(outcomes["ts"], unit="day")
+    days = floor_utc(outcomes["ts"], DAY_US)
     for day in pc.unique(days).to_pylist():
         out.append((f"outcomes/date={day.date().isoformat()}", keep_rows(outcomes, pc.equal(days, pa.scalar(day, days.type)))))
     for kind, t in out:

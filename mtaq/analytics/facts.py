@@ -133,7 +133,8 @@ class _Whole:
     computes them over all its rows and keeps those of the messages it closes (:meth:`named` with ``keep``),
     rather than first copying those messages' rows out of the rest."""
 
-    def __init__(self, c: pa.Table, spans: Mapping[str, tuple[int, int]]) -> None:
+    def __init__(self, c: pa.Table, spans: Mapping[str, tuple[int, int]], *, dense: bool = True,
+                 closed_only: bool = False) -> None:
         at = c.schema.get_field_index("queue_id")
         enc = pc.dictionary_encode(c["queue_id"])
         chunks = enc.chunks
@@ -147,7 +148,11 @@ class _Whole:
         self.numbers = _numbers(indices)  # a row's queue ID: its number in the dictionary, -1 for null
         self.c = c.set_column(at, "queue_id", indices)
         self.spans = spans
-        self.e, self.rc, self.m, self.o, self.expired = _whole_keyed(self.c, spans)
+        self.keep = self.closed() if closed_only else None
+        got = _whole_dense(self.c, spans, self.numbers, len(self.dictionary), self.keep) if dense else None
+        # m, o and expired hold only the closed messages' rows already (dense) or still all (the definition)
+        self.only_kept = got is not None and self.keep is not None
+        self.e, self.rc, self.m, self.o, self.expired = got if got is not None else _whole_keyed(self.c, spans)
 
     def span(self, kind: str) -> tuple[int, int]:
         at, n = self.spans.get(kind, (0, 0))
@@ -220,6 +225,11 @@ def _whole_keyed(c: pa.Table, spans: Mapping[str, tuple[int, int]]) -> tuple[pa.
               join_type="left outer")
     )
     o = o.append_column("delay_s", _seconds(o["ts"], o["arrival_ts"]))
+    return e, rc, m, o, _expired(o)
+
+
+def _expired(o: pa.Table) -> pa.Table | None:
+    """The ``expired`` outcomes of the outcome rows ``o`` (:func:`_whole_keyed`'s columns), None if none."""
     # The last outcome of each recipient (latest ts, then log position): in sorted order, the last row of each
     # run. Nulls first, so that the last is the latest known, as Spark's descending order (nulls last) gives
     # it. Only the keys are sorted, and only the rows that expire are taken whole. Where envelopes of one
@@ -246,7 +256,130 @@ def _whole_keyed(c: pa.Table, spans: Mapping[str, tuple[int, int]]) -> tuple[pa.
             x = x.append_column("text", pc.binary_join_element_wise(
                 pa.repeat(pa.scalar("queue lifetime exceeded; last reply: "), k), s["text"], ""))
             expired = x.append_column("delay_s", _seconds(s["finish_ts"], s["arrival_ts"]))
-    return e, rc, m, o, expired
+    return expired
+
+
+_I64_MIN = np.iinfo(np.int64).min
+_I64_MAX = np.iinfo(np.int64).max
+
+
+def _i64(a: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """A column without nulls (timestamp or integer) as int64 numpy values."""
+    return np.asarray(a.cast(pa.int64()).to_numpy(zero_copy_only=False), dtype=np.int64)
+
+
+def _max_by(q: np.ndarray, a: pa.ChunkedArray, n: int, typ: pa.DataType) -> pa.Array:
+    """Per key 0..n-1 (``q``, one per row of ``a``) the largest non-null value of ``a``, null where a key has
+    none: Acero's ``hash_max`` (nulls skipped, min_count 1)."""
+    valid = np.asarray(a.is_valid(), dtype=bool)
+    vals = _i64(pc.fill_null(a.cast(pa.int64()), 0))
+    out = np.full(n, _I64_MIN, dtype=np.int64)
+    np.maximum.at(out, q[valid], vals[valid])
+    seen = np.bincount(q[valid], minlength=n) > 0
+    return pa.array(out, mask=~seen).cast(typ)
+
+
+def _agree(a: pa.ChunkedArray, first: np.ndarray) -> bool:
+    """Every row of ``a`` equal (null equal to null) to the row ``first`` names for it."""
+    return bool(pc.all(_same(a, a.take(pa.array(first)))).as_py() is not False)
+
+
+def _whole_dense(c: pa.Table, spans: Mapping[str, tuple[int, int]], numbers: np.ndarray, n: int,
+                 keep: np.ndarray | None = None) -> tuple[pa.Table, pa.Table, pa.Table, pa.Table, pa.Table | None] | None:
+    """:func:`_whole_keyed`'s facts (the definition) computed with numpy over the dense queue ID numbers
+    ``numbers`` (0..n-1, one per row of ``c``): the same rows (in another order) and the same columns,
+    without Acero's hash group-bys and joins. Only for the common case, else None (then the definition
+    runs): no null queue ID, recipient number, generation, arrival or size; every envelope row of a message
+    names the same sender, sender domain and bounce_of, and of a recipient the same address and domain (so
+    that each message has one row of these, and each recipient one, as the definition's joins then give).
+    ``keep`` (a boolean per number, :meth:`_Whole.closed`'s): the messages, outcomes and ``expired``
+    outcomes of those messages only (``e`` and ``rc`` stay whole)."""
+    if not len(numbers) or numbers.min() < 0:
+        return None
+
+    def kind(k: str) -> tuple[pa.Table, np.ndarray]:
+        at, m = spans.get(k, (0, 0))
+        return c.slice(at, m), numbers[at:at + m]
+
+    e, qe = kind("ENVELOPE")
+    d, qd = kind("DELIVERY")
+    if any(e[k].null_count for k in ("rcpt_index", "generation", "arrival_ts", "size")) or d["rcpt_index"].null_count:
+        return None
+    rows = np.arange(len(qe), dtype=np.int64)
+    # a message's first envelope row, and that all its rows name the same sender, domain and bounce_of
+    first = np.full(n, _I64_MAX, dtype=np.int64)
+    np.minimum.at(first, qe, rows)
+    has = first < _I64_MAX
+    if not all(_agree(e[k], first[qe]) for k in ("sender", "sender_domain", "bounce_of")):
+        return None
+    # a recipient's slot: its message's base plus its number; its first envelope row, and that all agree
+    idx = _i64(e["rcpt_index"])
+    if len(idx) and idx.min() < 0:
+        return None
+    top = np.full(n, -1, dtype=np.int64)
+    np.maximum.at(top, qe, idx)
+    width = top + 1
+    base = np.cumsum(width) - width
+    slot = base[qe] + idx
+    rfirst = np.full(int(width.sum()), _I64_MAX, dtype=np.int64)
+    np.minimum.at(rfirst, slot, rows)
+    if not (_agree(e["rcpt_address"], rfirst[slot]) and _agree(e["rcpt_domain"], rfirst[slot])):
+        return None
+    rc = e.select(["queue_id", "rcpt_index", "rcpt_address", "rcpt_domain"]).take(
+        pa.array(rfirst[rfirst < _I64_MAX]))
+    qids = np.flatnonzero(has if keep is None else has & keep[:n])
+    at = pa.array(first[qids])
+    arrival = np.full(n, _I64_MAX, dtype=np.int64)
+    np.minimum.at(arrival, qe, _i64(e["arrival_ts"]))
+    size = np.full(n, _I64_MIN, dtype=np.int64)
+    np.maximum.at(size, qe, _i64(e["size"]))
+    seen0 = np.zeros(n, dtype=bool)
+    seen0[qe[_i64(e["generation"]) == 0]] = True
+    ts_type = c.schema.field("ts").type
+    ts = _max_by(numbers, c["ts"], n, ts_type)
+    _, qs = kind("START")
+    f, qf = kind("FINISH")
+    finish = _max_by(qf, f["ts"], n, ts_type)
+    recipients = np.bincount(qe[rfirst[rfirst < _I64_MAX]], minlength=n)
+    attempts = np.bincount(qs, minlength=n) if len(qs) else np.zeros(n, dtype=np.int64)
+    take = pa.array(qids)
+    qtype = c.schema.field("queue_id").type
+    m = pa.table({
+        "queue_id": pa.array(qids.astype(np.int32)).cast(qtype),
+        "arrival_ts": pa.array(arrival[qids]).cast(e.schema.field("arrival_ts").type),
+        "size": pa.array(size[qids]).cast(e.schema.field("size").type),
+        "ts": ts.take(take),
+        "first_seen": pa.array(seen0[qids]),
+        "sender": e["sender"].take(at),
+        "sender_domain": e["sender_domain"].take(at),
+        "bounce_of": e["bounce_of"].take(at),
+        "recipients": pa.array(recipients[qids].astype(np.int64)),
+        "attempts": pa.array(attempts[qids].astype(np.int64)),
+        "finish_ts": finish.take(take),
+    })
+    # each outcome row with its recipient (if its message has that number) and its message (if any)
+    if keep is not None:
+        mine = keep[qd]
+        if not mine.all():
+            d, qd = d.filter(pa.array(mine)), qd[mine]
+    di = _i64(d["rcpt_index"])
+    env = has[qd]
+    inside = env & (di >= 0) & (di <= top[qd])
+    where = np.where(inside, base[qd] + np.where(inside, di, 0), 0)
+    r = rfirst[where] if len(rfirst) else np.full(len(qd), _I64_MAX, dtype=np.int64)
+    found = inside & (r < _I64_MAX)
+    rrow = pa.array(np.where(found, r, 0), mask=~found)
+    mrow = pa.array(np.where(env, first[qd], 0), mask=~env)
+    qrow = pa.array(np.where(env, qd, 0), mask=~env)
+    o = d.select(["queue_id", "rcpt_index", "ts", "status", "code", "enhanced", "text", "relay", "segment", "offset"])
+    for k in ("rcpt_address", "rcpt_domain"):
+        o = o.append_column(k, e[k].take(rrow))
+    o = o.append_column("arrival_ts", pa.array(arrival, mask=~has).cast(m.schema.field("arrival_ts").type).take(qrow))
+    o = o.append_column("size", pa.array(size, mask=~has).cast(m.schema.field("size").type).take(qrow))
+    o = o.append_column("sender", e["sender"].take(mrow)).append_column("bounce_of", e["bounce_of"].take(mrow))
+    o = o.append_column("finish_ts", finish.take(qrow))
+    o = o.append_column("delay_s", _seconds(o["ts"], o["arrival_ts"]))
+    return e, rc, m, o, _expired(o)
 
 
 def _same(a: pa.ChunkedArray, b: pa.ChunkedArray) -> pa.ChunkedArray:
@@ -270,8 +403,8 @@ def facts_of(kinds: Mapping[str, pa.Table], until: pa.Scalar | None = None, *, c
     stays a record row (the tests compare both ways). Each record type's rows that stay keep their order."""
     out: dict[str, pa.Table] = {}
     got = _keyed(kinds) if close else None
-    w = None if got is None else _Whole(*got)
-    keep = None if w is None else w.closed()
+    w = None if got is None else _Whole(*got, closed_only=True)
+    keep = None if w is None else w.keep
     for k, t in kinds.items():
         if w is not None and keep is not None and k in w.spans:
             a, b = w.span(k)
@@ -279,14 +412,14 @@ def facts_of(kinds: Mapping[str, pa.Table], until: pa.Scalar | None = None, *, c
         out[k] = _out(t)
     if w is None or keep is None or not keep.any():
         return out
-    m = w.named(w.m, keep)
+    kept = None if w.only_kept else keep
+    m = w.named(w.m, kept)
     out["MESSAGE"] = _out(m, "MESSAGE")
-    outcomes = [_out(w.named(w.o, keep), "OUTCOME")]
+    outcomes = [_out(w.named(w.o, kept), "OUTCOME")]
     if w.expired is not None:
-        outcomes.append(_out(w.named(w.expired, keep), "OUTCOME"))
+        outcomes.append(_out(w.named(w.expired, kept), "OUTCOME"))
     out["OUTCOME"] = pa.concat_tables(outcomes)
-    e = w.named(w.e, keep)
-    flagged = e.filter(pc.fill_null(e["rcpt_unknown"], False))
+    flagged = w.named(w.e.filter(pc.fill_null(w.e["rcpt_unknown"], False)), keep)
     if flagged.num_rows:
         out["FLAGGED"] = _out(flagged, "FLAGGED")
     if until is not None:

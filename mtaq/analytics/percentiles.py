@@ -7,6 +7,7 @@ query over the same files; the tests check the two against each other and agains
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pyarrow as pa
@@ -14,7 +15,7 @@ import pyarrow.compute as pc
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from mtaq.analytics.partials import RankTarget, locate_percentiles, merge_tables, rank_value
+from mtaq.analytics.partials import RankTarget, locate_percentiles, merge_tables, merge_threads, rank_value
 from mtaq.analytics.staging import read_staged
 
 __all__ = ["PERCENTILES", "find_percentiles", "merge_p_bucket", "read_back_files", "read_back_spark"]
@@ -80,16 +81,20 @@ def read_back_files(todo: Sequence[RankTarget], paths: Sequence[str],
     lo_a, hi_a = np.asarray(starts), np.asarray(ends)
     wanted = [("status", "=", "delivered"), ("delay_s", ">=", starts[0]), ("delay_s", "<=", max(ends))]
     counted: list[pa.Table] = []
-    for path in paths:
+
+    def count(path: str) -> pa.Table:
         got = read_staged(path, columns=["rcpt_domain", "delay_s"], filters=wanted)
-        if got.num_rows == 0:
-            continue
         d = np.asarray(got["delay_s"].to_numpy(zero_copy_only=False), dtype=np.float64)
         i = np.searchsorted(lo_a, d, side="right") - 1
         keep = (i >= 0) & (d <= hi_a[np.maximum(i, 0)])
         got = pa.table({"domain": pc.fill_null(got["rcpt_domain"], "?"), "delay_s": got["delay_s"]}).filter(pa.array(keep))
-        counted.append(got.group_by(["domain", "delay_s"], use_threads=False).aggregate([([], "count_all")])
-                       .rename_columns(["domain", "delay_s", "n"]))
+        return (got.group_by(["domain", "delay_s"], use_threads=False).aggregate([([], "count_all")])
+                .rename_columns(["domain", "delay_s", "n"]))
+
+    threads = merge_threads()  # the files are read and counted a few at a time, each on a thread of its own
+    for at in range(0, len(paths), threads):
+        with ThreadPoolExecutor(threads) as pool:
+            counted += [x for x in pool.map(count, paths[at:at + threads]) if x.num_rows]
         if sum(x.num_rows for x in counted) > limit:
             counted = [pa.concat_tables(counted).group_by(["domain", "delay_s"], use_threads=False).aggregate(
                 [("n", "sum")]).rename_columns(["domain", "delay_s", "n"])]

@@ -607,10 +607,18 @@ def _domain(address: str) -> str:
 
 
 def _domains(addresses: pa.Array) -> pa.Array:
-    """The lower-cased domain of each address ('' without an @), as :func:`_domain` gives it: by Arrow
-    kernels when every address is ASCII (then ``ascii_lower`` is ``str.lower``), else by Python once per
-    distinct address."""
-    if pc.all(pc.string_is_ascii(addresses)).as_py() is not False:
+    """The lower-cased domain of each address ('' without an @, '' for null), as :func:`_domain` gives it: by
+    the C module (``domains``) or else Arrow kernels when every address is ASCII (then lowering A-Z is
+    ``str.lower``), else by Python once per distinct address."""
+    if _cseg is not None and addresses.type == pa.string():
+        flat = pc.fill_null(addresses, "") if addresses.null_count else addresses
+        n = len(flat)
+        bufs = flat.buffers()
+        offs = np.frombuffer(bufs[1], np.int32, n + 1, offset=flat.offset * 4) if bufs[1] is not None else np.zeros(1, np.int32)
+        got = _cseg.domains(offs, bufs[2] if bufs[2] is not None else b"")
+        if got is not None:
+            return pa.StringArray.from_buffers(n, pa.py_buffer(got[0]), pa.py_buffer(got[1]))
+    elif pc.all(pc.string_is_ascii(addresses)).as_py() is not False:
         found = pc.struct_field(pc.extract_regex(addresses, r"(?s)@(?P<d>[^@]*)$"), [0])
         return pc.ascii_lower(pc.fill_null(found, ""))
     enc = pc.dictionary_encode(addresses)
