@@ -260,6 +260,9 @@ def _expired(o: pa.Table) -> pa.Table | None:
 
 
 _I64_MIN = np.iinfo(np.int64).min
+# The dense facts hold a slot per recipient number of each message (up to its largest): at most 8 a row
+# plus this many, else the definition runs (a message's numbers run 0..n-1 in every log the daemon writes).
+DENSE_SLOTS_SPARE = 1_000_000
 _I64_MAX = np.iinfo(np.int64).max
 
 
@@ -291,7 +294,8 @@ def _whole_dense(c: pa.Table, spans: Mapping[str, tuple[int, int]], numbers: np.
     without Acero's hash group-bys and joins. Only for the common case, else None (then the definition
     runs): no null queue ID, recipient number, generation, arrival or size; every envelope row of a message
     names the same sender, sender domain and bounce_of, and of a recipient the same address and domain (so
-    that each message has one row of these, and each recipient one, as the definition's joins then give).
+    that each message has one row of these, and each recipient one, as the definition's joins then give);
+    recipient numbers not far above the rows (DENSE_SLOTS_SPARE).
     ``keep`` (a boolean per number, :meth:`_Whole.closed`'s): the messages, outcomes and ``expired``
     outcomes of those messages only (``e`` and ``rc`` stay whole)."""
     if not len(numbers) or numbers.min() < 0:
@@ -319,6 +323,8 @@ def _whole_dense(c: pa.Table, spans: Mapping[str, tuple[int, int]], numbers: np.
     top = np.full(n, -1, dtype=np.int64)
     np.maximum.at(top, qe, idx)
     width = top + 1
+    if int(width.sum()) > 8 * len(qe) + DENSE_SLOTS_SPARE:
+        return None  # recipient numbers far above the rows (a damaged or crafted log): not worth the memory
     base = np.cumsum(width) - width
     slot = base[qe] + idx
     rfirst = np.full(int(width.sum()), _I64_MAX, dtype=np.int64)
