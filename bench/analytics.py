@@ -41,13 +41,15 @@ import sys
 import tempfile
 import time
 
-# As `mtaq analyze` sets it for its own process and the Spark processes it starts (mtaq/analytics/command.py), so
-# that the in-process job is measured as the command runs it; before anything imports pyarrow.
-os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
-
+from mtaq.analytics.command import job_environment
 from mtaq.core.records import DataRecord, DeliveryRecord, EnvelopeRecord, FinishRecord, Outcome, Recipient, StartRecord
 from mtaq.storage.fs import OsFileSystem
 from mtaq.storage.log import Log
+
+# As `mtaq analyze` sets them for its own process and the Spark processes it starts (job_environment in
+# mtaq/analytics/command.py), so that the in-process job is measured as the command runs it; before anything
+# imports pyarrow (none of the imports above does).
+job_environment()
 
 
 def generate(spool: str, records: int, *, days: int = 3, body_bytes: int = 300, seed: int = 7, prefix: str = "B",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -304,3 +305,31 @@ def test_a_local_driver_listens_on_loopback_only(tmp_path):
     _, driver, block_managers = line.split(" ")
     for host in (driver, *(b.rsplit(":", 1)[0] for b in block_managers.split(","))):
         assert ipaddress.ip_address(socket.gethostbyname(host)).is_loopback, line  # 127.0.0.1, "localhost"
+
+
+def test_the_job_environment_reaches_the_python_workers_and_keeps_the_administrators(tmp_path):
+    """command.job_environment: the allocator settings mtaq analyze sets for the Spark processes it starts
+    (MALLOC_* for glibc, read when a process starts; ARROW_DEFAULT_MEMORY_POOL) are what a Spark Python worker
+    started afterwards has; a value the environment already holds is kept."""
+    from mtaq.analytics.command import MALLOC_ENVIRONMENT
+
+    env = {k: v for k, v in os.environ.items() if k not in MALLOC_ENVIRONMENT and k != "ARROW_DEFAULT_MEMORY_POOL"}
+    env[jvm.ARCHIVE_ENV] = "off"
+    env["MALLOC_TOP_PAD_"] = "4096"  # the administrator's
+    script = ("import os\n"
+              "from mtaq.analytics.command import job_environment\n"
+              "job_environment()\n"
+              "from mtaq.analytics.session import spark_session, stop_session\n"
+              "s = spark_session('local[1]', [('spark.ui.enabled', 'false')], sql_on_demand=True)\n"
+              "names = ['MALLOC_MMAP_THRESHOLD_', 'MALLOC_TRIM_THRESHOLD_', 'MALLOC_TOP_PAD_', 'ARROW_DEFAULT_MEMORY_POOL']\n"
+              "def seen(it):\n"
+              "    import os\n"
+              "    yield {k: os.environ.get(k) for k in names}\n"
+              "print('GOT', s.sparkContext.parallelize([0], 1).mapPartitions(seen).collect())\n"
+              "stop_session(s)\n")
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env,
+                       cwd=str(tmp_path))
+    assert p.returncode == 0, p.stderr[-3000:]
+    [line] = [x for x in p.stdout.splitlines() if x.startswith("GOT ")]
+    assert ast.literal_eval(line[4:]) == [{"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
+                                           "MALLOC_TOP_PAD_": "4096", "ARROW_DEFAULT_MEMORY_POOL": "system"}]

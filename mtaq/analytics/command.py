@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from mtaq.core.errors import ConfigError, MtaqError
 
-__all__ = ["add_arguments", "parse_time", "run"]
+__all__ = ["MALLOC_ENVIRONMENT", "add_arguments", "job_environment", "parse_time", "run"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -67,16 +67,34 @@ def parse_time(value: str | None, flag: str) -> dt.datetime | None:
     return t.astimezone(dt.UTC)
 
 
-def run(args: argparse.Namespace) -> int:
-    """Validate ``args``, start Spark, run the job; print the totals as JSON with ``--json``. Returns 0. Sets
-    ``ARROW_DEFAULT_MEMORY_POOL`` in ``os.environ`` (to ``system``) when it is not set, for this process and
-    the Spark processes it starts (see below)."""
+# The C library's allocator in the Spark processes mtaq analyze starts (the driver JVM, its Python workers):
+# blocks up to 32 MiB from the heap (not each its own mapping), freed memory kept up to 1 GiB, the heap grown
+# 256 MiB at a time. A worker's task allocates and frees some 400 MB; with glibc's defaults every task touched
+# fresh pages again (16,000-26,000 page faults a 64 MB segment, 105,000 in a worker's first), with these none
+# after the first. 10,000,000 records: 0.2-0.4 s less (docs/performance.md, "Stop 54"). Read by glibc when a
+# process starts, so not in this process.
+MALLOC_ENVIRONMENT = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
+                      "MALLOC_TOP_PAD_": str(256 << 20)}
+
+
+def job_environment() -> None:
+    """Set, in ``os.environ`` and only where they are not set, ``ARROW_DEFAULT_MEMORY_POOL`` (``system``) for
+    this process and the Spark processes it starts, and MALLOC_ENVIRONMENT for those processes. Before
+    anything in this process allocates with Arrow."""
     # Arrow's allocations with the C library's allocator, unless the environment names one: in this process
     # and in the Spark processes it starts, which inherit the variable (read once, at Arrow's first allocation;
     # pyarrow.set_memory_pool, datasource.task_memory_pool, does not reach Acero's group-bys and joins). With
     # mimalloc the driver took 0.25-0.30 s to add up the recipients' partial rows of 1,000,000 records,
     # against 0.05-0.08 s (docs/performance.md, "Stop 52").
     os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
+    for k, v in MALLOC_ENVIRONMENT.items():
+        os.environ.setdefault(k, v)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Validate ``args``, start Spark, run the job; print the totals as JSON with ``--json``. Returns 0. Sets
+    the allocators' variables of :func:`job_environment` where the environment does not."""
+    job_environment()
     since = parse_time(args.since, "--since")
     until = parse_time(args.until, "--until")
     if since is not None and until is not None and since >= until:

@@ -340,11 +340,13 @@ def _outcome_parts(oe: pa.Table) -> dict[str, pa.Table]:
     out["p_bucket"] = _group(pa.table({"domain": d["domain"], "key": pa.array(delay_key(_floats(d["delay"]))),
                                        "lo": d["delay"], "hi": d["delay"]}),
                              ("domain", "key"), mins=("lo",), maxs=("hi",), count="n").select(["domain", "key", "n", "lo", "hi"])
-    deferred = oe.filter(_true(pc.equal(st, "deferred"))).select(["queue_id", "rcpt_index", "rcpt_domain"])
+    # the columns a part needs, then the rows (a filter copies every column it is given)
+    deferred = oe.select(["queue_id", "rcpt_index", "rcpt_domain"]).filter(_true(pc.equal(st, "deferred")))
     deferred = deferred.group_by(["queue_id", "rcpt_index", "rcpt_domain"], use_threads=False).aggregate([])
     out["deferred"] = _group(pa.table({"domain": pc.fill_null(deferred["rcpt_domain"], "?")}), ("domain",),
                              count="deferred")
-    r = oe.filter(_true(pc.is_in(st, value_set=pa.array(["deferred", "failed", "expired"]))))
+    r = oe.select(["status", "enhanced", "relay", "queue_id", "rcpt_index", "text", "code"]).filter(
+        _true(pc.is_in(st, value_set=pa.array(["deferred", "failed", "expired"]))))
     r = pa.table({
         "status": pc.if_else(_true(pc.equal(r["status"], "failed")), pa.scalar("bounced"), r["status"]),
         "enhanced": r["enhanced"], "relay": r["relay"], "queue_id": r["queue_id"], "rcpt_index": r["rcpt_index"],
@@ -363,7 +365,8 @@ def _outcome_parts(oe: pa.Table) -> dict[str, pa.Table]:
     cats = _group(per_msg, cat, sums=("n", "recipients"), mins=("text",), count="messages")
     out["categories"] = cats.rename_columns([*cat, "count", "recipients", "example", "messages"]).select(
         [*cat, "count", "recipients", "messages", "example"])
-    out["recipients"] = _count_bytes(oe.filter(delivered), ("rcpt_address", "rcpt_domain"), "delivered")
+    out["recipients"] = _count_bytes(oe.select(["rcpt_address", "rcpt_domain", "size"]).filter(delivered),
+                                     ("rcpt_address", "rcpt_domain"), "delivered")
     return out
 
 
@@ -404,7 +407,8 @@ def _message_parts(msgs: pa.Table, since_us: int | None, until_us: int | None) -
     })
     out = {name: _group(v, keys, sums=_M_VALUES) for name, keys in (
         ("m_total", ()), ("m_domain", ("domain",)), ("m_attempts", ("attempts",)), ("m_hour", ("hour",)))}
-    out["senders"] = _count_bytes(m.filter(recv), ("sender", "sender_domain"), "messages")
+    out["senders"] = _count_bytes(m.select(["sender", "sender_domain", "size"]).filter(recv), ("sender", "sender_domain"),
+                                  "messages")
     return out
 
 
