@@ -610,7 +610,7 @@ def _domains(addresses: pa.Array) -> pa.Array:
     """The lower-cased domain of each address ('' without an @, '' for null), as :func:`_domain` gives it: by
     the C module (``domains``) or else Arrow kernels when every address is ASCII (then lowering A-Z is
     ``str.lower``), else by Python once per distinct address."""
-    if _cseg is not None and addresses.type == pa.string():
+    if _cseg is not None and isinstance(addresses, pa.Array) and addresses.type == pa.string():
         flat = pc.fill_null(addresses, "") if addresses.null_count else addresses
         n = len(flat)
         bufs = flat.buffers()
