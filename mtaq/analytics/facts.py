@@ -260,10 +260,10 @@ def _expired(o: pa.Table) -> pa.Table | None:
 
 
 _I64_MIN = np.iinfo(np.int64).min
+_I64_MAX = np.iinfo(np.int64).max
 # The dense facts hold a slot per recipient number of each message (up to its largest): at most 8 a row
 # plus this many, else the definition runs (a message's numbers run 0..n-1 in every log the daemon writes).
 DENSE_SLOTS_SPARE = 1_000_000
-_I64_MAX = np.iinfo(np.int64).max
 
 
 def _i64(a: pa.ChunkedArray | pa.Array) -> np.ndarray:
