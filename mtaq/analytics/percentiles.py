@@ -64,10 +64,11 @@ def read_back_spark(todo: Sequence[RankTarget], delays: DataFrame) -> dict[int, 
 def read_back_files(todo: Sequence[RankTarget], paths: Sequence[str],
                      limit: int) -> dict[int, list[tuple[float, int]]] | None:
     """:func:`read_back_spark` by the driver from the staged outcomes files ``paths`` (OUTCOME_COLUMNS, the
-    outcomes of the window): a file at a time, the delivered rows with a delay in some target's range,
-    counted by (domain, delay); then each target's values cut out of those counts (numpy, sorted). None
-    (Spark's turn) as soon as the counts hold more than ``limit`` distinct (domain, delay) pairs: the driver
-    holds at most that many, and one file's rows."""
+    outcomes of the window): a few files at a time (:func:`mtaq.analytics.partials.merge_threads`, each on a
+    thread of its own), the delivered rows with a delay in some target's range, counted by (domain, delay);
+    then each target's values cut out of those counts (numpy, sorted). None (Spark's turn) as soon as the
+    counts hold more than ``limit`` distinct (domain, delay) pairs: the driver holds at most that many, and
+    the rows and counts of those few files."""
     import numpy as np
 
     ranges = sorted((t.lo, t.hi) for t in todo)

@@ -607,9 +607,10 @@ def _domain(address: str) -> str:
 
 
 def _domains(addresses: pa.Array) -> pa.Array:
-    """The lower-cased domain of each address ('' without an @, '' for null), as :func:`_domain` gives it: by
-    the C module (``domains``) or else Arrow kernels when every address is ASCII (then lowering A-Z is
-    ``str.lower``), else by Python once per distinct address."""
+    """The lower-cased domain of each address ('' without an @), as :func:`_domain` gives it: by the C module
+    (``domains``) or else Arrow kernels when every address is ASCII (then lowering A-Z is ``str.lower``; a
+    null address gives ''), else by Python once per distinct address (a null address stays null). Decoded
+    logs hold no null address."""
     if _cseg is not None and isinstance(addresses, pa.Array) and addresses.type == pa.string():
         flat = pc.fill_null(addresses, "") if addresses.null_count else addresses
         n = len(flat)
