@@ -23,7 +23,10 @@ def run_harness(tmp_path: Path, *args: str) -> tuple[dict[str, Any], int, str]:
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     assert lines, f"no JSON line; exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    return json.loads(lines[-1]), proc.returncode, proc.stderr[-4000:]
+    res = json.loads(lines[-1])
+    # the harness itself failed (its "errors", no tally): say why, not a KeyError on the tally's first key
+    assert "lost" in res, f"the harness failed: {res}; exit {proc.returncode}\nstderr:\n{proc.stderr[-4000:]}"
+    return res, proc.returncode, proc.stderr[-4000:]
 
 
 @pytest.mark.timeout(300)
