@@ -11,7 +11,7 @@ SINK_PORT ?= 2526
 
 .PHONY: install install-service debs native run test lint bench bench-analytics spark-zip compare compare-backlog compare-all clean-spool
 
-$(STAMP): pyproject.toml setup.py mtaq/analytics/_segment.c
+$(STAMP): pyproject.toml setup.py mtaq/analytics/_segment.c mtaq/core/_octets.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[test,spark,spark-connect]'
@@ -80,7 +80,7 @@ lint: install
 # The C module again where `make install` ran before gcc and Python's headers were there (make run first on a
 # fresh machine): the stamp is then newer than its sources, but the module was skipped as optional.
 native: debs $(STAMP)
-	@$(BIN)/python -c 'import mtaq.analytics._segment' 2>/dev/null || \
+	@$(BIN)/python -c 'import mtaq.analytics._segment, mtaq.core._octets' 2>/dev/null || \
 	  $(BIN)/python -m pip install -q -e '.[test,spark,spark-connect]'
 
 test: debs install native lint

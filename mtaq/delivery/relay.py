@@ -26,6 +26,7 @@ import aiosmtplib
 from aiosmtplib.email import quote_address
 
 from mtaq.core.errors import CorruptRecord, StorageError
+from mtaq.core.octets import crlf_only, stuff
 from mtaq.delivery.reply import Reply
 from mtaq.delivery.security import HopSecurity, cert_names_match, verified_context
 
@@ -634,8 +635,8 @@ class DotStuffer:
     CRLF is split between two pieces; :meth:`end` ends the last line with CRLF if needed and adds ``.``
     CRLF. The output for any division into pieces is :func:`wire_content` of the whole.
 
-    Per piece: three byte counts and one or two searches; a regular expression only when a bare CR or LF
-    is there.
+    Per piece: one pass for the line ends and one for the dots (:mod:`mtaq.core.octets`); a regular
+    expression only when a bare CR or LF is there.
     """
 
     __slots__ = ("_cr", "_line_start", "_started")
@@ -652,11 +653,9 @@ class DotStuffer:
             piece, self._cr = piece[:-1], True
         if not piece:
             return b""
-        n = piece.count(b"\n")
-        if piece.count(b"\r") != n or (n and piece.count(b"\r\n") != n):
+        if not crlf_only(piece):
             piece = _LINE_ENDS.sub(b"\r\n", piece)
-        if b"." in piece and b"\n." in piece:  # "." first: one memchr pass, and base64 has no dots
-            piece = piece.replace(b"\n.", b"\n..")
+        piece = stuff(piece)
         if self._line_start and piece.startswith(b"."):
             piece = b"." + piece
         self._line_start = piece.endswith(b"\n")

@@ -34,6 +34,7 @@ import asyncio
 import re
 from collections.abc import Callable
 
+from mtaq.core.octets import crlf_only, unstuff
 from mtaq.storage.spill import BodyBuffer
 
 __all__ = ["END_MARK", "TEXT_LINE_MAX", "DataScanner", "read_data_text", "refusal", "text_problem"]
@@ -49,8 +50,7 @@ _CONTENT_MAX = TEXT_LINE_MAX - 2  # octets of a line without its CRLF
 
 def _first_bare(text: bytes) -> str | None:
     """``"<CR>"`` / ``"<LF>"``: the first CR or LF of ``text`` that is not part of a CRLF, or None."""
-    crlf = text.count(b"\r\n")
-    if text.count(b"\r") == crlf and text.count(b"\n") == crlf:
+    if crlf_only(text):
         return None
     masked = text.replace(b"\r\n", b"  ")  # same length: positions kept
     cr, lf = masked.find(b"\r"), masked.find(b"\n")
@@ -122,7 +122,7 @@ class DataScanner:
         self._long = False
         if self.bare is None:
             self.bare = _first_bare(block)
-        text = block.replace(b"\r\n.", b"\r\n")  # dot transparency on every line but the first
+        text = unstuff(block)  # dot transparency on every line but the first
         if not continued and text[:1] == b".":
             text = text[1:]
         has_nul = b"\x00" in text
