@@ -51,8 +51,9 @@ install-service:
 # contrib/systemd/mtaq.service, rspamd and opendkim as the real milters of mtaq.testing.filters; both
 # packages enable a system service, which the tests never use: theirs run on free ports in a temporary directory;
 # gcc and libmilter-dev (a header, no command: checked by file) build bench/noop_milter.c, the benchmarks' filter;
-# gcc and python3-dev (Python.h) build mtaq/analytics/_segment.c, the analytics' frame walk in C: `make test` installs
-# them before the package, so the tests run the C walk (tests/test_analytics_native.py checks it is built).
+# gcc and python3-dev (Python.h) build mtaq/analytics/_segment.c, the analytics' frame walk in C, and
+# mtaq/core/_octets.c, the relay's byte passes over a message's text: `make test` installs them before the
+# package, so the tests run both (tests/test_analytics_native.py and tests/test_octets.py check they are built).
 # iproute2: ss, which a workers test uses to name what holds a port.
 DEBS := swaks:swaks nmap:nmap fiu-run:fiu-utils chromium:chromium pflogsumm:pflogsumm systemd-analyze:systemd \
 	rspamd:rspamd opendkim:opendkim gcc:gcc ss:iproute2

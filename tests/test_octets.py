@@ -83,6 +83,14 @@ def test_crafted(data: bytes):
     _same(data)
 
 
+@pytest.mark.parametrize("k", range(250, 262))
+def test_line_ends_at_the_c_loop_s_255_byte_blocks(k: int):
+    """The C loop sums in blocks of 255 bytes and looks one byte back across each block's start."""
+    for end in (b"\r\n", b"\n", b"\r", b"\n\r"):
+        _same(b"x" * k + end + b"y" * 300)
+        _same(b"x\r\n" * k + end)
+
+
 def test_unchanged_text_is_given_back_and_bad_arguments_are_refused():
     text = b"no dot after a line end\r\n"
     assert _octets.unstuff(text) is text and _octets.stuff(text) is text

@@ -15,20 +15,21 @@
 
 /* Every LF has a CR just before it, and there are as many CRs as LFs: then the CR of each LF is a different
    one (their positions differ), so every CR is that of some LF, that is, followed by it. Branch-free, so the
-   compiler can use vector instructions; counted in blocks so the 32-bit sums cannot overflow. */
+   compiler can use vector instructions: byte-wide sums over blocks of 255 bytes (they cannot overflow),
+   added up after each block. */
 static int crlf_only_impl(const unsigned char *p, Py_ssize_t n) {
     if (n == 0) return 1;
     if (p[0] == '\n') return 0;
     size_t cr_total = p[0] == '\r', lf_total = 0, bad_total = 0;
     Py_ssize_t i = 1;
     while (i < n) {
-        Py_ssize_t end = n - i > 65536 ? i + 65536 : n;
-        unsigned int cr = 0, lf = 0, bad = 0;
+        Py_ssize_t end = n - i > 255 ? i + 255 : n;
+        unsigned char cr = 0, lf = 0, bad = 0;
         for (Py_ssize_t j = i; j < end; j++) {
-            unsigned char c = p[j];
+            unsigned char c = p[j], is_lf = c == '\n';
             cr += c == '\r';
-            lf += c == '\n';
-            bad += (c == '\n') & (p[j - 1] != '\r');
+            lf += is_lf;
+            bad += is_lf & (p[j - 1] != '\r');
         }
         cr_total += cr;
         lf_total += lf;
