@@ -22,6 +22,7 @@ the least recently used idle one is closed when the pool is full.
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import re
 import time
@@ -87,6 +88,15 @@ class _Entry:
     busy: bool = False
 
 
+@functools.lru_cache(maxsize=1024)
+def _ip_version(address: str) -> int:
+    """4 or 6 for an IP address literal, 0 for anything else (a host name). Cached: asked for every delivery
+    (:meth:`ConnectionPool._bind_for`), of the few next hops a relay talks to."""
+    try:
+        return ipaddress.ip_address(address).version
+    except ValueError:
+        return 0
+
 @dataclass
 class ConnectionPool:
     """Open connections of one delivery worker, reused between messages (``max_conns`` at most)."""
@@ -107,9 +117,8 @@ class ConnectionPool:
         """The local address to connect to ``address`` from: for an IPv6 one the route's IPv6 ``source``, else
         ``bind_address6``; for an IPv4 one the route's IPv4 ``source``, else ``bind_address``; "" for a name
         (the system resolver picks the family). Never an address of the other family (Postfix's rule)."""
-        try:
-            version = ipaddress.ip_address(address).version
-        except ValueError:
+        version = _ip_version(address)
+        if version == 0:
             return ""
         return (source[1] or self.bind_address6) if version == 6 else (source[0] or self.bind_address)
 
