@@ -97,6 +97,7 @@ def _ip_version(address: str) -> int:
     except ValueError:
         return 0
 
+
 @dataclass
 class ConnectionPool:
     """Open connections of one delivery worker, reused between messages (``max_conns`` at most)."""
