@@ -52,49 +52,49 @@ static PyObject *crlf_only(PyObject *self, PyObject *arg) {
     return PyBool_FromLong(crlf_only_impl((const unsigned char *)PyBytes_AS_STRING(arg), PyBytes_GET_SIZE(arg)));
 }
 
-/* The next dot of p[0:n] at or after `from` that follows `before` (1 or 2 bytes: "\n" or "\r\n"), or -1. Found
-   by its LF with memchr: a line end is rarer than a dot in most text. */
-static Py_ssize_t next_dot(const char *p, Py_ssize_t n, Py_ssize_t from, const char *before, Py_ssize_t k) {
-    Py_ssize_t lf = from - 1; /* the LF before the dot */
-    if (lf < k - 1) lf = k - 1;
+/* The next dot of p[0:n] at or after `from` that follows an LF (with `crlf`: a CRLF), or -1. Found by its LF
+   with memchr: a line end is rarer than a dot in most text. */
+static Py_ssize_t next_dot(const char *p, Py_ssize_t n, Py_ssize_t from, int crlf) {
+    Py_ssize_t lf = from - 1; /* the LF before the dot; with crlf not before 1 (p[lf - 1] is read) */
+    if (lf < crlf) lf = crlf;
     while (lf + 1 < n) {
         const char *d = memchr(p + lf, '\n', (size_t)(n - 1 - lf));
         if (d == NULL) return -1;
         lf = d - p;
-        if (p[lf + 1] == '.' && (k == 1 || p[lf - 1] == before[0])) return lf + 1;
+        if (p[lf + 1] == '.' && (!crlf || p[lf - 1] == '\r')) return lf + 1;
         lf++;
     }
     return -1;
 }
 
-/* drop: the dots after `before` taken away (unstuff); else doubled (stuff). */
-static PyObject *redot(PyObject *arg, const char *before, Py_ssize_t k, int drop) {
+/* unstuff (crlf): the dots after a CRLF taken away; stuff: the dots after an LF doubled. */
+static PyObject *redot(PyObject *arg, int crlf) {
     if (!bytes_arg(arg)) return NULL;
     const char *p = PyBytes_AS_STRING(arg);
     Py_ssize_t n = PyBytes_GET_SIZE(arg), count = 0;
     if (memchr(p, '.', (size_t)n) != NULL) /* no dot at all (base64, most bodies of generated mail): done */
-        for (Py_ssize_t i = next_dot(p, n, 0, before, k); i >= 0; i = next_dot(p, n, i + 1, before, k)) count++;
+        for (Py_ssize_t i = next_dot(p, n, 0, crlf); i >= 0; i = next_dot(p, n, i + 1, crlf)) count++;
     if (count == 0) {
         Py_INCREF(arg);
         return arg;
     }
-    PyObject *out = PyBytes_FromStringAndSize(NULL, drop ? n - count : n + count);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, crlf ? n - count : n + count);
     if (out == NULL) return NULL;
     char *o = PyBytes_AS_STRING(out);
     Py_ssize_t from = 0;
-    for (Py_ssize_t i = next_dot(p, n, 0, before, k); i >= 0; i = next_dot(p, n, i + 1, before, k)) {
+    for (Py_ssize_t i = next_dot(p, n, 0, crlf); i >= 0; i = next_dot(p, n, i + 1, crlf)) {
         memcpy(o, p + from, (size_t)(i - from)); /* up to the dot */
         o += i - from;
-        if (!drop) *o++ = '.';
-        from = drop ? i + 1 : i; /* the dot itself: skipped, or copied with what follows */
+        if (!crlf) *o++ = '.';
+        from = crlf ? i + 1 : i; /* the dot itself: skipped, or copied with what follows */
     }
     memcpy(o, p + from, (size_t)(n - from));
     return out;
 }
 
-static PyObject *unstuff(PyObject *self, PyObject *arg) { return redot(arg, "\r\n", 2, 1); }
+static PyObject *unstuff(PyObject *self, PyObject *arg) { return redot(arg, 1); }
 
-static PyObject *stuff(PyObject *self, PyObject *arg) { return redot(arg, "\n", 1, 0); }
+static PyObject *stuff(PyObject *self, PyObject *arg) { return redot(arg, 0); }
 
 static PyMethodDef methods[] = {
     {"crlf_only", crlf_only, METH_O, "True when every CR and LF of the bytes is part of a CRLF."},
