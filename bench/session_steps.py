@@ -11,6 +11,13 @@ time is in every figure alike. ``--cpu-pid PID`` adds the user + system CPU of t
 descendants over the run, in ms per session (from /proc; for Postfix give its master, whose reaped children
 count too). docs/performance.md, "Fifth round (issue 15)".
 
+With several ``--port`` values the sessions go to each port in turn (an A/B of two daemons, say old and new
+code, side by side): both see the same machine at the same moments, which a run after a run does not on a
+shared VM whose speed drifts by tens of per cent within minutes. The figures are then given per port under
+``by_port`` (and ``--cpu-pid`` takes one PID per port).
+
+    .venv/bin/python bench/session_steps.py --port 2525 2526 --cpu-pid OLD_PID NEW_PID --sessions 4000
+
     .venv/bin/python bench/session_steps.py --port 2525 --sessions 3000
 """
 
@@ -76,27 +83,34 @@ def tree_cpu_s(root: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=2525)
+    ap.add_argument("--port", type=int, nargs="+", default=[2525], help="one port, or several taken in turn")
     ap.add_argument("--sessions", type=int, default=3000)
     ap.add_argument("--size", type=int, default=2048, help="payload bytes of the message, headers not counted")
-    ap.add_argument("--cpu-pid", type=int, help="report the CPU of this process tree per session")
+    ap.add_argument("--cpu-pid", type=int, nargs="+", help="report the CPU of this process tree per session "
+                    "(one PID per --port)")
     args = ap.parse_args(argv)
     if args.sessions < 10:
         ap.error("--sessions must be >= 10")
-    if args.cpu_pid is not None and not os.path.exists(f"/proc/{args.cpu_pid}"):
-        ap.error(f"--cpu-pid {args.cpu_pid}: no such process")
-    cpu0 = tree_cpu_s(args.cpu_pid) if args.cpu_pid is not None else 0.0
+    ports: list[int] = args.port
+    pids: list[int] = args.cpu_pid or []
+    if pids and len(pids) != len(ports):
+        ap.error("--cpu-pid: give one PID per --port")
+    for pid in pids:
+        if not os.path.exists(f"/proc/{pid}"):
+            ap.error(f"--cpu-pid {pid}: no such process")
+    cpu0 = [tree_cpu_s(pid) for pid in pids]
     line = b"x" * 78 + b"\r\n"
     body = (b"From: a@example.org\r\nTo: b@example.com\r\nSubject: steps\r\n\r\n"
             + line * max(1, args.size // len(line)) + b".\r\n")
-    times: dict[str, list[float]] = {k: [] for k in STEPS}
+    times: list[dict[str, list[float]]] = [{k: [] for k in STEPS} for _ in ports]
     clock = time.perf_counter_ns
     for i in range(args.sessions):
+        n = i % len(ports)
         t = [clock()]
         try:
-            s = socket.create_connection((args.host, args.port), timeout=30)
+            s = socket.create_connection((args.host, ports[n]), timeout=30)
         except OSError as exc:
-            print(f"session_steps: connect {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
+            print(f"session_steps: connect {args.host}:{ports[n]}: {exc.strerror or exc}", file=sys.stderr)
             return 1
         with s:
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -109,14 +123,23 @@ def main(argv: list[str] | None = None) -> int:
                 t.append(clock())
         if i >= args.sessions // 10:
             for k, a, b in zip(STEPS, (*t[:-1], t[0]), (*t[1:], t[-1]), strict=True):
-                times[k].append((b - a) / 1e6)
-    out = {"bench": "session_steps", "host": args.host, "port": args.port, "sessions": args.sessions,
-           "size_bytes": args.size, "median_ms": {k: round(statistics.median(v), 3) for k, v in times.items()},
-           "msg_per_s": round(1000 / statistics.mean(times["total"]), 1),
-           "tail_ms": {k: _tail(v) for k, v in times.items()},
-           "slow_share": _slow_share(times["total"])}
-    if args.cpu_pid is not None:
-        out["cpu_ms_per_session"] = round((tree_cpu_s(args.cpu_pid) - cpu0) * 1000 / args.sessions, 3)
+                times[n][k].append((b - a) / 1e6)
+    results = []
+    for n in range(len(ports)):
+        res: dict[str, object] = {
+            "median_ms": {k: round(statistics.median(v), 3) for k, v in times[n].items()},
+            "msg_per_s": round(1000 / statistics.mean(times[n]["total"]), 1),
+            "tail_ms": {k: _tail(v) for k, v in times[n].items()},
+            "slow_share": _slow_share(times[n]["total"])}
+        if pids:
+            res["cpu_ms_per_session"] = round((tree_cpu_s(pids[n]) - cpu0[n]) * 1000 * len(ports) / args.sessions, 3)
+        results.append(res)
+    out: dict[str, object] = {"bench": "session_steps", "host": args.host, "sessions": args.sessions,
+                              "size_bytes": args.size}
+    if len(ports) == 1:
+        out = {**out, "port": ports[0], **results[0]}
+    else:
+        out = {**out, "ports": ports, "by_port": {str(p): r for p, r in zip(ports, results, strict=True)}}
     print(json.dumps(out))
     return 0
 
