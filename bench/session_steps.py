@@ -93,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--sessions must be >= 10")
     ports: list[int] = args.port
     pids: list[int] = args.cpu_pid or []
+    if len(set(ports)) != len(ports):
+        ap.error("--port: each port once")
     if pids and len(pids) != len(ports):
         ap.error("--cpu-pid: give one PID per --port")
     for pid in pids:
