@@ -194,6 +194,38 @@ def test_committers_wake_before_readers_of_the_durable_end(tmp_path):
     assert ["250", "runner"] == order
 
 
+
+def test_a_client_woken_by_when_durable_resumes_before_a_task_that_joined_the_round_first(tmp_path):
+    """In one round, the callbacks (a client's 250: Queue.receive wakes its session from one) run before the
+    tasks waiting in commit() are woken, even when such a task (a delivery's records, which then log and
+    append FINISH) joined the round first: the session resumes first (stop 57: straced, the 250 came after
+    the previous message's delivery book-keeping)."""
+    log, _ = Log.open(OsFileSystem(), str(tmp_path / "log"), segment_bytes_max=1 << 20)
+    order: list[str] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        _pos, first = log.append(FinishRecord(queue_id="Q1", start=Pos(1, 32), ts=1.0))
+
+        async def delivery() -> None:
+            await log.commit(first, linger_s=5.0)  # lingers: the client's commit starts the round
+            order.append("delivery")
+
+        async def client() -> None:
+            _pos, lsn = log.append(FinishRecord(queue_id="Q2", start=Pos(1, 32), ts=1.0))
+            done: asyncio.Future[None] = loop.create_future()
+            log.when_durable(lsn, lambda _err: done.set_result(None))
+            await done
+            order.append("250")
+
+        d = asyncio.create_task(delivery())
+        await asyncio.sleep(0)  # the delivery's waiter is queued first
+        await asyncio.wait_for(asyncio.gather(client(), d), 10)
+
+    asyncio.run(main())
+    log.close()
+    assert ["250", "delivery"] == order
+
 def test_a_lingering_commit_rides_on_the_round_of_a_commit_that_does_not_wait(tmp_path):
     """A delivery's commit (linger_s) waits for a client's commit that comes meanwhile: one fsync round makes
     both durable. Before, the delivery's round started at once and the client's record needed a second."""

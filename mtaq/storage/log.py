@@ -894,13 +894,22 @@ class Log:
                 self._durable_lsn = max(self._durable_lsn, target)
                 if len(self._readers) > self.files_open_max:  # rolled-over segments fsync'd now (issue 31.12)
                     self._close_readers(self.files_open_max)
+                # The callbacks of the round first (a client's 250: Queue.receive), then the tasks waiting in
+                # commit() (a delivery's records, which then log and append FINISH): a task is resumed in the
+                # order it was woken, and a delivery record that joined the round before a client's message
+                # would otherwise hold that client's 250 back behind its book-keeping.
                 waiting = []
+                later = []
                 for w in self._waiters:
-                    if w[0] <= target:
-                        if not w[1].done():
-                            w[1].set_result(None)
-                    else:
+                    if w[0] > target:
                         waiting.append(w)
+                    elif isinstance(w[1], _Callback):
+                        w[1].set_result(None)
+                    elif not w[1].done():
+                        later.append(w[1])
+                for fut in later:
+                    if not fut.done():
+                        fut.set_result(None)
                 self._waiters = waiting
                 if target_end > self._durable_end:
                     self._durable_end = target_end
