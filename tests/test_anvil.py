@@ -10,6 +10,8 @@ import asyncio
 import socket
 import time
 
+import pytest
+
 from mtaq.daemon.anvil import AnvilClient, AnvilServer
 from mtaq.edge.limits import ConnectionGate
 
@@ -198,3 +200,116 @@ def test_what_a_cut_off_worker_held_is_given_back_and_a_release_counts_once():
 
     assert [None, None, "too many connections from 192.0.2.1"] == asyncio.run(main())
     assert (2, {"192.0.2.1": 2}, {}) == (host.active, host._per_client, host._auth_checking)
+
+
+def _lan_gate(connections_max: int = 10, reserve: int = 4) -> ConnectionGate:
+    """connections_max 10 with 4 kept for mynetworks (127.0.0.1 here): 6 for the outside, 2 places ahead."""
+    return ConnectionGate(connections_max=connections_max, per_client_per_minute_max=0, client_connections_max=50,
+                          mynetworks_reserve=reserve, exempt=lambda ip: ip == "127.0.0.1")
+
+
+async def _until(check, what: str) -> None:
+    deadline = time.monotonic() + 10
+    while not check():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.005)
+
+
+def test_places_ahead_admit_mynetworks_clients_without_a_round_trip_and_connections_max_stays_exact():
+    """Two workers of one anvil, connections_max 10, 4 of them kept for mynetworks (so at most 2 places ahead).
+    Worker 1's first mynetworks client is admitted by asking (A) and gets it the 2 places; its next two clients
+    take them without a message to the anvil (the host's count does not move). The outside takes its 6,
+    the 7th is refused; worker 2's mynetworks clients get the rest by asking, up to exactly 10 in all; worker
+    1, its places used, is refused too. Ended connections put their places back in worker 1's pool, and
+    the host's count only drops once the worker gives them back (its socket closed)."""
+    host = _lan_gate()
+    pairs = [socket.socketpair() for _ in range(2)]
+    server = AnvilServer(host, [a for a, _b in pairs])
+    lines: list[bytes] = []
+    answer = server.answer
+
+    def counted(line: bytes, s: socket.socket | None = None) -> bytes | None:
+        lines.append(line.split(b" ", 1)[1])
+        return answer(line, s)
+
+    server.answer = counted  # type: ignore[method-assign]
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for s in server.sockets:
+            loop.add_reader(s, server.readable, s)
+        w1, w2 = (AnvilClient(b, _lan_gate(), timeout_s=5) for _a, b in pairs)
+        await w1.start()
+        await w2.start()
+        assert await w1.ask_admit("127.0.0.1") is None
+        await _until(lambda: w1._places == 2, "worker 1's places")
+        assert (3, 2) == (host.active, host.places)
+        assert [b"P 4", b"A 127.0.0.1"] == lines
+        sent = w1._next  # messages worker 1 has put on the wire
+        assert [None, None] == [await w1.ask_admit("127.0.0.1"), await w1.ask_admit("127.0.0.1")]
+        assert (3, 0) == (host.active, w1._places)  # taken from the places: the host already counted them
+        assert sent + 1 == w1._next  # only the ask for more places (its pool ran low): no admission asked
+        outside = [await w2.ask_admit(f"192.0.2.{i}") for i in range(1, 8)]
+        assert [None] * 6 + ["too many connections"] == outside
+        assert 9 == host.active
+        assert [None, "too many connections"] == [await w2.ask_admit("127.0.0.1"), await w2.ask_admit("127.0.0.1")]
+        await _until(lambda: not w1._asking_places, "worker 1's second ask answered")
+        assert "too many connections" == await w1.ask_admit("127.0.0.1")
+        assert (10, 6) == (host.active, host.active_outside)  # exactly connections_max
+        sent = w1._next
+        for _ in range(2):
+            w1.release("127.0.0.1")  # from a place: back in the pool, nothing on the wire
+        assert (2, 10, sent) == (w1._places, host.active, w1._next)
+        assert [None, None] == [await w1.ask_admit("127.0.0.1"), await w1.ask_admit("127.0.0.1")]
+        w1.release("127.0.0.1")  # places are alike: any connection of an IP that took one puts one back
+        assert (1, 10) == (w1._places, host.active)
+        pairs[0][1].close()  # worker 1 gone: the host gives back its 2 places (in use or not) and its admission
+        await _until(lambda: host.active == 7 and host.places == 0, "worker 1's places given back")
+        assert [b"P 4", b"A 127.0.0.1"] == [line for line in lines if not line.startswith(b"A 192.")][:2]
+        for s in server.sockets:
+            loop.remove_reader(s)
+
+    asyncio.run(main())
+
+
+def test_a_pool_over_places_keep_gives_the_rest_back():
+    """A worker whose mynetworks connections end returns their places to its pool; above PLACES_KEEP idle it
+    gives all but PLACES_ASK back to the host (G), so idle places do not pile up in one worker."""
+    from mtaq.daemon.anvil import PLACES_ASK, PLACES_KEEP
+
+    host = _lan_gate(connections_max=100, reserve=40)  # 20 places ahead at most
+    ours, theirs = socket.socketpair()
+    server = AnvilServer(host, [ours])
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        loop.add_reader(ours, server.readable, ours)
+        w = AnvilClient(theirs, _lan_gate(connections_max=100, reserve=40), timeout_s=5)
+        await w.start()
+        for _ in range(PLACES_KEEP + 1):
+            assert await w.ask_admit("127.0.0.1") is None
+            await _until(lambda: not w._asking_places, "the ask answered")
+        held = host.places
+        assert held >= PLACES_KEEP + 1
+        for _ in range(PLACES_KEEP + 1):
+            w.release("127.0.0.1")
+        await _until(lambda: host.places < held, "the extra places given back")
+        assert PLACES_ASK <= w._places <= PLACES_KEEP  # the pool was cut back to PLACES_ASK, then grew
+        assert host.places == w._places + sum(w._place_ips.values())
+        loop.remove_reader(ours)
+
+    asyncio.run(main())
+    ours.close()
+
+
+@pytest.mark.parametrize("line", [b"1 P 0\n", b"1 P 65\n", b"1 P x\n", b"1 G -1\n", b"1 R *\n"])
+def test_a_count_of_places_out_of_range_is_not_the_wire(line):
+    """P and G take a count of 1 to PLACES_MAX; anything else, and a release of the places' own key, closes
+    that worker's socket (it then decides alone) and grants nothing."""
+    host = _lan_gate()
+    ours, theirs = socket.socketpair()
+    server = AnvilServer(host, [ours])
+    theirs.send(line)
+    assert not server.readable(ours)
+    assert ([], 0, 0) == (server.sockets, host.active, host.places)
+    theirs.close()
