@@ -9,19 +9,10 @@ mtaq's workers ask the supervisor: it holds the one :class:`~mtaq.edge.limits.Co
 
 The wire is one line per message, ``ID OP IP`` (ASCII, LF-terminated); ``OP`` is ``A`` admit, ``R`` release,
 ``F`` AUTH failed, ``B`` AUTH check begins, ``E`` AUTH check ended, ``Q`` AUTH blocked? ``L`` read the limits
-again (``mtaq reload``: ``IP`` is ``-``; worker 0 sends it once it has reloaded), ``P`` places ahead (``IP`` is
-a count N, 1 to :data:`PLACES_MAX`) and ``G`` give places back (``IP`` is a count). ``A``, ``B`` and ``Q``
-are answered ``ID +`` (admitted / yes) or ``ID -REASON`` (``ID -`` for no), ``P`` with ``ID +K`` (K of the N
-places granted, 0 included); the others are not answered. A worker's messages are handled in the order sent
-(one stream), so a failure told before the end of its check is always counted first.
-
-Places ahead: a connection of a client in mynetworks is limited by ``connections_max`` alone (no per-client
-limit, no rate), so the anvil may admit such connections before they come
-(:meth:`~mtaq.edge.limits.ConnectionGate.admit_ahead`): a worker asks for :data:`PLACES_ASK` at a time and
-admits its mynetworks clients from them without a round trip (on this 2-core VM a round trip through the
-supervisor was 0.28 ms of a 4.4 ms session); a connection's end puts its place back in the worker's pool,
-and the pool above :data:`PLACES_KEEP` is given back. The host counts a place from its grant to its return
-(at most ``mynetworks_reserve // 2`` out), so ``connections_max`` holds exactly.
+again (``mtaq reload``: ``IP`` is ``-``; worker 0 sends it once it has reloaded). ``A``, ``B`` and ``Q``
+are answered ``ID +`` (admitted / yes) or ``ID -REASON`` (``ID -`` for no); the others are not answered.
+A worker's messages are handled in the order sent (one stream), so a failure told before the end of its
+check is always counted first.
 
 What must always hold:
 
@@ -33,9 +24,6 @@ What must always hold:
   never keep a place nobody holds;
 * the supervisor counts what each worker holds: a release or an end that worker holds nothing for is
   ignored, and what it holds is given back when its socket is closed (each place is given back once);
-* a place granted ahead is held by exactly one worker until given back: used by one connection at a time,
-  returned to that worker's pool when the connection ends, given back to the host with ``G`` or when the
-  worker's socket closes; a worker whose anvil is gone uses no place (the host gave them back);
 * the supervisor never blocks on a worker: its sockets are non-blocking, what a worker does not read is
   buffered (at most :data:`OUT_BUFFER_MAX` bytes, then that worker's socket is closed and it falls back).
 """
@@ -53,21 +41,12 @@ from collections.abc import Callable, Iterable
 from mtaq.edge.limits import ConnectionGate
 from mtaq.logs import get_logger
 
-__all__ = ["ANVIL_TIMEOUT_S", "OUT_BUFFER_MAX", "PLACES_ASK", "PLACES_KEEP", "PLACES_MAX", "AnvilClient",
-           "AnvilServer", "wait_serving"]
+__all__ = ["ANVIL_TIMEOUT_S", "OUT_BUFFER_MAX", "AnvilClient", "AnvilServer", "wait_serving"]
 
 ANVIL_TIMEOUT_S = 0.5
 """Seconds a worker waits for one answer of the anvil before it decides with its own gate."""
 OUT_BUFFER_MAX = 1 << 20
 """Bytes of answers the supervisor keeps for a worker that does not read them (then it closes that socket)."""
-PLACES_ASK = 4
-"""Places ahead a worker asks for when its pool runs low (its mynetworks clients then need no round trip)."""
-PLACES_KEEP = 8
-"""Idle places a worker keeps; above this it gives back all but :data:`PLACES_ASK`."""
-PLACES_MAX = 64
-"""The most places one ``P`` or ``G`` message may name (a larger count is not the wire)."""
-_PLACES = "*"  # the key of a worker's places in AnvilServer._held (never an IP address)
-_PLACES_RETRY_S = 1.0  # after a "P" answered +0, the seconds before a worker asks again
 IN_LINE_MAX = 4096  # a line longer than this is not the wire: the socket is closed
 _SLOW_LOG_EVERY_S = 60.0
 
@@ -116,22 +95,7 @@ class AnvilServer:
             return f"{ident} {'+' if ok else '-'}\n".encode()
         if op == "Q":
             return f"{ident} {'+' if g.auth_blocked(ip) else '-'}\n".encode()
-        if op == "P":
-            k = g.admit_ahead(_count(ip))
-            if k and held is not None:
-                held[_PLACES] = held.get(_PLACES, 0) + k
-            return f"{ident} +{k}\n".encode()
-        if op == "G":
-            n = _count(ip)
-            if held is not None:
-                n = min(n, held.get(_PLACES, 0))
-                for _ in range(n):
-                    _take(held, _PLACES)
-            g.release_ahead(n)
-            return None
         if op == "R":
-            if ip == _PLACES:
-                raise ValueError("a release of the places key")
             if held is None or _take(held, ip):
                 g.release(ip)
         elif op == "F":
@@ -203,9 +167,6 @@ class AnvilServer:
         self._in.pop(s, None)
         self._out.pop(s, None)
         for ip, n in self._held.pop(s, {}).items():
-            if ip == _PLACES:
-                self.gate.release_ahead(n)
-                continue
             for _ in range(n):
                 self.gate.release(ip)
         for ip, n in self._checks.pop(s, {}).items():
@@ -213,13 +174,6 @@ class AnvilServer:
                 self.gate.auth_end(ip)
         with contextlib.suppress(OSError):
             s.close()
-
-
-def _count(text: str) -> int:
-    """The count of a ``P`` or ``G`` message: 1 to PLACES_MAX; ValueError otherwise (not the wire)."""
-    if not text.isdigit() or not 0 < int(text) <= PLACES_MAX:
-        raise ValueError(f"not a count of places: {text!r}")
-    return int(text)
 
 
 def _take(counts: dict[str, int], key: str) -> bool:
@@ -299,10 +253,6 @@ class AnvilClient:
         self._local_checks: dict[str, int] = {}  # AUTH checks begun in the fallback, per IP
         self._down = False
         self._slow_logged = -_SLOW_LOG_EVERY_S
-        self._places = 0  # idle places ahead held for this worker's mynetworks clients (the host counts them)
-        self._place_ips: dict[str, int] = {}  # connections admitted from a place, per IP
-        self._asking_places = False
-        self._places_again = 0.0  # monotonic time before which no "P" is sent (the last got +0)
 
     async def start(self) -> None:
         """Connect the stream; call once in the worker's event loop."""
@@ -330,10 +280,6 @@ class AnvilClient:
         if not self._down:
             self._down = True
             self.log.error("anvil_unavailable", error=why, action="per-client limits counted in this worker only")
-            # The host gives back what this worker held (its places too) once the socket is closed.
-            self._places = 0
-            if self._writer is not None:
-                self._writer.close()
         for _op, _ip, fut in self._pending.values():
             if not fut.done():
                 fut.set_result("?")
@@ -384,38 +330,8 @@ class AnvilClient:
             self.log.warning("anvil_unavailable", error=f"no answer in {self.timeout_s} s",
                              action="decided by this worker's own counters")
 
-    def _ask_places(self) -> None:
-        """Ask the host for places ahead (no wait: the answer fills the pool when it comes)."""
-        if self._asking_places or self._down or time.monotonic() < self._places_again:
-            return
-        ident = self._send("P", str(max(1, PLACES_ASK - self._places)))
-        if not ident:
-            return
-        self._asking_places = True
-        fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self._pending[ident] = ("P", "", fut)
-        fut.add_done_callback(self._got_places)
-
-    def _got_places(self, fut: asyncio.Future[str]) -> None:
-        self._asking_places = False
-        answer = fut.result()
-        granted = int(answer[1:]) if answer[:1] == "+" and answer[1:].isdigit() else 0
-        if self._down:
-            return  # the host gives them back with the socket
-        self._places += granted
-        if not granted:
-            self._places_again = time.monotonic() + _PLACES_RETRY_S
-
     # ------------------------------------------------------------------------------------- Gate interface
     async def ask_admit(self, ip: str) -> str | None:
-        if self.fallback.exempt(ip) and not self._down:
-            if self._places:  # a place ahead: no round trip (the host counted it when it granted it)
-                self._places -= 1
-                self._place_ips[ip] = self._place_ips.get(ip, 0) + 1
-                if self._places < 2:
-                    self._ask_places()
-                return None
-            self._ask_places()
         answer = await self._ask("A", ip)
         if answer == "?":
             refusal = self.fallback.admit(ip)
@@ -426,14 +342,6 @@ class AnvilClient:
 
     def release(self, ip: str | None = None) -> None:
         key = ip or ""
-        if _take(self._place_ips, key):  # back to the pool (gone with the anvil: the host gave it back)
-            if not self._down:
-                self._places += 1
-                if self._places > PLACES_KEEP:
-                    extra = self._places - PLACES_ASK
-                    self._places = PLACES_ASK
-                    self._send("G", str(extra))
-            return
         left = self._local.get(key, 0)
         if left:
             if left > 1:
