@@ -89,3 +89,15 @@ def test_compare_postfix_puts_the_c_milter_in_front_and_it_sees_every_message(tm
     milter = out["milter"]
     assert (True, run["messages"], "c", run["messages"]) == (
         out["ok"], run["sink_count"], milter["impl"], milter["messages"])
+
+
+def test_ab_steps_runs_both_trees_side_by_side_and_refuses_a_tree_it_would_not_import(tmp_path):
+    """bench/ab_steps.py: a tiny A/B of the checkout against itself gives figures for both sides; a tree
+    without an mtaq package of its own is refused before anything starts (exit 2), since its daemon would
+    import another tree's code (stop 57: stop 56's A/Bs compared one tree with itself)."""
+    out = _bench("bench/ab_steps.py", "--old", ROOT, "--new", ROOT, "--sessions", "40", "--rounds", "1")
+    [rnd] = out["rounds"]
+    assert {"old", "new"} == set(rnd) and all(rnd[s]["msg_per_s"] > 0 for s in ("old", "new"))
+    r = subprocess.run([sys.executable, "bench/ab_steps.py", "--old", str(tmp_path), "--new", ROOT, "--sessions", "40"],
+                       cwd=ROOT, capture_output=True, timeout=120)
+    assert 2 == r.returncode and b"would import mtaq from" in r.stderr, r.stderr
