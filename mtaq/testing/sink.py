@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import mailbox
+import os
 import re
 import ssl
 from typing import Any
@@ -41,6 +42,8 @@ class SinkHandler:
         rcpt_replies: list[str] | None = None,
     ) -> None:
         self.maildir = mailbox.Maildir(maildir, create=True)
+        for sub in ("tmp", "new", "cur"):  # an existing empty directory is taken as a Maildir without them
+            os.makedirs(os.path.join(maildir, sub), exist_ok=True)
         self.defer_count = defer_count  # 0: always defer matching recipients
         self.deferred: dict[str, int] = {}
         self.defer = re.compile(defer_rcpt) if defer_rcpt else None
