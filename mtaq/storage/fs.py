@@ -114,8 +114,8 @@ class _OsFile:
     def fsync(self) -> None:
         # fdatasync(2): the data and the metadata a later read needs (the size an append or a truncate set, the
         # blocks); not the times. A segment is only ever read by offset, so that is all its durability needs
-        # (as LevelDB's and PostgreSQL's logs on Linux), and ext4 spends less on it (stop 57: median 0.30 ms
-        # against 0.35-0.42 for fsync after a 2 KiB append, on a virtio disk).
+        # (as LevelDB's and PostgreSQL's logs on Linux), and ext4 may spend less on it (stop 57, after a 2 KiB
+        # append on a virtio disk, 4 alternating runs' medians: 0.30-0.34 ms against 0.29-0.42 for fsync).
         os.fdatasync(self._fd)
 
     def close(self) -> None:
