@@ -1,7 +1,7 @@
 """A real fsync failing with EIO in the real daemon (libfiu's fiu-run / fiu-ctrl, Debian fiu-utils).
 
 The daemon runs under ``fiu-run -x``; once some mail is queued and delivered, ``fiu-ctrl`` makes every
-fsync(2) of the process fail with EIO. The next client must get ``451 4.3.0`` (never a 250), the daemon
+fsync(2) and fdatasync(2) of the process fail with EIO. The next client must get ``451 4.3.0`` (never a 250), the daemon
 must exit with status 75 (EX_TEMPFAIL) instead of retrying the fsync and trusting it, and a restart
 (without the fault) recovers from what is on the disk: everything acknowledged is delivered.
 """
@@ -68,7 +68,9 @@ def test_fsync_eio_answers_451_exits_75_and_a_restart_delivers_everything_acknow
         assert [250, 250, 250] == [send(daemon.port, i)[0] for i in range(3)]
         wait_for(lambda: maildir_count(maildir) == 3, 20, "3 deliveries")
         time.sleep(0.5)  # let the delivery records' commit finish before the disk "fails"
-        subprocess.run(["fiu-ctrl", "-c", "enable name=posix/io/sync/fsync,failinfo=5", str(daemon.popen.pid)],
+        # fsync(2) and fdatasync(2) (segments are made durable with fdatasync, directories with fsync)
+        subprocess.run(["fiu-ctrl", "-c", "enable name=posix/io/sync/fsync,failinfo=5",
+                        "-c", "enable name=posix/io/sync/fdatasync,failinfo=5", str(daemon.popen.pid)],
                        check=True, timeout=10)
         code, text = send(daemon.port, 3)
         assert (451, True) == (code, text.startswith(b"4.3.0 ")), (code, text)
