@@ -20,24 +20,20 @@ Prints one JSON object: ``{"bench": "ab_steps", "old": TREE, "new": TREE, "worke
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
 
+from mtaq.testing.procs import free_port, wait_for
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def imported_tree(python: str, tree: str, cwd: str) -> str:
@@ -47,17 +43,12 @@ def imported_tree(python: str, tree: str, cwd: str) -> str:
     return out.stdout.strip()
 
 
-def wait_for(path: str, needle: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                if needle in f.read():
-                    return
-        except FileNotFoundError:
-            pass
-        time.sleep(0.1)
-    raise SystemExit(f"ab_steps: no {needle!r} in {path} after {timeout_s} s")
+def _logged(path: str, needle: str) -> bool:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return needle in f.read()
+    except FileNotFoundError:
+        return False
 
 
 def one_round(args: argparse.Namespace, python: str, work: str) -> dict[str, Any]:
@@ -72,16 +63,17 @@ def one_round(args: argparse.Namespace, python: str, work: str) -> dict[str, Any
             spool = tempfile.mkdtemp(prefix=f"{side}-", dir=work)
             os.chmod(spool, 0o755)  # run as root, the daemon drops to its mail_owner
             port = free_port()
-            log = open(os.path.join(work, f"{side}.log"), "ab")
-            procs.append(subprocess.Popen(
-                [python, "-m", "mtaq.cli", "serve", "--spool", os.path.join(spool, "spool"), "--listen",
-                 f"127.0.0.1:{port}", "--relayhost", f"[127.0.0.1]:{sink_port}", "--admin-listen", "",
-                 "--workers", str(args.workers)],
-                cwd=work, env={**os.environ, "PYTHONPATH": tree}, stdout=log, stderr=log, start_new_session=True))
+            with open(os.path.join(work, f"{side}.log"), "ab") as log:  # the daemon keeps its own copy
+                procs.append(subprocess.Popen(
+                    [python, "-m", "mtaq.cli", "serve", "--spool", os.path.join(spool, "spool"), "--listen",
+                     f"127.0.0.1:{port}", "--relayhost", f"[127.0.0.1]:{sink_port}", "--admin-listen", "",
+                     "--workers", str(args.workers)],
+                    cwd=work, env={**os.environ, "PYTHONPATH": tree}, stdout=log, stderr=log, start_new_session=True))
             ports.append(port)
             pids.append(procs[-1].pid)
         for side in ("old", "new"):
-            wait_for(os.path.join(work, f"{side}.log"), "recovery_complete", 60)
+            log_path = os.path.join(work, f"{side}.log")
+            wait_for(functools.partial(_logged, log_path, "recovery_complete"), 60, f"recovery_complete in {log_path}")
         time.sleep(1.0)
         out = subprocess.run([python, os.path.join(HERE, "session_steps.py"), "--port", *map(str, ports),
                               "--cpu-pid", *map(str, pids), "--sessions", str(args.sessions), "--size", str(args.size)],
