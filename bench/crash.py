@@ -110,6 +110,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -787,7 +788,12 @@ def main(argv: list[str] | None = None) -> int:
                 if e.get("queue_id") == qid or e.get("dsn_for") == qid:
                     print(f"crash:   {json.dumps(e)}", file=sys.stderr)
     except Exception as exc:
-        broken.append(f"{type(exc).__name__}: {exc}")
+        # A harness error names where it happened (the last frame) and prints its traceback: an error
+        # that is not reproduced alone must still say where to look.
+        tb = traceback.extract_tb(exc.__traceback__)
+        where = f" at {os.path.basename(tb[-1].filename)}:{tb[-1].lineno}" if tb else ""
+        broken.append(f"{type(exc).__name__}: {exc}{where}")
+        traceback.print_exc(file=sys.stderr)
         result = {"messages": n, "cycles": kills_done, "seed": seed, "errors": broken,
                   "elapsed_s": round(time.monotonic() - t0, 2)}
     finally:
