@@ -10,6 +10,8 @@ import asyncio
 import socket
 import time
 
+import pytest
+
 from mtaq.daemon.anvil import AnvilClient, AnvilServer
 from mtaq.edge.limits import ConnectionGate
 
@@ -198,3 +200,257 @@ def test_what_a_cut_off_worker_held_is_given_back_and_a_release_counts_once():
 
     assert [None, None, "too many connections from 192.0.2.1"] == asyncio.run(main())
     assert (2, {"192.0.2.1": 2}, {}) == (host.active, host._per_client, host._auth_checking)
+
+
+def _lan_gate(connections_max: int = 10, reserve: int = 4) -> ConnectionGate:
+    """connections_max 10 with 4 kept for mynetworks (127.0.0.1 here): 6 for the outside, 2 places ahead."""
+    return ConnectionGate(connections_max=connections_max, per_client_per_minute_max=0, client_connections_max=50,
+                          mynetworks_reserve=reserve, exempt=lambda ip: ip == "127.0.0.1")
+
+
+async def _until(check, what: str) -> None:
+    deadline = time.monotonic() + 10
+    while not check():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.005)
+
+
+def test_places_ahead_admit_mynetworks_clients_without_a_round_trip_and_connections_max_stays_exact():
+    """Two workers of one anvil, connections_max 10, 4 of them kept for mynetworks (so at most 2 places ahead).
+    Worker 1's first mynetworks client is admitted by asking (A) and gets it the 2 places; its next two clients
+    take them without a message to the anvil (the host's count does not move). The outside takes its 6,
+    the 7th is refused; worker 2's mynetworks clients get the rest by asking, up to exactly 10 in all; worker
+    1, its places used, is refused too. Ended connections put their places back in worker 1's pool, and
+    the host's count only drops once the worker gives them back (its socket closed)."""
+    host = _lan_gate()
+    pairs = [socket.socketpair() for _ in range(2)]
+    server = AnvilServer(host, [a for a, _b in pairs])
+    lines: list[bytes] = []
+    answer = server.answer
+
+    def counted(line: bytes, s: socket.socket | None = None) -> bytes | None:
+        lines.append(line.split(b" ", 1)[1])
+        return answer(line, s)
+
+    server.answer = counted  # type: ignore[method-assign]
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for s in server.sockets:
+            loop.add_reader(s, server.readable, s)
+        w1, w2 = (AnvilClient(b, _lan_gate(), timeout_s=5) for _a, b in pairs)
+        await w1.start()
+        await w2.start()
+        assert await w1.ask_admit("127.0.0.1") is None
+        await _until(lambda: w1._places == 2, "worker 1's places")
+        assert (3, 2) == (host.active, host.places)
+        assert [b"P 4 -", b"A 127.0.0.1"] == lines
+        sent = w1._next  # messages worker 1 has put on the wire
+        assert [None, None] == [await w1.ask_admit("127.0.0.1"), await w1.ask_admit("127.0.0.1")]
+        assert (3, 0) == (host.active, w1._places)  # taken from the places: the host already counted them
+        assert sent + 1 == w1._next  # only the ask for more places (its pool ran low): no admission asked
+        outside = [await w2.ask_admit(f"192.0.2.{i}") for i in range(1, 8)]
+        assert [None] * 6 + ["too many connections"] == outside
+        assert 9 == host.active
+        assert [None, "too many connections"] == [await w2.ask_admit("127.0.0.1"), await w2.ask_admit("127.0.0.1")]
+        await _until(lambda: not w1._asking_places, "worker 1's second ask answered")
+        assert "too many connections" == await w1.ask_admit("127.0.0.1")
+        assert (10, 6) == (host.active, host.active_outside)  # exactly connections_max
+        sent = w1._next
+        for _ in range(2):
+            w1.release("127.0.0.1")  # from a place: back in the pool, nothing on the wire
+        assert (2, 10, sent) == (w1._places, host.active, w1._next)
+        assert [None, None] == [await w1.ask_admit("127.0.0.1"), await w1.ask_admit("127.0.0.1")]
+        w1.release("127.0.0.1")  # places are alike: any connection of an IP that took one puts one back
+        assert (1, 10) == (w1._places, host.active)
+        pairs[0][1].close()  # worker 1 gone: the host gives back its 2 places (in use or not) and its admission
+        await _until(lambda: host.active == 7 and host.places == 0, "worker 1's places given back")
+        assert [b"P 4 -", b"A 127.0.0.1"] == [line for line in lines if not line.startswith(b"A 192.")][:2]
+        for s in server.sockets:
+            loop.remove_reader(s)
+
+    asyncio.run(main())
+
+
+def test_a_pool_over_places_keep_gives_the_rest_back():
+    """A worker whose mynetworks connections end returns their places to its pool; above PLACES_KEEP idle it
+    gives all but PLACES_ASK back to the host (G), so idle places do not pile up in one worker."""
+    from mtaq.daemon.anvil import PLACES_ASK, PLACES_KEEP
+
+    host = _lan_gate(connections_max=100, reserve=40)  # 20 places ahead at most
+    ours, theirs = socket.socketpair()
+    server = AnvilServer(host, [ours])
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        loop.add_reader(ours, server.readable, ours)
+        w = AnvilClient(theirs, _lan_gate(connections_max=100, reserve=40), timeout_s=5)
+        await w.start()
+        for _ in range(PLACES_KEEP + 1):
+            assert await w.ask_admit("127.0.0.1") is None
+            await _until(lambda: not w._asking_places, "the ask answered")
+        held = host.places
+        assert held >= PLACES_KEEP + 1
+        for _ in range(PLACES_KEEP + 1):
+            w.release("127.0.0.1")
+        await _until(lambda: host.places < held, "the extra places given back")
+        assert PLACES_ASK <= w._places <= PLACES_KEEP  # the pool was cut back to PLACES_ASK, then grew
+        assert host.places == w._places + sum(w._place_ips.values())
+        loop.remove_reader(ours)
+
+    asyncio.run(main())
+    ours.close()
+
+
+@pytest.mark.parametrize("line", [b"1 P 0 -\n", b"1 P 65 -\n", b"1 P x -\n", b"1 G -1\n", b"1 G 0\n", b"1 Y x\n",
+                                  b"1 Y 65\n", b"1 P \xd9\xa3 -\n"])
+def test_a_count_of_places_out_of_range_is_not_the_wire(line):
+    """P and G take a count of 1 to PLACES_MAX; anything else, and a release of the places' own key, closes
+    that worker's socket (it then decides alone) and grants nothing."""
+    host = _lan_gate()
+    ours, theirs = socket.socketpair()
+    server = AnvilServer(host, [ours])
+    theirs.send(line)
+    assert not server.readable(ours)
+    assert ([], 0, 0) == (server.sockets, host.active, host.places)
+    theirs.close()
+
+
+async def _workers(host: ConnectionGate, n: int, gate=None) -> tuple[AnvilServer, list[AnvilClient], list]:
+    pairs = [socket.socketpair() for _ in range(n)]
+    server = AnvilServer(host, [a for a, _b in pairs])
+    loop = asyncio.get_running_loop()
+    for s in server.sockets:
+        loop.add_reader(s, server.readable, s)
+    clients = [AnvilClient(b, gate() if gate else _lan_gate(host.connections_max, host.mynetworks_reserve), timeout_s=5)
+               for _a, b in pairs]
+    for c in clients:
+        await c.start()
+    return server, clients, pairs
+
+
+def test_idle_places_are_called_back_before_an_admission_is_refused_for_room():
+    """Review of stop 57: with connections_max 10 and 4 kept for mynetworks, 2 places idle in worker 1 made
+    the host refuse the 6th outside client at 8 real connections. Now an admission the host has no room for
+    while places are out waits: the host calls back the idle places (``0 X``, answered ``Y N``), then
+    decides; the client is admitted, and exactly connections_max is still never passed."""
+    host = _lan_gate()
+
+    async def main() -> None:
+        server, (w1, w2), _pairs = await _workers(host, 2)
+        assert await w1.ask_admit("127.0.0.1") is None  # asks A, and 2 places ahead for later
+        await _until(lambda: w1._places == 2, "worker 1's places")
+        w1.release("127.0.0.1")  # the asked admission ends: 2 idle places left in worker 1
+        await _until(lambda: host.active == 2, "the release")
+        assert [None] * 3 == [await w2.ask_admit("127.0.0.1") for _ in range(3)]
+        assert [None] * 5 == [await w2.ask_admit(f"192.0.2.{i}") for i in range(1, 6)]
+        assert (10, 5, 2) == (host.active, host.active_outside, host.places)
+        assert await w2.ask_admit("192.0.2.6") is None  # before: "too many connections"
+        assert (9, 6, 0, 0) == (host.active, host.active_outside, host.places, w1._places)
+        assert "too many connections" == await w2.ask_admit("192.0.2.7")  # the outside's 6 are taken
+        assert None is await w2.ask_admit("127.0.0.1")
+        assert "too many connections" == await w2.ask_admit("127.0.0.1")  # 10 real connections: full
+        assert 10 == host.active
+        for s in server.sockets:
+            asyncio.get_running_loop().remove_reader(s)
+
+    asyncio.run(main())
+
+
+def test_a_worker_that_does_not_answer_a_recall_delays_an_admission_by_recall_wait_s_at_most():
+    """A worker holding places that never answers ``0 X`` (hung): the parked admission is decided after
+    RECALL_WAIT_S (refused: there is no room), well within the asking worker's own timeout."""
+    from mtaq.daemon.anvil import RECALL_WAIT_S
+
+    host = _lan_gate(connections_max=4, reserve=2)  # 1 place ahead at most
+
+    async def main() -> None:
+        hung_ours, hung = socket.socketpair()
+        pairs = [socket.socketpair()]
+        server = AnvilServer(host, [hung_ours, pairs[0][0]])
+        loop = asyncio.get_running_loop()
+        for s in server.sockets:
+            loop.add_reader(s, server.readable, s)
+        hung.send(b"1 P 1 -\n")
+        await _until(lambda: host.places == 1, "the hung worker's place")
+        w = AnvilClient(pairs[0][1], _lan_gate(connections_max=4, reserve=2), timeout_s=5)
+        await w.start()
+        assert [None] * 3 == [await w.ask_admit(f"192.0.2.{i}") for i in (1, 2)] + [await w.ask_admit("127.0.0.1")]
+        assert 4 == host.active
+        t0 = time.monotonic()
+        waiter = asyncio.ensure_future(w.ask_admit("127.0.0.1"))
+        while not waiter.done():  # what wait_serving does between its selects
+            server.due()
+            await asyncio.sleep(0.01)
+        assert "too many connections" == waiter.result()
+        assert RECALL_WAIT_S <= time.monotonic() - t0 < 2
+        assert b"0 X\n" in hung.recv(100)
+        for s in server.sockets:
+            loop.remove_reader(s)
+
+    asyncio.run(main())
+
+
+def test_places_go_only_to_a_worker_whose_mynetworks_is_the_hosts():
+    """Review of stop 57: a worker whose mynetworks differs from the host's (it reloaded first, or the host's
+    reload failed) admitted from its places a client the host counts as outside, past its per-client limit.
+    Now the host grants no place to a worker whose exemption key is not its own: the worker asks, and the
+    host decides, by its own mynetworks."""
+    host = ConnectionGate(connections_max=10, per_client_per_minute_max=0, client_connections_max=1,
+                          mynetworks_reserve=4, exempt=lambda ip: False, exempt_key="host-networks")
+
+    def lenient() -> ConnectionGate:
+        return ConnectionGate(connections_max=10, per_client_per_minute_max=0, client_connections_max=1,
+                              mynetworks_reserve=4, exempt=lambda ip: True, exempt_key="worker-networks")
+
+    async def main() -> None:
+        server, (w,), _pairs = await _workers(host, 1, lenient)
+        got = [await w.ask_admit("192.0.2.1") for _ in range(3)]
+        await _until(lambda: not w._asking_places, "the ask answered")
+        assert [None, "too many connections from 192.0.2.1", "too many connections from 192.0.2.1"] == got
+        assert (0, 0, 1) == (w._places, host.places, host.active)
+        for s in server.sockets:
+            asyncio.get_running_loop().remove_reader(s)
+
+    asyncio.run(main())
+
+
+def test_the_host_reading_its_limits_again_calls_back_the_idle_places():
+    """``L`` (worker 0 reloaded): the places idle in every worker were granted under the old mynetworks;
+    they come back, and a worker asks again (naming its mynetworks) only after _PLACES_RETRY_S."""
+    host = _lan_gate()
+    read_again: list[int] = []
+
+    async def main() -> None:
+        server, (w1, w2), _pairs = await _workers(host, 2)
+        server.reconfigure = lambda: read_again.append(1)
+        assert await w1.ask_admit("127.0.0.1") is None
+        await _until(lambda: w1._places == 2, "worker 1's places")
+        w2.reconfigure_host()
+        await _until(lambda: host.places == 0, "the idle places back")
+        assert ([1], 0, 1) == (read_again, w1._places, host.active)
+        for s in server.sockets:
+            asyncio.get_running_loop().remove_reader(s)
+
+    asyncio.run(main())
+
+
+def test_a_give_back_larger_than_held_and_a_grant_never_pass_what_the_host_allows():
+    """The review's surviving mutations: ``G`` naming more places than that worker holds gives back only its
+    own (not another worker's), and places ahead never take ``active`` past connections_max."""
+    host = _lan_gate(connections_max=10, reserve=8)  # 4 places ahead at most
+    a, b = socket.socketpair(), socket.socketpair()
+    server = AnvilServer(host, [a[0], b[0]])
+    assert b"1 +2\n" == server.answer(b"1 P 2 -", a[0])
+    assert b"1 +2\n" == server.answer(b"1 P 2 -", b[0])
+    assert None is server.answer(b"2 G 4", a[0])
+    assert (2, 2) == (host.places, host.active)  # worker b's 2 still counted
+    for i in range(7):
+        assert b"%d +\n" % (10 + i) == server.answer(b"%d A 127.0.0.1" % (10 + i), a[0])
+    assert 9 == host.active
+    assert b"3 +1\n" == server.answer(b"3 P 4 -", a[0])  # room for one: one granted
+    assert (10, 3) == (host.active, host.places)
+    assert b"4 +0\n" == server.answer(b"4 P 4 -", a[0])
+    assert 10 == host.active
+    for s in (*a, *b):
+        s.close()

@@ -390,6 +390,41 @@ def _greetings(port: int, sources: list[str]) -> list[str]:
             s.close()
 
 
+def test_mynetworks_clients_take_places_ahead_and_connections_max_holds_with_two_workers(tmp_path, pki,
+                                                                                         passwd_file):
+    """Places ahead (mtaq.daemon.anvil: a worker admits its mynetworks clients without asking the supervisor
+    each time). connections_max = 20 with 20 % kept for mynetworks (4, so at most 2 places ahead for the host),
+    two workers. With 16 outside connections held (a 17th gets 421), of 10 more from 127.0.0.1 (mynetworks)
+    2 to 4 are greeted: never more than connections_max, and the local network is not locked out (idle
+    places in the other worker take at most half the reserve). After 300 sessions of 127.0.0.1 ended with
+    QUIT, of 25 held from it 18 to 20 are greeted, never more: no place is lost or counted twice."""
+    d = _daemon(tmp_path, pki, passwd_file, 2, "connections_max = 20\nsmtpd_mynetworks_reserve_percent = 20\n"
+                "connections_per_client_per_minute_max = 0\n")
+
+    def lan_greeted(n: int) -> int:
+        firsts = _greetings(d.port, ["127.0.0.1"] * n)
+        assert n == firsts.count("220") + firsts.count("421"), firsts
+        assert firsts.count("220") <= 20  # connections_max, whatever the places
+        return firsts.count("220")
+
+    held: list[socket.socket] = []
+    try:
+        for _ in range(17):
+            held.append(_outside(d.port))
+        firsts = [_first_reply(s) for s in held]
+        assert {"220": 16, "421": 1} == {code: firsts.count(code) for code in set(firsts)}
+        assert 2 <= lan_greeted(10) <= 4
+    finally:
+        for s in held:
+            s.close()
+    for _ in range(300):
+        with smtplib.SMTP("127.0.0.1", d.port, timeout=30) as c:
+            assert 250 == c.noop()[0]
+    wait_for(lambda: lan_greeted(25) >= 18, 30, "18 to 20 of 25 mynetworks connections greeted")
+    assert d.alive()
+    d.kill9()
+
+
 async def _churn(ports: list[int], n: int, sources: list[str], concurrency: int, how: str) -> int:
     """``n`` connections to ``ports`` (in turn) from ``sources`` (in turn), each ended right after connect,
     before the greeting: ``how`` "rst" (SO_LINGER 0: a reset) or "fin" (a plain close). Returns how many

@@ -598,6 +598,8 @@ class Daemon:
         st.timeout_s, st.tls_handshake_timeout_s = cfg.smtp_server_timeout_s, cfg.tls_handshake_timeout_s
         if self.own_gate is not None:
             self.own_gate.configure(**gate_limits(self.edge))
+            if self.host_gate is not None:
+                self.host_gate.limits_changed()  # its idle places were granted under the old mynetworks
         if self.host_gate is not None and self.shard == 0:
             self.host_gate.reconfigure_host()  # the supervisor's gate (the host's limits) reads them too
         # DKIM: messages whose DATA ends from now on (SMTP, the maildrop, DSNs).

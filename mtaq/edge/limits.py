@@ -22,8 +22,15 @@ so that every per-client count (connections at once, the connection rate, the AU
 the addresses of one prefix (:func:`client_key`). IPv4 (and IPv4-mapped IPv6) addresses count one by one.
 Refusals still name the real address.
 
-Must always hold: ``active`` equals the admitted connections not yet released, and never exceeds
-``connections_max``; ``active`` minus the admitted mynetworks connections never exceeds
+With several workers the supervisor's gate may also admit connections of mynetworks clients *ahead*
+(:meth:`ConnectionGate.admit_ahead`): places a worker holds and gives to its mynetworks clients without
+asking (:mod:`mtaq.daemon.anvil`). Such a place counts in ``active`` as a mynetworks connection from when it
+is given to the worker until the worker gives it back; at most ``mynetworks_reserve // 2`` are out at once
+(``places``), so that idle places held by one worker can never take the whole reserve from a mynetworks
+client of another.
+
+Must always hold: ``active`` equals the admitted connections not yet released plus the ``places`` out,
+and never exceeds ``connections_max``; ``active`` minus the admitted mynetworks connections never exceeds
 ``connections_max - mynetworks_reserve``; the memory per client is bounded by its limit. A reload
 (:meth:`ConnectionGate.configure`) that lowers a limit ends no connection: new ones are refused until
 enough of those admitted before it have ended.
@@ -100,8 +107,12 @@ class ConnectionGate:
         mynetworks_reserve: int = 0,
         auth_failures_per_minute_max: int = 0,
         ipv6_prefix_length: int = IPV6_PREFIX_LENGTH,
+        exempt_key: str = "",
     ) -> None:
         self.connections_max = connections_max
+        # Names the exemption rule (``exempt``): two gates with the same key exempt the same clients (the
+        # anvil grants places ahead only to a worker whose key is the host's).
+        self.exempt_key = exempt_key
         self.per_client_max = per_client_per_minute_max
         self.exempt = exempt
         self.clock = clock
@@ -111,6 +122,7 @@ class ConnectionGate:
         self.ipv6_prefix_length = ipv6_prefix_length
         self.active = 0
         self.active_outside = 0  # admitted connections of clients not exempt
+        self.places = 0  # admitted ahead for exempt clients (admit_ahead), counted in active
         # Keyed by client (client_key): what the limits count.
         # Ordered by last event, oldest first; OrderedDicts: a plain dict's first key after many deletions from
         # its front walks every deleted slot (O(table) per call), an OrderedDict's is O(1).
@@ -129,7 +141,7 @@ class ConnectionGate:
 
     def configure(self, *, connections_max: int, per_client_per_minute_max: int, exempt: Callable[[str], bool],
                   client_connections_max: int, mynetworks_reserve: int, auth_failures_per_minute_max: int,
-                  ipv6_prefix_length: int = IPV6_PREFIX_LENGTH) -> None:
+                  ipv6_prefix_length: int = IPV6_PREFIX_LENGTH, exempt_key: str = "") -> None:
         """New limits (``mtaq reload``; the arguments as for the constructor) for the admissions from now on.
 
         The counts are kept: the connections admitted before (``active``, per client) still count, and
@@ -139,6 +151,7 @@ class ConnectionGate:
         go to the new client of its prefix's first address (merged when the prefix is shorter)."""
         self.connections_max = connections_max
         self.exempt = exempt
+        self.exempt_key = exempt_key
         self.client_connections_max = client_connections_max
         self.mynetworks_reserve = max(0, min(mynetworks_reserve, connections_max - 1))
         if per_client_per_minute_max != self.per_client_max:
@@ -195,6 +208,24 @@ class ConnectionGate:
             _decrement(self._per_ip, ip)
             _decrement(self._per_client, self.key(ip))
             self.active_outside = max(0, self.active_outside - 1)
+
+    def admit_ahead(self, n: int) -> int:
+        """Admit up to ``n`` connections of exempt (mynetworks) clients ahead of their arrival: the number
+        admitted (0..n), which count in ``active`` until :meth:`release_ahead`. At most
+        ``mynetworks_reserve // 2`` are out at once, and only while ``connections_max`` has room."""
+        k = min(n, self.mynetworks_reserve // 2 - self.places, self.connections_max - self.active)
+        if k <= 0:
+            return 0
+        self.places += k
+        self.active += k
+        return k
+
+    def release_ahead(self, n: int) -> None:
+        """``n`` places of :meth:`admit_ahead` are given back (an exempt connection that used one has ended,
+        or the place was not used); more than are out is read as all of them."""
+        n = max(0, min(n, self.places))
+        self.places -= n
+        self.active = max(0, self.active - n)
 
     def auth_failed(self, ip: str) -> None:
         """Count one failed AUTH attempt of ``ip`` (kept for :data:`RATE_WINDOW_S` seconds)."""

@@ -38,6 +38,7 @@ only reach ``relay_domains``.
 from __future__ import annotations
 
 import functools
+import hashlib
 import ipaddress
 import re
 import ssl
@@ -424,6 +425,11 @@ class EdgePolicy:
     def mynetworks_reserve(self) -> int:
         """The connections (of ``connections_max``) kept for mynetworks clients: the percentage, rounded down."""
         return int(self.connections_max * self.mynetworks_reserve_percent / 100)
+
+    def mynetworks_key(self) -> str:
+        """A short name of ``mynetworks`` (16 hex digits of a BLAKE2s digest of the networks in order): equal
+        for the same networks, so that two processes can tell whether they exempt the same clients."""
+        return hashlib.blake2s(",".join(str(n) for n in self.mynetworks).encode(), digest_size=8).hexdigest()
 
     def in_mynetworks(self, ip: str) -> bool:
         """Whether the client address ``ip`` (text; IPv4-mapped IPv6 counts as IPv4) is in ``mynetworks``;

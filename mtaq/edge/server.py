@@ -437,6 +437,7 @@ def gate_limits(policy: EdgePolicy) -> dict[str, Any]:
         "mynetworks_reserve": policy.mynetworks_reserve(),
         "auth_failures_per_minute_max": policy.auth_failures_per_minute_max,
         "ipv6_prefix_length": policy.client_ipv6_prefix_length,
+        "exempt_key": policy.mynetworks_key(),
     }
 
 
