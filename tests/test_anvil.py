@@ -454,3 +454,174 @@ def test_a_give_back_larger_than_held_and_a_grant_never_pass_what_the_host_allow
     assert 10 == host.active
     for s in (*a, *b):
         s.close()
+
+
+# ------------------------------------------------------------------ the second review of places ahead (stop 57)
+
+
+@pytest.mark.parametrize("line", [b"1 G 1\n", b"1 Y 0\n"])
+def test_a_give_back_from_a_worker_granted_no_place_changes_nothing(line):
+    """Finding 1: ``G`` or ``Y`` from a worker the host never granted a place raised KeyError in the
+    supervisor. It is ignored: the socket stays open, no count moves."""
+    host = _lan_gate()
+    ours, theirs = socket.socketpair()
+    server = AnvilServer(host, [ours])
+    theirs.send(line + b"2 A 127.0.0.1\n")
+    assert server.readable(ours)
+    assert b"2 +\n" == theirs.recv(100)
+    assert ([ours], 1, 0) == (server.sockets, host.active, host.places)
+    ours.close()
+    theirs.close()
+
+
+@pytest.mark.parametrize("tail", [b"4 R 192.0.2.9\n", b"4 G 1\n"])
+def test_lines_read_with_an_admission_that_recalls_count_once_even_when_the_worker_is_gone(tail):
+    """Finding 2: worker 1 (2 places, one admission of 192.0.2.9) sends an admission the full host parks
+    (recalling its places), then a release, and exits. Sending the recall failed and closed its socket in the
+    middle of its lines, and the release after was counted again, taking worker 2's admission of the same
+    address. Now a recall only queues its message: the lines count once, then the closed socket gives back
+    what worker 1 still held, and worker 2 keeps its own."""
+    host = ConnectionGate(connections_max=6, per_client_per_minute_max=0, mynetworks_reserve=4,
+                          client_connections_max=9, exempt=lambda ip: ip == "127.0.0.1", exempt_key="k")
+    p1, p2 = socket.socketpair(), socket.socketpair()
+    server = AnvilServer(host, [p1[0], p2[0]])
+    assert b"1 +2\n" == server.answer(b"1 P 2 k", p1[0])
+    assert b"2 +\n" == server.answer(b"2 A 192.0.2.9", p1[0])
+    assert b"1 +\n" == server.answer(b"1 A 192.0.2.9", p2[0])
+    assert b"2 +\n" == server.answer(b"2 A 127.0.0.1", p2[0])
+    assert b"3 +\n" == server.answer(b"3 A 127.0.0.1", p2[0])
+    assert 6 == host.active
+    p1[1].send(b"3 A 127.0.0.1\n" + tail)
+    p1[1].close()
+    assert not server.readable(p1[0])
+    assert (3, {"192.0.2.9": 1}, {"192.0.2.9": 1, "127.0.0.1": 2}) == (host.active, dict(host._per_ip),
+                                                                       server._held[p2[0]])
+    assert [p2[0]] == server.sockets
+    for s in (p2[0], p2[1], p1[0]):
+        s.close()
+
+
+def test_a_recall_read_with_the_grant_before_it_gives_those_places_back():
+    """Finding 3: the host grants places (``+2``) and, before the worker's loop has run, calls them back (an
+    admission at capacity). The worker read both lines in one go but took the grant after answering the
+    recall (``Y 0``): the places stayed idle in its pool and the parked admission was refused. Now the grant
+    is taken in order, so the ``Y`` gives both back and the admission gets one of them."""
+    host = ConnectionGate(connections_max=6, per_client_per_minute_max=0, client_connections_max=9,
+                          mynetworks_reserve=4, exempt=lambda ip: ip == "127.0.0.1", exempt_key="k")
+    p1, p2 = socket.socketpair(), socket.socketpair()
+    server = AnvilServer(host, [p1[0], p2[0]])
+
+    async def main() -> None:
+        w1 = AnvilClient(p1[1], ConnectionGate(connections_max=6, per_client_per_minute_max=0,
+                                               client_connections_max=9, mynetworks_reserve=4,
+                                               exempt=lambda ip: ip == "127.0.0.1", exempt_key="k"), timeout_s=5)
+        await w1.start()
+        for i, ip in enumerate(("192.0.2.1", "192.0.2.2", "127.0.0.1", "127.0.0.1"), 1):
+            assert b"%d +\n" % i == server.answer(b"%d A %s" % (i, ip.encode()), p2[0])
+        w1._ask_places()  # "P" on the wire; the worker's loop has not run
+        await asyncio.sleep(0)
+        server.readable(p1[0])  # granted: +2, the host is full
+        assert (6, 2) == (host.active, host.places)
+        p2[1].send(b"5 A 127.0.0.1\n")
+        server.readable(p2[0])  # parked, "0 X" to worker 1 (both lines now wait in worker 1's socket)
+        assert (1, [p1[0]]) == (len(server._parked), list(server._waiting))
+        await _until(lambda: server.readable(p1[0]) and not server._waiting, "worker 1's answer to the recall")
+        assert (0, 0, 5) == (w1._places, host.places, host.active)
+        assert b"5 +\n" == p2[1].recv(100)
+
+    asyncio.run(main())
+    for s in (*p1, *p2):
+        s.close()
+
+
+def test_a_place_in_use_when_the_worker_reloads_goes_back_to_the_host_when_its_connection_ends():
+    """Finding 4: a place used by a connection when the worker's mynetworks changed went back to its pool at
+    the connection's end and was used under the new rule (a client the host counts as outside got in past
+    its per-client limit). Now the idle places go back at the reload and the used ones when their
+    connections end; a grant asked for under the old mynetworks and answered after the reload goes back too."""
+    host = ConnectionGate(connections_max=10, per_client_per_minute_max=0, client_connections_max=1,
+                          mynetworks_reserve=4, exempt=lambda ip: ip == "127.0.0.1", exempt_key="old")
+    worker = ConnectionGate(connections_max=10, per_client_per_minute_max=0, client_connections_max=1,
+                            mynetworks_reserve=4, exempt=lambda ip: ip == "127.0.0.1", exempt_key="old")
+
+    async def main() -> None:
+        server, (w,), _pairs = await _workers(host, 1, lambda: worker)
+        assert await w.ask_admit("127.0.0.1") is None
+        await _until(lambda: w._places == 2, "the places")
+        assert await w.ask_admit("127.0.0.1") is None  # from a place
+        assert (1, {"127.0.0.1": 1}, 2) == (w._places, w._place_ips, host.places)
+        worker.configure(connections_max=10, per_client_per_minute_max=0, client_connections_max=1,
+                         mynetworks_reserve=4, exempt=lambda ip: True, auth_failures_per_minute_max=0,
+                         exempt_key="new")
+        w.limits_changed()
+        await _until(lambda: host.places == 1, "the idle place back")
+        w.release("127.0.0.1")  # the connection that used a place ends: the place goes to the host
+        await _until(lambda: host.places == 0, "the used place back")
+        assert (0, {}) == (w._places, w._place_ips)
+        got = [await w.ask_admit("192.0.2.1") for _ in range(2)]  # asked: the host decides by its own rule
+        assert [None, "too many connections from 192.0.2.1"] == got
+        await _until(lambda: not w._asking_places, "the ask answered")
+        assert 0 == host.places  # "new" is not the host's key: no place
+        for s in server.sockets:
+            asyncio.get_running_loop().remove_reader(s)
+
+    asyncio.run(main())
+
+
+def test_a_grant_answered_after_the_worker_reloaded_goes_back():
+    """The ask named the old mynetworks; the grant comes after the worker read its new one: straight back."""
+    host = _lan_gate()
+    worker = _lan_gate()
+
+    async def main() -> None:
+        server, (w,), pairs = await _workers(host, 1, lambda: worker)
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(pairs[0][0])  # the host reads the ask only after the reload
+        w._ask_places()
+        await asyncio.sleep(0.01)
+        worker.exempt_key = "reloaded"
+        w.limits_changed()
+        loop.add_reader(pairs[0][0], server.readable, pairs[0][0])
+        await _until(lambda: not w._asking_places, "the ask answered")
+        await _until(lambda: host.places == 0 and host.active == 0, "the grant given back")
+        assert 0 == w._places
+        loop.remove_reader(pairs[0][0])
+
+    asyncio.run(main())
+
+
+def test_a_recall_without_a_parked_admission_ends_and_a_late_answer_does_not_end_a_newer_one():
+    """Suspected in the review: a recall that a worker never answers stayed under way for good (no place was
+    granted again), and a late ``Y`` to an abandoned recall ended a newer one before the worker's answer to
+    it. Now a recall ends after RECALL_WAIT_S whether or not an admission waits, and each worker's ``Y`` is
+    matched to the ``X`` it answers by count."""
+    from mtaq.daemon.anvil import RECALL_WAIT_S
+
+    host = _lan_gate()
+    ours, theirs = socket.socketpair()
+    server = AnvilServer(host, [ours])
+    now = [0.0]
+    server.clock = lambda: now[0]
+    theirs.send(b"1 P 2 -\n2 L -\n")  # granted 2, then the host reads its limits again: a recall
+    assert server.readable(ours)
+    assert [b"1 +2", b"0 X"] == theirs.recv(100).split(b"\n")[:2]
+    assert 0 < server.due() <= RECALL_WAIT_S
+    theirs.send(b"3 P 1 -\n")
+    assert server.readable(ours)
+    assert (b"3 +0\n", 2) == (theirs.recv(100), host.places)  # no grant while calling back
+    now[0] += RECALL_WAIT_S
+    assert server.due() is None  # ended unanswered
+    theirs.send(b"4 L -\n")  # a second recall: "0 X" again
+    assert server.readable(ours)
+    assert b"0 X\n" == theirs.recv(100)
+    theirs.send(b"5 Y 0\n")  # the late answer to the first: the second still waits
+    assert server.readable(ours)
+    assert ({ours: 2}, 2) == (server._waiting, host.places)
+    theirs.send(b"6 Y 2\n")  # the answer to the second
+    assert server.readable(ours)
+    assert ({}, None, 0, 0) == (server._waiting, server.due(), host.places, host.active)
+    theirs.send(b"7 P 1 -\n")
+    assert server.readable(ours)
+    assert b"7 +1\n" == theirs.recv(100)  # granted again
+    ours.close()
+    theirs.close()

@@ -100,8 +100,15 @@ class AnvilServer:
         self._checks: dict[socket.socket, dict[str, int]] = {}
         # Places ahead granted to each worker and not given back (used by a connection or idle in its pool).
         self._places: dict[socket.socket, int] = {}
-        self._recalled: set[socket.socket] = set()  # asked for their idle places ("0 X"), not yet answered (Y)
-        self._parked: list[tuple[socket.socket, str, str, float]] = []  # (socket, ident, ip, deadline) of an A
+        # Recalls ("0 X"): each worker answers every X with one Y, in order, so the X's sent to a worker and
+        # the Y's read from it, both counted from the start, say which recall a Y answers. A recall waits for
+        # each worker it asked until that worker's Y count reaches ``_waiting[w]`` (or until ``_recall_until``).
+        self._x_sent: dict[socket.socket, int] = {}
+        self._y_read: dict[socket.socket, int] = {}
+        self._waiting: dict[socket.socket, int] = {}
+        self._recall_until: float | None = None  # monotonic deadline of the recall under way (None: none)
+        self._parked: list[tuple[socket.socket, str, str]] = []  # (socket, ident, ip) of the A's it holds back
+        self._dirty: set[socket.socket] = set()  # other workers' sockets given output while one was read
         self.clock = time.monotonic
         for s in socks:
             s.setblocking(False)
@@ -119,6 +126,8 @@ class AnvilServer:
         Raises ValueError when it is not the wire. A release (``R``) or an end (``E``) the worker on ``s``
         holds nothing for is ignored: each place is given back once."""
         ident, op, ip = line.decode("ascii").split(" ", 2)
+        if s is not None and s not in self._in:
+            return None  # a socket closed already (what it held is given back): nothing it says counts
         g = self.gate
         held = self._held.get(s) if s is not None else None
         checks = self._checks.get(s) if s is not None else None
@@ -126,9 +135,9 @@ class AnvilServer:
             if s is not None and (self._parked or (g.active >= g.connections_max and any(self._places.values()))):
                 # No room while places may sit idle in the workers' pools: call them back, and decide this
                 # admission when they are back (or after RECALL_WAIT_S), in the order asked.
-                if not self._recalled:
+                self._parked.append((s, ident, ip))
+                if self._recall_until is None:
                     self._recall()
-                self._parked.append((s, ident, ip, self.clock() + RECALL_WAIT_S))
                 return None
             return self._admit(s, ident, ip)
         if op == "B":
@@ -144,7 +153,7 @@ class AnvilServer:
             k = 0
             # Only to a worker that exempts the clients this gate exempts (the same mynetworks: a worker that
             # reloaded before the host, or a host whose reload failed, gets none), and never while calling back.
-            if s is not None and key == (g.exempt_key or "-") and not self._recalled and not self._parked:
+            if s is not None and key == (g.exempt_key or "-") and self._recall_until is None and not self._parked:
                 k = g.admit_ahead(n)
                 self._places[s] = self._places.get(s, 0) + k
             return f"{ident} +{k}\n".encode()
@@ -152,12 +161,15 @@ class AnvilServer:
             n = _count(ip, zero=op == "Y")  # Y: the answer to a recall, the whole idle pool (0 or more)
             if s is not None:
                 n = min(n, self._places.get(s, 0))
-                self._places[s] -= n
-                g.release_ahead(n)
-                if op == "Y" and s in self._recalled:
-                    self._recalled.discard(s)
-                    if not self._recalled:
-                        self._decide_parked()
+                if n:
+                    self._places[s] -= n
+                    g.release_ahead(n)
+                if op == "Y":
+                    self._y_read[s] = self._y_read.get(s, 0) + 1
+                    if s in self._waiting and self._y_read[s] >= self._waiting[s]:
+                        del self._waiting[s]
+                        if not self._waiting:
+                            self._end_recall()
             return None
         if op == "R":
             if held is None or _take(held, ip):
@@ -170,7 +182,7 @@ class AnvilServer:
         elif op == "L":
             if self.reconfigure is not None:
                 self.reconfigure()
-            if not self._recalled:
+            if self._recall_until is None:
                 self._recall()  # idle places were granted under the old mynetworks: back, and asked again
         else:
             raise ValueError(f"unknown anvil message {op!r}")
@@ -184,35 +196,48 @@ class AnvilServer:
         return f"{ident} +\n".encode() if refusal is None else f"{ident} -{refusal}\n".encode("ascii", "replace")
 
     def _recall(self) -> None:
-        """Ask every worker holding places ahead for its idle ones (``0 X``; each answers ``Y N``)."""
+        """Ask every worker holding places ahead for its idle ones (``0 X``; each answers ``Y N``), and wait
+        for the answers (or :data:`RECALL_WAIT_S`). Only queues the messages (they go out when the sockets
+        are writable): nothing here closes a socket."""
         for w, n in self._places.items():
             if n and w in self._out:
                 self._out[w] += b"0 X\n"
-                self._recalled.add(w)
-        for w in list(self._recalled):
-            self.writable(w)
-        if not self._recalled:
-            self._decide_parked()
+                self._dirty.add(w)
+                self._x_sent[w] = self._x_sent.get(w, 0) + 1
+                self._waiting[w] = self._x_sent[w]
+        if self._waiting:
+            self._recall_until = self.clock() + RECALL_WAIT_S
+        else:
+            self._end_recall()
 
-    def _decide_parked(self) -> None:
-        """Answer the admissions parked for a recall, in the order they came."""
+    def _end_recall(self) -> None:
+        """The recall is over (every worker asked answered, closed, or the time is up): answer the admissions
+        held back for it, in the order they came (queued only, as in :meth:`_recall`)."""
+        self._waiting.clear()
+        self._recall_until = None
         parked, self._parked = self._parked, []
-        for s, ident, ip, _deadline in parked:
+        for s, ident, ip in parked:
             if s in self._out:
                 self._out[s] += self._admit(s, ident, ip)
-                self.writable(s)
+                self._dirty.add(s)
 
     def due(self) -> float | None:
-        """Seconds until the next parked admission must be decided, after deciding those due now (a worker
-        that does not answer a recall in RECALL_WAIT_S is not waited for); None when none is parked."""
-        if not self._parked:
+        """Seconds until the recall under way must end, after ending it if that time has come (a worker that
+        does not answer a recall in RECALL_WAIT_S is not waited for); None when no recall is under way."""
+        if self._recall_until is None:
             return None
-        left = self._parked[0][3] - self.clock()
+        left = self._recall_until - self.clock()
         if left > 0:
             return left
-        self._recalled.clear()
-        self._decide_parked()
+        self._end_recall()
+        self.flush()
         return None
+
+    def flush(self) -> None:
+        """Send what a recall queued for other workers than the one being read (each only once no loop over
+        its lines is running, so a socket that a failed send closes is never read on)."""
+        while self._dirty:
+            self.writable(self._dirty.pop())
 
     def readable(self, s: socket.socket) -> bool:
         """Read and answer what ``s`` has; False when it is closed (the worker is gone or broke the wire)."""
@@ -236,12 +261,19 @@ class AnvilServer:
                 del buf[: nl + 1]
                 if reply is not None:
                     out += reply
+                if s not in self._in:
+                    self.flush()
+                    return False  # closed meanwhile: the rest of what it sent does not count
             if len(buf) > IN_LINE_MAX:
                 raise ValueError("line too long")
         except (ValueError, UnicodeDecodeError):
             self.close(s)
+            self.flush()
             return False
-        return self.writable(s)
+        self._dirty.discard(s)
+        ok = self.writable(s)
+        self.flush()
+        return ok
 
     def writable(self, s: socket.socket) -> bool:
         """Send what is buffered for ``s``; False when it was closed."""
@@ -272,6 +304,8 @@ class AnvilServer:
         self._out.pop(s, None)
         self.gate.release_ahead(self._places.pop(s, 0))
         self._parked = [p for p in self._parked if p[0] is not s]
+        self._x_sent.pop(s, None)
+        self._y_read.pop(s, None)
         for ip, n in self._held.pop(s, {}).items():
             for _ in range(n):
                 self.gate.release(ip)
@@ -280,10 +314,10 @@ class AnvilServer:
                 self.gate.auth_end(ip)
         with contextlib.suppress(OSError):
             s.close()
-        if s in self._recalled:
-            self._recalled.discard(s)
-            if not self._recalled:
-                self._decide_parked()
+        if s in self._waiting:
+            del self._waiting[s]
+            if not self._waiting:
+                self._end_recall()
 
 
 def _count(text: str, *, zero: bool = False) -> int:
@@ -328,6 +362,7 @@ def wait_serving(server: AnvilServer | None, pids: Iterable[int]) -> tuple[int, 
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid:
                 return pid, status
+            wait = server.due()  # first: ending a recall queues answers, which need write interest below
             for s in server.sockets:
                 want = selectors.EVENT_READ | (selectors.EVENT_WRITE if server.wants_write(s) else 0)
                 if registered.get(s) != want:
@@ -336,7 +371,9 @@ def wait_serving(server: AnvilServer | None, pids: Iterable[int]) -> tuple[int, 
                     else:
                         sel.register(s, want, s)
                     registered[s] = want
-            wait = server.due()
+            for s in [s for s in registered if s not in server._in]:  # closed while another was read
+                sel.unregister(s)
+                del registered[s]
             if polling:
                 wait = 0.1 if wait is None else min(wait, 0.1)
             for key, events in sel.select(wait):
@@ -376,7 +413,11 @@ class AnvilClient:
         self._slow_logged = -_SLOW_LOG_EVERY_S
         self._places = 0  # idle places ahead held for this worker's mynetworks clients (the host counts them)
         self._place_ips: dict[str, int] = {}  # connections admitted from a place, per IP
-        self._asking_places = False
+        # Connections admitted from places granted under mynetworks as it was before this worker's last reload:
+        # their places go back to the host (G) when they end, not to the pool.
+        self._stale_place_ips: dict[str, int] = {}
+        self._asking_places = 0  # the ID of the "P" not yet answered (0: none)
+        self._asking_key = ""  # the mynetworks key that P named
         self._places_again = 0.0  # monotonic time before which no "P" is sent (the last got +0)
 
     async def start(self) -> None:
@@ -391,6 +432,10 @@ class AnvilClient:
                 if ident == "0":  # from the host, unasked: "X", give back the idle places
                     if answer == "X":
                         self._give_back_places("Y")
+                    continue
+                if self._asking_places and int(ident) == self._asking_places:
+                    # taken here, before the next line: an "X" read with it in one go recalls these places too
+                    self._got_places(answer)
                     continue
                 entry = self._pending.pop(int(ident), None)
                 if entry is None:
@@ -411,6 +456,7 @@ class AnvilClient:
             self.log.error("anvil_unavailable", error=why, action="per-client limits counted in this worker only")
             # The host gives back what this worker held (its places too) once the socket is closed.
             self._places = 0
+            self._asking_places = 0
             if self._writer is not None:
                 self._writer.close()
         for _op, _ip, fut in self._pending.values():
@@ -464,23 +510,23 @@ class AnvilClient:
                              action="decided by this worker's own counters")
 
     def _ask_places(self) -> None:
-        """Ask the host for places ahead (no wait: the answer fills the pool when it comes)."""
+        """Ask the host for places ahead (no wait: the answer fills the pool when it comes, read in order with
+        the host's other messages)."""
         if self._asking_places or self._down or time.monotonic() < self._places_again:
             return
-        ident = self._send("P", f"{max(1, PLACES_ASK - self._places)} {self.fallback.exempt_key or '-'}")
-        if not ident:
-            return
-        self._asking_places = True
-        fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self._pending[ident] = ("P", "", fut)
-        fut.add_done_callback(self._got_places)
+        key = self.fallback.exempt_key or "-"
+        ident = self._send("P", f"{max(1, PLACES_ASK - self._places)} {key}")
+        if ident:
+            self._asking_places, self._asking_key = ident, key
 
-    def _got_places(self, fut: asyncio.Future[str]) -> None:
-        self._asking_places = False
-        answer = fut.result()
+    def _got_places(self, answer: str) -> None:
+        """The host's answer to the "P" (``+K``): K places into the pool, or straight back (G) when this
+        worker's mynetworks changed since it asked (they were granted under the old one)."""
+        self._asking_places = 0
         granted = int(answer[1:]) if answer[:1] == "+" and answer[1:].isdigit() else 0
-        if self._down:
-            return  # the host gives them back with the socket
+        if granted and self._asking_key != (self.fallback.exempt_key or "-"):
+            self._send("G", str(min(granted, PLACES_MAX)))
+            granted = 0
         self._places += granted
         if not granted:
             self._places_again = time.monotonic() + _PLACES_RETRY_S
@@ -497,9 +543,12 @@ class AnvilClient:
             self._send(op, str(n))
 
     def limits_changed(self) -> None:
-        """This worker's limits were read again (a reload): its idle places, granted under its old mynetworks,
-        go back; the next ask names the new one."""
+        """This worker's limits were read again (a reload): its places, granted under its old mynetworks, go
+        back, the idle ones now and those in use as their connections end; the next ask names the new one."""
         self._give_back_places("G")
+        for ip, n in self._place_ips.items():
+            self._stale_place_ips[ip] = self._stale_place_ips.get(ip, 0) + n
+        self._place_ips.clear()
 
     # ------------------------------------------------------------------------------------- Gate interface
     async def ask_admit(self, ip: str) -> str | None:
@@ -521,6 +570,9 @@ class AnvilClient:
 
     def release(self, ip: str | None = None) -> None:
         key = ip or ""
+        if _take(self._stale_place_ips, key):  # granted under mynetworks as it was: back to the host
+            self._send("G", "1")
+            return
         if _take(self._place_ips, key):  # back to the pool (gone with the anvil: the host gave it back)
             if not self._down:
                 self._places += 1
