@@ -15,22 +15,28 @@ again (``mtaq reload``: ``IP`` is ``-``; worker 0 sends it once it has reloaded)
 answer to a recall (``IP`` is a count, 0 allowed for ``Y``). ``A``, ``B`` and ``Q`` are answered ``ID +``
 (admitted / yes) or ``ID -REASON`` (``ID -`` for no), ``P`` with ``ID +K`` (K of the N places granted, 0
 included); the others are not answered. The supervisor sends one message unasked: ``0 X``, give back your
-idle places (a worker answers ``ID Y N`` with all of them). A worker's messages are handled in the order
-sent (one stream), so a failure told before the end of its check is always counted first.
+idle places (a worker answers every ``X`` with one ``ID Y N``, in order, naming all of them: so the host
+matches each ``Y`` to its ``X`` by counting). A worker's messages are handled in the order sent (one stream),
+so a failure told before the end of its check is always counted first; a worker reads the host's lines in
+order too (a grant read with a recall after it is in the pool that the ``Y`` gives back).
 
 Places ahead: a connection of a client in mynetworks is limited by ``connections_max`` alone (no per-client
 limit, no rate), so the anvil may admit such connections before they come
 (:meth:`~mtaq.edge.limits.ConnectionGate.admit_ahead`): a worker asks for :data:`PLACES_ASK` at a time and
 admits its mynetworks clients from them without a round trip (side by side with 2 workers on a 2-core VM:
-7-9 % less CPU a message at 20 sessions, the greeting 0.2-0.28 ms sooner at one; docs/performance.md, stop
-57); a connection's end puts its place back in the worker's pool, and the pool above :data:`PLACES_KEEP` is
+6-10 % less CPU a message at 20 sessions, the greeting 0.2-0.28 ms sooner at one; docs/performance.md, stops
+57 and 58); a connection's end puts its place back in the worker's pool, and the pool above :data:`PLACES_KEEP` is
 given back. The host counts a place from its grant to its return (at most ``mynetworks_reserve // 2`` out,
 kept apart from its per-address counts), so ``connections_max`` holds exactly. Places are granted only to a
 worker whose mynetworks key is the host's (a worker that reloaded before the host, or a host whose reload
 failed, asks for every client as before), and the host calls back the idle ones (``0 X``) when it reads its
 limits again and before it refuses an admission for want of room: such an admission is decided once every
 worker holding places has answered, or after :data:`RECALL_WAIT_S`, in the order asked; no place is granted
-meanwhile. So idle places never make the host refuse a client it would have admitted without them.
+meanwhile, and a recall ends after :data:`RECALL_WAIT_S` whether or not an admission waits. So idle places
+never make the host refuse a client it would have admitted without them (unless a worker does not answer
+in :data:`RECALL_WAIT_S`). A recall only queues its messages: they are sent once the lines read from the
+worker being served are all counted, so a send that fails (and closes that worker's socket, giving back what
+it held) never cuts a worker's lines in two. Lines from a socket already closed count for nothing.
 
 What must always hold:
 
@@ -46,8 +52,11 @@ What must always hold:
   returned to that worker's pool when the connection ends, given back to the host with ``G``, ``Y`` or when
   the worker's socket closes (never more than that worker holds); a worker whose anvil is gone uses no place
   (the host gave them back); a worker uses a place only for a client its own mynetworks exempts, and holds
-  places only while its mynetworks key was the host's when they were granted (a reload on either side
-  gives the idle ones back);
+  places only while its mynetworks key was the host's when they were granted: a reload of the worker gives
+  the idle ones back at once and the used ones as their connections end (a grant asked for under the old
+  key goes back as it comes); a reload of the host calls back the idle ones, and places in use return to
+  their workers' pools until those workers reload too (the window of any reload: each process decides
+  with its own rules until it has read the new ones);
 * the supervisor never blocks on a worker: its sockets are non-blocking, what a worker does not read is
   buffered (at most :data:`OUT_BUFFER_MAX` bytes, then that worker's socket is closed and it falls back).
 """
