@@ -249,22 +249,24 @@ def test_places_ahead_admit_mynetworks_clients_without_a_round_trip_and_connecti
         assert [None, None] == [await w1.ask_admit("127.0.0.1"), await w1.ask_admit("127.0.0.1")]
         assert (3, 0) == (host.active, w1._places)  # taken from the places: the host already counted them
         assert sent + 1 == w1._next  # only the ask for more places (its pool ran low): no admission asked
+        await _until(lambda: not w1._asking_places, "worker 1's second ask answered")
+        sent = w1._next
+        w1.release("127.0.0.1")  # from a place: back in the pool, nothing on the wire
+        assert (1, 3, sent) == (w1._places, host.active, w1._next)
+        assert await w1.ask_admit("127.0.0.1") is None  # places are alike: any connection of an IP puts one back
+        assert (0, 3, sent) == (w1._places, host.active, w1._next)
         outside = [await w2.ask_admit(f"192.0.2.{i}") for i in range(1, 8)]
         assert [None] * 6 + ["too many connections"] == outside
         assert 9 == host.active
         assert [None, "too many connections"] == [await w2.ask_admit("127.0.0.1"), await w2.ask_admit("127.0.0.1")]
-        await _until(lambda: not w1._asking_places, "worker 1's second ask answered")
         assert "too many connections" == await w1.ask_admit("127.0.0.1")
         assert (10, 6) == (host.active, host.active_outside)  # exactly connections_max
-        sent = w1._next
         for _ in range(2):
-            w1.release("127.0.0.1")  # from a place: back in the pool, nothing on the wire
-        assert (2, 10, sent) == (w1._places, host.active, w1._next)
-        assert [None, None] == [await w1.ask_admit("127.0.0.1"), await w1.ask_admit("127.0.0.1")]
-        w1.release("127.0.0.1")  # places are alike: any connection of an IP that took one puts one back
-        assert (1, 10) == (w1._places, host.active)
-        pairs[0][1].close()  # worker 1 gone: the host gives back its 2 places (in use or not) and its admission
-        await _until(lambda: host.active == 7 and host.places == 0, "worker 1's places given back")
+            w1.release("127.0.0.1")  # its places were called back (the host was full): to the host now (G)
+        await _until(lambda: host.active == 8, "the places given back as their connections end")
+        assert (0, 0) == (w1._places, host.places)
+        pairs[0][1].close()  # worker 1 gone: the host gives back what it held (its admission)
+        await _until(lambda: host.active == 7 and host.places == 0, "worker 1's admission given back")
         assert [b"P 4 -", b"A 127.0.0.1"] == [line for line in lines if not line.startswith(b"A 192.")][:2]
         for s in server.sockets:
             loop.remove_reader(s)
@@ -597,7 +599,7 @@ def test_a_recall_without_a_parked_admission_ends_and_a_late_answer_does_not_end
     matched to the ``X`` it answers by count."""
     from mtaq.daemon.anvil import RECALL_WAIT_S
 
-    host = _lan_gate()
+    host = _lan_gate(reserve=8)  # 4 places ahead at most
     ours, theirs = socket.socketpair()
     server = AnvilServer(host, [ours])
     now = [0.0]
@@ -608,7 +610,7 @@ def test_a_recall_without_a_parked_admission_ends_and_a_late_answer_does_not_end
     assert 0 < server.due() <= RECALL_WAIT_S
     theirs.send(b"3 P 1 -\n")
     assert server.readable(ours)
-    assert (b"3 +0\n", 2) == (theirs.recv(100), host.places)  # no grant while calling back
+    assert (b"3 +0\n", 2) == (theirs.recv(100), host.places)  # no grant while calling back (room for 2 more)
     now[0] += RECALL_WAIT_S
     assert server.due() is None  # ended unanswered
     theirs.send(b"4 L -\n")  # a second recall: "0 X" again
@@ -625,3 +627,131 @@ def test_a_recall_without_a_parked_admission_ends_and_a_late_answer_does_not_end
     assert b"7 +1\n" == theirs.recv(100)  # granted again
     ours.close()
     theirs.close()
+
+
+# ------------------------------------------------------------------ the third review of places ahead (stop 58)
+
+
+def test_after_the_host_reloads_first_a_place_in_use_goes_back_to_the_host_not_to_the_pool():
+    """Finding 1 of the third review: the host read its limits again (worker 0's ``L``) and called back the
+    idle places; a place in use then went back to worker 1's pool when its connection ended, and worker 1 (not
+    reloaded yet) used it, without a message, for a client the host no longer exempts, past the host's
+    per-client limit of 1. Now a place in use when a recall comes goes back to the host at its end."""
+    host = ConnectionGate(connections_max=20, per_client_per_minute_max=0, client_connections_max=1,
+                          mynetworks_reserve=8, exempt=lambda ip: ip == "10.0.0.5", exempt_key="old")
+
+    def old_rule() -> ConnectionGate:
+        return ConnectionGate(connections_max=20, per_client_per_minute_max=0, client_connections_max=1,
+                              mynetworks_reserve=8, exempt=lambda ip: ip == "10.0.0.5", exempt_key="old")
+
+    def reconfigure() -> None:  # the host's new mynetworks leaves 10.0.0.5 out
+        host.configure(connections_max=20, per_client_per_minute_max=0, client_connections_max=1,
+                       mynetworks_reserve=8, exempt=lambda ip: False, auth_failures_per_minute_max=0,
+                       exempt_key="new")
+
+    async def main() -> None:
+        server, (w0, w1), _pairs = await _workers(host, 2, old_rule)
+        server.reconfigure = reconfigure
+        assert await w1.ask_admit("10.0.0.5") is None  # asked (A), and places ahead for later
+        await _until(lambda: w1._places == 4, "worker 1's places")
+        assert await w1.ask_admit("10.0.0.5") is None  # from a place
+        w0.reconfigure_host()
+        await _until(lambda: host.exempt_key == "new" and host.places == 1, "the idle places back")
+        w1.release("10.0.0.5")  # the connection on a place ends: the place goes to the host
+        await _until(lambda: host.places == 0, "the used place back")
+        assert (0, 1) == (w1._places, host.active)  # the admission asked for is still open
+        assert await w0.ask_admit("10.0.0.5") is None  # counted per client by the host now (limit 1)
+        assert "too many connections from 10.0.0.5" == await w1.ask_admit("10.0.0.5")  # asked: the host's rule
+        for s in server.sockets:
+            asyncio.get_running_loop().remove_reader(s)
+
+    asyncio.run(main())
+
+
+def test_a_place_freed_after_its_worker_answered_a_recall_goes_to_the_waiting_admission():
+    """Finding 2 of the third review: worker 1 answered the recall (``Y 0``: its places were in use), then
+    one of those connections ended and its place went to worker 1's pool without a message; once worker 3
+    answered, the waiting admission was refused with a place idle. Without places that end would have been
+    an ``R`` the host counts; now it is a ``G``, and the admission gets the place."""
+    host = _lan_gate(connections_max=12, reserve=8)  # 4 places ahead at most
+    p1, p2, p3 = (socket.socketpair() for _ in range(3))
+    server = AnvilServer(host, [p1[0], p2[0], p3[0]])
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for s in server.sockets:
+            loop.add_reader(s, server.readable, s)
+        w1, w2 = (AnvilClient(p[1], _lan_gate(connections_max=12, reserve=8), timeout_s=5) for p in (p1, p2))
+        await w1.start()
+        await w2.start()
+        p3[1].send(b"1 P 2 -\n")  # worker 3 (the test plays it): 2 places, in use
+        await _until(lambda: server._places.get(p3[0]) == 2, "worker 3's places")
+        assert p3[1].recv(100) == b"1 +2\n"
+        assert await w1.ask_admit("127.0.0.1") is None
+        await _until(lambda: w1._places == 2, "worker 1's places")
+        assert [None, None] == [await w1.ask_admit("127.0.0.1") for _ in range(2)]  # both in use
+        assert [None] * 4 == [await w2.ask_admit(f"192.0.2.{i}") for i in range(4)]
+        assert [None] * 3 == [await w2.ask_admit("127.0.0.1") for _ in range(3)]
+        assert 12 == host.active
+        waiting = asyncio.ensure_future(w2.ask_admit("127.0.0.1"))  # held back: X to workers 1 and 3
+        await _until(lambda: server._y_read.get(p1[0], 0) == 1, "worker 1's Y")
+        w1.release("127.0.0.1")  # after its Y: the place goes back to the host (G)
+        assert 0 == w1._places
+        await _until(lambda: host.places == 3, "the place back")
+        assert p3[1].recv(100) == b"0 X\n"
+        p3[1].send(b"2 Y 0\n")
+        assert await waiting is None
+        assert (12, 3) == (host.active, host.places)
+        for s in server.sockets:
+            loop.remove_reader(s)
+
+    asyncio.run(main())
+    for p in (p1, p2, p3):
+        for s in p:
+            s.close()
+
+
+def test_at_capacity_with_every_place_in_use_one_recall_serves_the_refusals_after_it():
+    """Finding 3 of the third review (cost): with places out but none idle, every admission refused for room
+    started a recall (an ``X`` to every worker holding places, and the refusal waited for the slowest). After
+    a recall no worker holds an idle place until the next grant, so later refusals are decided at once."""
+    host = _lan_gate()
+
+    async def main() -> None:
+        server, (w1, w2), pairs = await _workers(host, 2)
+        assert await w1.ask_admit("127.0.0.1") is None
+        await _until(lambda: w1._places == 2, "worker 1's places")
+        assert [None, None] == [await w1.ask_admit("127.0.0.1") for _ in range(2)]  # in use, none idle
+        assert [None] * 6 == [await w2.ask_admit(f"192.0.2.{i}") for i in range(6)]
+        assert await w2.ask_admit("127.0.0.1") is None
+        assert 10 == host.active
+        refusals = [await w2.ask_admit("127.0.0.1") for _ in range(20)]
+        assert ["too many connections"] * 20 == refusals
+        assert 1 == server._x_sent.get(pairs[0][0], 0)
+        for s in server.sockets:
+            asyncio.get_running_loop().remove_reader(s)
+
+    asyncio.run(main())
+
+
+def test_admissions_held_back_for_a_recall_are_decided_in_the_order_asked_and_no_place_is_granted_meanwhile():
+    """The third review's surviving mutations: an admission that comes while others wait for a recall waits
+    behind them (even if there is room by then), and no place is granted while any waits."""
+    host = _lan_gate(connections_max=4, reserve=2)  # 1 place ahead at most
+    w, other = socket.socketpair(), socket.socketpair()
+    server = AnvilServer(host, [w[0], other[0]])
+    assert b"1 +1\n" == server.answer(b"1 P 1 -", w[0])
+    for i, ip in enumerate(("192.0.2.1", "127.0.0.1", "127.0.0.1"), 1):
+        assert b"%d +\n" % i == server.answer(b"%d A %s" % (i, ip.encode()), other[0])
+    assert 4 == host.active
+    assert server.answer(b"4 A 127.0.0.1", other[0]) is None  # full: held back, X to w
+    assert b"2 R 127.0.0.1" and server.answer(b"5 R 127.0.0.1", other[0]) is None  # room for one now
+    assert server.answer(b"6 A 127.0.0.1", other[0]) is None  # behind the one waiting
+    assert b"7 +0\n" == server.answer(b"7 P 1 -", other[0])  # nothing granted while admissions wait
+    assert b"" == bytes(server._out[other[0]])
+    assert server.answer(b"2 Y 1", w[0]) is None  # w's idle place back: both decided, in order
+    assert b"4 +\n6 +\n" == bytes(server._out[other[0]])
+    assert (4, 0) == (host.active, host.places)
+    for p in (w, other):
+        for s in p:
+            s.close()

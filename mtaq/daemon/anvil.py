@@ -30,9 +30,12 @@ given back. The host counts a place from its grant to its return (at most ``myne
 kept apart from its per-address counts), so ``connections_max`` holds exactly. Places are granted only to a
 worker whose mynetworks key is the host's (a worker that reloaded before the host, or a host whose reload
 failed, asks for every client as before), and the host calls back the idle ones (``0 X``) when it reads its
-limits again and before it refuses an admission for want of room: such an admission is decided once every
-worker holding places has answered, or after :data:`RECALL_WAIT_S`, in the order asked; no place is granted
-meanwhile, and a recall ends after :data:`RECALL_WAIT_S` whether or not an admission waits. So idle places
+limits again and before it refuses an admission for want of room (if a place was granted since the last
+recall: after one, no worker holds an idle place until the next grant): such an admission is decided once
+every worker holding places has answered, or after :data:`RECALL_WAIT_S`, in the order asked; no place is
+granted meanwhile, and a recall ends after :data:`RECALL_WAIT_S` whether or not an admission waits. A
+worker answering a recall gives back its idle places at once and those in use as their connections end
+(``G``, as a release would be without places), so a place freed while the host waits is counted. So idle places
 never make the host refuse a client it would have admitted without them (unless a worker does not answer
 in :data:`RECALL_WAIT_S`). A recall only queues its messages: they are sent once the lines read from the
 worker being served are all counted, so a send that fails (and closes that worker's socket, giving back what
@@ -117,6 +120,10 @@ class AnvilServer:
         self._waiting: dict[socket.socket, int] = {}
         self._recall_until: float | None = None  # monotonic deadline of the recall under way (None: none)
         self._parked: list[tuple[socket.socket, str, str]] = []  # (socket, ident, ip) of the A's it holds back
+        # Whether a worker may hold idle places: set by a grant and by a recall that ended before every worker
+        # answered; cleared when a recall starts (each worker answering it gives back its idle places and
+        # returns the used ones as their connections end, so none is idle until the next grant).
+        self._maybe_idle = False
         self._dirty: set[socket.socket] = set()  # other workers' sockets given output while one was read
         self.clock = time.monotonic
         for s in socks:
@@ -141,7 +148,8 @@ class AnvilServer:
         held = self._held.get(s) if s is not None else None
         checks = self._checks.get(s) if s is not None else None
         if op == "A":
-            if s is not None and (self._parked or (g.active >= g.connections_max and any(self._places.values()))):
+            if s is not None and (self._parked or (g.active >= g.connections_max and self._maybe_idle
+                                                   and any(self._places.values()))):
                 # No room while places may sit idle in the workers' pools: call them back, and decide this
                 # admission when they are back (or after RECALL_WAIT_S), in the order asked.
                 self._parked.append((s, ident, ip))
@@ -165,6 +173,7 @@ class AnvilServer:
             if s is not None and key == (g.exempt_key or "-") and self._recall_until is None and not self._parked:
                 k = g.admit_ahead(n)
                 self._places[s] = self._places.get(s, 0) + k
+                self._maybe_idle = self._maybe_idle or k > 0
             return f"{ident} +{k}\n".encode()
         if op in ("G", "Y"):
             n = _count(ip, zero=op == "Y")  # Y: the answer to a recall, the whole idle pool (0 or more)
@@ -208,6 +217,7 @@ class AnvilServer:
         """Ask every worker holding places ahead for its idle ones (``0 X``; each answers ``Y N``), and wait
         for the answers (or :data:`RECALL_WAIT_S`). Only queues the messages (they go out when the sockets
         are writable): nothing here closes a socket."""
+        self._maybe_idle = False
         for w, n in self._places.items():
             if n and w in self._out:
                 self._out[w] += b"0 X\n"
@@ -238,6 +248,7 @@ class AnvilServer:
         left = self._recall_until - self.clock()
         if left > 0:
             return left
+        self._maybe_idle = True  # a worker that did not answer may still hold idle places
         self._end_recall()
         self.flush()
         return None
@@ -441,6 +452,7 @@ class AnvilClient:
                 if ident == "0":  # from the host, unasked: "X", give back the idle places
                     if answer == "X":
                         self._give_back_places("Y")
+                        self._stale_places_in_use()  # and those in use as their connections end
                     continue
                 if self._asking_places and int(ident) == self._asking_places:
                     # taken here, before the next line: an "X" read with it in one go recalls these places too
@@ -555,6 +567,12 @@ class AnvilClient:
         """This worker's limits were read again (a reload): its places, granted under its old mynetworks, go
         back, the idle ones now and those in use as their connections end; the next ask names the new one."""
         self._give_back_places("G")
+        self._stale_places_in_use()
+
+    def _stale_places_in_use(self) -> None:
+        """The places now used by connections go back to the host (G) as those connections end, not to the
+        pool: after a recall (the host is full, or read its limits again: a pool refilled without a message
+        would hide a place the host is waiting for) and after this worker's reload."""
         for ip, n in self._place_ips.items():
             self._stale_place_ips[ip] = self._stale_place_ips.get(ip, 0) + n
         self._place_ips.clear()
