@@ -755,3 +755,63 @@ def test_admissions_held_back_for_a_recall_are_decided_in_the_order_asked_and_no
     for p in (w, other):
         for s in p:
             s.close()
+
+
+_WORKERS_CHILD = r"""
+import socket, sys, time
+w1, w2, w3 = (socket.socket(fileno=int(fd)) for fd in sys.argv[1:4])
+def rd(s, want):
+    s.settimeout(5)
+    buf = b""
+    while want not in buf:
+        buf += s.recv(4096)
+    return buf
+w1.send(b"1 P 2 -\n")
+print("w1", rd(w1, b"\n"), flush=True)  # 2 places; it never answers a recall
+for i in range(8):
+    w2.send(f"{i + 1} A 192.0.2.{i}\n".encode() if i < 6 else f"{i + 1} A 127.0.0.1\n".encode())
+rd(w2, b"8 ")
+t = time.monotonic()
+w2.send(b"20 A 127.0.0.1\n")  # full with places out: held back, X to w1
+w3.send(b"1 A 127.0.0.1\n")  # held back behind it
+print("w2", rd(w2, b"20 "), round(time.monotonic() - t, 3), flush=True)
+print("w3", rd(w3, b"1 "), flush=True)
+print("x", rd(w1, b"0 X\n").count(b"0 X"), flush=True)
+w1.close()  # the place-holder goes: its places come back
+time.sleep(0.1)
+w3.send(b"2 R 127.0.0.1\n3 Q\n")  # a release, then a line that is not the wire: w3 is cut off
+time.sleep(0.1)
+w2.send(b"21 A 127.0.0.1\n")
+print("w2", rd(w2, b"21 "), flush=True)
+"""
+
+
+def test_wait_serving_ends_an_unanswered_recall_and_survives_workers_that_go():
+    """The supervisor's real loop (``wait_serving``) serving a child process that plays three workers: an
+    admission held back for a recall that the place-holder never answers is decided after RECALL_WAIT_S (no
+    room: refused, in order with the one behind it); the place-holder closing and another worker breaking the
+    wire raise nothing; nothing stays counted once every worker is gone."""
+    import subprocess
+    import sys
+
+    from mtaq.daemon.anvil import RECALL_WAIT_S, wait_serving
+
+    host = _lan_gate()
+    pairs = [socket.socketpair() for _ in range(3)]
+    child = subprocess.Popen([sys.executable, "-c", _WORKERS_CHILD, *(str(b.fileno()) for _a, b in pairs)],
+                             pass_fds=[b.fileno() for _a, b in pairs], stdout=subprocess.PIPE, text=True)
+    for _a, b in pairs:
+        b.close()
+    server = AnvilServer(host, [a for a, _b in pairs])
+    pid, status = wait_serving(server, [child.pid])
+    out = child.stdout.read().splitlines() if child.stdout else []
+    child.stdout.close()
+    assert (child.pid, 0) == (pid, status), out
+    assert "w1 b'1 +2\\n'" == out[0]
+    w2, waited = out[1].rsplit(" ", 1)
+    assert "w2 b'20 -too many connections\\n'" == w2 and float(waited) >= RECALL_WAIT_S, out
+    assert ["w3 b'1 -too many connections\\n'", "x 1", "w2 b'21 +\\n'"] == out[2:], out
+    assert pairs[0][0] not in server.sockets and pairs[2][0] not in server.sockets
+    for s in server.sockets:  # w2, unless its end was read before the child's exit was seen
+        server.close(s)
+    assert (0, 0, 0) == (host.active, host.active_outside, host.places)  # nothing counted that nobody holds
