@@ -815,3 +815,25 @@ def test_wait_serving_ends_an_unanswered_recall_and_survives_workers_that_go():
     for s in server.sockets:  # w2, unless its end was read before the child's exit was seen
         server.close(s)
     assert (0, 0, 0) == (host.active, host.active_outside, host.places)  # nothing counted that nobody holds
+
+
+def test_an_admission_at_capacity_during_a_recall_for_a_reload_waits_for_the_answers():
+    """The fourth review: a recall started by ``L`` (the host read its limits again) held no admission back,
+    so one that came at capacity before the workers answered was refused at once, though their idle places
+    were on their way back. An admission at capacity now waits whenever a recall is under way."""
+    host = _lan_gate(reserve=8)  # 4 places ahead at most
+    w0, w1 = socket.socketpair(), socket.socketpair()
+    server = AnvilServer(host, [w0[0], w1[0]])
+    assert b"1 +2\n" == server.answer(b"1 P 2 -", w1[0])  # 2 places idle in worker 1
+    for i in range(1, 9):
+        assert b"%d +\n" % i == server.answer(b"%d A 127.0.0.1" % i, w0[0])
+    assert 10 == host.active
+    assert server.answer(b"20 L -", w0[0]) is None  # a recall: X to worker 1
+    assert b"0 X\n" in bytes(server._out[w1[0]])
+    assert server.answer(b"21 A 127.0.0.1", w0[0]) is None  # held back, not refused
+    assert server.answer(b"2 Y 2", w1[0]) is None
+    assert b"21 +\n" == bytes(server._out[w0[0]])
+    assert (9, 0) == (host.active, host.places)
+    for p in (w0, w1):
+        for s in p:
+            s.close()

@@ -31,7 +31,7 @@ kept apart from its per-address counts), so ``connections_max`` holds exactly. P
 worker whose mynetworks key is the host's (a worker that reloaded before the host, or a host whose reload
 failed, asks for every client as before), and the host calls back the idle ones (``0 X``) when it reads its
 limits again and before it refuses an admission for want of room (if a place was granted since the last
-recall: after one, no worker holds an idle place until the next grant): such an admission is decided once
+recall, or a recall is under way: after one, no worker holds an idle place until the next grant): such an admission is decided once
 every worker holding places has answered, or after :data:`RECALL_WAIT_S`, in the order asked; no place is
 granted meanwhile, and a recall ends after :data:`RECALL_WAIT_S` whether or not an admission waits. A
 worker answering a recall gives back its idle places at once and those in use as their connections end
@@ -148,8 +148,8 @@ class AnvilServer:
         held = self._held.get(s) if s is not None else None
         checks = self._checks.get(s) if s is not None else None
         if op == "A":
-            if s is not None and (self._parked or (g.active >= g.connections_max and self._maybe_idle
-                                                   and any(self._places.values()))):
+            if s is not None and (self._parked or (g.active >= g.connections_max and any(self._places.values())
+                                                   and (self._maybe_idle or self._recall_until is not None))):
                 # No room while places may sit idle in the workers' pools: call them back, and decide this
                 # admission when they are back (or after RECALL_WAIT_S), in the order asked.
                 self._parked.append((s, ident, ip))
@@ -597,6 +597,14 @@ class AnvilClient:
 
     def release(self, ip: str | None = None) -> None:
         key = ip or ""
+        left = self._local.get(key, 0)
+        if left:  # admitted by this worker's own gate (the anvil was slow): first, so no place is freed early
+            if left > 1:
+                self._local[key] = left - 1
+            else:
+                del self._local[key]
+            self.fallback.release(ip)
+            return
         if _take(self._stale_place_ips, key):  # granted under mynetworks as it was: back to the host
             self._send("G", "1")
             return
@@ -607,14 +615,6 @@ class AnvilClient:
                     extra = self._places - PLACES_ASK
                     self._places = PLACES_ASK
                     self._send("G", str(extra))
-            return
-        left = self._local.get(key, 0)
-        if left:
-            if left > 1:
-                self._local[key] = left - 1
-            else:
-                del self._local[key]
-            self.fallback.release(ip)
             return
         self._send("R", key)
 
