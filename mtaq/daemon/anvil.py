@@ -24,8 +24,8 @@ Places ahead: a connection of a client in mynetworks is limited by ``connections
 limit, no rate), so the anvil may admit such connections before they come
 (:meth:`~mtaq.edge.limits.ConnectionGate.admit_ahead`): a worker asks for :data:`PLACES_ASK` at a time and
 admits its mynetworks clients from them without a round trip (side by side with 2 workers on a 2-core VM:
-6-10 % less CPU a message at 20 sessions, the greeting 0.2-0.28 ms sooner at one; docs/performance.md, stops
-57 and 58); a connection's end puts its place back in the worker's pool, and the pool above :data:`PLACES_KEEP` is
+6-15 % less CPU a message at 20 sessions, the greeting 0.27-0.33 ms sooner at one; docs/performance.md,
+stop 58); a connection's end puts its place back in the worker's pool, and the pool above :data:`PLACES_KEEP` is
 given back. The host counts a place from its grant to its return (at most ``mynetworks_reserve // 2`` out,
 kept apart from its per-address counts), so ``connections_max`` holds exactly. Places are granted only to a
 worker whose mynetworks key is the host's (a worker that reloaded before the host, or a host whose reload
@@ -281,9 +281,6 @@ class AnvilServer:
                 del buf[: nl + 1]
                 if reply is not None:
                     out += reply
-                if s not in self._in:
-                    self.flush()
-                    return False  # closed meanwhile: the rest of what it sent does not count
             if len(buf) > IN_LINE_MAX:
                 raise ValueError("line too long")
         except (ValueError, UnicodeDecodeError):
@@ -383,7 +380,8 @@ def wait_serving(server: AnvilServer | None, pids: Iterable[int]) -> tuple[int, 
             if pid:
                 return pid, status
             wait = server.due()  # first: ending a recall queues answers, which need write interest below
-            for s in server.sockets:
+            live = server.sockets
+            for s in live:
                 want = selectors.EVENT_READ | (selectors.EVENT_WRITE if server.wants_write(s) else 0)
                 if registered.get(s) != want:
                     if s in registered:
@@ -391,7 +389,7 @@ def wait_serving(server: AnvilServer | None, pids: Iterable[int]) -> tuple[int, 
                     else:
                         sel.register(s, want, s)
                     registered[s] = want
-            for s in [s for s in registered if s not in server._in]:  # closed while another was read
+            for s in registered.keys() - set(live):  # closed while another was read
                 sel.unregister(s)
                 del registered[s]
             if polling:
