@@ -623,3 +623,59 @@ def test_closing_the_log_fails_the_callers_no_round_will_cover(tmp_path):
             await log.commit(log._appended_lsn)
 
     asyncio.run(main())
+
+
+def test_the_sync_thread_runs_calls_in_order_hands_back_results_and_errors_and_survives_a_cancelled_caller():
+    """SyncThread (the log's fsync thread): results and exceptions reach the caller's loop, calls run in the
+    order made, a caller that stopped waiting does not stop its call nor break the next one, and after
+    shutdown a new call starts a new thread."""
+    import threading
+
+    from mtaq.storage.log import SyncThread
+
+    sync = SyncThread()
+    ran: list[int] = []
+    gate = threading.Event()
+
+    def slow(i: int) -> int:
+        gate.wait(10)
+        ran.append(i)
+        return i
+
+    def fail() -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    async def main() -> None:
+        first = sync.call(slow, 1)
+        second = sync.call(lambda: (ran.append(2), threading.current_thread().name)[1])
+        first.cancel()  # its caller stops waiting: the call still runs, before the next
+        gate.set()
+        assert "mtaq-fsync" == await second
+        assert [1, 2] == ran
+        with pytest.raises(OSError) as exc:
+            await sync.call(fail)
+        assert errno.EIO == exc.value.errno
+        assert 7 == await sync.call(slow, 7)
+        old = sync._thread
+        assert old is not None
+        sync.shutdown(wait=True)
+        assert not old.is_alive()
+        assert 8 == await sync.call(slow, 8)  # a new thread
+        assert sync._thread is not None and sync._thread is not old and sync._thread.is_alive()
+
+    asyncio.run(main())
+    # a loop that closed while its call ran: the result is dropped, the thread goes on with the next call
+    gate.clear()
+
+    async def abandon() -> None:
+        sync.call(slow, 9)
+
+    asyncio.run(abandon())
+    gate.set()
+
+    async def after() -> int:
+        return await sync.call(slow, 10)
+
+    assert 10 == asyncio.run(after())
+    assert [1, 2, 7, 8, 9, 10] == ran
+    sync.shutdown(wait=True)

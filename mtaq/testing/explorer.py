@@ -82,7 +82,7 @@ import types
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from mtaq.core.checkpoint import Checkpoint
 from mtaq.core.errors import CorruptRecord, StorageError
@@ -97,7 +97,7 @@ from mtaq.queue.store import Queue
 from mtaq.storage import log as log_module
 from mtaq.storage.checkpoint import write_checkpoint
 from mtaq.storage.cursor import LogCursor
-from mtaq.storage.log import Log, scan_log
+from mtaq.storage.log import Log, SyncThread, scan_log
 from mtaq.storage.logtools import verify
 from mtaq.testing.crashfs import Change, CrashFileSystem, FsSnapshot
 
@@ -356,6 +356,22 @@ class _Inline(concurrent.futures.ThreadPoolExecutor):
         return fut
 
 
+_T = TypeVar("_T")
+
+
+class _InlineSync(SyncThread):
+    """A :class:`mtaq.storage.log.SyncThread` that runs each call at once in the calling thread, for the same
+    reason as :class:`_Inline`."""
+
+    def call(self, fn: Callable[..., _T], *args: object) -> asyncio.Future[_T]:
+        fut: asyncio.Future[_T] = asyncio.get_running_loop().create_future()
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as exc:
+            fut.set_exception(exc)
+        return fut
+
+
 class _Quiet:
     """A logger that says nothing (recovery, Daemon.checkpoint)."""
 
@@ -422,8 +438,8 @@ class Proc:
         _Ids.begin(self.run)
         qlog, report = Log.open(self.fs, LOG_DIR, segment_bytes_max=self.segment_bytes_max)
         self.qlog = qlog
-        qlog._executor.shutdown(wait=False)
-        qlog._executor = _Inline(max_workers=1)  # the fsync rounds in order, in this thread
+        qlog._syncer.shutdown(wait=False)
+        qlog._syncer = _InlineSync()  # the fsync rounds in order, in this thread
         # The fake clock is the monotonic clock too: here time passes only by its jumps.
         self.queue = Queue(qlog, policy=POLICY, clock=self.clock, monotonic=self.clock,
                            reporting_mta="mx.explorer.test")
