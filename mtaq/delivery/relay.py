@@ -36,8 +36,26 @@ __all__ = ["Content", "DotStuffer", "HopUnusable", "RelayConnection", "Reply", "
 _ENHANCED = re.compile(r"^([245])\.(\d{1,3})\.(\d{1,3})\s+")
 
 
+_SPLIT_MAX = 256  # replies split lately, kept (a next hop answers the same few lines again and again)
+_split: dict[tuple[int, str], Reply] = {}
+
+
 def split_enhanced(code: int, message: str) -> Reply:
-    """Split an RFC 3463 enhanced status code off the reply text; supply a generic one when absent."""
+    """Split an RFC 3463 enhanced status code off the reply text; supply a generic one when absent.
+
+    The last replies split are kept (at most ``_SPLIT_MAX``; Reply is immutable): a next hop's ``250 2.0.0
+    Ok`` is split once, not once a message."""
+    key = (code, message)
+    reply = _split.get(key)
+    if reply is None:
+        reply = _split_enhanced(code, message)
+        if len(_split) >= _SPLIT_MAX:
+            _split.clear()
+        _split[key] = reply
+    return reply
+
+
+def _split_enhanced(code: int, message: str) -> Reply:
     text = " ".join(message.split()) + " "
     m = _ENHANCED.match(text)
     if m:
@@ -549,7 +567,8 @@ class RelayConnection:
             resp = await conv.read(t)
             if 200 <= resp.code < 300:  # every 2xx accepts (RFC 5321 §4.2.1)
                 accepted.append(i)
-                took = split_enhanced(resp.code, resp.message)
+                if probe:
+                    took = split_enhanced(resp.code, resp.message)
             else:
                 replies[i] = _refusal_of(resp)
         if probe:  # no DATA: the transaction is reset, the connection stays usable

@@ -110,6 +110,7 @@ def far_data(pos: Pos, env: EnvelopeRecord) -> bool:
 
 
 _B32 = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"  # Crockford base32: no I, L, O, U
+_B32_PAIRS = [a + b for a in _B32 for b in _B32]  # the two symbols of each 10-bit value, 1,024 of them
 _last_us = 0
 _shard = -1
 
@@ -137,11 +138,9 @@ def new_queue_id(now_ts: float | None = None) -> str:
     n = (us << 20) | int.from_bytes(os.urandom(3), "big") & 0xFFFFF
     if _shard >= 0:
         n = (n & ~0xF) | _shard
-    out = []
-    for _ in range(15):
-        out.append(_B32[n & 31])
-        n >>= 5
-    return "".join(reversed(out))
+    p = _B32_PAIRS  # the 15 symbols of the low 75 bits, most significant first: 5 bits, then 7 pairs of 10
+    return (_B32[(n >> 70) & 31] + p[(n >> 60) & 1023] + p[(n >> 50) & 1023] + p[(n >> 40) & 1023]
+            + p[(n >> 30) & 1023] + p[(n >> 20) & 1023] + p[(n >> 10) & 1023] + p[n & 1023])
 
 
 def queue_id_shard(queue_id: str) -> int | None:
