@@ -112,6 +112,22 @@ def test_enhanced_status_code_is_split_off_the_reply_text():
     assert ("4.0.0", "try later") == (split_enhanced(421, "try later").enhanced, split_enhanced(421, "try later").text)
 
 
+def test_replies_split_lately_are_kept_by_code_and_text_and_never_more_than_the_bound():
+    """split_enhanced keeps the replies it split (a next hop repeats "250 2.0.0 Ok"): the same code and text
+    give the same Reply, another code or text its own, and the kept replies never exceed _SPLIT_MAX."""
+    from mtaq.delivery import relay
+
+    first = split_enhanced(250, "2.0.0 Ok:   queued")
+    assert (250, "2.0.0", "Ok: queued") == (first.code, first.enhanced, first.text)
+    assert first is split_enhanced(250, "2.0.0 Ok:   queued")
+    other = split_enhanced(451, "2.0.0 Ok:   queued")  # the code is part of the key, even with a text seen
+    assert (451, "2.0.0") == (other.code, other.enhanced)
+    assert "5.0.0" == split_enhanced(550, "no code").enhanced
+    for i in range(3 * relay._SPLIT_MAX):  # a next hop answering a new text every time
+        assert f"n{i}" == split_enhanced(250, f"2.0.0 n{i}").text
+        assert len(relay._split) <= relay._SPLIT_MAX
+
+
 def test_utf8_header_with_smtputf8_requested_is_not_sent_to_a_hop_without_it():
     """The client asked for SMTPUTF8 and a header is UTF-8: every recipient gets 553 5.6.7 (RFC 6531 §3.2)
     rather than a message the next hop cannot read; nothing is sent."""

@@ -76,6 +76,24 @@ def test_shard_directories_and_how_many_workers_start(tmp_path: Path) -> None:
         shard_count(spool, 1)
 
 
+def test_a_queue_id_is_the_15_base32_symbols_of_its_microseconds_and_random_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A queue ID spells (microseconds since the epoch << 20 | 20 random bits) in Crockford base32, most
+    significant symbol first, 15 symbols: IDs sort by time. Checked against the number written out."""
+    monkeypatch.setattr(mtaq.queue.store, "_shard", -1)
+    monkeypatch.setattr(mtaq.queue.store, "_last_us", 0)
+    monkeypatch.setattr(mtaq.queue.store.os, "urandom", lambda n: bytes([0xAB, 0xCD, 0xEF])[:n])
+    alphabet = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+    for ts in (1_700_000_000.25, 1_800_000_000.0, 4_000_000_000.999999):
+        us = int(ts * 1_000_000)
+        n = (us << 20) | 0xBCDEF
+        want = "".join(alphabet[(n >> (5 * k)) & 31] for k in range(14, -1, -1))
+        got = new_queue_id(ts)
+        assert want == got and 15 == len(got)
+    monkeypatch.setattr(mtaq.queue.store, "_last_us", 0)
+    later = [new_queue_id(t) for t in (1_700_000_000.0, 1_700_000_000.000001, 1_700_000_001.0, 2_000_000_000.0)]
+    assert later == sorted(later) and 4 == len(set(later))
+
+
 def test_queue_ids_of_a_worker_carry_its_shard(monkeypatch: pytest.MonkeyPatch) -> None:
     """In worker k, every queue ID's low 4 bits are k: two workers can never make the same ID."""
     monkeypatch.setattr(mtaq.queue.store, "_shard", -1)
