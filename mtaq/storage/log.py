@@ -208,7 +208,7 @@ class SyncThread:
     runs), this thread 0.10-0.16 ms (docs/performance.md, "Stop 59"). Here the thread takes a call from a
     deque when a semaphore is released, runs it, and hands the result to the caller's loop with one
     ``call_soon_threadsafe``; the executor also took the pool's locks, a work item, a concurrent Future and
-    its callbacks on both sides, and the thread's wake-ups need the GIL each time.
+    its callbacks on both sides.
 
     :meth:`call` returns a future of the caller's running loop that gets the call's result or the exception
     it raised (OSError from an fsync). Calls run in the order made. A caller that stops waiting (its future
