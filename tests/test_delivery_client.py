@@ -112,22 +112,6 @@ def test_enhanced_status_code_is_split_off_the_reply_text():
     assert ("4.0.0", "try later") == (split_enhanced(421, "try later").enhanced, split_enhanced(421, "try later").text)
 
 
-def test_replies_split_lately_are_kept_by_code_and_text_and_never_more_than_the_bound():
-    """split_enhanced keeps the replies it split (a next hop repeats "250 2.0.0 Ok"): the same code and text
-    give the same Reply, another code or text its own, and the kept replies never exceed _SPLIT_MAX."""
-    from mtaq.delivery import relay
-
-    first = split_enhanced(250, "2.0.0 Ok:   queued")
-    assert (250, "2.0.0", "Ok: queued") == (first.code, first.enhanced, first.text)
-    assert first is split_enhanced(250, "2.0.0 Ok:   queued")
-    other = split_enhanced(451, "2.0.0 Ok:   queued")  # the code is part of the key, even with a text seen
-    assert (451, "2.0.0") == (other.code, other.enhanced)
-    assert "5.0.0" == split_enhanced(550, "no code").enhanced
-    for i in range(3 * relay._SPLIT_MAX):  # a next hop answering a new text every time
-        assert f"n{i}" == split_enhanced(250, f"2.0.0 n{i}").text
-        assert len(relay._split) <= relay._SPLIT_MAX
-
-
 def test_utf8_header_with_smtputf8_requested_is_not_sent_to_a_hop_without_it():
     """The client asked for SMTPUTF8 and a header is UTF-8: every recipient gets 553 5.6.7 (RFC 6531 §3.2)
     rather than a message the next hop cannot read; nothing is sent."""
@@ -198,3 +182,29 @@ def test_connection_pool_reuses_by_hop_and_closes_idle_and_least_recently_used()
 
     # after c: 2 left (a dropped); the re-got a stays busy, so only b and c are idle and closed.
     assert (2, 2, 1) == asyncio.run(go())
+
+
+def test_a_reply_longer_than_the_limit_is_refused_even_when_it_came_whole_in_one_read():
+    """A next hop's reply is held to _REPLY_BYTES_MAX (64 KiB, all its lines) whether it arrives in pieces or
+    whole in one read (before, only a reply still incomplete was measured: a hostile hop could hand over
+    any one read's worth at a time). A reply within the limit, over several lines, still parses."""
+    import aiosmtplib
+    import pytest
+
+    from mtaq.delivery import relay
+
+    class _Transport(asyncio.WriteTransport):
+        def is_closing(self) -> bool:
+            return False
+
+    conv = relay._Conversation(asyncio.Protocol(), _Transport())
+    conv.data_received(b"250-" + b"x" * 1000 + b"\r\n250 2.1.0 Ok\r\n")
+    ok = asyncio.run(conv.read(1.0))
+    assert 250 == ok.code and ok.message.endswith("2.1.0 Ok")
+    conv.data_received(b"250 2.1.5 " + b"y" * (relay._REPLY_BYTES_MAX + 10) + b"\r\n")  # whole, in one read
+    with pytest.raises(aiosmtplib.SMTPResponseException):
+        asyncio.run(conv.read(1.0))
+    conv2 = relay._Conversation(asyncio.Protocol(), _Transport())
+    conv2.data_received(b"250-a\r\n" * (relay._REPLY_BYTES_MAX // 7 + 10) + b"250 end\r\n")  # many short lines
+    with pytest.raises(aiosmtplib.SMTPResponseException):
+        asyncio.run(conv2.read(1.0))

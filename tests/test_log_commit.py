@@ -627,8 +627,9 @@ def test_closing_the_log_fails_the_callers_no_round_will_cover(tmp_path):
 
 def test_the_sync_thread_runs_calls_in_order_hands_back_results_and_errors_and_survives_a_cancelled_caller():
     """SyncThread (the log's fsync thread): results and exceptions reach the caller's loop, calls run in the
-    order made, a caller that stopped waiting does not stop its call nor break the next one, and after
-    shutdown a new call starts a new thread."""
+    order made, a caller that stopped waiting does not stop its call nor break the next one, a loop that
+    closed while its call ran does not stop the thread, and after shutdown the thread ends once the calls
+    made have run and a new call raises RuntimeError (as the executor's did)."""
     import threading
 
     from mtaq.storage.log import SyncThread
@@ -656,26 +657,78 @@ def test_the_sync_thread_runs_calls_in_order_hands_back_results_and_errors_and_s
             await sync.call(fail)
         assert errno.EIO == exc.value.errno
         assert 7 == await sync.call(slow, 7)
-        old = sync._thread
-        assert old is not None
-        sync.shutdown(wait=True)
-        assert not old.is_alive()
-        assert 8 == await sync.call(slow, 8)  # a new thread
-        assert sync._thread is not None and sync._thread is not old and sync._thread.is_alive()
 
     asyncio.run(main())
-    # a loop that closed while its call ran: the result is dropped, the thread goes on with the next call
     gate.clear()
 
-    async def abandon() -> None:
+    async def abandon() -> None:  # the loop closes while its call waits at the gate
         sync.call(slow, 9)
 
     asyncio.run(abandon())
     gate.set()
 
     async def after() -> int:
-        return await sync.call(slow, 10)
+        gate.clear()
+        pending = sync.call(slow, 11)
+        sync.shutdown()  # the call made before still runs
+        with pytest.raises(RuntimeError):
+            sync.call(slow, 12)
+        gate.set()
+        return await pending
 
-    assert 10 == asyncio.run(after())
-    assert [1, 2, 7, 8, 9, 10] == ran
-    sync.shutdown(wait=True)
+    thread = sync._thread
+    assert thread is not None
+    assert 11 == asyncio.run(after())
+    thread.join(10)
+    assert not thread.is_alive()
+    assert [1, 2, 7, 9, 11] == ran
+
+
+def test_a_sync_thread_nobody_holds_ends_its_thread_and_shutdown_from_another_thread_loses_no_call():
+    """A Log dropped without close() does not leave its fsync thread behind (it ends when the SyncThread is
+    collected, as an executor's thread did), and shutdown() from another thread while calls are being made
+    neither loses nor hangs a call made before it: each is answered or refused."""
+    import gc
+    import threading
+
+    from mtaq.storage.log import SyncThread
+
+    async def one_round(sync: SyncThread) -> int:
+        return await sync.call(lambda: 5)
+
+    threads = []
+    for _ in range(5):
+        sync = SyncThread()
+        assert 5 == asyncio.run(one_round(sync))
+        threads.append(sync._thread)
+        del sync
+    gc.collect()
+    for t in threads:
+        assert t is not None
+        t.join(10)
+        assert not t.is_alive()
+
+    sync = SyncThread()
+
+    async def many() -> list[str]:
+        stop = threading.Timer(0.01, sync.shutdown)
+        stop.start()
+        futures = []
+        outcomes = []
+        for i in range(20000):
+            try:
+                futures.append(sync.call(lambda i=i: i))
+            except RuntimeError:
+                outcomes.append("refused")
+                break
+            if i % 100 == 0:
+                await asyncio.sleep(0)
+        stop.join()
+        for f in futures:
+            await asyncio.wait_for(f, 10)  # every call made before the shutdown is answered
+            outcomes.append("answered")
+        return outcomes
+
+    outcomes = asyncio.run(many())
+    assert "answered" in outcomes
+    assert outcomes.count("refused") <= 1

@@ -36,26 +36,8 @@ __all__ = ["Content", "DotStuffer", "HopUnusable", "RelayConnection", "Reply", "
 _ENHANCED = re.compile(r"^([245])\.(\d{1,3})\.(\d{1,3})\s+")
 
 
-_SPLIT_MAX = 256  # replies split lately, kept (a next hop answers the same few lines again and again)
-_split: dict[tuple[int, str], Reply] = {}
-
-
 def split_enhanced(code: int, message: str) -> Reply:
-    """Split an RFC 3463 enhanced status code off the reply text; supply a generic one when absent.
-
-    The last replies split are kept (at most ``_SPLIT_MAX``; Reply is immutable): a next hop's ``250 2.0.0
-    Ok`` is split once, not once a message."""
-    key = (code, message)
-    reply = _split.get(key)
-    if reply is None:
-        reply = _split_enhanced(code, message)
-        if len(_split) >= _SPLIT_MAX:
-            _split.clear()
-        _split[key] = reply
-    return reply
-
-
-def _split_enhanced(code: int, message: str) -> Reply:
+    """Split an RFC 3463 enhanced status code off the reply text; supply a generic one when absent."""
     text = " ".join(message.split()) + " "
     m = _ENHANCED.match(text)
     if m:
@@ -814,6 +796,8 @@ class _Conversation(asyncio.Protocol):
                 ) from None
             lines.append(line[4:].strip(b" \t\r\n"))
             off = nl + 1
+            if off > _REPLY_BYTES_MAX:  # a whole reply that came in one read is held to the limit too
+                raise aiosmtplib.SMTPResponseException(-1, "Response too long")
             if line[3:4] != b"-":
                 del buf[:off]
                 return aiosmtplib.SMTPResponse(code, b"\n".join(lines).decode("utf-8", "surrogateescape"))

@@ -31,6 +31,7 @@ import os
 import secrets
 import threading
 import time
+import weakref
 import zlib
 from array import array
 from bisect import bisect_left
@@ -211,77 +212,95 @@ class SyncThread:
     its callbacks on both sides.
 
     :meth:`call` returns a future of the caller's running loop that gets the call's result or the exception
-    it raised (OSError from an fsync). Calls run in the order made. A caller that stops waiting (its future
-    cancelled) does not stop the call: it runs to its end, as it did in the executor, and its result is
-    dropped. The thread is started on the first call and is a daemon thread (the daemon never stops it:
-    kill -9 is its stop); :meth:`shutdown` ends it after the calls already made (a later call starts another).
+    it raised (OSError from an fsync). Calls run one at a time in the order made. A caller that stops
+    waiting (its future cancelled) does not stop the call: it runs to its end and its result is dropped.
+
+    The thread starts on the first call (again in a child made by fork(2)). It is a daemon thread: the
+    daemon's stop is kill -9, and an exit does not wait for a call in flight (the executor's thread was
+    joined at exit; nothing is acknowledged before its fsync returned either way). :meth:`shutdown`, or the
+    object being garbage-collected, ends it after the calls already made; a call after :meth:`shutdown`
+    raises RuntimeError, as the executor's did.
     """
 
-    __slots__ = ("_calls", "_go", "_lock", "_pid", "_thread")
+    __slots__ = ("__weakref__", "_calls", "_closed", "_ender", "_go", "_lock", "_pid", "_thread")
 
     def __init__(self) -> None:
         self._calls: deque[tuple[asyncio.AbstractEventLoop, asyncio.Future[Any], Callable[..., Any],
                                  tuple[object, ...]] | None] = deque()
         self._go = threading.Semaphore(0)
-        self._lock = threading.Lock()  # the thread's start
+        self._lock = threading.Lock()  # call, start and shutdown, from any thread
         self._thread: threading.Thread | None = None
+        self._ender: weakref.finalize[..., SyncThread] | None = None  # ends the thread when this object is collected
         self._pid = 0  # the process that started the thread
+        self._closed = False
 
     def call(self, fn: Callable[..., _T], *args: object) -> asyncio.Future[_T]:
         """Run ``fn(*args)`` in the thread; the returned future (of the running loop) gets what it returns or
-        raises. Must be called from a running event loop."""
+        raises. Must be called from a running event loop. Raises RuntimeError after :meth:`shutdown`."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[_T] = loop.create_future()
-        if self._thread is None or self._pid != os.getpid():
-            self._start()
-        self._calls.append((loop, fut, fn, args))
-        self._go.release()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("cannot run a call after shutdown")
+            if self._thread is None or self._pid != os.getpid():
+                self._start()
+            self._calls.append((loop, fut, fn, args))
+            self._go.release()
         return fut
 
     def _start(self) -> None:
-        """Start the thread (again in a child made by fork(2), which has none: a fresh deque and semaphore,
-        since the parent's may have been held by its thread at the fork)."""
-        with self._lock:
-            if self._thread is not None and self._pid == os.getpid():
-                return
-            if self._thread is not None:
-                self._calls = deque()
-                self._go = threading.Semaphore(0)
-            self._pid = os.getpid()
-            self._thread = threading.Thread(target=self._run, args=(self._calls, self._go), name="mtaq-fsync",
-                                            daemon=True)
-            self._thread.start()
+        """Start the thread (under ``_lock``). In a child made by fork(2), which has no thread, with a fresh
+        deque and semaphore: the parent's may have been held by its thread at the fork."""
+        if self._thread is not None:
+            if self._ender is not None:
+                self._ender.detach()  # the parent's: not to be woken from here
+            self._calls = deque()
+            self._go = threading.Semaphore(0)
+        self._pid = os.getpid()
+        self._thread = threading.Thread(target=_sync_thread_run, args=(self._calls, self._go), name="mtaq-fsync",
+                                        daemon=True)
+        self._thread.start()
+        self._ender = weakref.finalize(self, _sync_thread_end, self._calls, self._go)
+        self._ender.atexit = False
 
     def shutdown(self, wait: bool = False) -> None:
-        """End the thread once the calls already made have run (``wait``: and wait for that)."""
-        thread = self._thread
-        if thread is None:
-            return
-        self._calls.append(None)
-        self._go.release()
-        # A call after this starts a new thread with its own deque: never two threads taking from one.
-        self._thread, self._calls, self._go = None, deque(), threading.Semaphore(0)
+        """End the thread once the calls already made have run (``wait``: and wait for that); later calls
+        raise RuntimeError."""
+        with self._lock:
+            self._closed = True
+            thread, ender = self._thread, self._ender
+            if thread is None or ender is None or self._pid != os.getpid():
+                return
+            ender()  # the end mark after the calls made (once: a finalize runs at most once)
         if wait and thread is not threading.current_thread():
             thread.join()
 
-    @staticmethod
-    def _run(calls: deque[Any], go: threading.Semaphore) -> None:
-        while True:
-            go.acquire()
-            item = calls.popleft()
-            if item is None:
-                return
-            loop, fut, fn, args = item
-            try:
-                result = fn(*args)
-            except BaseException as exc:  # handed to the caller, as the executor did
-                done: Callable[[], None] = functools.partial(_settle_exception, fut, exc)
-            else:
-                done = functools.partial(_settle, fut, result)
-            try:
-                loop.call_soon_threadsafe(done)
-            except RuntimeError:  # the caller's loop is closed: nobody waits any more
-                pass
+
+def _sync_thread_end(calls: deque[Any], go: threading.Semaphore) -> None:
+    """Queue the end mark for a :class:`SyncThread`'s thread (its shutdown, or the object collected)."""
+    calls.append(None)
+    go.release()
+
+
+def _sync_thread_run(calls: deque[Any], go: threading.Semaphore) -> None:
+    """A :class:`SyncThread`'s thread: the calls in order until the end mark. It holds no reference to the
+    SyncThread, so that an unused one is collected (and its thread ended: ``weakref.finalize``)."""
+    while True:
+        go.acquire()
+        item = calls.popleft()
+        if item is None:
+            return
+        loop, fut, fn, args = item
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # handed to the caller, as the executor did
+            done: Callable[[], None] = functools.partial(_settle_exception, fut, exc)
+        else:
+            done = functools.partial(_settle, fut, result)
+        try:
+            loop.call_soon_threadsafe(done)
+        except Exception:  # the caller's loop is closed (RuntimeError): nobody waits any more
+            pass
 
 
 def _settle(fut: asyncio.Future[Any], result: object) -> None:
