@@ -684,7 +684,7 @@ def test_the_sync_thread_runs_calls_in_order_hands_back_results_and_errors_and_s
     assert [1, 2, 7, 9, 11] == ran
 
 
-def test_a_sync_thread_nobody_holds_ends_its_thread_and_shutdown_from_another_thread_loses_no_call():
+def test_a_sync_thread_nobody_holds_ends_its_thread_and_shutdown_from_another_thread_loses_no_call(tmp_path):
     """A Log dropped without close() does not leave its fsync thread behind (it ends when the SyncThread is
     collected, as an executor's thread did), and shutdown() from another thread while calls are being made
     neither loses nor hangs a call made before it: each is answered or refused."""
@@ -702,6 +702,16 @@ def test_a_sync_thread_nobody_holds_ends_its_thread_and_shutdown_from_another_th
         assert 5 == asyncio.run(one_round(sync))
         threads.append(sync._thread)
         del sync
+    for _ in range(5):  # a real Log, its rounds a bound method of it (the thread must not keep that)
+        log, _report = Log.open(OsFileSystem(), str(tmp_path / f"log{len(threads)}"), segment_bytes_max=1 << 20)
+
+        async def commit_one(log: Log = log) -> None:
+            _, lsn = log.append(StartRecord("Q1", Pos(1, 32), 1.0))
+            await log.commit(lsn)
+
+        asyncio.run(commit_one())
+        threads.append(log._syncer._thread)
+        del log, commit_one
     gc.collect()
     for t in threads:
         assert t is not None
@@ -732,3 +742,17 @@ def test_a_sync_thread_nobody_holds_ends_its_thread_and_shutdown_from_another_th
     outcomes = asyncio.run(many())
     assert "answered" in outcomes
     assert outcomes.count("refused") <= 1
+
+
+def test_a_commit_after_close_fails_with_storage_fatal_instead_of_waiting_for_ever(tmp_path):
+    """A record appended before close() and committed after it: no round can run (the fsync thread is shut
+    down), so the commit raises StorageFatal at once; it used to wait for good (review, stop 59)."""
+    log, _ = Log.open(OsFileSystem(), str(tmp_path), segment_bytes_max=1 << 20)
+    _, lsn = log.append(StartRecord("Q1", Pos(1, 32), 1.0))
+    log.close()
+
+    async def main() -> None:
+        with pytest.raises(StorageFatal):
+            await asyncio.wait_for(log.commit(lsn), 10)
+
+    asyncio.run(main())

@@ -28,6 +28,7 @@ import errno
 import functools
 import math
 import os
+import queue
 import secrets
 import threading
 import time
@@ -35,7 +36,7 @@ import weakref
 import zlib
 from array import array
 from bisect import bisect_left
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
@@ -88,7 +89,7 @@ RESERVE_BYTES = 1 << 20
 of the deliveries that free space, and the checkpoint that lets reclamation delete their segments."""
 
 __all__ = ["ENVELOPES_LISTED_MAX", "FILES_OPEN_MAX", "FREE_BYTES_TTL_S", "KEYED_SEGMENTS_MAX", "PIECE_BYTES", "RESERVE_BYTES", "RESERVE_NAME", "Log",
-           "LogStats", "OpenReport", "RecoveredEnvelopes", "SyncThread", "list_segments", "release_reserve", "scan_log", "segment_path",
+           "LogStats", "OpenReport", "RecoveredEnvelopes", "SyncClosed", "SyncThread", "list_segments", "release_reserve", "scan_log", "segment_path",
            "storage_error"]
 
 _SUFFIX = ".seg"
@@ -200,6 +201,10 @@ def _wake(waiters: list[asyncio.Future[None]]) -> None:
 _T = TypeVar("_T")
 
 
+class SyncClosed(RuntimeError):
+    """A call to a :class:`SyncThread` after its :meth:`SyncThread.shutdown` (the log was closed)."""
+
+
 class SyncThread:
     """The one thread that runs a log's fsync calls (``Log._commit_loop``: one round at a time), so that the
     event loop never waits for the disk.
@@ -207,7 +212,7 @@ class SyncThread:
     It replaces a one-thread ``ThreadPoolExecutor``: ``loop.run_in_executor`` cost 0.21-0.26 ms a round more
     than the same ``fdatasync`` called inline (uvloop, idle loop, 2 KiB appended, medians of 1,500 rounds, 3
     runs), this thread 0.10-0.16 ms (docs/performance.md, "Stop 59"). Here the thread takes a call from a
-    deque when a semaphore is released, runs it, and hands the result to the caller's loop with one
+    ``queue.SimpleQueue``, runs it, and hands the result to the caller's loop with one
     ``call_soon_threadsafe``; the executor also took the pool's locks, a work item, a concurrent Future and
     its callbacks on both sides.
 
@@ -215,92 +220,97 @@ class SyncThread:
     it raised (OSError from an fsync). Calls run one at a time in the order made. A caller that stops
     waiting (its future cancelled) does not stop the call: it runs to its end and its result is dropped.
 
-    The thread starts on the first call (again in a child made by fork(2)). It is a daemon thread: the
-    daemon's stop is kill -9, and an exit does not wait for a call in flight (the executor's thread was
-    joined at exit; nothing is acknowledged before its fsync returned either way). :meth:`shutdown`, or the
-    object being garbage-collected, ends it after the calls already made; a call after :meth:`shutdown`
-    raises RuntimeError, as the executor's did.
+    The thread starts on the first call (again in a child made by fork(2), which has none). It is a daemon
+    thread: the daemon's stop is kill -9, and an exit does not wait for a call in flight (the executor's
+    thread was joined at exit; nothing is acknowledged before its fsync returned either way). It keeps no
+    reference to this object, nor to a call once run: :meth:`shutdown`, or this object being
+    garbage-collected, ends it after the calls already made (its end mark is put on the queue by a
+    ``weakref.finalize``; ``SimpleQueue.put`` may be called from one, in any thread). A call after
+    :meth:`shutdown` raises :class:`SyncClosed`.
     """
 
-    __slots__ = ("__weakref__", "_calls", "_closed", "_ender", "_go", "_lock", "_pid", "_thread")
+    __slots__ = ("__weakref__", "_calls", "_closed", "_ender", "_lock", "_pid", "_thread")
 
     def __init__(self) -> None:
-        self._calls: deque[tuple[asyncio.AbstractEventLoop, asyncio.Future[Any], Callable[..., Any],
-                                 tuple[object, ...]] | None] = deque()
-        self._go = threading.Semaphore(0)
-        self._lock = threading.Lock()  # call, start and shutdown, from any thread
+        self._calls: queue.SimpleQueue[tuple[asyncio.AbstractEventLoop, asyncio.Future[Any], Callable[..., Any],
+                                             tuple[object, ...]] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # call and shutdown, from any thread: no call queued after the end mark
         self._thread: threading.Thread | None = None
-        self._ender: weakref.finalize[..., SyncThread] | None = None  # ends the thread when this object is collected
-        self._pid = 0  # the process that started the thread
+        self._ender: weakref.finalize[..., SyncThread] | None = None  # queues the end mark once
+        self._pid = os.getpid()  # the process whose thread this is
         self._closed = False
 
     def call(self, fn: Callable[..., _T], *args: object) -> asyncio.Future[_T]:
         """Run ``fn(*args)`` in the thread; the returned future (of the running loop) gets what it returns or
-        raises. Must be called from a running event loop. Raises RuntimeError after :meth:`shutdown`."""
+        raises. Must be called from a running event loop. Raises SyncClosed after :meth:`shutdown`."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[_T] = loop.create_future()
+        if self._pid != os.getpid():
+            self._forked()
         with self._lock:
             if self._closed:
-                raise RuntimeError("cannot run a call after shutdown")
-            if self._thread is None or self._pid != os.getpid():
-                self._start()
-            self._calls.append((loop, fut, fn, args))
-            self._go.release()
+                raise SyncClosed("the log is closed: no fsync round can run")
+            if self._thread is None:
+                self._thread = threading.Thread(target=_sync_thread_run, args=(self._calls,), name="mtaq-fsync",
+                                                daemon=True)
+                self._thread.start()
+                self._ender = weakref.finalize(self, _sync_thread_end, self._calls)
+                self._ender.atexit = False
+            self._calls.put((loop, fut, fn, args))
         return fut
 
-    def _start(self) -> None:
-        """Start the thread (under ``_lock``). In a child made by fork(2), which has no thread, with a fresh
-        deque and semaphore: the parent's may have been held by its thread at the fork."""
-        if self._thread is not None:
-            if self._ender is not None:
-                self._ender.detach()  # the parent's: not to be woken from here
-            self._calls = deque()
-            self._go = threading.Semaphore(0)
+    def _forked(self) -> None:
+        """In a child made by fork(2): no thread, and the parent's queue and lock may have been held by one of
+        its threads at the fork. Fresh ones; the parent's end mark is not this process's to queue."""
+        if self._ender is not None:
+            self._ender.detach()
+        self._ender, self._thread = None, None
+        self._calls = queue.SimpleQueue()
+        self._lock = threading.Lock()
         self._pid = os.getpid()
-        self._thread = threading.Thread(target=_sync_thread_run, args=(self._calls, self._go), name="mtaq-fsync",
-                                        daemon=True)
-        self._thread.start()
-        self._ender = weakref.finalize(self, _sync_thread_end, self._calls, self._go)
-        self._ender.atexit = False
 
     def shutdown(self, wait: bool = False) -> None:
         """End the thread once the calls already made have run (``wait``: and wait for that); later calls
-        raise RuntimeError."""
+        raise SyncClosed."""
+        if self._pid != os.getpid():
+            self._forked()
         with self._lock:
             self._closed = True
             thread, ender = self._thread, self._ender
-            if thread is None or ender is None or self._pid != os.getpid():
-                return
-            ender()  # the end mark after the calls made (once: a finalize runs at most once)
-        if wait and thread is not threading.current_thread():
+        if ender is not None:
+            ender()  # the end mark after the calls made (a finalize runs at most once)
+        if wait and thread is not None and thread is not threading.current_thread():
             thread.join()
 
 
-def _sync_thread_end(calls: deque[Any], go: threading.Semaphore) -> None:
+def _sync_thread_end(calls: queue.SimpleQueue[Any]) -> None:
     """Queue the end mark for a :class:`SyncThread`'s thread (its shutdown, or the object collected)."""
-    calls.append(None)
-    go.release()
+    calls.put(None)
 
 
-def _sync_thread_run(calls: deque[Any], go: threading.Semaphore) -> None:
-    """A :class:`SyncThread`'s thread: the calls in order until the end mark. It holds no reference to the
-    SyncThread, so that an unused one is collected (and its thread ended: ``weakref.finalize``)."""
+def _sync_thread_run(calls: queue.SimpleQueue[Any]) -> None:
+    """A :class:`SyncThread`'s thread: the calls in order until the end mark. Between calls it holds nothing
+    of the last one (its function is a bound method of the Log: holding it would keep the Log, and so the
+    SyncThread, from being collected, and the thread from ending)."""
     while True:
-        go.acquire()
-        item = calls.popleft()
+        item = calls.get()
         if item is None:
             return
         loop, fut, fn, args = item
+        item = None
         try:
             result = fn(*args)
         except BaseException as exc:  # handed to the caller, as the executor did
             done: Callable[[], None] = functools.partial(_settle_exception, fut, exc)
         else:
             done = functools.partial(_settle, fut, result)
+            result = None
+        fn = args = fut = None
         try:
             loop.call_soon_threadsafe(done)
         except Exception:  # the caller's loop is closed (RuntimeError): nobody waits any more
             pass
+        loop = done = None  # type: ignore[assignment]
 
 
 def _settle(fut: asyncio.Future[Any], result: object) -> None:
@@ -1003,6 +1013,9 @@ class Log:
                     calls = await self._syncer.call(self._sync_files, files, sync_dir)
                 except OSError as exc:
                     self._fail(exc)
+                    return
+                except SyncClosed:  # a commit after close(): fail its waiters, never leave them waiting
+                    self._fail(OSError(errno.EBADF, "the log is closed"))
                     return
                 finally:
                     self._syncing = set()
