@@ -209,9 +209,9 @@ class SyncThread:
     """The one thread that runs a log's fsync calls (``Log._commit_loop``: one round at a time), so that the
     event loop never waits for the disk.
 
-    It replaces a one-thread ``ThreadPoolExecutor``: ``loop.run_in_executor`` cost 0.21-0.26 ms a round more
-    than the same ``fdatasync`` called inline (uvloop, idle loop, 2 KiB appended, medians of 1,500 rounds, 3
-    runs), this thread 0.10-0.16 ms (docs/performance.md, "Stop 59"). Here the thread takes a call from a
+    It replaces a one-thread ``ThreadPoolExecutor``: ``loop.run_in_executor`` cost 0.10 ms a round more than
+    the same ``fdatasync`` called inline, this thread 0.06 ms (uvloop, idle loop, 2 KiB appended, the ways
+    alternating, medians of 1,500 rounds, 3 runs; docs/performance.md, "Stop 59"). Here the thread takes a call from a
     ``queue.SimpleQueue``, runs it, and hands the result to the caller's loop with one
     ``call_soon_threadsafe``; the executor also took the pool's locks, a work item, a concurrent Future and
     its callbacks on both sides.
