@@ -187,9 +187,10 @@ def scan_log(fs: FileSystem, directory: str, *, decode: bool = True) -> Iterator
         yield scan_segment(n, fs.read_file(segment_path(directory, n)), decode=decode)
 
 
-def _set_result(fut: asyncio.Future[None]) -> None:
+def _set_result(fut: asyncio.Future[Any], result: object = None) -> None:
+    """Set ``fut``'s result unless it is done already (cancelled, or settled by a failure)."""
     if not fut.done():
-        fut.set_result(None)
+        fut.set_result(result)
 
 
 def _wake(waiters: list[asyncio.Future[None]]) -> None:
@@ -303,7 +304,7 @@ def _sync_thread_run(calls: queue.SimpleQueue[Any]) -> None:
         except BaseException as exc:  # handed to the caller, as the executor did
             done: Callable[[], None] = functools.partial(_settle_exception, fut, exc)
         else:
-            done = functools.partial(_settle, fut, result)
+            done = functools.partial(_set_result, fut, result)
             result = None
         fn = args = fut = None
         try:
@@ -311,11 +312,6 @@ def _sync_thread_run(calls: queue.SimpleQueue[Any]) -> None:
         except Exception:  # the caller's loop is closed (RuntimeError): nobody waits any more
             pass
         loop = done = None  # type: ignore[assignment]
-
-
-def _settle(fut: asyncio.Future[Any], result: object) -> None:
-    if not fut.done():
-        fut.set_result(result)
 
 
 def _settle_exception(fut: asyncio.Future[Any], exc: BaseException) -> None:
