@@ -25,7 +25,6 @@ import functools
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -33,7 +32,7 @@ import tempfile
 import time
 from typing import Any
 
-from ab_steps import _logged, imported_tree
+from ab_steps import _logged, stop_all, trees_ok
 
 from mtaq.testing.procs import free_port, wait_for
 
@@ -119,14 +118,7 @@ def one_round(args: argparse.Namespace, python: str, work: str, order: tuple[str
                          "cpu_ms_per_msg": round((group_cpu_s(pgids[side]) - cpu0[side]) * 1e3 / args.messages, 3)}
         return out
     finally:
-        for pgid in pgids.values():
-            try:
-                os.killpg(pgid, signal.SIGKILL)  # the supervisor and its workers
-            except ProcessLookupError:
-                pass
-        for p in procs:
-            p.kill()
-            p.wait()
+        stop_all(procs, list(pgids.values()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,12 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     os.chmod(work, 0o755)
     rounds, loads = [], []
     try:
-        for side in ("old", "new"):
-            tree = os.path.realpath(getattr(args, side))
-            got = os.path.realpath(imported_tree(python, tree, work))
-            if got != tree:
-                print(f"ab_source: the {side} side would import mtaq from {got}, not {tree}", file=sys.stderr)
-                return 2
+        if not trees_ok(python, args, work, "ab_source"):
+            return 2
         for i in range(args.rounds):
             loads.append(round(os.getloadavg()[0], 2))
             r = one_round(args, python, work, ("old", "new") if i % 2 == 0 else ("new", "old"))

@@ -43,6 +43,30 @@ def imported_tree(python: str, tree: str, cwd: str) -> str:
     return out.stdout.strip()
 
 
+def trees_ok(python: str, args: argparse.Namespace, work: str, bench: str) -> bool:
+    """Whether each side (``args.old``, ``args.new``) imports mtaq from its own tree when started from
+    ``work``; says which does not on stderr."""
+    for side in ("old", "new"):
+        tree = os.path.realpath(getattr(args, side))
+        got = os.path.realpath(imported_tree(python, tree, work))
+        if got != tree:
+            print(f"{bench}: the {side} side would import mtaq from {got}, not {tree}", file=sys.stderr)
+            return False
+    return True
+
+
+def stop_all(procs: list[subprocess.Popen[bytes]], groups: list[int]) -> None:
+    """SIGKILL each process group in ``groups`` (a daemon's supervisor and workers), then every process."""
+    for pgid in groups:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
 def _logged(path: str, needle: str) -> bool:
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
@@ -81,14 +105,7 @@ def one_round(args: argparse.Namespace, python: str, work: str) -> dict[str, Any
         by_port = json.loads(out.stdout)["by_port"]
         return {"old": by_port[str(ports[0])], "new": by_port[str(ports[1])]}
     finally:
-        for p in procs[1:]:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)  # the supervisor and its workers
-            except ProcessLookupError:
-                pass
-        for p in procs:
-            p.kill()
-            p.wait()
+        stop_all(procs, [p.pid for p in procs[1:]])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,12 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     work = tempfile.mkdtemp(prefix="ab-steps-", dir="/var/tmp")
     os.chmod(work, 0o755)
     try:
-        for side in ("old", "new"):
-            tree = os.path.realpath(getattr(args, side))
-            got = os.path.realpath(imported_tree(python, tree, work))
-            if got != tree:
-                print(f"ab_steps: the {side} side would import mtaq from {got}, not {tree}", file=sys.stderr)
-                return 2
+        if not trees_ok(python, args, work, "ab_steps"):
+            return 2
         rounds = [one_round(args, python, work) for _ in range(args.rounds)]
     finally:
         shutil.rmtree(work, ignore_errors=True)
