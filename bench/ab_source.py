@@ -9,7 +9,8 @@ modules built.
 Per side and round: ``accept_msg_per_s`` (messages over the seconds ``smtp-source`` ran), ``e2e_msg_per_s``
 (messages over the seconds from the start until the daemon's log holds that many ``delivered`` events: both
 sides share one sink, so the slower one bounds both), and ``cpu_ms_per_msg`` (user + system CPU of the
-daemon's processes, supervisor and workers, from ``/proc/PID/stat``, over the messages; milliseconds).
+daemon's processes, supervisor and workers, from ``/proc/PID/stat`` as ``bench/compare_postfix.py`` counts
+it, over the messages; milliseconds).
 
 Prints one JSON object: ``{"bench": "ab_source", "old": TREE, "new": TREE, "workers": N, "sessions": S,
 "messages": M, "size": BYTES, "load_before": [1-min load average per round], "rounds": [{"old": {...},
@@ -33,26 +34,9 @@ import time
 from typing import Any
 
 from ab_steps import _logged, stop_all, trees_ok
+from compare_postfix import _tree_cpu_s
 
 from mtaq.testing.procs import free_port, wait_for
-
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def group_cpu_s(pgid: int) -> float:
-    """User + system CPU seconds of every live process in process group ``pgid`` (fields 14-15 of stat)."""
-    total = 0
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid:  # pgrp is the 5th field; fields[0] is the 3rd (state)
-            total += int(fields[11]) + int(fields[12])
-    return total / _TICK
 
 
 def delivered(path: str) -> int:
@@ -92,7 +76,7 @@ def one_round(args: argparse.Namespace, python: str, work: str, order: tuple[str
         for side in ("old", "new"):
             wait_for(functools.partial(_logged, logs[side], "recovery_complete"), 60, f"recovery_complete in {logs[side]}")
         time.sleep(1.0)
-        cpu0 = {side: group_cpu_s(pgids[side]) for side in pgids}
+        cpu0 = {side: _tree_cpu_s(pgids[side]) for side in pgids}
         t0 = time.monotonic()
         sources = {side: subprocess.Popen(["smtp-source", "-s", str(args.sessions), "-m", str(args.messages), "-l",
                                            str(args.size), f"127.0.0.1:{ports[side]}"], cwd=work,
@@ -115,7 +99,7 @@ def one_round(args: argparse.Namespace, python: str, work: str, order: tuple[str
         for side in ("old", "new"):
             out[side] = {"accept_msg_per_s": round(args.messages / (sent[side] - t0), 1),
                          "e2e_msg_per_s": round(args.messages / (done[side] - t0), 1),
-                         "cpu_ms_per_msg": round((group_cpu_s(pgids[side]) - cpu0[side]) * 1e3 / args.messages, 3)}
+                         "cpu_ms_per_msg": round((_tree_cpu_s(pgids[side]) - cpu0[side]) * 1e3 / args.messages, 3)}
         return out
     finally:
         stop_all(procs, list(pgids.values()))
