@@ -14,7 +14,7 @@ it, over the messages; milliseconds).
 
 Prints one JSON object: ``{"bench": "ab_source", "old": TREE, "new": TREE, "workers": N, "sessions": S,
 "messages": M, "size": BYTES, "load_before": [1-min load average per round], "rounds": [{"old": {...},
-"new": {...}}, ...], "median": {"old": {...}, "new": {...}}}``; one line a round to stderr.
+"new": {...}, "first": the side started first}, ...], "median": {"old": {...}, "new": {...}}}``; one line a round to stderr.
 
     .venv/bin/python bench/ab_source.py --old /tmp/old_tree --new $PWD --workers 2 --messages 6000 --rounds 3
 """
@@ -95,7 +95,7 @@ def one_round(args: argparse.Namespace, python: str, work: str, order: tuple[str
             time.sleep(0.05)
         if len(done) < 2:
             raise SystemExit(f"ab_source: not every message was delivered within {args.timeout} s")
-        out: dict[str, Any] = {}
+        out: dict[str, Any] = {"first": order[0]}
         for side in ("old", "new"):
             out[side] = {"accept_msg_per_s": round(args.messages / (sent[side] - t0), 1),
                          "e2e_msg_per_s": round(args.messages / (done[side] - t0), 1),

@@ -101,3 +101,24 @@ def test_ab_steps_runs_both_trees_side_by_side_and_refuses_a_tree_it_would_not_i
     r = subprocess.run([sys.executable, "bench/ab_steps.py", "--old", str(tmp_path), "--new", ROOT, "--sessions", "40"],
                        cwd=ROOT, capture_output=True, timeout=120)
     assert 2 == r.returncode and b"would import mtaq from" in r.stderr, r.stderr
+
+
+def test_ab_source_gives_both_sides_figures_with_every_message_delivered_and_alternates_the_start(tmp_path):
+    """bench/ab_source.py: two rounds of the checkout against itself under smtp-source; each side of each
+    round reports its rates and CPU (every message delivered, or the script exits non-zero), the rounds start
+the two sides in turn, and it refuses
+    a tree it would not import, as ab_steps.py does."""
+    out = _bench("bench/ab_source.py", "--old", ROOT, "--new", ROOT, "--workers", "1", "--sessions", "2",
+                 "--messages", "60", "--rounds", "2", timeout_s=300)
+    assert ["old", "new"] == [rnd["first"] for rnd in out["rounds"]]
+    for rnd in out["rounds"]:
+        assert all(rnd[s]["e2e_msg_per_s"] > 0 and rnd[s]["cpu_ms_per_msg"] > 0 for s in ("old", "new"))
+    r = subprocess.run([sys.executable, "bench/ab_source.py", "--old", str(tmp_path), "--new", ROOT, "--rounds", "1"],
+                       cwd=ROOT, capture_output=True, timeout=120)
+    assert 2 == r.returncode and b"would import mtaq from" in r.stderr, r.stderr
+
+
+def test_fsync_round_times_the_three_ways(tmp_path):
+    out = _bench("bench/fsync_round.py", "--rounds", "20", "--runs", "1", "--dir", str(tmp_path))
+    [run] = out["runs"]
+    assert {"inline", "executor", "syncthread"} == set(run) and all(v > 0 for v in run.values())
